@@ -1,0 +1,1 @@
+"""Load generators, ablations, baselines, microbenchmarks and reports."""

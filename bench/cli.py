@@ -1,0 +1,25 @@
+"""`pagedserve bench ...`: benchmarks, each registered by its own module."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCH_MODULES: tuple[str, ...] = (
+    "pagedserve.bench.kv_manager",
+    "pagedserve.bench.offline",
+)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("bench", help="benchmarks and microbenchmarks")
+    bench_subparsers = parser.add_subparsers(dest="bench_command", metavar="BENCH")
+    for module_name in BENCH_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as error:
+            if error.name != module_name:
+                raise
+            continue
+        module.register(bench_subparsers)
+    parser.set_defaults(func=lambda args: parser.print_help() or 2)

@@ -1,0 +1,502 @@
+"""`pagedserve kv-calc`: the seed paper's KV memory equations for given lengths and shapes.
+
+Positions (equations (2)-(3) in ``pagedserve.workers.kv_memory``) are always reported; bytes
+(equation (1), M_KV per token) are added when a model shape is known, either from
+``--layers/--kv-heads/--head-dim/--dtype`` or from a local HF ``config.json`` (``--model``).
+Block-table bytes are reported beside the KV bytes, never folded into utilization.
+
+    $ pagedserve kv-calc --lengths 37,91,128,201,511 --block-sizes 16,32 --max-len 512
+
+Bad input exits 2 with ``pagedserve kv-calc: error: ...`` on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from pagedserve.workers.kv_memory import (
+    LayoutUsage,
+    check_lengths,
+    dtype_bytes,
+    kv_bytes_per_token,
+    paged_usage,
+    reserve_max_usage,
+)
+
+PROG = "pagedserve kv-calc"
+DEFAULT_BLOCK_SIZES: tuple[int, ...] = (16,)
+PLOT_SWEEP: tuple[int, ...] = tuple(2**k for k in range(10))  # 1, 2, 4, ..., 512
+
+
+class KvCalcError(ValueError):
+    """Bad input; the message names the problem and is shown to the user as is."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The four numbers equation (1) needs: layers, KV heads, head dim and dtype."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """M_KV = 2 · L · h_kv · d_h · b."""
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+
+
+@dataclass(frozen=True)
+class KvCalcInputs:
+    """Validated inputs for one run."""
+
+    lengths: tuple[int, ...]
+    block_sizes: tuple[int, ...]
+    max_len: int
+    max_len_given: bool
+    shape: ModelShape | None
+
+
+# --- parsing ------------------------------------------------------------------------------
+
+
+def parse_int_list(text: str, what: str) -> tuple[int, ...]:
+    """Parse integers separated by commas and/or whitespace; ``#`` starts a comment line.
+
+    Args:
+        text: e.g. ``"37,91,128"`` or one integer per line.
+        what: Name used in error messages, e.g. ``"--lengths"``.
+
+    Returns:
+        The integers in order (not yet checked for sign).
+
+    Raises:
+        KvCalcError: On an empty list or a token that is not an integer.
+    """
+    lines = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+    tokens = " ".join(lines).replace(",", " ").split()
+    if not tokens:
+        raise KvCalcError(f"{what}: no values given")
+    values = []
+    for token in tokens:
+        try:
+            values.append(int(token))
+        except ValueError:
+            raise KvCalcError(f"{what}: {token!r} is not an integer") from None
+    return tuple(values)
+
+
+def _positive_ints(what: str, text: str) -> tuple[int, ...]:
+    values = parse_int_list(text, what)
+    for value in values:
+        if value < 1:
+            raise KvCalcError(f"{what}: values must be >= 1, got {value}")
+    return values
+
+
+def _positive_int_arg(text: str) -> int:
+    """argparse type: one integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _read_lengths_file(path: str) -> tuple[int, ...]:
+    try:
+        text = Path(path).read_text()
+    except OSError as error:
+        raise KvCalcError(f"--lengths-file: cannot read {path}: {error.strerror}") from None
+    return _positive_ints(f"--lengths-file {path}", text)
+
+
+# --- model shape --------------------------------------------------------------------------
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    """Load ``config.json`` from a file path or from the directory that holds it."""
+    config_path = Path(path)
+    if config_path.is_dir():
+        config_path = config_path / "config.json"
+    if not config_path.is_file():
+        raise KvCalcError(f"--model: no config.json at {config_path}")
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise KvCalcError(f"--model: cannot parse {config_path}: {error}") from None
+    if not isinstance(config, dict):
+        raise KvCalcError(f"--model: {config_path} does not hold a JSON object")
+    return config
+
+
+def _config_int(config: dict[str, Any], keys: Sequence[str], required: bool = True) -> int | None:
+    """The first of ``keys`` present (and not null) in ``config``, checked to be an int >= 1."""
+    for key in keys:
+        value = config.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise KvCalcError(f"--model: config.json {key} must be an integer >= 1, got {value!r}")
+        return value
+    if required:
+        raise KvCalcError(f"--model: config.json has no {' / '.join(keys)}")
+    return None
+
+
+def shape_from_config(config: dict[str, Any], dtype: str | None = None) -> ModelShape:
+    """Read equation (1)'s shape from an HF config dict.
+
+    Multimodal configs keep the language model under ``text_config``; that is read when the
+    top level has no layer count. Every layer is counted as full attention, as in the seed.
+
+    Args:
+        config: The parsed ``config.json``.
+        dtype: Overrides the config's ``dtype`` / ``torch_dtype`` when given.
+
+    Returns:
+        The model shape; ``num_key_value_heads`` defaults to ``num_attention_heads`` (MHA) and
+        the head dim to ``hidden_size / num_attention_heads``.
+
+    Raises:
+        KvCalcError: On a missing or invalid field, or an MLA config (not covered by M_KV).
+    """
+    text = config.get("text_config")
+    if "num_hidden_layers" not in config and isinstance(text, dict):
+        config = {**config, **text}
+    if "kv_lora_rank" in config:
+        raise KvCalcError(
+            "--model: config uses MLA (kv_lora_rank), which M_KV = 2*L*h_kv*d_h*b does not "
+            "describe; pass --layers/--kv-heads/--head-dim without --model instead"
+        )
+    num_layers = _config_int(config, ("num_hidden_layers", "n_layer"))
+    num_heads = _config_int(config, ("num_attention_heads", "n_head"))
+    num_kv_heads = _config_int(config, ("num_key_value_heads",), required=False) or num_heads
+    head_dim = _config_int(config, ("head_dim",), required=False)
+    if head_dim is None:
+        hidden = _config_int(config, ("hidden_size", "n_embd"))
+        if hidden % num_heads:
+            raise KvCalcError(
+                f"--model: hidden_size {hidden} is not divisible by "
+                f"num_attention_heads {num_heads}; head_dim is missing"
+            )
+        head_dim = hidden // num_heads
+    if dtype is None:
+        dtype = config.get("dtype") or config.get("torch_dtype")
+        if dtype is None:
+            raise KvCalcError("--model: config.json has no dtype / torch_dtype; pass --dtype")
+    return ModelShape(num_layers, num_kv_heads, head_dim, str(dtype))
+
+
+def resolve_shape(args: argparse.Namespace) -> ModelShape | None:
+    """The model shape from ``--model`` and/or the shape flags; flags override the config."""
+    flags = {"--layers": args.layers, "--kv-heads": args.kv_heads, "--head-dim": args.head_dim}
+    if args.model is None:
+        if all(value is None for value in flags.values()):
+            if args.dtype is not None:
+                raise KvCalcError("--dtype needs a model shape: --layers/--kv-heads/--head-dim")
+            return None
+        missing = [name for name, value in flags.items() if value is None]
+        if args.dtype is None:
+            missing.append("--dtype")
+        if missing:
+            raise KvCalcError(f"a model shape needs {', '.join(missing)} (or --model)")
+        shape = ModelShape(args.layers, args.kv_heads, args.head_dim, args.dtype)
+    else:
+        shape = shape_from_config(_read_config(args.model), args.dtype)
+        shape = ModelShape(
+            args.layers or shape.num_layers,
+            args.kv_heads or shape.num_kv_heads,
+            args.head_dim or shape.head_dim,
+            shape.dtype,
+        )
+    try:
+        dtype_bytes(shape.dtype)
+    except ValueError as error:
+        source = "--dtype" if args.dtype is not None else "--model: config.json dtype"
+        raise KvCalcError(f"{source}: {error}") from None
+    return shape
+
+
+def resolve_inputs(args: argparse.Namespace) -> KvCalcInputs:
+    """Validate every input up front so that nothing later can fail on bad input."""
+    lengths = args.lengths if args.lengths is not None else _read_lengths_file(args.lengths_file)
+    check_lengths(lengths)
+    block_sizes = tuple(dict.fromkeys(args.block_sizes))  # dedupe, keep order
+    max_len = args.max_len if args.max_len is not None else max(lengths)
+    longest = max(lengths)
+    if longest > max_len:
+        raise KvCalcError(f"length {longest} exceeds --max-len {max_len}")
+    if args.plot is not None and Path(args.plot).suffix.lower() != ".png":
+        raise KvCalcError(f"--plot writes a PNG; {args.plot!r} must end in .png")
+    shape = resolve_shape(args)
+    return KvCalcInputs(lengths, block_sizes, max_len, args.max_len is not None, shape)
+
+
+# --- results ------------------------------------------------------------------------------
+
+
+def compute_layouts(inputs: KvCalcInputs) -> list[LayoutUsage]:
+    """Reserve-max first, then one paged layout per block size, in the order given."""
+    layouts = [reserve_max_usage(inputs.lengths, inputs.max_len)]
+    layouts += [paged_usage(inputs.lengths, size) for size in inputs.block_sizes]
+    return layouts
+
+
+def layout_dict(layout: LayoutUsage, shape: ModelShape | None) -> dict[str, Any]:
+    """One entry of the JSON ``layouts`` list."""
+    paged = layout.name == "paged"
+    out: dict[str, Any] = {"name": layout.name}
+    out |= {"block_size": layout.block_size} if paged else {"max_len": layout.max_len}
+    out |= {"allocated": layout.allocated, "wasted": layout.wasted}
+    out["utilization"] = layout.utilization
+    if paged:
+        out["block_table_entries"] = layout.block_table_entries
+    if shape is not None:
+        per_token = shape.kv_bytes_per_token
+        out |= {
+            "allocated_bytes": layout.allocated * per_token,
+            "wasted_bytes": layout.wasted * per_token,
+            "useful_bytes": layout.useful * per_token,
+        }
+        if paged:
+            out["block_table_bytes"] = layout.block_table_bytes
+    return out
+
+
+def report_dict(inputs: KvCalcInputs, layouts: list[LayoutUsage]) -> dict[str, Any]:
+    """The ``--json`` object."""
+    out: dict[str, Any] = {"useful": sum(inputs.lengths)}
+    shape = inputs.shape
+    if shape is not None:
+        out["kv_bytes_per_token"] = shape.kv_bytes_per_token
+        out["model"] = asdict(shape) | {"dtype_bytes": dtype_bytes(shape.dtype)}
+    out["layouts"] = [layout_dict(layout, shape) for layout in layouts]
+    return out
+
+
+def _human_bytes(num_bytes: int) -> str:
+    """e.g. ``128.0 KiB``, shown beside the exact byte count."""
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    exponent = min(max(num_bytes.bit_length() - 1, 0) // 10, len(units) - 1)
+    return f"{num_bytes / 1024**exponent:.1f} {units[exponent]}"
+
+
+def percent(useful: int, allocated: int) -> str:
+    """Utilization as a percent with two decimals, from one correctly rounded division."""
+    return f"{100 * useful / allocated:.2f}%"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """Aligned columns: the first left-aligned, the rest right-aligned."""
+    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        first = cells[0].ljust(widths[0])
+        rest = [cell.rjust(width) for cell, width in zip(cells[1:], widths[1:], strict=True)]
+        return "  ".join([first, *rest]).rstrip()
+
+    return [line(header), *(line(row) for row in rows)]
+
+
+def format_text(inputs: KvCalcInputs, layouts: list[LayoutUsage]) -> str:
+    """The human-readable report: a few summary lines, then one table row per layout."""
+    useful = sum(inputs.lengths)
+    note = "" if inputs.max_len_given else " (default: the longest length; set with --max-len)"
+    lines = [
+        f"sequences: {len(inputs.lengths)} (lengths are the given inputs)",
+        f"useful positions: {useful}",
+        f"max-len: {inputs.max_len}{note}",
+    ]
+    shape = inputs.shape
+    header = ["layout", "allocated", "wasted", "utilization", "block-table entries"]
+    header += ["block-table bytes"]
+    if shape is not None:
+        m_kv = shape.kv_bytes_per_token
+        b = dtype_bytes(shape.dtype)
+        lines.append(
+            f"KV bytes per token: M_KV = 2*L*h_kv*d_h*b = 2*{shape.num_layers}*"
+            f"{shape.num_kv_heads}*{shape.head_dim}*{b} ({shape.dtype}) = {m_kv} "
+            f"({_human_bytes(m_kv)})"
+        )
+        lines.append(f"useful KV bytes: {useful * m_kv} ({_human_bytes(useful * m_kv)})")
+        header += ["allocated bytes", "wasted bytes"]
+    rows = []
+    for layout in layouts:
+        paged = layout.name == "paged"
+        name = f"paged B={layout.block_size}" if paged else f"reserve-max {layout.max_len}"
+        table = [str(layout.block_table_entries), str(layout.block_table_bytes)]
+        row = [name, str(layout.allocated), str(layout.wasted)]
+        row += [percent(layout.useful, layout.allocated), *(table if paged else ["-", "-"])]
+        if shape is not None:
+            row += [str(layout.allocated * m_kv), str(layout.wasted * m_kv)]
+        rows.append(row)
+    return "\n".join([*lines, "", *_table(header, rows)])
+
+
+# --- plot ---------------------------------------------------------------------------------
+
+
+def _lengths_note(lengths: Sequence[int]) -> str:
+    shown = ", ".join(map(str, lengths[:8])) + (", ..." if len(lengths) > 8 else "")
+    return (
+        f"Lengths are constructed inputs, not a measured workload: {len(lengths)} sequences, "
+        f"sum n = {sum(lengths)} ({shown})."
+    )
+
+
+def write_plot(path: str, inputs: KvCalcInputs) -> None:
+    """Utilization against block size over a sweep, with the reserve-max line, as a PNG.
+
+    Uses matplotlib's object API on an Agg canvas, so no global backend or pyplot state is
+    touched, and matplotlib is imported only when a plot is asked for.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    sweep = sorted(set(PLOT_SWEEP) | set(inputs.block_sizes))
+    swept = [100 * paged_usage(inputs.lengths, size).utilization for size in sweep]
+    reserve = reserve_max_usage(inputs.lengths, inputs.max_len)
+
+    fig = Figure(figsize=(9, 5.5), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.plot(sweep, swept, marker="o", color="C0", label="paged: U = sum n / sum B*ceil(n/B)")
+    ax.axhline(
+        100 * reserve.utilization,
+        color="C1",
+        linestyle="--",
+        label=f"reserve-max {inputs.max_len}: {percent(reserve.useful, reserve.allocated)}",
+    )
+    _mark_block_sizes(ax, inputs)
+    _label_axes(ax, sweep)
+    fig.text(0.01, 0.01, _lengths_note(inputs.lengths), fontsize=8, style="italic")
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(path, format="png")
+
+
+def _mark_block_sizes(ax: Any, inputs: KvCalcInputs) -> None:
+    """Ring and label the requested block sizes on the sweep."""
+    for size in inputs.block_sizes:
+        usage = paged_usage(inputs.lengths, size)
+        y = 100 * usage.utilization
+        ax.plot([size], [y], marker="o", markersize=11, fillstyle="none", color="C3")
+        ax.annotate(
+            f"B={size}\n{percent(usage.useful, usage.allocated)}",
+            (size, y),
+            textcoords="offset points",
+            xytext=(0, -30),
+            ha="center",
+            fontsize=9,
+            color="C3",
+        )
+
+
+def _label_axes(ax: Any, sweep: list[int]) -> None:
+    """Log2 x axis ticked at every swept block size; utilization in percent on y."""
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(FixedLocator(sweep))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xticks(sweep, [str(size) for size in sweep], fontsize=8)
+    ax.set_ylim(0, 105)
+    ax.set_xlabel("block size B (tokens per block, log2 scale)")
+    ax.set_ylabel("utilization U = useful / allocated positions (%)")
+    ax.set_title("KV cache position utilization vs block size")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="lower left")
+
+
+# --- command ------------------------------------------------------------------------------
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``kv-calc`` command."""
+    parser = subparsers.add_parser(
+        "kv-calc",
+        help="KV cache memory per token, tail waste and utilization (seed equations)",
+        description=(
+            "Per-token KV bytes (M_KV = 2*L*h_kv*d_h*b), allocated positions, tail waste and "
+            "utilization for given sequence lengths: reserve-max vs paged blocks."
+        ),
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--lengths",
+        type=_int_list_arg("--lengths"),
+        metavar="N,N,...",
+        help="sequence lengths in tokens, e.g. 37,91,128,201,511",
+    )
+    source.add_argument(
+        "--lengths-file", metavar="FILE", help="file of lengths, one per line or comma-separated"
+    )
+    parser.add_argument(
+        "--block-sizes",
+        type=_int_list_arg("--block-sizes"),
+        default=DEFAULT_BLOCK_SIZES,
+        metavar="B,B,...",
+        help="block sizes B to compare (default: 16)",
+    )
+    parser.add_argument(
+        "--max-len",
+        type=_positive_int_arg,
+        metavar="N",
+        help="positions reserved per sequence by reserve-max (default: the longest length)",
+    )
+    shape = parser.add_argument_group("model shape (adds bytes; flags override --model)")
+    shape.add_argument("--model", metavar="PATH", help="local HF model dir or its config.json")
+    shape.add_argument("--layers", type=_positive_int_arg, metavar="L", help="transformer layers")
+    shape.add_argument("--kv-heads", type=_positive_int_arg, metavar="H", help="KV heads h_kv")
+    shape.add_argument("--head-dim", type=_positive_int_arg, metavar="D", help="head dim d_h")
+    shape.add_argument("--dtype", help="KV dtype: float16, bfloat16, fp8, ... (overrides config)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--plot", metavar="FILE.png", help="write utilization vs block size")
+    parser.set_defaults(func=run)
+
+
+def _int_list_arg(what: str) -> Callable[[str], tuple[int, ...]]:
+    """An argparse ``type`` for a list of positive integers (argparse names the flag)."""
+
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            return _positive_ints(what, text)
+        except KvCalcError as error:
+            raise argparse.ArgumentTypeError(str(error).removeprefix(f"{what}: ")) from None
+
+    return parse
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``kv-calc``; returns 0, or 2 after printing the problem on bad input."""
+    try:
+        inputs = resolve_inputs(args)
+    except ValueError as error:  # KvCalcError and kv_memory's own checks
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
+    layouts = compute_layouts(inputs)
+    if args.plot is not None:
+        try:
+            write_plot(args.plot, inputs)
+        except OSError as error:
+            print(
+                f"{PROG}: error: --plot: cannot write {args.plot}: {error.strerror}",
+                file=sys.stderr,
+            )
+            return 2
+    if args.json:
+        print(json.dumps(report_dict(inputs, layouts), indent=2))
+    else:
+        print(format_text(inputs, layouts))
+        if args.plot is not None:
+            print(f"\nplot: {args.plot}")
+    return 0

@@ -1,0 +1,1 @@
+"""Everything between workers: router, routing policies, prefix index, migration, client."""

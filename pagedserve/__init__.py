@@ -1,0 +1,33 @@
+"""pagedserve: a distributed LLM serving cluster on Ray with a paged KV cache.
+
+Public names load lazily so that light commands (``pagedserve kv-calc``) never import torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_PUBLIC_NAMES: dict[str, str] = {
+    "LLM": "pagedserve.workers.llm",
+    "SamplingParams": "pagedserve.workers.sampling_params",
+    "RequestOutput": "pagedserve.workers.outputs",
+    "CompletionOutput": "pagedserve.workers.outputs",
+}
+
+__all__ = ["__version__", *_PUBLIC_NAMES]
+
+if TYPE_CHECKING:
+    from pagedserve.workers.llm import LLM
+    from pagedserve.workers.outputs import CompletionOutput, RequestOutput
+    from pagedserve.workers.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _PUBLIC_NAMES.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'pagedserve' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module_name), name)

@@ -1,0 +1,240 @@
+"""A hypothesis state machine over the block manager with a shadow copy of every block's KV.
+
+The shadow records which token each pool slot holds. After every rule we check the structural
+invariants (`check_invariants`) and the data ones: every request still reads exactly its own
+tokens, every cached block's key matches what the block holds, and no write ever lands in a
+block another request shares. At teardown every request ends and the pool must be clean.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+from support.kv import FakeRequest
+
+from pagedserve.workers.block_pool import BlockPool
+from pagedserve.workers.kv_cache_manager import KVCacheManager
+from pagedserve.workers.kv_checks import KVInvariantError, assert_no_leaks, check_invariants
+
+# Prompts start from a few shared prefixes so that prefix hits, forks and evictions are common.
+PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 20, 21], [30, 31, 32, 33, 34, 35, 36, 37]]
+SALTS = [(), ("tenant-b",)]
+STEPS_PER_EXAMPLE = 60
+EXAMPLES = 300  # about 14,500 rule steps per run (each example may stop early)
+rules_run = 0
+
+
+class KVManagerMachine(RuleBasedStateMachine):
+    @initialize(
+        num_blocks=st.integers(6, 24),
+        block_size=st.sampled_from([1, 2, 4]),
+        mode=st.sampled_from(["paged", "paged", "reserve-max"]),
+        caching=st.booleans(),
+        num_swap=st.integers(0, 12),
+        watermark=st.sampled_from([0.0, 0.1]),
+    )
+    def setup(self, num_blocks, block_size, mode, caching, num_swap, watermark):
+        self.manager = KVCacheManager(
+            num_blocks,
+            block_size,
+            max_model_len=8 * block_size,
+            enable_prefix_caching=caching,
+            allocation_mode=mode,
+            watermark=watermark,
+            num_swap_blocks=num_swap,
+        )
+        self.shadow: dict[int, list[int | None]] = {
+            b: [None] * block_size for b in range(num_blocks)
+        }
+        self.swap_shadow: dict[int, list[int | None]] = {}
+        self.requests: dict[str, FakeRequest] = {}
+        self.next_id = 0
+
+    # ------------------------------------------------------------ helpers
+    def _new_id(self) -> str:
+        self.next_id += 1
+        return f"r{self.next_id}"
+
+    def _running(self) -> list[str]:
+        return [r for r in self.requests if not self.manager.is_swapped_out(r)]
+
+    def _write(self, request: FakeRequest, start: int, end: int, copies) -> None:
+        """Apply copy-on-write copies, then 'compute' KV for positions [start, end)."""
+        for src, dst in copies:
+            self.shadow[dst] = list(self.shadow[src])
+        B = self.manager.block_size
+        table = self.manager.pool.blocks
+        block_ids = self.manager.get_block_ids(request.request_id)
+        for pos in range(start, end):
+            block_id = block_ids[pos // B]
+            assert table[block_id].ref_cnt == 1, f"write into shared block {block_id}"
+            self.shadow[block_id][pos % B] = request.all_token_ids[pos]
+        request.num_computed = end
+
+    def _step(self) -> None:
+        global rules_run
+        rules_run += 1
+
+    # -------------------------------------------------------------- rules
+    @rule(
+        prefix=st.sampled_from(PREFIXES),
+        tail=st.lists(st.integers(0, 50), max_size=10),
+        salt=st.sampled_from(SALTS),
+        chunk=st.integers(1, 12),
+    )
+    def admit(self, prefix, tail, salt, chunk):
+        self._step()
+        tokens = prefix + tail
+        if len(tokens) > self.manager.max_model_len - 2:
+            tokens = tokens[: self.manager.max_model_len - 2]
+        request = FakeRequest(self._new_id(), tokens, salt)
+        hit = self.manager.get_computed_blocks(request)
+        assert hit.num_tokens < len(tokens)
+        num_new = min(chunk, len(tokens) - hit.num_tokens)
+        alloc = self.manager.allocate_slots(request, num_new, hit)
+        if alloc is None:
+            assert not self.manager.has_request(request.request_id)
+            return
+        request.num_computed = hit.num_tokens
+        self.requests[request.request_id] = request
+        self._write(request, hit.num_tokens, hit.num_tokens + num_new, alloc.copies)
+
+    @precondition(lambda self: self._running())
+    @rule(data=st.data(), chunk=st.integers(1, 8), token=st.integers(0, 50))
+    def advance(self, data, chunk, token):
+        """A prefill chunk, or a decode step that appends one sampled token."""
+        self._step()
+        request = self.requests[data.draw(st.sampled_from(self._running()))]
+        start = request.num_computed
+        decoding = start == len(request.all_token_ids)
+        if decoding:
+            if start >= self.manager.max_model_len:
+                return
+            request.all_token_ids.append(token)
+        num_new = min(chunk, len(request.all_token_ids) - start)
+        alloc = self.manager.allocate_slots(request, num_new)
+        if alloc is not None:
+            self._write(request, start, start + num_new, alloc.copies)
+        elif decoding:  # no room: the sampled token is dropped (an engine would preempt)
+            request.all_token_ids.pop()
+
+    @precondition(lambda self: self._running())
+    @rule(data=st.data())
+    def fork(self, data):
+        self._step()
+        parent = self.requests[data.draw(st.sampled_from(self._running()))]
+        child = FakeRequest(
+            self._new_id(),
+            list(parent.all_token_ids[: parent.num_computed]),
+            parent.cache_extra_keys,
+            parent.num_computed,
+        )
+        self.manager.fork(parent.request_id, child.request_id)
+        self.requests[child.request_id] = child
+
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data())
+    def finish_or_abort(self, data):
+        self._step()
+        request_id = data.draw(st.sampled_from(sorted(self.requests)))
+        for slot in self.manager._requests[request_id].swap_slots:
+            self.swap_shadow.pop(slot)
+        assert self.manager.free(request_id)
+        del self.requests[request_id]
+
+    @precondition(lambda self: self._running() and self.manager.num_swap_blocks)
+    @rule(data=st.data())
+    def swap_out(self, data):
+        self._step()
+        request_id = data.draw(st.sampled_from(self._running()))
+        moves = self.manager.swap_out(request_id)
+        for block_id, slot in moves or ():
+            self.swap_shadow[slot] = list(self.shadow[block_id])
+
+    @precondition(lambda self: any(self.manager.is_swapped_out(r) for r in self.requests))
+    @rule(data=st.data())
+    def swap_in(self, data):
+        self._step()
+        swapped = [r for r in self.requests if self.manager.is_swapped_out(r)]
+        request = self.requests[data.draw(st.sampled_from(swapped))]
+        for slot, block_id in self.manager.swap_in(request) or ():
+            self.shadow[block_id] = self.swap_shadow.pop(slot)
+
+    @rule()
+    def reset_prefix_cache(self):
+        self._step()
+        self.manager.reset_prefix_cache()
+
+    # --------------------------------------------------------- invariants
+    @invariant()
+    def pool_is_consistent(self):
+        if not hasattr(self, "manager"):
+            return
+        check_invariants(self.manager)
+        B = self.manager.block_size
+        for request in self.requests.values():
+            if self.manager.is_swapped_out(request.request_id):
+                continue
+            block_ids = self.manager.get_block_ids(request.request_id)
+            for pos in range(request.num_computed):
+                held = self.shadow[block_ids[pos // B]][pos % B]
+                assert held == request.all_token_ids[pos], (
+                    f"{request.request_id} reads {held} at {pos}, "
+                    f"expected {request.all_token_ids[pos]}"
+                )
+        for block in self.manager.pool.cached.values():
+            assert tuple(self.shadow[block.block_id]) == block.key.token_ids, (
+                f"cached block {block.block_id} holds {self.shadow[block.block_id]}, "
+                f"key says {block.key.token_ids}"
+            )
+
+    def teardown(self):
+        if not hasattr(self, "manager"):
+            return
+        for request_id in list(self.requests):
+            self.manager.free(request_id)
+        assert_no_leaks(self.manager)
+
+
+def run_machine(examples: int = EXAMPLES) -> None:
+    run_state_machine_as_test(
+        KVManagerMachine,
+        settings=settings(
+            max_examples=examples,
+            stateful_step_count=STEPS_PER_EXAMPLE,
+            deadline=None,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        ),
+    )
+
+
+def test_block_manager_state_machine_10k_steps():
+    global rules_run
+    rules_run = 0
+    run_machine()
+    assert rules_run >= 10_000, f"only {rules_run} rule steps ran"
+
+
+def test_state_machine_catches_a_skipped_ref_decrement(monkeypatch):
+    """Break the pool on purpose: the machine must notice."""
+    original = BlockPool.free_blocks
+
+    def free_but_forget_one(self, blocks):
+        blocks = list(blocks)
+        if len(blocks) > 1:
+            blocks[-1].ref_cnt += 1  # one decrement skipped
+        original(self, blocks)
+
+    monkeypatch.setattr(BlockPool, "free_blocks", free_but_forget_one)
+    with pytest.raises(KVInvariantError, match="ref_cnt"):
+        run_machine(examples=50)

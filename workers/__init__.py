@@ -1,0 +1,1 @@
+"""Everything inside one worker: blocks, KV cache, scheduler, model runner, sampler, engine."""

@@ -1,0 +1,61 @@
+"""Chained block hashes shared by the router and every worker.
+
+A block's hash covers its parent's hash, its token ids and extra keys (model id, cache salt), so
+equal hashes mean equal prefixes up to and including the block. SHA-256 over a canonical binary
+encoding makes the value identical across processes and machines (Python's `hash` is salted).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from array import array
+from collections.abc import Sequence
+
+from pagedserve.workers.block import BlockHash
+
+_DOMAIN = b"pagedserve.block.v1"
+_NO_PARENT = b"\x00" * 32
+
+
+def _encode_extra_keys(extra_keys: Sequence[str]) -> bytes:
+    parts = [struct.pack("<I", len(extra_keys))]
+    for key in extra_keys:
+        raw = key.encode("utf-8")
+        parts.append(struct.pack("<I", len(raw)))
+        parts.append(raw)
+    return b"".join(parts)
+
+
+def block_hash(
+    parent: BlockHash | None, token_ids: Sequence[int], extra_keys: Sequence[str] = ()
+) -> BlockHash:
+    """SHA-256 of (parent hash, token ids, extra keys) in a canonical encoding.
+
+    Args:
+        parent: hash of the previous block of the sequence, or None for the first block.
+        token_ids: the block's token ids (a full block).
+        extra_keys: strings that must match for two blocks to share KV (model id, cache salt).
+
+    Returns:
+        The 32-byte digest.
+    """
+    digest = hashlib.sha256(_DOMAIN)
+    digest.update(_NO_PARENT if parent is None else b"\x01" + parent)
+    tokens = array("q", token_ids)
+    digest.update(struct.pack("<I", len(tokens)))
+    digest.update(tokens.tobytes())
+    digest.update(_encode_extra_keys(extra_keys))
+    return digest.digest()
+
+
+def hash_full_blocks(
+    token_ids: Sequence[int], block_size: int, extra_keys: Sequence[str] = ()
+) -> list[BlockHash]:
+    """Chained hashes of every full block of `token_ids` (the partial tail is not hashed)."""
+    hashes: list[BlockHash] = []
+    parent: BlockHash | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = block_hash(parent, token_ids[start : start + block_size], extra_keys)
+        hashes.append(parent)
+    return hashes

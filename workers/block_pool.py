@@ -1,0 +1,142 @@
+"""The pool of physical KV blocks: ownership counts, the free queue and the prefix cache.
+
+`BlockPool` owns every `Block`, the `FreeBlockQueue` and the `hash → block` map. A block whose
+last owner lets go goes back to the free queue; if it holds a full, hashed block of KV it stays
+in the map ("cached, evictable") until the queue hands it out again. Blocks holding nothing worth
+keeping go to the head of the queue so they are reused before any cached content is evicted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from pagedserve.workers.block import Block, BlockHash, BlockKey, FreeBlockQueue
+from pagedserve.workers.kv_events import AllCleared, BlockRemoved, BlockStored, KVEvent
+
+
+class BlockPool:
+    """All blocks of one worker's KV pool.
+
+    Args:
+        num_blocks: physical blocks in the pool.
+        enable_caching: keep freed full blocks findable by hash until they are reused.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [Block(block_id=i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[BlockHash, Block] = {}
+        self._events: list[KVEvent] = []
+        self._next_event_seq = 0
+        self.num_events_published = 0
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with no owner, cached or not: what an allocation can take."""
+        return len(self.free_queue)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return sum(1 for block in self.cached.values() if block.ref_cnt == 0)
+
+    def get_cached_block(self, block_hash: BlockHash, key: BlockKey) -> Block | None:
+        """The block cached under `block_hash` if its content is exactly `key`.
+
+        A hash collision can never hand a request another prefix's KV: the stored parent hash,
+        token ids and extra keys must all match.
+        """
+        block = self.cached.get(block_hash)
+        if block is None or block.key != key:
+            return None
+        return block
+
+    # ------------------------------------------------------------- ownership
+    def get_new_blocks(self, num_blocks: int) -> list[Block]:
+        """Take `num_blocks` from the head of the free queue, evicting their cached content."""
+        if num_blocks > len(self.free_queue):
+            raise ValueError(f"asked for {num_blocks} blocks, only {len(self.free_queue)} are free")
+        taken = []
+        for _ in range(num_blocks):
+            block = self.free_queue.popleft()
+            assert block.ref_cnt == 0, f"free block {block.block_id} has ref_cnt {block.ref_cnt}"
+            self._evict(block)
+            block.ref_cnt = 1
+            taken.append(block)
+        return taken
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        """Add one owner to each block, reviving cached free blocks out of the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, blocks_in_eviction_order: Iterable[Block]) -> None:
+        """Drop one owner from each block; blocks left without owners become free.
+
+        Callers pass a request's blocks tail first, so that when a cached prefix must be evicted
+        its deepest blocks (least likely to be shared) go first.
+        """
+        for block in blocks_in_eviction_order:
+            if block.ref_cnt <= 0:
+                raise ValueError(f"block {block.block_id} freed with ref_cnt {block.ref_cnt}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
+
+    # ---------------------------------------------------------------- caching
+    def cache_full_block(self, block: Block, block_hash: BlockHash, key: BlockKey) -> None:
+        """Register a block that just became full under its chained hash.
+
+        When another block already holds the same content (two requests computed the same
+        prefix concurrently) the first stays the canonical copy and this one stays unhashed.
+        """
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self.cached:
+            return
+        block.block_hash = block_hash
+        block.key = key
+        self.cached[block_hash] = block
+        self._emit(BlockStored(self._take_seq(), block_hash, key.parent_hash, block.block_id))
+
+    def _evict(self, block: Block) -> None:
+        if block.block_hash is None:
+            return
+        del self.cached[block.block_hash]
+        self._emit(BlockRemoved(self._take_seq(), block.block_hash, block.block_id))
+        block.reset_hash()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash. Blocks in use keep their KV; only sharing is lost."""
+        for block in self.cached.values():
+            block.reset_hash()
+        self.cached.clear()
+        self._emit(AllCleared(self._take_seq()))
+
+    # ----------------------------------------------------------------- events
+    def _take_seq(self) -> int:
+        seq = self._next_event_seq
+        self._next_event_seq += 1
+        return seq
+
+    def _emit(self, event: KVEvent) -> None:
+        self._events.append(event)
+
+    def take_events(self) -> list[KVEvent]:
+        """Events since the last call, in sequence order."""
+        events, self._events = self._events, []
+        self.num_events_published += len(events)
+        return events
+
+    @property
+    def next_event_seq(self) -> int:
+        return self._next_event_seq
