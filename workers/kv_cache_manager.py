@@ -148,7 +148,6 @@ class KVCacheManager:
         the request's next token.
         """
         num_tokens = len(request.all_token_ids)
-        self.prefix_queries_tokens += num_tokens
         if not self.pool.enable_caching:
             return NO_HIT
         B = self.block_size
@@ -165,16 +164,15 @@ class KVCacheManager:
             blocks.append(block)
             hashes.append(digest)
             parent = digest
-        self.prefix_hits_tokens += len(blocks) * B
         return ComputedBlocks(tuple(blocks), tuple(hashes), len(blocks) * B)
 
     # ------------------------------------------------------------ allocation
     def can_fit_ever(self, num_tokens: int) -> bool:
-        """Whether a request reaching `num_tokens` could run alone in an empty pool."""
+        """Whether a request reaching `num_tokens` could be admitted alone into an empty pool."""
         needed = blocks_needed(num_tokens, self.block_size)
         if self.allocation_mode == "reserve-max":
             needed = max(needed, blocks_needed(self.max_model_len, self.block_size))
-        return needed <= self.pool.num_blocks
+        return needed <= self.pool.num_blocks - self.reserve_blocks
 
     def allocate_slots(
         self,
@@ -223,6 +221,10 @@ class KVCacheManager:
             return None
 
         if admitting:
+            # Counted on admission only: a lookup that is retried while the pool is full
+            # must not inflate the hit rate's denominator.
+            self.prefix_queries_tokens += len(request.all_token_ids)
+            self.prefix_hits_tokens += computed.num_tokens
             self.pool.touch(blocks)
             state = _RequestBlocks(blocks, list(computed.block_hashes), num_computed)
             self._requests[request.request_id] = state

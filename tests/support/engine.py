@@ -1,0 +1,64 @@
+"""Shared fixtures for engine tests: models loaded once, and HF's own greedy reference."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+
+from pagedserve.workers.kv_checks import assert_no_leaks
+from pagedserve.workers.llm import LLM
+from pagedserve.workers.model_loader import LoadedModel, load_model
+
+
+class ReferenceModel:
+    """A copy of the model with HF's own attention and cache, for greedy equivalence checks."""
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        self.model = copy.deepcopy(loaded.model)
+        self._memo: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    @torch.inference_mode()
+    def greedy(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
+        key = (tuple(prompt_ids), max_tokens)
+        if key not in self._memo:
+            cache = DynamicCache()
+            ids = torch.tensor([prompt_ids])
+            out: list[int] = []
+            for _ in range(max_tokens):
+                logits = self.model(input_ids=ids, cache=cache, use_cache=True).logits
+                token = int(logits[0, -1].argmax())
+                out.append(token)
+                ids = torch.tensor([[token]])
+            self._memo[key] = out
+        return self._memo[key]
+
+
+def build_qwen2_checkpoint(path) -> None:
+    """A small random Qwen2-architecture checkpoint written as a real HF directory."""
+    torch.manual_seed(1234)
+    config = Qwen2Config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    model = Qwen2ForCausalLM(config)
+    for param in model.parameters():
+        torch.nn.init.normal_(param, std=0.3)
+    model.save_pretrained(path)
+
+
+def load(model: str | None) -> LoadedModel:
+    return load_model(model)
+
+
+def finish_clean(llm: LLM) -> None:
+    """Every test that runs requests ends here: nothing in flight, no block leaked."""
+    assert not llm.engine.has_unfinished_requests()
+    assert_no_leaks(llm.engine.kv)

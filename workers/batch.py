@@ -1,0 +1,69 @@
+"""Pack one step's scheduled sequences into the flat tensors the model runner takes.
+
+seq 0: prefill chunk t0 t1 t2 | seq 1: decode t9 | seq 2: decode t4
+input_ids       [t0 t1 t2 t9 t4]           (no padding)
+query_start_loc [0, 3, 4, 5]
+seq_lens        [3, 10, 5]                  context after this step
+logits_indices  rows whose last token's logits are sampled
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.workers.attention_metadata import AttentionMetadata
+from pagedserve.workers.kv_cache_manager import KVCacheManager
+from pagedserve.workers.request import Request
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor
+    sampled: list[Request]  # sequences whose next token this step produces, in logits order
+
+
+def build_batch(scheduled: dict[Request, int], kv: KVCacheManager, device: torch.device) -> Batch:
+    """Flatten `{sequence: tokens this step}` into a packed batch with its paged metadata."""
+    B = kv.block_size
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    tables: list[list[int]] = []
+    starts = [0]
+    seq_lens: list[int] = []
+    logits_indices: list[int] = []
+    sampled: list[Request] = []
+    for request, num_new in scheduled.items():
+        start = request.num_computed_tokens
+        end = start + num_new
+        block_ids = kv.get_block_ids(request.request_id)
+        input_ids.extend(request.all_token_ids[start:end])
+        positions.extend(range(start, end))
+        slots.extend(block_ids[p // B] * B + p % B for p in range(start, end))
+        tables.append(block_ids)
+        starts.append(starts[-1] + num_new)
+        seq_lens.append(end)
+        if end == len(request.all_token_ids):
+            logits_indices.append(starts[-1] - 1)
+            sampled.append(request)
+    width = max(len(table) for table in tables)
+    padded = [table + [0] * (width - len(table)) for table in tables]
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        max_query_len=max(scheduled.values()),
+    )
+    return Batch(
+        input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        metadata=metadata,
+        logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+        sampled=sampled,
+    )

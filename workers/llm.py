@@ -1,0 +1,108 @@
+"""The offline API, shaped like vLLM's: `LLM(...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from pagedserve.workers.engine import Engine, RequestRejected
+from pagedserve.workers.engine_config import EngineConfig
+from pagedserve.workers.kv_cache_manager import KVUsage
+from pagedserve.workers.model_loader import LoadedModel
+from pagedserve.workers.outputs import RequestOutput
+from pagedserve.workers.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """Generate offline with one engine in this process.
+
+    Args:
+        model: None or "tiny-llama" for the built-in model, or a local checkpoint directory.
+        loaded_model: an already loaded model to reuse (tests share one across engines).
+        **config: any `EngineConfig` field (block_size, num_kv_blocks, kv_cache_bytes,
+            attention_backend, enable_prefix_caching, max_num_seqs, max_num_batched_tokens,
+            preemption_mode, kv_allocation, dtype, seed, ...).
+    """
+
+    def __init__(
+        self, model: str | None = None, *, loaded_model: LoadedModel | None = None, **config
+    ) -> None:
+        self.engine = Engine(EngineConfig(model=model, **config), loaded=loaded_model)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        cache_salt: str | None = None,
+        priority: int | Sequence[int] = 0,
+        timeout_s: float | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order.
+
+        A prompt that can never be served (bad input, or too large for the context or pool)
+        gets an output with `error` set and no completions; the others run.
+        """
+        prompts = _as_prompt_list(prompts)
+        params = _per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params")
+        priorities = _per_prompt(priority, len(prompts), "priority")
+        results: dict[str, RequestOutput] = {}
+        order: list[str] = []
+        for prompt, param, prio in zip(prompts, params, priorities, strict=True):
+            request_id = str(next(self._ids))
+            order.append(request_id)
+            try:
+                self.engine.add_request(
+                    request_id,
+                    prompt,
+                    param,
+                    priority=prio,
+                    cache_salt=cache_salt,
+                    timeout_s=timeout_s,
+                )
+            except RequestRejected as error:
+                results[request_id] = _rejected(request_id, prompt, str(error))
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.finished:
+                    results[output.request_id] = output
+        return [results[request_id] for request_id in order]
+
+    def stats(self) -> KVUsage:
+        """The KV pool's usage breakdown."""
+        return self.engine.usage()
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, int) for p in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def _per_prompt(value, count: int, name: str) -> list:
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        if len(value) != count:
+            raise ValueError(f"{name} has {len(value)} entries for {count} prompts")
+        return list(value)
+    return [value] * count
+
+
+def _rejected(request_id: str, prompt: Prompt, message: str) -> RequestOutput:
+    is_text = isinstance(prompt, str)
+    return RequestOutput(
+        request_id=request_id,
+        prompt=prompt if is_text else None,
+        prompt_token_ids=[] if is_text else list(prompt),
+        outputs=[],
+        finished=True,
+        error=message,
+    )

@@ -1,0 +1,200 @@
+"""Turns a batch of next-token logits into one token per row.
+
+A row's token depends only on its own logits, its own parameters and its own generator, never on
+the other rows of the batch: that is what makes a seeded request give the same text alone and
+among 32 others, and branch ``j`` of an ``n``-way request equal the request run alone with
+``seed + j``. Three choices keep it so:
+
+* every sampled row takes the same path (sort, truncate, inverse CDF) whatever its neighbours
+  need, so no row's result depends on which fast path the batch happened to take;
+* every sampled row draws exactly one uniform number per step from its generator, so a seeded
+  generator advances identically however the batch is composed;
+* the batched tensor ops used (softmax, sort, cumsum along the vocab) reduce within a row only.
+
+Sampled row, per step::
+
+    logits / temperature ──sort desc (stable)──► top-k: keep the first k
+        ──softmax──► top-p: keep the shortest prefix with mass >= top_p
+        ──► u ~ U[0, 1) from the row's generator ──► first kept token whose CDF > u · mass
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+import torch
+from torch import Tensor
+
+from pagedserve.workers.sampling_params import SamplingParams
+
+_SEED_MODULUS = 2**64  # torch generators take seeds in [0, 2**64)
+
+
+def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator | None:
+    """A generator seeded for one request (or one branch of it).
+
+    Args:
+        seed: the request's seed; ``None`` for an unseeded request.
+        device: where the generator draws. CPU (the default) draws identically on every machine.
+
+    Returns:
+        The seeded generator, or ``None`` for an unseeded request, whose rows then draw from
+        the sampler's own generator.
+    """
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    # Wrap rather than reject: seed + branch index may step past 2**64 - 1, negatives are legal.
+    generator.manual_seed(seed % _SEED_MODULUS)
+    return generator
+
+
+def suppress_stop_tokens(
+    logits: Tensor,
+    params: Sequence[SamplingParams],
+    num_output_tokens: Sequence[int],
+    eos_token_ids: Collection[int],
+) -> None:
+    """Mask EOS and ``stop_token_ids`` in place for rows that have not reached ``min_tokens``.
+
+    Optional: ``check_stop`` already ignores those tokens before ``min_tokens``; masking them
+    keeps them out of the output too (as vLLM does). Call it before ``Sampler.sample``.
+
+    Args:
+        logits: ``[S, V]`` logits, modified in place.
+        params: one ``SamplingParams`` per row.
+        num_output_tokens: tokens each row has generated so far.
+        eos_token_ids: the model's EOS ids (ignored for rows with ``ignore_eos``).
+    """
+    vocab_size = logits.shape[-1]
+    for row, (p, num_out) in enumerate(zip(params, num_output_tokens, strict=True)):
+        if num_out >= p.min_tokens:
+            continue
+        banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+        ids = [t for t in banned if t < vocab_size]
+        if ids:
+            logits[row, ids] = float("-inf")
+
+
+class Sampler:
+    """Picks the next token of every row of a batch.
+
+    Owns one generator, used by the rows of unseeded requests (their samples are random anyway,
+    so sharing it costs nothing). Seeded rows bring their own from ``make_generator``.
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        """Create a sampler.
+
+        Args:
+            seed: seeds the generator of unseeded rows, so a whole run is repeatable.
+        """
+        self._generator = make_generator(seed)
+
+    def sample(
+        self,
+        logits: Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> Tensor:
+        """One next token per row.
+
+        Args:
+            logits: ``[S, V]`` float logits of the last position of each row.
+            params: the row's parameters (a branch's own, from ``for_branch``).
+            generators: the row's generator, or ``None`` to use the sampler's.
+
+        Returns:
+            ``[S]`` int64 token ids on ``logits.device``.
+        """
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [S, V], got shape {tuple(logits.shape)}")
+        num_rows = logits.shape[0]
+        if len(params) != num_rows or len(generators) != num_rows:
+            raise ValueError(
+                f"need one params and one generator per row: {num_rows} rows, "
+                f"{len(params)} params, {len(generators)} generators"
+            )
+        logits = logits.float()
+        tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+        greedy = [i for i, p in enumerate(params) if p.is_greedy]
+        sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+        if greedy:
+            # argmax returns the first maximal index: ties go to the lowest id, deterministically.
+            tokens[greedy] = logits[greedy].argmax(dim=-1)
+        if sampled:
+            rows = [params[i] for i in sampled]
+            uniforms = self._draw_uniforms([generators[i] for i in sampled], logits.device)
+            tokens[sampled] = _sample_rows(logits[sampled], rows, uniforms)
+        return tokens
+
+    def _draw_uniforms(
+        self, generators: Sequence[torch.Generator | None], device: torch.device
+    ) -> Tensor:
+        """Exactly one U[0, 1) draw per row, from the row's generator (or the sampler's)."""
+        draws = []
+        for generator in generators:
+            g = self._generator if generator is None else generator
+            draws.append(torch.rand((), generator=g, device=g.device, dtype=torch.float64))
+        if all(d.device == draws[0].device for d in draws):
+            return torch.stack(draws).to(device)  # one copy for the batch, not one per row
+        return torch.stack([d.to(device) for d in draws])
+
+
+def _sample_rows(logits: Tensor, params: Sequence[SamplingParams], uniforms: Tensor) -> Tensor:
+    """Temperature, top-k, top-p, then an inverse-CDF draw, for rows that sample.
+
+    Args:
+        logits: ``[R, V]`` float32 logits.
+        params: the rows' parameters (none greedy).
+        uniforms: ``[R]`` float64 draws in ``[0, 1)``.
+
+    Returns:
+        ``[R]`` int64 token ids.
+    """
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=device)
+    logits = logits / temperature.unsqueeze(1)
+    # Stable, so equal logits keep id order and a given draw always picks the same token.
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)
+    num_top_k = _top_k_sizes(params, logits.shape[1], device)
+    positions = torch.arange(logits.shape[1], device=device)
+    sorted_logits = sorted_logits.masked_fill(positions >= num_top_k.unsqueeze(1), float("-inf"))
+    probs = sorted_logits.softmax(dim=-1).double()
+    num_kept = torch.minimum(num_top_k, _top_p_sizes(probs, params))
+    chosen = _inverse_cdf(probs, num_kept, uniforms)
+    return sorted_ids.gather(1, chosen.unsqueeze(1)).squeeze(1)
+
+
+def _top_k_sizes(params: Sequence[SamplingParams], vocab_size: int, device: torch.device) -> Tensor:
+    """``[R]`` how many of the sorted tokens top-k keeps (all of them when it is off)."""
+    sizes = [vocab_size if p.top_k <= 0 else min(p.top_k, vocab_size) for p in params]
+    return torch.tensor(sizes, dtype=torch.int64, device=device)
+
+
+def _top_p_sizes(probs: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+    """``[R]`` length of the shortest prefix of the sorted ``probs`` whose mass is >= top_p.
+
+    A token is kept when the mass strictly before it is still below top_p, so the first token is
+    always kept. Rows with top_p = 1 keep everything: rounding in the running sum must not cut
+    off a tail of tiny but legal tokens.
+    """
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=probs.device)
+    mass_before = probs.cumsum(dim=-1) - probs
+    sizes = (mass_before < top_p.unsqueeze(1)).sum(dim=-1)
+    return torch.where(top_p >= 1.0, probs.shape[1], sizes)
+
+
+def _inverse_cdf(probs: Tensor, num_kept: Tensor, uniforms: Tensor) -> Tensor:
+    """``[R]`` sorted positions drawn from ``probs`` renormalised over their first ``num_kept``.
+
+    Position ``i`` is chosen when ``cdf[i-1] <= u * mass < cdf[i]``, so zero-probability
+    positions are never chosen; the clamp guards the last kept one against rounding.
+    """
+    positions = torch.arange(probs.shape[1], device=probs.device)
+    kept = torch.where(positions < num_kept.unsqueeze(1), probs, 0.0)
+    cdf = kept.cumsum(dim=-1)
+    targets = uniforms.unsqueeze(1) * cdf[:, -1:]
+    chosen = torch.searchsorted(cdf, targets, right=True).squeeze(1)
+    num_positive = (kept > 0).sum(dim=-1).clamp(min=1)
+    return torch.minimum(chosen, num_positive - 1)

@@ -1,0 +1,147 @@
+"""Per-request sampling parameters, validated once at the edge.
+
+Every check raises ``ValueError`` whose message starts with the field's name, so the router can
+hand it back as ``INVALID_ARGUMENT`` unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_N = 64
+
+# Temperatures this small would overflow ``logits / temperature``; they mean "greedy" anyway.
+GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token of one request, and when to stop.
+
+    Attributes:
+        n: number of independent completions (branches) of the prompt, 1..64.
+        max_tokens: most tokens to generate per branch.
+        temperature: softmax temperature; 0 (or below 1e-5) means greedy.
+        top_p: nucleus sampling; keep the smallest set of tokens whose mass is >= top_p.
+        top_k: keep the k most likely tokens; 0 or -1 turns it off.
+        seed: makes sampling reproducible; branch j of a seeded request uses ``seed + j``.
+        stop: strings that end generation when they appear in the output text.
+        stop_token_ids: token ids that end generation (like EOS, but never ignored).
+        ignore_eos: keep generating past EOS.
+        min_tokens: no EOS or ``stop_token_ids`` stop before this many output tokens.
+        include_stop_str_in_output: keep the matched stop string at the end of the text.
+    """
+
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self.stop = _as_list("stop", self.stop)
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids)
+        self._validate_counts()
+        self._validate_sampling()
+        self._validate_stops()
+
+    def _validate_counts(self) -> None:
+        _check_int("n", self.n)
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
+        _check_int("max_tokens", self.max_tokens)
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        _check_int("min_tokens", self.min_tokens)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+
+    def _validate_sampling(self) -> None:
+        _check_float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        _check_float("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be >= -1 (0 or -1: off), got {self.top_k}")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        _check_bool("ignore_eos", self.ignore_eos)
+        _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+
+    def _validate_stops(self) -> None:
+        for i, stop in enumerate(self.stop):
+            if not isinstance(stop, str):
+                raise ValueError(f"stop[{i}] must be a str, got {stop!r}")
+            if not stop:
+                raise ValueError(f"stop[{i}] must be a non-empty string")
+        for i, token_id in enumerate(self.stop_token_ids):
+            _check_int(f"stop_token_ids[{i}]", token_id)
+            if token_id < 0:
+                raise ValueError(f"stop_token_ids[{i}] must be >= 0, got {token_id}")
+
+    @property
+    def is_greedy(self) -> bool:
+        """Whether the next token is simply the argmax (temperature 0, or top_k 1)."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    def for_branch(self, index: int) -> SamplingParams:
+        """The parameters of branch ``index`` of an ``n``-way request.
+
+        Branch ``j`` samples exactly like the same request run alone with ``n=1`` and
+        ``seed + j``, so branches are reproducible one by one; branch 0 keeps the seed.
+
+        Args:
+            index: the branch, in ``[0, n)``.
+
+        Returns:
+            A copy with ``n=1`` and the branch's seed (``None`` stays ``None``).
+        """
+        _check_int("index", index)
+        if not 0 <= index < self.n:
+            raise ValueError(f"index must be in [0, n={self.n}), got {index}")
+        seed = None if self.seed is None else self.seed + index
+        return dataclasses.replace(self, n=1, seed=seed)
+
+
+def _as_list(name: str, value: Any) -> list[Any]:
+    """``value`` as a fresh list; one string (a single stop string) becomes a 1-item list."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, bytes) or not isinstance(value, Iterable):
+        raise ValueError(f"{name} must be a list, got {value!r}")
+    return list(value)
+
+
+def _check_int(name: str, value: Any) -> None:
+    # bool is a subclass of int, but True as a token count is always a caller's mistake.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+
+
+def _check_float(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")

@@ -1,0 +1,221 @@
+"""Continuous batching: which sequences run this step, with how many tokens, and who yields.
+
+Every step the scheduler hands out a token budget. Running sequences go first — decodes before
+prefill chunks, so a long prompt cannot starve requests that are already streaming — then
+swapped-out sequences come back, then waiting ones are admitted. When the pool cannot supply a
+block, the lowest-ranked running sequence is preempted (recompute or swap) until it can.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from pagedserve.workers.kv_cache_manager import KVCacheManager
+from pagedserve.workers.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
+    preemption_mode: str = "recompute"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.policy not in SchedulingPolicy.registry:
+            raise ValueError(f"policy must be one of {sorted(SchedulingPolicy.registry)}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(
+                f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"
+            )
+
+
+class SchedulingPolicy:
+    """Orders sequences: lower keys run first and are preempted last."""
+
+    registry: ClassVar[dict[str, type[SchedulingPolicy]]] = {}
+    name: ClassVar[str]
+
+    def __init_subclass__(cls) -> None:
+        SchedulingPolicy.registry[cls.name] = cls
+
+    def key(self, request: Request) -> tuple[int, ...]:
+        raise NotImplementedError
+
+
+class FCFSPolicy(SchedulingPolicy):
+    name = "fcfs"
+
+    def key(self, request: Request) -> tuple[int, ...]:
+        return (request.arrival_order,)
+
+
+class PriorityPolicy(SchedulingPolicy):
+    """Lower `priority` values first (as in vLLM); arrival order breaks ties."""
+
+    name = "priority"
+
+    def key(self, request: Request) -> tuple[int, ...]:
+        return (request.priority, request.arrival_order)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan: tokens per sequence and the block moves to do before the forward."""
+
+    scheduled: dict[Request, int] = field(default_factory=dict)
+    copies: dict[Request, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    budget: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.scheduled.values())
+
+    def all_copies(self) -> list[tuple[int, int]]:
+        return [pair for pairs in self.copies.values() for pair in pairs]
+
+
+class Scheduler:
+    """Owns the waiting, running and swapped queues of one engine.
+
+    Args:
+        config: batch limits, chunking, policy and preemption mode.
+        kv: the block manager; the scheduler is its only caller during a step.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.policy = SchedulingPolicy.registry[config.policy]()
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.swapped: list[Request] = []
+
+    # ---------------------------------------------------------------- queues
+    def _insert(self, queue: list[Request], request: Request) -> None:
+        bisect.insort(queue, request, key=self.policy.key)
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self._insert(self.waiting, request)
+
+    def add_running(self, request: Request) -> None:
+        """A branch forked from a running sequence joins the batch with its parent's blocks."""
+        request.status = RequestStatus.RUNNING
+        self._insert(self.running, request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def finish(self, request: Request) -> None:
+        """Take a sequence out of whichever queue holds it and free its blocks at once."""
+        for queue in (self.running, self.waiting, self.swapped):
+            if request in queue:
+                queue.remove(request)
+                break
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.FINISHED
+
+    # -------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        step = SchedulerOutput(budget=self.config.max_num_batched_tokens)
+        # Decodes before prefill chunks; the sort is stable so policy order holds within each.
+        for request in sorted(self.running, key=lambda r: r.is_prefilling):
+            if step.budget == 0:
+                break
+            if request.status is RequestStatus.RUNNING:
+                self._schedule_running(request, step)
+        if not step.preempted:
+            self._swap_in(step)
+            self._admit_waiting(step)
+        return step
+
+    def _schedule_running(self, request: Request, step: SchedulerOutput) -> None:
+        num_new = min(request.num_tokens_to_compute, step.budget)
+        while True:
+            allocation = self.kv.allocate_slots(request, num_new)
+            if allocation is not None:
+                break
+            victim = self.running[-1]
+            self._preempt(victim, step)
+            if victim is request:
+                return
+        step.scheduled[request] = num_new
+        step.budget -= num_new
+        if allocation.copies:
+            step.copies[request] = allocation.copies
+
+    def _preempt(self, victim: Request, step: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        step.budget += step.scheduled.pop(victim, 0)
+        step.copies.pop(victim, None)
+        step.preempted.append(victim)
+        victim.timings.num_preemptions += 1
+        if self.config.preemption_mode == "swap":
+            moves = self.kv.swap_out(victim.request_id)
+            if moves is not None:
+                step.swap_out.extend(moves)
+                victim.status = RequestStatus.SWAPPED
+                self._insert(self.swapped, victim)
+                return
+        # Recompute: drop the KV; the sequence re-enters with its output so far as its prompt.
+        self.kv.free(victim.request_id)
+        victim.num_computed_tokens = 0
+        self.add(victim)
+
+    def _swap_in(self, step: SchedulerOutput) -> None:
+        while self.swapped and len(self.running) < self.config.max_num_seqs:
+            request = self.swapped[0]
+            moves = self.kv.swap_in(request)
+            if moves is None:
+                return
+            self.swapped.pop(0)
+            step.swap_in.extend(moves)
+            request.status = RequestStatus.RUNNING
+            self._insert(self.running, request)
+
+    def _admit_waiting(self, step: SchedulerOutput) -> None:
+        while self.waiting and step.budget > 0:
+            request = self.waiting[0]
+            group_size = 1 + len(request.pending_branches)
+            if len(self.running) + group_size > self.config.max_num_seqs:
+                return
+            computed = self.kv.get_computed_blocks(request)
+            num_new = len(request.all_token_ids) - computed.num_tokens
+            if num_new > step.budget:
+                if not self.config.enable_chunked_prefill:
+                    return
+                num_new = step.budget
+            allocation = self.kv.allocate_slots(request, num_new, computed)
+            if allocation is None:
+                return
+            self.waiting.pop(0)
+            self._start(request, computed.num_tokens)
+            step.scheduled[request] = num_new
+            step.budget -= num_new
+            if allocation.copies:
+                step.copies[request] = allocation.copies
+
+    def _start(self, request: Request, num_cached_tokens: int) -> None:
+        request.num_computed_tokens = num_cached_tokens
+        if request.timings.first_scheduled is None:
+            request.timings.first_scheduled = time.monotonic()
+            request.num_cached_tokens = num_cached_tokens
+        request.status = RequestStatus.RUNNING
+        self._insert(self.running, request)
+
+
+__all__ = ["Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedulingPolicy"]

@@ -1,0 +1,55 @@
+"""When a sequence is finished, and why."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from enum import StrEnum
+
+from pagedserve.workers.sampling_params import SamplingParams
+
+
+class FinishReason(StrEnum):
+    """Why a sequence ended; the values (also `str()`) are what the API reports."""
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context limit
+    ABORT = "abort"  # the client cancelled
+    TIMEOUT = "timeout"  # the request's deadline passed
+    ERROR = "error"  # the engine failed the request
+
+
+def check_stop(
+    params: SamplingParams,
+    output_token_ids: Sequence[int],
+    eos_token_ids: Collection[int],
+    stop_string_hit: bool,
+    max_model_len_hit: bool = False,
+) -> FinishReason | None:
+    """Whether a sequence is finished after its latest token.
+
+    A stop wins over a length limit reached by the same token, as in vLLM and OpenAI: the
+    sequence ended because it chose to.
+
+    Args:
+        params: the sequence's (branch's) parameters.
+        output_token_ids: every token generated so far, the newest last.
+        eos_token_ids: the model's end-of-sequence ids.
+        stop_string_hit: the detokenizer matched a stop string (never held back by
+            ``min_tokens``: its text is already cut).
+        max_model_len_hit: prompt plus output fill the model's context.
+
+    Returns:
+        ``FinishReason.STOP`` or ``FinishReason.LENGTH``, or ``None`` to go on.
+    """
+    num_tokens = len(output_token_ids)
+    if stop_string_hit:
+        return FinishReason.STOP
+    if num_tokens > 0 and num_tokens >= params.min_tokens:
+        last = output_token_ids[-1]
+        if not params.ignore_eos and last in eos_token_ids:
+            return FinishReason.STOP
+        if last in params.stop_token_ids:
+            return FinishReason.STOP
+    if num_tokens >= params.max_tokens or max_model_len_hit:
+        return FinishReason.LENGTH
+    return None

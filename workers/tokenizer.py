@@ -1,0 +1,157 @@
+"""Tokenizers a worker (and the router) can use: a built-in byte tokenizer and an HF wrapper.
+
+``ByteTokenizer`` goes with the built-in ``tiny-llama`` model and needs no files; ``HFTokenizer``
+wraps the tokenizer of a local HF checkpoint. Both satisfy the ``Tokenizer`` protocol, which is
+all the rest of the system relies on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+logger = logging.getLogger(__name__)
+
+# A checkpoint directory holding this file uses the byte tokenizer (written by save_tiny_llama),
+# so a saved tiny-llama reloads with exactly the tokenizer it was built for.
+BYTE_TOKENIZER_MARKER = "pagedserve_tokenizer.json"
+
+_HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the engine and router need from a tokenizer."""
+
+    vocab_size: int
+    eos_token_id: int | None
+    bos_token_id: int | None
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``."""
+        ...
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids``, special tokens left out."""
+        ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens 0..255, then the special tokens ``<pad>``, ``<bos>``, ``<eos>``.
+
+    ``encode`` adds no special tokens unless ``add_bos=True``; ``decode`` drops special ids and
+    replaces invalid UTF-8 (e.g. a multi-byte character cut in half) with U+FFFD.
+    """
+
+    NUM_BYTES = 256
+    pad_token_id = 256
+    bos_token_id = 257
+    eos_token_id = 258
+    vocab_size = 259
+    special_tokens: dict[str, int] = {"<pad>": 256, "<bos>": 257, "<eos>": 258}
+
+    def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
+        """Byte ids of ``text`` in UTF-8, with ``<bos>`` first when ``add_bos``."""
+        ids = list(text.encode("utf-8"))
+        return [self.bos_token_id, *ids] if add_bos else ids
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of the byte ids among ``token_ids``; special ids are skipped.
+
+        Raises:
+            ValueError: an id is outside ``[0, vocab_size)``.
+        """
+        data = bytearray()
+        for token_id in token_ids:
+            token_id = int(token_id)
+            if not 0 <= token_id < self.vocab_size:
+                raise ValueError(f"token id {token_id} outside [0, {self.vocab_size})")
+            if token_id < self.NUM_BYTES:
+                data.append(token_id)
+        return data.decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A transformers tokenizer behind the ``Tokenizer`` protocol.
+
+    ``encode`` never lets the HF tokenizer add special tokens itself (some add ``</s>`` too, which
+    must never end a prompt). It prepends ``bos`` when ``add_bos`` is true; by default that is
+    whatever the model's tokenizer does on its own (Llama: yes, Qwen2: no), so prompts match what
+    the model was trained on. ``decode`` skips special tokens.
+    """
+
+    def __init__(self, tokenizer: Any, *, add_bos: bool | None = None) -> None:
+        """Wrap ``tokenizer``.
+
+        Args:
+            tokenizer: a ``PreTrainedTokenizerBase``.
+            add_bos: prepend ``bos`` in ``encode``; ``None`` copies what ``tokenizer`` does.
+        """
+        self._tokenizer = tokenizer
+        self.vocab_size: int = len(tokenizer)
+        self.eos_token_id: int | None = tokenizer.eos_token_id
+        self.bos_token_id: int | None = tokenizer.bos_token_id
+        if add_bos is None:
+            add_bos = _adds_bos(tokenizer)
+        self.add_bos: bool = add_bos and self.bos_token_id is not None
+
+    @property
+    def hf_tokenizer(self) -> Any:
+        """The wrapped transformers tokenizer (e.g. for chat templates)."""
+        return self._tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, with ``bos`` first when ``self.add_bos``."""
+        ids = list(self._tokenizer.encode(text, add_special_tokens=False))
+        if self.add_bos and (not ids or ids[0] != self.bos_token_id):
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids`` with special tokens skipped."""
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+
+def _adds_bos(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` puts ``bos`` first when asked to add its special tokens."""
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return False
+    with_special = tokenizer.encode("a", add_special_tokens=True)
+    return bool(with_special) and with_special[0] == bos
+
+
+def load_tokenizer(path: str) -> Tokenizer | None:
+    """The tokenizer for a model name or local checkpoint directory, or ``None`` if it has none.
+
+    ``"tiny-llama"`` and directories written by ``save_tiny_llama`` give a ``ByteTokenizer``;
+    other directories with tokenizer files give an ``HFTokenizer`` (``local_files_only``; nothing
+    is ever downloaded). A tokenizer that fails to load is logged and treated as absent, since
+    token-id prompts still work without one.
+    """
+    from pagedserve.workers.tiny_llama import TINY_LLAMA_NAME
+
+    if path == TINY_LLAMA_NAME:
+        return ByteTokenizer()
+    if not os.path.isdir(path):
+        return None
+    marker = os.path.join(path, BYTE_TOKENIZER_MARKER)
+    if os.path.isfile(marker):
+        with open(marker, encoding="utf-8") as f:
+            kind = json.load(f).get("type")
+        if kind != "byte":
+            raise ValueError(f"{marker}: unknown tokenizer type {kind!r}")
+        return ByteTokenizer()
+    if not any(os.path.isfile(os.path.join(path, name)) for name in _HF_TOKENIZER_FILES):
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        hf_tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # a broken tokenizer must not stop token-id serving
+        logger.warning("no tokenizer loaded from %s: %s", path, exc)
+        return None
+    return HFTokenizer(hf_tokenizer)
