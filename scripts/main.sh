@@ -4,6 +4,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 if [ "$#" -eq 0 ]; then
-    set -- kv-calc --lengths 37,91,128,201,511 --block-sizes 16,32 --max-len 512
+    set -- generate
 fi
 exec .venv/bin/pagedserve "$@"
