@@ -1,0 +1,103 @@
+"""Pick the kernel implementation for a device: Triton on CUDA, the torch references elsewhere.
+
+The choice is made once, by the worker from its config (`backend`), and handed down as a
+`KernelOps` bundle, so nothing inside the model runner branches on the backend per call.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.kernels import reference
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    """One backend's implementation of every paged-KV kernel (same signatures throughout).
+
+    Attributes:
+        name: "triton" or "torch".
+    """
+
+    name: str
+    write_kv: Callable[..., None]
+    paged_decode_attention: Callable[..., torch.Tensor]
+    paged_prefill_attention: Callable[..., torch.Tensor]
+    copy_blocks: Callable[..., None]
+    gather_blocks: Callable[..., torch.Tensor]
+    scatter_blocks: Callable[..., None]
+
+
+TORCH_OPS = KernelOps(
+    name="torch",
+    write_kv=reference.write_kv_ref,
+    paged_decode_attention=reference.paged_decode_attention_ref,
+    paged_prefill_attention=reference.paged_prefill_attention_ref,
+    copy_blocks=reference.copy_blocks_ref,
+    gather_blocks=reference.gather_blocks_ref,
+    scatter_blocks=reference.scatter_blocks_ref,
+)
+
+
+def triton_interpreter_active() -> bool:
+    """True when Triton kernels run on the CPU through the interpreter.
+
+    Triton decides at decoration (import) time whether `@triton.jit` compiles or interprets,
+    so `TRITON_INTERPRET=1` set after `pagedserve.kernels` was imported has no effect; both
+    the variable and the already-decorated kernels are checked.
+    """
+    if os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on", "yes"):
+        return False
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from pagedserve.kernels.kv_write import write_kv_kernel
+
+    return isinstance(write_kv_kernel, InterpretedFunction)
+
+
+def _triton_ops() -> KernelOps:
+    # Imported here so that a broken or missing Triton never stops the torch backend.
+    from pagedserve.kernels import block_ops, decode, kv_write, prefill
+
+    return KernelOps(
+        name="triton",
+        write_kv=kv_write.write_kv,
+        paged_decode_attention=decode.paged_decode_attention,
+        paged_prefill_attention=prefill.paged_prefill_attention,
+        copy_blocks=block_ops.copy_blocks,
+        gather_blocks=block_ops.gather_blocks,
+        scatter_blocks=block_ops.scatter_blocks,
+    )
+
+
+def get_kernel_ops(backend: str = "auto", device: torch.device | str = "cpu") -> KernelOps:
+    """Return the kernel implementation to use on `device`.
+
+    Args:
+        backend: "auto" (Triton on CUDA, torch elsewhere), "triton" or "torch".
+        device: the device the KV pool lives on.
+
+    Returns:
+        The chosen `KernelOps`.
+
+    Raises:
+        ValueError: on an unknown backend name, or "triton" on a non-CUDA device without the
+            Triton interpreter (`TRITON_INTERPRET=1` set before import).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}; choose one of {BACKENDS}")
+    device_type = torch.device(device).type
+    if backend == "torch" or (backend == "auto" and device_type != "cuda"):
+        return TORCH_OPS
+    if device_type != "cuda" and not triton_interpreter_active():
+        raise ValueError(
+            f"kernel backend 'triton' needs a CUDA device, or TRITON_INTERPRET=1 set before "
+            f"pagedserve.kernels is imported, to run on {device_type!r}; use 'torch' or 'auto'"
+        )
+    return _triton_ops()

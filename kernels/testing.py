@@ -1,0 +1,161 @@
+"""Builders for paged-KV test data: random pools, shuffled block tables, naive attention.
+
+Shared by the CPU tests, the CUDA tests and the benchmark so that all of them exercise the
+same layouts: blocks handed out in random order from a pool that also holds unused (random)
+blocks, and table padding of -1 that a kernel must never dereference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+
+class AttnCase(NamedTuple):
+    """One attention configuration of the kernel tests."""
+
+    dtype: torch.dtype
+    head_dim: int
+    block_size: int
+    group: int  # num_heads // num_kv_heads
+    num_kv_heads: int
+
+    @property
+    def num_heads(self) -> int:
+        return self.group * self.num_kv_heads
+
+    def id(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{dtype}-d{self.head_dim}-b{self.block_size}-g{self.group}-kv{self.num_kv_heads}"
+
+
+# The interpreter is slow, so instead of the full product dtype(3) x head_dim(2) x
+# block_size(3) x group(2) the tests use this pairwise cover: every pair of values of any two
+# factors appears in some case. Group 4 alternates between GQA (2 KV heads) and MQA (1).
+PAIRWISE_CASES = [
+    AttnCase(torch.float32, 64, 8, 1, 2),
+    AttnCase(torch.float32, 128, 16, 4, 1),
+    AttnCase(torch.float32, 64, 32, 4, 2),
+    AttnCase(torch.float16, 128, 8, 4, 2),
+    AttnCase(torch.float16, 64, 16, 1, 2),
+    AttnCase(torch.float16, 128, 32, 1, 1),
+    AttnCase(torch.bfloat16, 64, 8, 4, 1),
+    AttnCase(torch.bfloat16, 128, 16, 1, 2),
+    AttnCase(torch.bfloat16, 128, 32, 4, 2),
+]
+
+
+def edge_lens(block_size: int) -> list[int]:
+    """Context lengths at the edges: 1, an exact block multiple, a multiple + 1, 300."""
+    return [1, block_size, 2 * block_size + 1, 300]
+
+
+@dataclass
+class PagedKV:
+    """A random paged pool plus the same KV laid out contiguously per sequence.
+
+    Attributes:
+        key_cache: `[num_blocks, block_size, num_kv_heads, head_dim]`.
+        value_cache: same shape.
+        block_tables: `[S, max_blocks]` int32, padded with -1.
+        seq_lens: `[S]` int32.
+        keys: per sequence, its `[seq_len, num_kv_heads, head_dim]` keys, contiguous.
+        values: per sequence, its values, contiguous.
+    """
+
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+
+def make_paged_kv(
+    seq_lens: list[int],
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    *,
+    generator: torch.Generator | None = None,
+    spare_blocks: int = 3,
+    spare_columns: int = 1,
+) -> PagedKV:
+    """Build a pool whose blocks are assigned to sequences in random order.
+
+    Args:
+        seq_lens: context length of each sequence.
+        num_kv_heads: KV heads per token.
+        head_dim: channels per head.
+        block_size: tokens per block.
+        dtype: pool dtype.
+        device: pool device.
+        generator: CPU generator for reproducible data (values, block shuffle).
+        spare_blocks: unused random blocks left in the pool.
+        spare_columns: extra -1 columns in each block table.
+
+    Returns:
+        The pool, its tables and the contiguous per-sequence KV.
+    """
+    needed = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(needed) + spare_blocks
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, generator=generator).to(dtype)
+    value_cache = torch.randn(shape, generator=generator).to(dtype)
+    order = torch.randperm(num_blocks, generator=generator)
+    max_blocks = max(needed, default=0) + spare_columns
+    tables = torch.full((len(seq_lens), max_blocks), -1, dtype=torch.int32)
+    keys, values, taken = [], [], 0
+    for seq, (length, count) in enumerate(zip(seq_lens, needed, strict=True)):
+        blocks = order[taken : taken + count]
+        taken += count
+        tables[seq, :count] = blocks.to(torch.int32)
+        keys.append(key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:length].to(device))
+        values.append(value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:length].to(device))
+    return PagedKV(
+        key_cache=key_cache.to(device),
+        value_cache=value_cache.to(device),
+        block_tables=tables.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        keys=keys,
+        values=values,
+    )
+
+
+def naive_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Textbook causal attention of one sequence's last `q_len` tokens, in float64.
+
+    Args:
+        query: `[q_len, num_heads, head_dim]`, the sequence's last q_len positions.
+        keys: `[seq_len, num_kv_heads, head_dim]`, contiguous.
+        values: same shape as keys.
+        scale: softmax scale.
+
+    Returns:
+        `[q_len, num_heads, head_dim]` in float64.
+    """
+    q_len, num_heads, _ = query.shape
+    seq_len, num_kv_heads, _ = keys.shape
+    group = num_heads // num_kv_heads
+    k = keys.double().repeat_interleave(group, dim=1)  # [seq_len, heads, dim]
+    v = values.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", query.double(), k) * scale
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+    k_pos = torch.arange(seq_len, device=query.device)
+    scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def tolerance(dtype: torch.dtype) -> dict[str, float]:
+    """`assert_close` tolerances for attention outputs computed in `dtype`."""
+    if dtype == torch.float32:
+        return {"atol": 1e-4, "rtol": 1e-4}
+    if dtype == torch.float16:
+        return {"atol": 2e-3, "rtol": 2e-3}
+    return {"atol": 2e-2, "rtol": 2e-2}
