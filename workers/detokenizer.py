@@ -73,6 +73,11 @@ class IncrementalDetokenizer:
         return self._text
 
     @property
+    def emitted_text(self) -> str:
+        """The part of ``text`` already returned by ``append``/``flush``: safe to show."""
+        return self._text[: self._num_emitted]
+
+    @property
     def stopped_by(self) -> str | None:
         """The stop string that ended the output, or ``None``."""
         return self._stopped_by

@@ -355,7 +355,8 @@ class Engine:
     def _make_output(self, group: _RequestGroup) -> RequestOutput:
         outputs = []
         for branch in group.branches:
-            text = branch.detokenizer.text if branch.detokenizer is not None else ""
+            # Only emitted text: a tail that may still become a stop string is held back.
+            text = branch.detokenizer.emitted_text if branch.detokenizer is not None else ""
             reason = branch.finish_reason
             outputs.append(
                 CompletionOutput(

@@ -38,3 +38,17 @@ class AllCleared:
 
 
 KVEvent = BlockStored | BlockRemoved | AllCleared
+
+
+@dataclass(frozen=True, slots=True)
+class KVSnapshot:
+    """Everything a pool holds in its prefix cache, for an index to resync from.
+
+    `epoch` names the worker incarnation (new on every start); `next_seq` is the sequence number
+    of the pool's next event, so events below it are already reflected here.
+    """
+
+    worker_id: str
+    epoch: str
+    next_seq: int
+    block_hashes: tuple[BlockHash, ...]

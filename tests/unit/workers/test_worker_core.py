@@ -1,0 +1,129 @@
+"""WorkerCore without Ray: streaming, cancellation, abort, snapshots and prefix transfer."""
+
+import asyncio
+
+import pytest
+from support.engine import finish_clean
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.workers.block_hash import hash_full_blocks
+from pagedserve.workers.engine import RequestRejected
+from pagedserve.workers.worker import WorkerCore
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def make_core(tiny_llama, worker_id="w0", sink=None, **config):
+    loaded, _ = tiny_llama
+    config = {"block_size": 8, "num_kv_blocks": 64, "attention_backend": "torch", **config}
+    llm = LLM(loaded_model=loaded, **config)
+    return llm, WorkerCore(llm.engine, worker_id, sink)
+
+
+async def collect(core, request_id, prompt, params=GREEDY, **kwargs):
+    deltas = [d async for d in core.generate(request_id, prompt, params, **kwargs)]
+    return deltas
+
+
+def test_stream_equals_offline_and_ends_with_usage(tiny_llama):
+    llm, core = make_core(tiny_llama)
+    prompt = list(range(3, 30))
+
+    async def main():
+        results = await asyncio.gather(*(collect(core, f"r{i}", prompt[i:]) for i in range(4)))
+        await core.close()
+        return results
+
+    results = asyncio.run(main())
+    for i, deltas in enumerate(results):
+        tokens = [t for d in deltas for t in d.token_ids]
+        (expected,) = llm.generate([prompt[i:]], GREEDY)
+        assert tokens == expected.outputs[0].token_ids
+        last = deltas[-1]
+        assert last.finish_reason == "length" and last.usage.completion_tokens == 12
+        assert last.usage.prompt_tokens == len(prompt) - i and last.worker_id == "w0"
+        assert all(d.finish_reason is None for d in deltas[:-1])
+    finish_clean(llm)
+
+
+def test_cancelled_stream_frees_blocks(tiny_llama):
+    llm, core = make_core(tiny_llama)
+    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        async def consume():
+            async for _ in core.generate("c", list(range(20)), long):
+                pass
+
+        task = asyncio.create_task(consume())
+        while llm.engine.usage().used_blocks == 0:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.05)
+        await core.close()
+
+    asyncio.run(main())
+    finish_clean(llm)
+
+
+def test_abort_ends_the_stream_and_rejections_raise(tiny_llama):
+    llm, core = make_core(tiny_llama)
+    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        stream = core.generate("a", list(range(20)), long)
+        first = await anext(stream)
+        assert await core.abort("a")
+        rest = [d async for d in stream]
+        assert not await core.abort("a")
+        with pytest.raises(RequestRejected, match="prompt_token_ids is empty"):
+            await collect(core, "bad", [])
+        await core.close()
+        return first, rest
+
+    first, rest = asyncio.run(main())
+    assert first.finish_reason is None and rest[-1].finish_reason == "abort"
+    finish_clean(llm)
+
+
+def test_events_published_and_snapshot_agrees(tiny_llama):
+    batches = []
+    llm, core = make_core(tiny_llama, sink=lambda w, e, ev: batches.append((w, e, ev)))
+
+    async def main():
+        await collect(core, "x", list(range(40)))
+        await core.close()
+
+    asyncio.run(main())
+    events = [event for _, _, batch in batches for event in batch]
+    assert [e.seq for e in events] == list(range(len(events)))
+    snapshot = core.kv_snapshot()
+    assert snapshot.next_seq == len(events) and snapshot.epoch == core.epoch
+    assert set(snapshot.block_hashes) == {e.block_hash for e in events}
+    finish_clean(llm)
+
+
+def test_prefix_transfer_gives_hits_and_same_output(tiny_llama):
+    llm_a, core_a = make_core(tiny_llama, "a")
+    llm_b, core_b = make_core(tiny_llama, "b")
+    prompt = list(range(50, 90))
+    hashes = hash_full_blocks(prompt, 8, (llm_a.engine.loaded.name,))
+
+    async def main():
+        reference = await collect(core_a, "r", prompt)
+        keys, packed = await core_a.export_prefix(hashes)
+        assert len(keys) == 5
+        assert await core_b.import_prefix(keys, packed) == 5
+        assert await core_b.import_prefix(keys, packed) == 0  # already held
+        pulled = await collect(core_b, "p", prompt)
+        await core_a.close()
+        await core_b.close()
+        return reference, pulled
+
+    reference, pulled = asyncio.run(main())
+    assert [t for d in pulled for t in d.token_ids] == [t for d in reference for t in d.token_ids]
+    assert pulled[-1].usage.cached_tokens == 32  # 4 full blocks; the last is recomputed
+    finish_clean(llm_a)
+    finish_clean(llm_b)
