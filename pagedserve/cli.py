@@ -15,6 +15,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "pagedserve.bench.kv_calc",
     "pagedserve.bench.cli",
     "pagedserve.workers.cli",
+    "pagedserve.cluster.cli",
 )
 
 

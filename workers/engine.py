@@ -38,6 +38,10 @@ class RequestRejected(ValueError):
     """A request that can never be served as given (bad input or too large to ever fit)."""
 
 
+class RequestTooLarge(RequestRejected):
+    """Valid, but prompt + max_tokens can never fit in this worker's KV pool."""
+
+
 @dataclass
 class _RequestGroup:
     request_id: str
@@ -202,7 +206,7 @@ class Engine:
                 f"exceeds the model's context of {self.max_model_len} tokens"
             )
         if not self.kv.can_fit_ever(total):
-            raise RequestRejected(
+            raise RequestTooLarge(
                 f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) can never fit "
                 f"in the KV pool ({self.kv.pool.num_blocks} blocks of {self.kv.block_size} "
                 f"tokens, {self.kv.reserve_blocks} kept in reserve)"
@@ -411,4 +415,4 @@ def _metrics(group: _RequestGroup) -> RequestMetrics:
     return metrics
 
 
-__all__ = ["Engine", "EngineConfig", "RequestRejected", "RequestStatus"]
+__all__ = ["Engine", "EngineConfig", "RequestRejected", "RequestStatus", "RequestTooLarge"]

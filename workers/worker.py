@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from pagedserve.workers.block import BlockKey
 from pagedserve.workers.engine import Engine
+from pagedserve.workers.engine_config import EngineConfig
 from pagedserve.workers.kv_cache_manager import PrefixTransfer
 from pagedserve.workers.kv_events import KVEvent, KVSnapshot
 from pagedserve.workers.sampling_params import SamplingParams
@@ -249,3 +250,133 @@ class WorkerCore:
         imported = await self._on_engine(do_import)
         self._publish_events()
         return imported
+
+
+class Worker:
+    """The Ray actor: one engine per GPU (or CPU slot), named so peers and the router find it.
+
+    Create it with `ray.remote(Worker).options(name=..., num_gpus=...)`; call `ready()` once.
+
+    Args:
+        worker_id: this worker's cluster-wide name.
+        config: the engine config.
+        index_name: the prefix index actor's name, or None to publish no events. Looked up by
+            name (not passed as a handle) so that Ray can restart this actor after its creator
+            is gone.
+        namespace: the Ray namespace of the index.
+    """
+
+    def __init__(
+        self,
+        worker_id: str,
+        config: EngineConfig,
+        index_name: str | None = None,
+        namespace: str | None = None,
+    ) -> None:
+        import ray
+
+        self._index = ray.get_actor(index_name, namespace=namespace) if index_name else None
+        sink = self._publish if self._index is not None else None
+        self.core = WorkerCore(Engine(config), worker_id, sink)
+
+    def _publish(self, worker_id: str, epoch: str, events: list[KVEvent]) -> None:
+        """Send a batch to the index without waiting for it; its answer is checked aside.
+
+        `next_seq` lets the index notice a lost batch even when it was the last one.
+        """
+        next_seq = self.core.engine.kv.pool.next_event_seq
+        ref = self._index.publish.remote(worker_id, epoch, events, next_seq)
+        asyncio.get_running_loop().create_task(self._check_published(ref, worker_id))
+
+    async def _check_published(self, ref: Any, worker_id: str) -> None:
+        """An index that restarted empty answers `needs_resync` without resyncing (it lost our
+        handle): register again so that it pulls our snapshot."""
+        import ray
+
+        try:
+            result = await ref
+        except Exception:
+            logger.warning("the prefix index did not take a KV event batch; registering again")
+            result = None
+        if result is None or (result.needs_resync and not result.resynced):
+            me = ray.get_runtime_context().current_actor
+            with contextlib.suppress(Exception):
+                await self._index.register_worker.remote(worker_id, me)
+
+    async def ready(self) -> dict[str, Any]:
+        """Start the step loop and join the index (which resyncs from our snapshot)."""
+        import ray
+
+        self.core.start()
+        if self._index is not None:
+            me = ray.get_runtime_context().current_actor
+            await self._index.register_worker.remote(self.core.worker_id, me)
+        return self.describe()
+
+    def describe(self) -> dict[str, Any]:
+        """What the router needs to hash and validate exactly as this worker does."""
+        engine = self.core.engine
+        return {
+            "worker_id": self.core.worker_id,
+            "epoch": self.core.epoch,
+            "model": engine.loaded.name,
+            "block_size": engine.kv.block_size,
+            "vocab_size": engine.loaded.vocab_size,
+            "max_model_len": engine.max_model_len,
+            "num_blocks": engine.kv.pool.num_blocks,
+        }
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        timeout_s: float | None = None,
+    ) -> AsyncIterator[StreamDelta]:
+        """Streaming: call as `handle.generate.remote(...)` and iterate the ObjectRefGenerator."""
+        async for delta in self.core.generate(
+            request_id,
+            prompt,
+            params,
+            priority=priority,
+            cache_salt=cache_salt,
+            timeout_s=timeout_s,
+        ):
+            yield delta
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.core.abort(request_id)
+
+    async def stats(self) -> dict[str, Any]:
+        return self.core.stats()
+
+    async def health(self) -> bool:
+        return True
+
+    async def kv_snapshot(self) -> KVSnapshot:
+        return self.core.kv_snapshot()
+
+    async def export_prefix(self, block_hashes: Sequence[bytes]) -> tuple[list[BlockKey], Any]:
+        return await self.core.export_prefix(block_hashes)
+
+    async def import_prefix(self, keys: Sequence[BlockKey], packed: Any) -> int:
+        return await self.core.import_prefix(keys, packed)
+
+    async def pull_prefix(self, peer: Any, block_hashes: Sequence[bytes], timeout_s: float) -> int:
+        """Fetch the prefix `block_hashes` from `peer` into our cache; 0 if it took too long.
+
+        Nothing is held while the transfer is in flight: blocks are taken only once the KV has
+        arrived, so a missed deadline leaves both pools as they were.
+        """
+        try:
+            keys, packed = await asyncio.wait_for(
+                peer.export_prefix.remote(block_hashes), timeout_s
+            )
+        except TimeoutError:
+            logger.warning("pull of %d blocks timed out after %.1f s", len(block_hashes), timeout_s)
+            return 0
+        if not keys:
+            return 0
+        return await self.core.import_prefix(keys, packed)

@@ -1,0 +1,95 @@
+"""The cluster's one typed config: engine settings for every worker, plus routing and failure
+handling. Built from flags or a YAML file (`pagedserve serve --config FILE`)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from pagedserve.workers.engine_config import EngineConfig
+
+FAILURE_MODES = ("replay", "fail")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Everything `build_app` needs.
+
+    Attributes:
+        engine: the config every worker's engine is built from.
+        num_workers: worker actors (one per GPU where there are GPUs).
+        worker_num_gpus: GPUs per worker actor (1 on GPU machines, 0 on CPU).
+        worker_num_cpus: CPUs per worker actor.
+        routing_policy: `kv_aware`, `least_loaded` or `round_robin`.
+        routing_options: keyword options of the policy (e.g. `prefill_weight`).
+        on_worker_failure: `replay` a dead worker's requests on a peer from their tokens, or
+            `fail` them with UNAVAILABLE.
+        enable_pull: let the chosen worker fetch a prefix a peer holds instead of prefilling.
+        pull_min_blocks: pull only when the holder has at least this many more blocks (below
+            it, recomputing is cheaper than the transfer; see `pagedserve bench pull`).
+        pull_timeout_s: deadline of one pull; past it the request prefills as usual.
+        stats_interval_s: how often the router refreshes each worker's load.
+        rpc_timeout_s: deadline of every control call (stats, index, abort).
+        startup_timeout_s: how long the router waits for workers to load their model.
+        namespace: Ray namespace of the named actors (index, workers).
+        name: prefix of the actors' names, so two apps can share a Ray cluster.
+    """
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    num_workers: int = 2
+    worker_num_gpus: float = 0.0
+    worker_num_cpus: float = 1.0
+    routing_policy: str = "kv_aware"
+    routing_options: dict[str, Any] = field(default_factory=dict)
+    on_worker_failure: str = "replay"
+    enable_pull: bool = True
+    pull_min_blocks: int = 4
+    pull_timeout_s: float = 5.0
+    stats_interval_s: float = 0.25
+    rpc_timeout_s: float = 10.0
+    startup_timeout_s: float = 300.0
+    namespace: str = "pagedserve"
+    name: str = "pagedserve"
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
+        if self.on_worker_failure not in FAILURE_MODES:
+            raise ValueError(
+                f"on_worker_failure must be one of {FAILURE_MODES}, got {self.on_worker_failure!r}"
+            )
+        if self.pull_min_blocks < 1:
+            raise ValueError(f"pull_min_blocks must be >= 1, got {self.pull_min_blocks}")
+        for name in ("pull_timeout_s", "stats_interval_s", "rpc_timeout_s", "startup_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    def worker_name(self, index: int) -> str:
+        return f"{self.name}-worker-{index}"
+
+    @property
+    def index_name(self) -> str:
+        return f"{self.name}-prefix-index"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ClusterConfig:
+        """Build from plain data (YAML, Serve args), naming any unknown key."""
+        data = dict(data)
+        engine = data.pop("engine", {}) or {}
+        if isinstance(engine, dict):
+            _check_keys("engine", engine, EngineConfig)
+            engine = EngineConfig(**engine)
+        _check_keys("cluster config", data, cls)
+        return cls(engine=engine, **data)
+
+
+def _check_keys(where: str, data: dict[str, Any], cls: type) -> None:
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(
+            f"unknown {where} keys: {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )

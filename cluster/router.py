@@ -1,0 +1,309 @@
+"""The router: validate, tokenize, hash, consult the prefix index, pick a worker, stream back.
+
+`RouterCore` holds the logic and runs wherever an event loop does (tests drive it directly);
+`Router` in `cluster/app.py` is the Ray Serve deployment around it.
+
+Load is counted here as well as reported by workers: every request sent to a worker counts in
+its `inflight` until its stream ends, so the policy sees a burst before any report shows it.
+A worker that stops answering is dropped from routing and from the index at once; its requests
+are replayed on a peer from their tokens (or failed with UNAVAILABLE, by config).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.routing import WorkerLoad, make_policy
+from pagedserve.cluster.worker_state import WorkerState
+from pagedserve.workers.block_hash import hash_full_blocks
+from pagedserve.workers.engine import RequestRejected
+from pagedserve.workers.sampling_params import SamplingParams
+from pagedserve.workers.stream import StreamDelta
+from pagedserve.workers.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+WORKER_LOST_ERRORS = (RayActorError, ActorDiedError, ActorUnavailableError)
+
+
+class NoWorkerAvailable(RuntimeError):
+    """No alive worker can take the request (maps to UNAVAILABLE)."""
+
+
+class WorkerLost(RuntimeError):
+    """The worker serving a stream died mid-request."""
+
+
+@dataclasses.dataclass
+class GenerateRequest:
+    """One request as the router takes it from any front end."""
+
+    params: SamplingParams
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    request_id: str | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    timeout_s: float | None = None
+
+
+class RouterCore:
+    """Owns the routing policy, the view of every worker and the requests in flight.
+
+    Args:
+        config: the cluster config.
+        index: the prefix index actor.
+        workers: worker id → actor handle.
+    """
+
+    def __init__(self, config: ClusterConfig, index: Any, workers: dict[str, Any]) -> None:
+        self.config = config
+        self.index = index
+        self.workers = {wid: WorkerState(wid, handle) for wid, handle in workers.items()}
+        self.policy = make_policy(config.routing_policy, **config.routing_options)
+        self.tokenizer = load_tokenizer(config.engine.model or "tiny-llama")
+        self.model_name = ""
+        self.block_size = config.engine.block_size
+        self.counters: Counter[str] = Counter()
+        self._active: dict[str, WorkerState] = {}
+        self._started: asyncio.Task | None = None
+        self._poller: asyncio.Task | None = None
+
+    # ------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Wait for every worker to be ready, then keep their loads fresh. Idempotent."""
+        if self._started is None:
+            self._started = asyncio.get_running_loop().create_task(self._start())
+        await asyncio.shield(self._started)
+
+    async def _start(self) -> None:
+        timeout = self.config.startup_timeout_s
+        await asyncio.gather(*(self._revive(w, timeout) for w in self.workers.values()))
+        alive = [w for w in self.workers.values() if w.alive]
+        if not alive:
+            self._started = None  # let the next request try again
+            raise NoWorkerAvailable(f"no worker became ready within {timeout} s")
+        self.model_name = alive[0].info["model"]
+        self.block_size = alive[0].info["block_size"]
+        self._poller = asyncio.get_running_loop().create_task(self._poll_loop())
+
+    async def close(self) -> None:
+        for task in (self._poller, self._started):
+            if task is not None:
+                task.cancel()
+
+    async def _revive(self, worker: WorkerState, timeout_s: float | None = None) -> None:
+        timeout_s = timeout_s or self.config.rpc_timeout_s
+        try:
+            info = await asyncio.wait_for(worker.handle.ready.remote(), timeout_s)
+        except (*WORKER_LOST_ERRORS, TimeoutError) as error:
+            logger.warning("worker %s is not ready: %s", worker.worker_id, error)
+            return
+        if worker.info and info["epoch"] != worker.info["epoch"]:
+            self.counters["workers_restarted"] += 1
+        worker.mark_alive(info)
+
+    async def _poll_loop(self) -> None:
+        while True:
+            await asyncio.gather(*(self._poll(w) for w in self.workers.values()))
+            await asyncio.sleep(self.config.stats_interval_s)
+
+    async def _poll(self, worker: WorkerState) -> None:
+        try:
+            stats = await asyncio.wait_for(worker.handle.stats.remote(), self.config.rpc_timeout_s)
+        except (*WORKER_LOST_ERRORS, TimeoutError):
+            await self._drop(worker)
+            return
+        if not worker.alive or stats["epoch"] != worker.info.get("epoch"):
+            await self._revive(worker)  # restarted by Ray: start its loop, rejoin the index
+        worker.stats = stats
+
+    async def _drop(self, worker: WorkerState) -> None:
+        """Take a dead worker out of routing and its entries out of the index at once."""
+        if not worker.alive:
+            return
+        worker.alive = False
+        self.counters["workers_lost"] += 1
+        logger.warning("worker %s lost; dropped from routing and the index", worker.worker_id)
+        try:
+            await asyncio.wait_for(
+                self.index.remove_worker.remote(worker.worker_id), self.config.rpc_timeout_s
+            )
+        except (*WORKER_LOST_ERRORS, TimeoutError):
+            logger.exception("could not drop %s from the index", worker.worker_id)
+
+    # -------------------------------------------------------------- routing
+    def _tokenize(self, request: GenerateRequest) -> list[int]:
+        if request.prompt_token_ids is not None:
+            if request.prompt is not None:
+                raise RequestRejected("give prompt or prompt_token_ids, not both")
+            return list(request.prompt_token_ids)
+        if not request.prompt:
+            raise RequestRejected("prompt is empty")
+        if self.tokenizer is None:
+            raise RequestRejected("the model has no tokenizer; send prompt_token_ids")
+        return self.tokenizer.encode(request.prompt)
+
+    async def route(self, token_ids: list[int], cache_salt: str | None) -> tuple[WorkerState, int]:
+        """Pick a worker for a prompt; pull its prefix from a peer when that beats prefill."""
+        alive = [w for w in self.workers.values() if w.alive]
+        if not alive:
+            raise NoWorkerAvailable("no worker is alive")
+        extra = (self.model_name,) + ((cache_salt,) if cache_salt else ())
+        hashes = hash_full_blocks(token_ids, self.block_size, extra)
+        try:
+            matches = (
+                await asyncio.wait_for(self.index.match.remote(hashes), self.config.rpc_timeout_s)
+                if hashes
+                else {}
+            )
+        except (*WORKER_LOST_ERRORS, TimeoutError):
+            self.counters["index_unavailable"] += 1
+            matches = {}
+        loads = [w.load() for w in alive]
+        decision = self.policy.choose(len(hashes), matches, loads)
+        chosen = self.workers[decision.worker_id]
+        matched = matches.get(chosen.worker_id, 0)
+        self.counters[f"routed.{decision.policy}"] += 1
+        self.counters["routed.prefix_hit" if matched else "routed.prefix_miss"] += 1
+        if self.config.enable_pull:
+            matched = await self._maybe_pull(chosen, hashes, matches, matched)
+        return chosen, matched
+
+    async def _maybe_pull(self, chosen: WorkerState, hashes, matches, matched: int) -> int:
+        holders = [
+            (n, wid)
+            for wid, n in matches.items()
+            if wid != chosen.worker_id and self.workers[wid].alive
+        ]
+        if not holders:
+            return matched
+        best, holder_id = max(holders)
+        if best - matched < self.config.pull_min_blocks:
+            return matched
+        try:
+            pulled = await chosen.handle.pull_prefix.remote(
+                self.workers[holder_id].handle, hashes[:best], self.config.pull_timeout_s
+            )
+        except WORKER_LOST_ERRORS:
+            return matched
+        self.counters["migrations.pull"] += 1 if pulled else 0
+        self.counters["migrations.pull_blocks"] += pulled
+        return max(matched, best) if pulled else matched
+
+    # ------------------------------------------------------------ requests
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
+        """Stream a request's deltas from the worker chosen for it (and a peer on failure)."""
+        await self.start()
+        token_ids = self._tokenize(request)
+        request_id = request.request_id or uuid.uuid4().hex
+        if request_id in self._active:
+            raise RequestRejected(f"request_id {request_id!r} is already in flight")
+        emitted: dict[int, list[int]] = {j: [] for j in range(request.params.n)}
+        finished: set[int] = set()
+        plan = [(None, token_ids, request.params)]  # (branch index or None for all, prompt, params)
+        try:
+            while plan:
+                branch, prompt, params = plan.pop(0)
+                worker, _ = await self.route(prompt, request.cache_salt)
+                try:
+                    async for delta in self._stream(worker, request_id, prompt, params, request):
+                        if branch is not None:
+                            delta.index = branch
+                        emitted[delta.index].extend(delta.token_ids)
+                        if delta.finish_reason is not None:
+                            finished.add(delta.index)
+                        yield delta
+                except WorkerLost:
+                    plan = self._replay_plan(request, token_ids, emitted, finished)
+        finally:
+            self._active.pop(request_id, None)
+
+    def _replay_plan(self, request, token_ids, emitted, finished) -> list:
+        if self.config.on_worker_failure == "fail":
+            raise NoWorkerAvailable("the worker serving this request died")
+        self.counters["replays"] += 1
+        plan = []
+        for j in sorted(set(emitted) - finished):
+            done = emitted[j]
+            params = request.params.for_branch(j)
+            params = dataclasses.replace(
+                params,
+                max_tokens=params.max_tokens - len(done),
+                min_tokens=max(0, params.min_tokens - len(done)),
+            )
+            plan.append((j, token_ids + done, params))
+        return plan
+
+    async def _stream(
+        self,
+        worker: WorkerState,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        request: GenerateRequest,
+    ) -> AsyncIterator[StreamDelta]:
+        self._active[request_id] = worker
+        worker.begin(len(prompt) + params.max_tokens * params.n)
+        stream = worker.handle.generate.remote(
+            request_id, prompt, params, request.priority, request.cache_salt, request.timeout_s
+        )
+        remaining = params.n
+        try:
+            async for ref in stream:
+                delta = await ref
+                if delta.finish_reason is not None:
+                    remaining -= 1
+                yield delta
+        except WORKER_LOST_ERRORS as error:
+            await self._drop(worker)
+            raise WorkerLost(str(error)) from error
+        finally:
+            worker.end(len(prompt) + params.max_tokens * params.n)
+            if remaining:  # cancelled or failed: the worker must free the blocks now
+                self._cancel(stream, worker, request_id)
+
+    def _cancel(self, stream, worker: WorkerState, request_id: str) -> None:
+        import ray
+
+        ray.cancel(stream)
+        if worker.alive:
+            worker.handle.abort.remote(request_id)
+
+    async def abort(self, request_id: str) -> bool:
+        worker = self._active.get(request_id)
+        if worker is None:
+            return False
+        return await asyncio.wait_for(
+            worker.handle.abort.remote(request_id), self.config.rpc_timeout_s
+        )
+
+    # ---------------------------------------------------------------- state
+    def loads(self) -> list[WorkerLoad]:
+        return [w.load() for w in self.workers.values() if w.alive]
+
+    async def cluster_stats(self) -> dict[str, Any]:
+        await self.start()
+        await asyncio.gather(*(self._poll(w) for w in self.workers.values()))
+        workers = {
+            w.worker_id: {"alive": w.alive, "inflight": w.inflight, **w.stats}
+            for w in self.workers.values()
+        }
+        try:
+            index = await asyncio.wait_for(self.index.stats.remote(), self.config.rpc_timeout_s)
+        except (*WORKER_LOST_ERRORS, TimeoutError):
+            index = None
+        return {
+            "workers": workers,
+            "router": dict(self.counters),
+            "index": index,
+            "policy": self.config.routing_policy,
+        }

@@ -1,0 +1,53 @@
+"""Starting, finding and stopping the named actors of one app: the prefix index and workers."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import ray
+
+from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.prefix_index import get_or_create_prefix_index
+from pagedserve.workers.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+# Generous: a worker streams many requests at once, each a long-lived generator call.
+WORKER_MAX_CONCURRENCY = 4096
+
+
+def start_worker_group(config: ClusterConfig) -> tuple[Any, dict[str, Any]]:
+    """Get or create the index and every worker; returns (index, {worker_id: handle}).
+
+    Actors are detached and named, so router replicas share them and they outlive a router
+    restart; `stop_worker_group` removes them. Ray restarts a crashed worker (max_restarts),
+    and the router re-registers it once it answers again.
+    """
+    index = get_or_create_prefix_index(name=config.index_name, namespace=config.namespace)
+    remote_worker = ray.remote(Worker)
+    workers = {}
+    for i in range(config.num_workers):
+        worker_id = config.worker_name(i)
+        workers[worker_id] = remote_worker.options(
+            name=worker_id,
+            namespace=config.namespace,
+            get_if_exists=True,
+            lifetime="detached",
+            max_restarts=-1,
+            max_task_retries=0,
+            num_gpus=config.worker_num_gpus,
+            num_cpus=config.worker_num_cpus,
+            max_concurrency=WORKER_MAX_CONCURRENCY,
+        ).remote(worker_id, config.engine, config.index_name, config.namespace)
+    return index, workers
+
+
+def stop_worker_group(config: ClusterConfig) -> None:
+    """Kill the app's named actors (no restart). Missing ones are skipped."""
+    names = [config.worker_name(i) for i in range(config.num_workers)] + [config.index_name]
+    for name in names:
+        try:
+            ray.kill(ray.get_actor(name, namespace=config.namespace), no_restart=True)
+        except ValueError:
+            continue

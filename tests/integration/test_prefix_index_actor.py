@@ -1,0 +1,159 @@
+"""PrefixIndexActor on a real (small) Ray: resync from a worker's snapshot, and its deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+import ray
+
+from pagedserve.cluster.prefix_index import (
+    KVSnapshot,
+    PublishResult,
+    get_or_create_prefix_index,
+)
+from pagedserve.workers.block import BlockKey
+from pagedserve.workers.block_hash import block_hash
+from pagedserve.workers.block_pool import BlockPool
+
+SNAPSHOT_TIMEOUT_S = 1.0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    ray.init(num_cpus=2, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+@ray.remote
+class StandInWorker:
+    """A worker reduced to its KV pool: caches chains of blocks and publishes their events.
+
+    Async, so that it answers `kv_snapshot()` while its own `publish` call is pending.
+    """
+
+    def __init__(self, worker_id: str, index) -> None:
+        self.worker_id = worker_id
+        self.index = index
+        self.epoch = uuid.uuid4().hex
+        self.pool = BlockPool(16)
+
+    async def cache_chain(self, token_blocks: list[list[int]]) -> list[bytes]:
+        parent, hashes = None, []
+        for tokens in token_blocks:
+            (block,) = self.pool.get_new_blocks(1)
+            key = BlockKey(parent, tuple(tokens), ())
+            parent = block_hash(parent, tokens)
+            self.pool.cache_full_block(block, parent, key)
+            self.pool.free_blocks([block])
+            hashes.append(parent)
+        return hashes
+
+    async def flush(self, lose: bool = False) -> PublishResult | None:
+        events = self.pool.take_events()
+        if lose:
+            return None
+        return await self.index.publish.remote(self.worker_id, self.epoch, events)
+
+    async def restart(self) -> None:
+        self.epoch = uuid.uuid4().hex
+        self.pool = BlockPool(16)
+
+    async def cached(self) -> set[bytes]:
+        return set(self.pool.cached)
+
+    async def kv_snapshot(self) -> KVSnapshot:
+        return KVSnapshot(
+            self.worker_id, self.epoch, self.pool.next_event_seq, tuple(self.pool.cached)
+        )
+
+
+@ray.remote
+class StuckWorker:
+    """A worker whose snapshot never comes."""
+
+    async def kv_snapshot(self) -> KVSnapshot:
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+
+def _index(name: str):
+    return get_or_create_prefix_index(
+        name=name, max_entries=1000, snapshot_timeout_s=SNAPSHOT_TIMEOUT_S
+    )
+
+
+def test_named_index_is_shared():
+    first = _index("shared")
+    ray.get(first.remove_worker.remote("nobody"))
+    assert _index("shared")._actor_id == first._actor_id
+
+
+def test_gap_resyncs_from_the_workers_snapshot_and_agrees_with_its_pool():
+    index = _index("resync")
+    worker = StandInWorker.remote("w0", index)
+    ray.get(index.register_worker.remote("w0", worker))
+
+    # First contact: the index does not know w0 yet, so it pulls a snapshot.
+    chain = ray.get(worker.cache_chain.remote([[1, 2], [3, 4]]))
+    first = ray.get(worker.flush.remote())
+    assert first.needs_resync and first.resynced
+    assert ray.get(index.snapshot_of.remote("w0")) == set(chain)
+
+    ray.get(worker.cache_chain.remote([[9, 9]]))
+    assert ray.get(worker.flush.remote()) == PublishResult(1, False)
+
+    ray.get(worker.cache_chain.remote([[5, 6], [7, 8]]))
+    ray.get(worker.flush.remote(lose=True))  # this batch never reaches the index
+    ray.get(worker.cache_chain.remote([[1, 2], [3, 4], [5, 5]]))
+    result = ray.get(worker.flush.remote())
+    assert result.needs_resync and result.resynced
+    cached = ray.get(worker.cached.remote())
+    assert ray.get(index.snapshot_of.remote("w0")) == cached
+    assert len(cached) == 6
+    assert ray.get(index.match.remote(chain)) == {"w0": 2}
+
+    stats = ray.get(index.stats.remote())
+    assert stats["gaps_detected"] == 1 and stats["resyncs"] == 2
+    assert stats["registered_workers"] == ["w0"] and stats["snapshot_failures"] == 0
+
+
+def test_restarted_worker_resyncs_and_a_dead_one_is_dropped():
+    index = _index("restart")
+    worker = StandInWorker.remote("w0", index)
+    ray.get(index.register_worker.remote("w0", worker))
+    ray.get(worker.cache_chain.remote([[1, 2]]))
+    ray.get(worker.flush.remote())
+    ray.get(worker.restart.remote())
+    chain = ray.get(worker.cache_chain.remote([[3, 4]]))
+    result = ray.get(worker.flush.remote())
+    assert result.resynced
+    assert ray.get(index.snapshot_of.remote("w0")) == set(chain)
+    assert ray.get(index.remove_worker.remote("w0")) == 1
+    assert ray.get(index.match.remote(chain)) == {}
+    assert ray.get(index.stats.remote())["registered_workers"] == []
+
+
+def test_a_stuck_snapshot_hits_the_deadline_and_the_publish_returns():
+    index = _index("stuck")
+    stuck = StuckWorker.remote()
+    ray.get(index.register_worker.remote("w9", stuck))
+    started = time.monotonic()
+    result = ray.get(index.publish.remote("w9", "e1", []), timeout=10 * SNAPSHOT_TIMEOUT_S)
+    elapsed = time.monotonic() - started
+    assert result == PublishResult(0, needs_resync=True, resynced=False)
+    assert SNAPSHOT_TIMEOUT_S * 0.9 <= elapsed < 5 * SNAPSHOT_TIMEOUT_S
+    stats = ray.get(index.stats.remote())
+    assert stats["snapshot_failures"] == 1 and stats["workers"] == {}
+    # The index still serves everyone else meanwhile.
+    assert ray.get(index.match.remote([b"x"]), timeout=5) == {}
+
+
+def test_publish_from_an_unregistered_worker_is_not_indexed():
+    index = _index("unregistered")
+    result = ray.get(index.publish.remote("ghost", "e1", []))
+    assert result == PublishResult(0, needs_resync=True, resynced=False)
+    assert ray.get(index.stats.remote())["workers"] == {}
