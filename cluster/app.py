@@ -2,6 +2,17 @@
 
 `build_app` is the app builder Serve imports (`pagedserve.cluster.app:build_app`), so the same
 config drives `pagedserve serve`, `serve run` and a KubeRay `serveConfigV2`.
+
+The one `Router` deployment is the ingress of both Serve proxies:
+
+- gRPC (port 9000): Serve's proxy calls the method named after each RPC of
+  `pagedserve.v1.Generation` (`Generate`, `GenerateStream`, ...) and of `grpc.health.v1.Health`
+  (`Check`, `Watch`); `GrpcFrontend` serves them. The proxy learns the services from
+  `serve_options.GRPC_SERVICER_FUNCTIONS`.
+- HTTP (port 8000): a FastAPI app, `@serve.ingress`-bound to the same class, serves the
+  OpenAI-compatible routes through `OpenAIFrontend`. The FastAPI ingress adds `__call__` for
+  HTTP only; the gRPC methods dispatch by name exactly as without it.
+- Python: `handle.options(stream=True).generate.remote(GenerateRequest)`, `abort`, `stats`.
 """
 
 from __future__ import annotations
@@ -9,23 +20,44 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+from fastapi import FastAPI
 from ray import serve
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
+from pagedserve.cluster.api_config import ApiConfig, split_app_args
+from pagedserve.cluster.auth import TokenAuth
 from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.grpc_api import SERVING, GrpcFrontend
+from pagedserve.cluster.openai_api import OpenAIFrontend
 from pagedserve.cluster.router import GenerateRequest, RouterCore
 from pagedserve.cluster.worker_group import start_worker_group
 from pagedserve.workers.stream import StreamDelta
 
+http_app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None)
+
 
 @serve.deployment(name="Router", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
+@serve.ingress(http_app)
 class Router:
-    """Ingress: takes requests, routes them to workers, streams deltas back."""
+    """Ingress: takes requests, routes them to workers, streams deltas back.
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    Args:
+        config: `ClusterConfig` data.
+        api: `ApiConfig` data (auth, served model name).
+    """
+
+    def __init__(self, config: dict[str, Any], api: dict[str, Any] | None = None) -> None:
         self.config = ClusterConfig.from_dict(config)
+        api_config = ApiConfig.from_dict(api or {})
         index, workers = start_worker_group(self.config)
         self.core = RouterCore(self.config, index, workers)
+        auth = TokenAuth.from_config(api_config.auth)
+        model_name = served_model_name(self.config, api_config)
+        self.grpc = GrpcFrontend(self.core, auth)
+        self.openai = OpenAIFrontend(self.core, auth, model_name)
 
+    # ---------------------------------------------------------------- Python
     async def generate(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
         """Streaming: call through `handle.options(stream=True).generate.remote(request)`."""
         async for delta in self.core.generate(request):
@@ -40,8 +72,67 @@ class Router:
     async def check_health(self) -> None:
         await self.core.start()
 
+    # -------------------------------------------- gRPC: pagedserve.v1.Generation
+    async def Generate(self, request: Any, grpc_context: Any) -> Any:
+        return await self.grpc.generate(request, grpc_context)
+
+    async def GenerateStream(self, request: Any, grpc_context: Any) -> AsyncIterator[Any]:
+        async for response in self.grpc.generate_stream(request, grpc_context):
+            yield response
+
+    async def Abort(self, request: Any, grpc_context: Any) -> Any:
+        return await self.grpc.abort(request, grpc_context)
+
+    async def GetStats(self, request: Any, grpc_context: Any) -> Any:
+        return await self.grpc.get_stats(request, grpc_context)
+
+    async def ListWorkers(self, request: Any, grpc_context: Any) -> Any:
+        return await self.grpc.list_workers(request, grpc_context)
+
+    # ------------------------------------------------- gRPC: grpc.health.v1.Health
+    async def Check(self, request: Any, grpc_context: Any) -> Any:
+        return await self.grpc.check(request, grpc_context)
+
+    async def Watch(self, request: Any, grpc_context: Any) -> AsyncIterator[Any]:
+        async for response in self.grpc.watch(request, grpc_context):
+            yield response
+
+    # ------------------------------------------------------ HTTP: OpenAI API
+    @http_app.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        return await self.openai.models(request)
+
+    @http_app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self.openai.completions(request)
+
+    @http_app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.openai.chat_completions(request)
+
+    @http_app.get("/health")
+    async def health(self) -> Response:
+        serving = await self.grpc.serving_status() == SERVING
+        body = {"status": "ok" if serving else "unavailable"}
+        return JSONResponse(body, status_code=200 if serving else 503)
+
+
+def served_model_name(config: ClusterConfig, api: ApiConfig) -> str:
+    """The model id of the OpenAI API: the configured name, else the engine's model."""
+    return api.served_model_name or config.engine.model or "tiny-llama"
+
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
-    """Bind the router with its config (plain data: from YAML, flags or serveConfigV2)."""
-    config = ClusterConfig.from_dict(args or {})
-    return Router.bind(config.to_dict())
+    """Bind the router with its config (plain data: from YAML, flags or serveConfigV2).
+
+    Args:
+        args: `ClusterConfig` data plus the API's keys (`auth`, `served_model_name`; see
+            `api_config`).
+
+    Raises:
+        ValueError: a key or value is wrong (named), or the auth tokens file is unreadable.
+    """
+    cluster, api = split_app_args(args)
+    config = ClusterConfig.from_dict(cluster)
+    TokenAuth.from_config(api.auth)  # fail here, not in every replica, on a bad tokens file
+    return Router.bind(config.to_dict(), api.to_dict())

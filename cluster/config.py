@@ -20,6 +20,7 @@ class ClusterConfig:
         num_workers: worker actors (one per GPU where there are GPUs).
         worker_num_gpus: GPUs per worker actor (1 on GPU machines, 0 on CPU).
         worker_num_cpus: CPUs per worker actor.
+        worker_resources: custom Ray resources per worker actor (to pin workers to nodes).
         routing_policy: `kv_aware`, `least_loaded` or `round_robin`.
         routing_options: keyword options of the policy (e.g. `prefill_weight`).
         on_worker_failure: `replay` a dead worker's requests on a peer from their tokens, or
@@ -39,6 +40,7 @@ class ClusterConfig:
     num_workers: int = 2
     worker_num_gpus: float = 0.0
     worker_num_cpus: float = 1.0
+    worker_resources: dict[str, float] = field(default_factory=dict)
     routing_policy: str = "kv_aware"
     routing_options: dict[str, Any] = field(default_factory=dict)
     on_worker_failure: str = "replay"

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-GRPC_SERVICER_FUNCTIONS: list[str] = []  # filled by the API (pagedserve.v1 Generation, health)
+# Import paths of the functions Serve's gRPC proxy registers services with: our Generation
+# service (with lenient request parsing, see `grpc_wire`) and the standard health service.
+GRPC_SERVICER_FUNCTIONS: list[str] = [
+    "pagedserve.cluster.grpc_wire.add_generation_servicer",
+    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+]
 
 
 def http_options(host: str = "0.0.0.0", port: int = 8000) -> dict[str, Any]:

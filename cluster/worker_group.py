@@ -38,6 +38,7 @@ def start_worker_group(config: ClusterConfig) -> tuple[Any, dict[str, Any]]:
             max_task_retries=0,
             num_gpus=config.worker_num_gpus,
             num_cpus=config.worker_num_cpus,
+            resources=dict(config.worker_resources),
             max_concurrency=WORKER_MAX_CONCURRENCY,
         ).remote(worker_id, config.engine, config.index_name, config.namespace)
     return index, workers

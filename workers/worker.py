@@ -23,6 +23,7 @@ from pagedserve.workers.block import BlockKey
 from pagedserve.workers.engine import Engine
 from pagedserve.workers.engine_config import EngineConfig
 from pagedserve.workers.kv_cache_manager import PrefixTransfer
+from pagedserve.workers.kv_checks import KVInvariantError, assert_no_leaks, check_invariants
 from pagedserve.workers.kv_events import KVEvent, KVSnapshot
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.stream import DeltaTracker, StreamDelta
@@ -55,6 +56,8 @@ class WorkerCore:
         self._loop_task: asyncio.Task | None = None
         self.num_blocks_imported = 0
         self.num_blocks_exported = 0
+        self._drop_next_batch = False
+        self.num_event_batches_dropped = 0
 
     # ------------------------------------------------------------ the loop
     def start(self) -> None:
@@ -129,6 +132,10 @@ class WorkerCore:
 
     def _publish_events(self) -> None:
         events = self.engine.kv.pool.take_events()
+        if events and self._drop_next_batch:  # chaos: the index must notice and resync
+            self._drop_next_batch = False
+            self.num_event_batches_dropped += 1
+            return
         if events and self.event_sink is not None:
             try:
                 self.event_sink(self.worker_id, self.epoch, events)
@@ -206,8 +213,25 @@ class WorkerCore:
             "events_published": self.engine.kv.pool.num_events_published,
             "blocks_imported": self.num_blocks_imported,
             "blocks_exported": self.num_blocks_exported,
+            "event_batches_dropped": self.num_event_batches_dropped,
             **stats,
         }
+
+    def check_pool(self) -> dict[str, Any]:
+        """Pool invariants now; when idle, also that no block is held (free + cached = total)."""
+        idle = not self.engine.has_unfinished_requests() and not self._streams
+        try:
+            if idle:
+                assert_no_leaks(self.engine.kv)
+            else:
+                check_invariants(self.engine.kv)
+        except KVInvariantError as error:
+            return {"ok": False, "idle": idle, "error": str(error)}
+        return {"ok": True, "idle": idle, "error": None}
+
+    def chaos_drop_next_event_batch(self) -> None:
+        """Lose the next KV event batch on purpose (soak and resync tests)."""
+        self._drop_next_batch = True
 
     def kv_snapshot(self) -> KVSnapshot:
         pool = self.engine.kv.pool
@@ -357,6 +381,12 @@ class Worker:
 
     async def kv_snapshot(self) -> KVSnapshot:
         return self.core.kv_snapshot()
+
+    async def check_pool(self) -> dict[str, Any]:
+        return self.core.check_pool()
+
+    async def chaos_drop_next_event_batch(self) -> None:
+        self.core.chaos_drop_next_event_batch()
 
     async def export_prefix(self, block_hashes: Sequence[bytes]) -> tuple[list[BlockKey], Any]:
         return await self.core.export_prefix(block_hashes)

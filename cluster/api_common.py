@@ -1,0 +1,158 @@
+"""What both front ends do the same way: build sampling params, check text, collect completions.
+
+Validation is the router's and the worker's (`SamplingParams`, `RouterCore`, `Engine` raise with
+messages that name the field); this module only turns their errors into `ApiError`s and checks
+what they cannot see on the wire (malformed UTF-8).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.cluster.api_errors import ApiError
+from pagedserve.cluster.router import GenerateRequest, RouterCore
+from pagedserve.workers.outputs import RequestMetrics
+from pagedserve.workers.sampling_params import SamplingParams
+from pagedserve.workers.stream import StreamDelta, Usage
+
+
+def sampling_params(**kwargs: Any) -> SamplingParams:
+    """`SamplingParams(**kwargs)`, with its ValueError (which names the field) as an ApiError."""
+    try:
+        return SamplingParams(**kwargs)
+    except (TypeError, ValueError) as error:
+        raise ApiError.invalid(str(error)) from None
+
+
+def new_request_id(prefix: str = "") -> str:
+    return f"{prefix}{uuid.uuid4().hex}"
+
+
+def find_malformed_text(value: Any, path: str) -> str | None:
+    """The path of the first string under `value` that is not valid Unicode, else None.
+
+    JSON can carry lone surrogates (`"\\ud800"`), and a body decoded with `surrogateescape`
+    turns invalid UTF-8 bytes into them too; neither can be encoded again, so neither can be
+    tokenized.
+    """
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, Mapping):
+        items = ((f"{path}.{key}" if path else str(key), item) for key, item in value.items())
+    elif isinstance(value, list | tuple):
+        items = ((f"{path}[{i}]", item) for i, item in enumerate(value))
+    else:
+        return None
+    for item_path, item in items:
+        found = find_malformed_text(item, item_path)
+        if found is not None:
+            return found
+    return None
+
+
+@dataclass
+class CompletionResult:
+    """One completion (branch) put together from its deltas."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    usage: Usage | None = None
+    metrics: RequestMetrics | None = None
+    error: str | None = None
+
+
+@dataclass
+class CompletionCollector:
+    """Collects a request's stream into whole completions and totals."""
+
+    request_id: str = ""
+    worker_id: str = ""
+    results: dict[int, CompletionResult] = field(default_factory=dict)
+
+    def add(self, delta: StreamDelta) -> None:
+        self.request_id = delta.request_id or self.request_id
+        self.worker_id = delta.worker_id or self.worker_id
+        result = self.results.setdefault(delta.index, CompletionResult(delta.index))
+        result.text += delta.text
+        result.token_ids.extend(delta.token_ids)
+        if delta.finish_reason is not None:
+            result.finish_reason = delta.finish_reason
+            result.stop_reason = delta.stop_reason
+            result.usage = delta.usage
+            result.metrics = delta.metrics
+            result.error = delta.error
+
+    @property
+    def completions(self) -> list[CompletionResult]:
+        return [self.results[i] for i in sorted(self.results)]
+
+    def usage(self) -> Usage:
+        """Prompt and cached tokens once, completion tokens summed over the completions."""
+        return total_usage(self.completions)
+
+
+def total_usage(completions: Sequence[CompletionResult]) -> Usage:
+    usages = [c.usage for c in completions if c.usage is not None]
+    if not usages:
+        return Usage(0, 0, 0)
+    completion_tokens = sum(u.completion_tokens for u in usages)
+    return Usage(usages[0].prompt_tokens, completion_tokens, usages[0].cached_tokens)
+
+
+async def collect(core: RouterCore, request: GenerateRequest) -> CompletionCollector:
+    """Run a request to the end and collect its completions."""
+    collector = CompletionCollector(request_id=request.request_id or "")
+    async for delta in core.generate(request):
+        collector.add(delta)
+    return collector
+
+
+async def merge_streams(
+    streams: Sequence[AsyncIterator[StreamDelta]],
+) -> AsyncIterator[tuple[int, StreamDelta]]:
+    """Interleave several streams as their deltas arrive, as (stream index, delta).
+
+    The first failure ends the merge with that error; leaving early (or failing) cancels every
+    stream, which aborts its request on the worker.
+    """
+    if len(streams) == 1:
+        async for delta in streams[0]:
+            yield 0, delta
+        return
+    queue: asyncio.Queue[tuple[int, StreamDelta | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[StreamDelta]) -> None:
+        try:
+            async for delta in stream:
+                await queue.put((i, delta))
+        except Exception as error:  # handed to the consumer, which re-raises it
+            await queue.put((i, error))
+        else:
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_streams = len(tasks)
+        while open_streams:
+            i, item = await queue.get()
+            if item is None:
+                open_streams -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,79 @@
+"""The API's own settings, given to `build_app` beside the cluster config.
+
+    build_app({"num_workers": 2, "engine": {...},              # ClusterConfig
+               "auth": {"tokens": ["s3cret"], "tokens_file": "/etc/pagedserve/tokens"},
+               "served_model_name": "tiny"})
+
+`split_app_args` takes the API's keys out, so the rest goes to `ClusterConfig.from_dict` as is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+API_KEYS = ("auth", "served_model_name")
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    """Static bearer tokens; auth is on when there is at least one.
+
+    Attributes:
+        tokens: accepted tokens.
+        tokens_file: a file with one accepted token per line (blank lines and `#` comments
+            skipped), read by each router replica when it starts, so secrets stay out of the
+            Serve config.
+    """
+
+    tokens: tuple[str, ...] = ()
+    tokens_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tokens, str):
+            raise ValueError("auth.tokens must be a list of strings, got one string")
+        object.__setattr__(self, "tokens", tuple(self.tokens))
+        for i, token in enumerate(self.tokens):
+            if not isinstance(token, str) or not token.strip():
+                raise ValueError(f"auth.tokens[{i}] must be a non-empty string")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tokens) or self.tokens_file is not None
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    """Settings of the gRPC and HTTP front ends.
+
+    Attributes:
+        auth: bearer-token auth (off by default).
+        served_model_name: the model id of the OpenAI API (default: the engine's model).
+    """
+
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    served_model_name: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ApiConfig:
+        data = dict(data)
+        auth = data.pop("auth", None) or {}
+        if isinstance(auth, dict):
+            known = {f.name for f in fields(AuthConfig)}
+            unknown = sorted(set(auth) - known)
+            if unknown:
+                raise ValueError(
+                    f"unknown auth keys: {', '.join(unknown)}; known: tokens, tokens_file"
+                )
+            auth = AuthConfig(**auth)
+        return cls(auth=auth, **data)
+
+
+def split_app_args(args: dict[str, Any] | None) -> tuple[dict[str, Any], ApiConfig]:
+    """Split `build_app`'s arguments into cluster config data and the `ApiConfig`."""
+    cluster = dict(args or {})
+    api = {key: cluster.pop(key) for key in API_KEYS if key in cluster}
+    return cluster, ApiConfig.from_dict(api)

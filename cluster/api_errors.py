@@ -1,0 +1,112 @@
+"""The API's error classes, shared by the gRPC and the HTTP front ends.
+
+Every failure a client can cause or see becomes one `ApiError` with a canonical code (named as
+gRPC names its status codes); each front end maps the code to its own wire form:
+
+| code (= gRPC status) | HTTP | OpenAI `type`         | raised for                            |
+|----------------------|------|-----------------------|---------------------------------------|
+| INVALID_ARGUMENT     | 400  | invalid_request_error | a bad field (the message names it)    |
+| RESOURCE_EXHAUSTED   | 400  | invalid_request_error | a request that can never fit the pool |
+| UNAUTHENTICATED      | 401  | authentication_error  | bearer token missing or wrong         |
+| NOT_FOUND            | 404  | not_found_error       | unknown model or health service       |
+| UNAVAILABLE          | 503  | server_error          | no worker alive                       |
+| INTERNAL             | 500  | server_error          | a failed engine step, or a bug        |
+
+RESOURCE_EXHAUSTED is 400 over HTTP, not 429: the request will never fit, so a client must not
+retry it (OpenAI answers an over-long prompt the same way); `error.code` tells the two apart.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+from pagedserve.cluster.router import NoWorkerAvailable, WorkerLost
+from pagedserve.workers.engine import RequestRejected, RequestTooLarge
+
+
+class ErrorCode(StrEnum):
+    """Canonical error codes; the values are gRPC's status code names."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+    NOT_FOUND = "NOT_FOUND"
+    UNAVAILABLE = "UNAVAILABLE"
+    INTERNAL = "INTERNAL"
+
+
+HTTP_STATUS: dict[ErrorCode, int] = {
+    ErrorCode.INVALID_ARGUMENT: 400,
+    ErrorCode.RESOURCE_EXHAUSTED: 400,
+    ErrorCode.UNAUTHENTICATED: 401,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.UNAVAILABLE: 503,
+    ErrorCode.INTERNAL: 500,
+}
+
+OPENAI_ERROR_TYPE: dict[ErrorCode, str] = {
+    ErrorCode.INVALID_ARGUMENT: "invalid_request_error",
+    ErrorCode.RESOURCE_EXHAUSTED: "invalid_request_error",
+    ErrorCode.UNAUTHENTICATED: "authentication_error",
+    ErrorCode.NOT_FOUND: "not_found_error",
+    ErrorCode.UNAVAILABLE: "server_error",
+    ErrorCode.INTERNAL: "server_error",
+}
+
+# "temperature must be >= 0, got -1" → "temperature"; "stop[1] must be ..." → "stop[1]".
+_LEADING_FIELD = re.compile(
+    r"^([a-z_][a-z0-9_]*(?:\[\d+\])?(?:\.[a-z_][a-z0-9_]*(?:\[\d+\])?)*)"
+    r"(?::| (?:must|is|holds|encodes|has|was|needs)\b)"
+)
+
+
+class ApiError(Exception):
+    """A failure to report to the client as it is.
+
+    Args:
+        code: the canonical code.
+        message: what went wrong, naming the field when a field is at fault.
+        param: the field at fault, when there is one (derived from the message if not given).
+    """
+
+    def __init__(self, code: ErrorCode, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.param = param if param is not None else field_of(message)
+
+    def __repr__(self) -> str:
+        return f"ApiError({self.code.value}, {self.message!r})"
+
+    @classmethod
+    def invalid(cls, message: str, param: str | None = None) -> ApiError:
+        return cls(ErrorCode.INVALID_ARGUMENT, message, param)
+
+
+def field_of(message: str) -> str | None:
+    """The field a validation message starts with, if it starts with one."""
+    match = _LEADING_FIELD.match(message)
+    return match.group(1) if match else None
+
+
+def as_api_error(error: BaseException) -> ApiError | None:
+    """The `ApiError` for a failure of the router or a worker; None for anything else (a bug).
+
+    Rejections raised inside a worker arrive as `RayTaskError` subclasses of the original class;
+    their own message is in `.cause` (the wrapper's adds a traceback).
+    """
+    if isinstance(error, ApiError):
+        return error
+    message = str(getattr(error, "cause", None) or error)
+    if isinstance(error, RequestTooLarge):
+        return ApiError(ErrorCode.RESOURCE_EXHAUSTED, message)
+    if isinstance(error, RequestRejected):
+        return ApiError(ErrorCode.INVALID_ARGUMENT, message)
+    if isinstance(error, NoWorkerAvailable | WorkerLost):
+        return ApiError(ErrorCode.UNAVAILABLE, message)
+    if isinstance(error, RayActorError | ActorDiedError | ActorUnavailableError):
+        return ApiError(ErrorCode.UNAVAILABLE, f"a worker is unavailable: {message}")
+    return None

@@ -1,0 +1,178 @@
+"""The gRPC front end: `pagedserve.v1.Generation` and `grpc.health.v1.Health` on the router.
+
+Serve's gRPC proxy calls the ingress method named after each RPC with the request message and
+a `grpc_context`; the `Router` deployment hands both to `GrpcFrontend`, which owns the mapping
+from requests to router calls and from failures to status codes.
+
+How a status reaches the client: unary RPCs set the code on `grpc_context` and return an empty
+message (the proxy copies the code over); a stream raises after setting it (a stream has no
+message to carry the context). A client that cancels, or whose deadline passes, raises
+`asyncio.CancelledError` at the await the handler is parked on; the router's stream then
+aborts the request on its worker, which frees its blocks within one engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2
+
+from pagedserve.cluster.api_common import collect
+from pagedserve.cluster.api_errors import ApiError, ErrorCode, as_api_error
+from pagedserve.cluster.auth import TokenAuth
+from pagedserve.cluster.grpc_convert import (
+    delta_to_proto,
+    request_from_proto,
+    response_to_proto,
+    stats_to_proto,
+    workers_to_proto,
+)
+from pagedserve.cluster.grpc_wire import SERVICE, MalformedRequest
+from pagedserve.cluster.router import WORKER_LOST_ERRORS, NoWorkerAvailable, RouterCore
+from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+HEALTH_SERVICES = ("", SERVICE.full_name)
+HEALTH_WAIT_S = 1.0  # a health check answers NOT_SERVING rather than wait for worker startup
+WATCH_INTERVAL_S = 1.0
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class StreamFailed(RuntimeError):
+    """Raised out of a streaming RPC after its status is set on the context."""
+
+
+class GrpcFrontend:
+    """Serves the `Generation` and `Health` RPCs from a `RouterCore`.
+
+    Args:
+        core: the router.
+        auth: the token check (a no-op when auth is off).
+    """
+
+    def __init__(self, core: RouterCore, auth: TokenAuth) -> None:
+        self.core = core
+        self.auth = auth
+
+    # ----------------------------------------------------------- Generation
+    async def generate(self, request: Any, context: Any) -> pb.GenerateResponse:
+        try:
+            self._admit(request, context)
+            collector = await collect(self.core, request_from_proto(request))
+            _raise_on_engine_error(collector.completions)
+            return response_to_proto(collector)
+        except Exception as error:
+            return self._fail(context, error, pb.GenerateResponse())
+
+    async def generate_stream(
+        self, request: Any, context: Any
+    ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        try:
+            self._admit(request, context)
+            async for delta in self.core.generate(request_from_proto(request)):
+                yield delta_to_proto(delta)
+                if delta.error:
+                    raise ApiError(ErrorCode.INTERNAL, delta.error)
+        except Exception as error:
+            self._fail(context, error, None)
+            raise StreamFailed(context.details()) from error
+
+    async def abort(self, request: Any, context: Any) -> pb.AbortResponse:
+        try:
+            self._admit(request, context)
+            if not request.request_id:
+                raise ApiError.invalid("request_id is empty")
+            return pb.AbortResponse(aborted=await self._abort(request.request_id))
+        except Exception as error:
+            return self._fail(context, error, pb.AbortResponse())
+
+    async def get_stats(self, request: Any, context: Any) -> pb.GetStatsResponse:
+        try:
+            self._admit(request, context)
+            return stats_to_proto(await self.core.cluster_stats())
+        except Exception as error:
+            return self._fail(context, error, pb.GetStatsResponse())
+
+    async def list_workers(self, request: Any, context: Any) -> pb.ListWorkersResponse:
+        try:
+            self._admit(request, context)
+            await self.core.start()
+            return workers_to_proto(list(self.core.workers.values()))
+        except Exception as error:
+            return self._fail(context, error, pb.ListWorkersResponse())
+
+    async def _abort(self, request_id: str) -> bool:
+        """Abort through this replica's router; else ask every worker (another router replica
+        may hold the stream, and each worker knows its own requests)."""
+        if await self.core.abort(request_id):
+            return True
+        alive = [w for w in self.core.workers.values() if w.alive]
+        results = await asyncio.gather(
+            *(
+                asyncio.wait_for(w.handle.abort.remote(request_id), self.core.config.rpc_timeout_s)
+                for w in alive
+            ),
+            return_exceptions=True,
+        )
+        return any(result is True for result in results)
+
+    # --------------------------------------------------------------- Health
+    async def check(self, request: health_pb2.HealthCheckRequest, context: Any) -> Any:
+        if request.service not in HEALTH_SERVICES:
+            context.set_code(grpc.StatusCode.NOT_FOUND)
+            context.set_details(f"service: unknown service {request.service!r}")
+            return health_pb2.HealthCheckResponse()
+        return health_pb2.HealthCheckResponse(status=await self.serving_status())
+
+    async def watch(self, request: health_pb2.HealthCheckRequest, context: Any) -> AsyncIterator:
+        """The status now, then each change (checked every second) until the client leaves."""
+        if request.service not in HEALTH_SERVICES:
+            yield health_pb2.HealthCheckResponse(
+                status=health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+            )
+            return
+        last = None
+        while True:
+            status = await self.serving_status()
+            if status != last:
+                yield health_pb2.HealthCheckResponse(status=status)
+                last = status
+            await asyncio.sleep(WATCH_INTERVAL_S)
+
+    async def serving_status(self) -> int:
+        """SERVING once the workers are up and at least one is alive."""
+        try:
+            await asyncio.wait_for(self.core.start(), HEALTH_WAIT_S)
+        except (TimeoutError, NoWorkerAvailable, *WORKER_LOST_ERRORS):
+            return NOT_SERVING
+        return SERVING if any(w.alive for w in self.core.workers.values()) else NOT_SERVING
+
+    # --------------------------------------------------------------- errors
+    def _admit(self, request: Any, context: Any) -> None:
+        """Auth first (so a stranger learns nothing about the request), then well-formedness."""
+        self.auth.check_metadata(context.invocation_metadata())
+        if isinstance(request, MalformedRequest):
+            raise ApiError.invalid(request.message, request.param)
+
+    def _fail(self, context: Any, error: Exception, empty: Any) -> Any:
+        """Set the status for `error` on the context and return `empty`; bugs re-raise."""
+        api_error = as_api_error(error)
+        if api_error is None:
+            raise error
+        if api_error.code is ErrorCode.INTERNAL:
+            logger.error("request failed: %s", api_error.message)
+        context.set_code(getattr(grpc.StatusCode, api_error.code.value))
+        context.set_details(api_error.message)
+        return empty
+
+
+def _raise_on_engine_error(completions: list) -> None:
+    for completion in completions:
+        if completion.error:
+            raise ApiError(ErrorCode.INTERNAL, completion.error)

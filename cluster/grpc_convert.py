@@ -1,0 +1,183 @@
+"""Conversions between `pagedserve.v1` messages and the router's own types."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedserve.cluster.api_common import CompletionCollector, sampling_params
+from pagedserve.cluster.api_errors import ApiError
+from pagedserve.cluster.router import GenerateRequest
+from pagedserve.cluster.worker_state import WorkerState
+from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
+from pagedserve.workers.outputs import RequestMetrics
+from pagedserve.workers.stream import StreamDelta, Usage
+
+# Sampling fields declared `optional`: unset means the SamplingParams default, not zero.
+_OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n")
+_KV_FIELDS = tuple(f.name for f in pb.KVUsage.DESCRIPTOR.fields)
+
+
+# ------------------------------------------------------------------ requests
+def request_from_proto(message: pb.GenerateRequest) -> GenerateRequest:
+    """The router's request for a `GenerateRequest`; raises `ApiError` naming a bad field."""
+    if message.prompt and message.prompt_token_ids:
+        raise ApiError.invalid("prompt: set prompt or prompt_token_ids, not both", "prompt")
+    if not message.prompt and not message.prompt_token_ids:
+        raise ApiError.invalid("prompt is empty: set prompt or prompt_token_ids", "prompt")
+    if message.timeout_s < 0:
+        raise ApiError.invalid(f"timeout_s must be >= 0, got {message.timeout_s}")
+    return GenerateRequest(
+        params=params_from_proto(message.sampling),
+        prompt=message.prompt or None,
+        prompt_token_ids=list(message.prompt_token_ids) or None,
+        request_id=message.request_id or None,
+        priority=message.priority,
+        cache_salt=message.cache_salt or None,
+        timeout_s=message.timeout_s or None,
+    )
+
+
+def params_from_proto(message: pb.SamplingParams) -> Any:
+    kwargs: dict[str, Any] = {
+        name: getattr(message, name) for name in _OPTIONAL_SAMPLING if message.HasField(name)
+    }
+    return sampling_params(
+        **kwargs,
+        stop=list(message.stop),
+        stop_token_ids=list(message.stop_token_ids),
+        ignore_eos=message.ignore_eos,
+        min_tokens=message.min_tokens,
+        include_stop_str_in_output=message.include_stop_str_in_output,
+    )
+
+
+# ----------------------------------------------------------------- responses
+def delta_to_proto(delta: StreamDelta) -> pb.GenerateStreamResponse:
+    message = pb.GenerateStreamResponse(
+        request_id=delta.request_id,
+        index=delta.index,
+        text=delta.text,
+        token_ids=delta.token_ids,
+        finish_reason=delta.finish_reason or "",
+        worker_id=delta.worker_id or "",
+    )
+    _set_stop_reason(message, delta.stop_reason)
+    if delta.usage is not None:
+        message.usage.CopyFrom(usage_to_proto(delta.usage))
+    if delta.metrics is not None:
+        message.metrics.CopyFrom(metrics_to_proto(delta.metrics))
+    return message
+
+
+def response_to_proto(collector: CompletionCollector) -> pb.GenerateResponse:
+    message = pb.GenerateResponse(
+        request_id=collector.request_id,
+        usage=usage_to_proto(collector.usage()),
+        worker_id=collector.worker_id,
+    )
+    for result in collector.completions:
+        completion = message.completions.add(
+            index=result.index,
+            text=result.text,
+            token_ids=result.token_ids,
+            finish_reason=result.finish_reason or "",
+        )
+        _set_stop_reason(completion, result.stop_reason)
+        if result.usage is not None:
+            completion.usage.CopyFrom(usage_to_proto(result.usage))
+    first = collector.completions[0].metrics if collector.results else None
+    if first is not None:
+        message.metrics.CopyFrom(metrics_to_proto(first))
+    return message
+
+
+def usage_to_proto(usage: Usage) -> pb.Usage:
+    return pb.Usage(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        cached_tokens=usage.cached_tokens,
+    )
+
+
+def metrics_to_proto(metrics: RequestMetrics) -> pb.Metrics:
+    return pb.Metrics(
+        queue_time_s=metrics.queue_time or 0.0,
+        ttft_s=metrics.ttft or 0.0,
+        tpot_s=metrics.tpot or 0.0,
+        e2e_s=metrics.e2e or 0.0,
+        num_preemptions=metrics.num_preemptions,
+    )
+
+
+def _set_stop_reason(message: Any, stop_reason: str | int | None) -> None:
+    if isinstance(stop_reason, str):
+        message.stop_string = stop_reason
+    elif isinstance(stop_reason, int):
+        message.stop_token_id = stop_reason
+
+
+# --------------------------------------------------------------------- state
+def stats_to_proto(stats: dict[str, Any]) -> pb.GetStatsResponse:
+    """`GetStatsResponse` from `RouterCore.cluster_stats()`; missing numbers read as 0."""
+    counters = {key: int(value) for key, value in stats.get("router", {}).items()}
+    message = pb.GetStatsResponse(
+        routing_policy=stats.get("policy", ""), router_counters=counters
+    )
+    for worker_id, worker in sorted(stats.get("workers", {}).items()):
+        message.workers.append(_worker_stats(worker_id, worker))
+    alive = [w for w in message.workers if w.alive]
+    for name in _KV_FIELDS:
+        setattr(message.kv, name, sum(getattr(w.kv, name) for w in alive))
+    message.kv.block_size = alive[0].kv.block_size if alive else 0
+    queries = message.kv.prefix_queries_tokens
+    message.prefix_hit_rate = message.kv.prefix_hits_tokens / queries if queries else 0.0
+    message.num_waiting = sum(w.num_waiting for w in alive)
+    message.num_running = sum(w.num_running for w in alive)
+    message.num_alive_workers = len(alive)
+    message.migrations.pulls = counters.get("migrations.pull", 0)
+    message.migrations.pulled_blocks = counters.get("migrations.pull_blocks", 0)
+    message.migrations.blocks_imported = sum(w.blocks_imported for w in message.workers)
+    message.migrations.blocks_exported = sum(w.blocks_exported for w in message.workers)
+    index = stats.get("index") or {}
+    message.index.entries = index.get("entries", 0)
+    message.index.max_entries = index.get("max_entries", 0) or 0
+    message.index.worker_blocks.update(index.get("workers", {}))
+    message.index.stale_workers.extend(index.get("stale_workers", []))
+    message.index.resyncs = index.get("resyncs", 0)
+    message.index.events_applied = index.get("events_applied", 0)
+    return message
+
+
+def _worker_stats(worker_id: str, stats: dict[str, Any]) -> pb.WorkerStats:
+    kv = stats.get("kv", {})
+    return pb.WorkerStats(
+        worker_id=worker_id,
+        alive=bool(stats.get("alive")),
+        inflight=stats.get("inflight", 0),
+        kv=pb.KVUsage(**{name: int(kv.get(name, 0)) for name in _KV_FIELDS}),
+        prefix_hit_rate=float(stats.get("prefix_hit_rate", 0.0)),
+        num_waiting=stats.get("num_waiting", 0),
+        num_running=stats.get("num_running", 0),
+        num_swapped=stats.get("num_swapped", 0),
+        num_steps=stats.get("num_steps", 0),
+        events_published=stats.get("events_published", 0),
+        blocks_imported=stats.get("blocks_imported", 0),
+        blocks_exported=stats.get("blocks_exported", 0),
+    )
+
+
+def workers_to_proto(workers: list[WorkerState]) -> pb.ListWorkersResponse:
+    message = pb.ListWorkersResponse()
+    for worker in sorted(workers, key=lambda w: w.worker_id):
+        info = worker.info
+        message.workers.add(
+            worker_id=worker.worker_id,
+            alive=worker.alive,
+            model=info.get("model", ""),
+            block_size=info.get("block_size", 0),
+            vocab_size=info.get("vocab_size", 0),
+            max_model_len=info.get("max_model_len", 0),
+            num_blocks=info.get("num_blocks", 0),
+            epoch=info.get("epoch", ""),
+        )
+    return message

@@ -1,0 +1,356 @@
+"""The OpenAI-compatible HTTP front end: `/v1/models`, `/v1/completions`, `/v1/chat/completions`.
+
+Served by the `Router` deployment through Serve's HTTP proxy (a FastAPI ingress). Errors follow
+the gRPC rules (see `api_errors`) as OpenAI-style JSON: `{"error": {"message", "type", "param",
+"code"}}`, `code` being the gRPC status name in lower case. A streamed response checks the
+request and waits for its first delta before sending the 200, so a bad request still gets its
+status; a failure after that arrives as an `{"error": ...}` event before `[DONE]`. A client that
+disconnects cancels the request, which frees its blocks on the worker.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from pagedserve.cluster.api_common import (
+    CompletionCollector,
+    find_malformed_text,
+    merge_streams,
+    new_request_id,
+    sampling_params,
+    total_usage,
+)
+from pagedserve.cluster.api_errors import (
+    HTTP_STATUS,
+    OPENAI_ERROR_TYPE,
+    ApiError,
+    ErrorCode,
+    as_api_error,
+)
+from pagedserve.cluster.auth import TokenAuth
+from pagedserve.cluster.openai_models import (
+    ChatCompletionBody,
+    ChatMessage,
+    CompletionBody,
+    parse_body,
+)
+from pagedserve.cluster.router import GenerateRequest, RouterCore
+from pagedserve.workers.stream import StreamDelta, Usage
+
+logger = logging.getLogger(__name__)
+OWNER = "pagedserve"
+
+
+class OpenAIFrontend:
+    """Serves the OpenAI routes from a `RouterCore`.
+
+    Args:
+        core: the router.
+        auth: the token check (a no-op when auth is off).
+        model_name: the model id clients must name.
+    """
+
+    def __init__(self, core: RouterCore, auth: TokenAuth, model_name: str) -> None:
+        self.core = core
+        self.auth = auth
+        self.model_name = model_name
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------ routes
+    async def models(self, request: Request) -> Response:
+        try:
+            self.auth.check(request.headers.get("authorization"))
+        except ApiError as error:
+            return error_response(error)
+        card = {"id": self.model_name, "object": "model", "created": self.created}
+        return JSONResponse({"object": "list", "data": [{**card, "owned_by": OWNER}]})
+
+    async def completions(self, request: Request) -> Response:
+        try:
+            body = await self._read(request, CompletionBody)
+            prompts = body.prompts()
+            base_id = body.request_id or new_request_id("cmpl-")
+            requests = [
+                await self._request(body, prompt, body.max_tokens, _batch_id(base_id, i, prompts))
+                for i, prompt in enumerate(prompts)
+            ]
+        except Exception as error:
+            return _error_or_raise(error)
+        chunks = CompletionChunks(base_id, self.created, self.model_name, body.n)
+        return await self._respond(requests, body.stream, body.include_usage, chunks)
+
+    async def chat_completions(self, request: Request) -> Response:
+        try:
+            body = await self._read(request, ChatCompletionBody)
+            prompt = render_chat(body.messages, self.core.tokenizer)
+            base_id = body.request_id or new_request_id("chatcmpl-")
+            requests = [await self._request(body, prompt, body.max_output_tokens(), base_id)]
+        except Exception as error:
+            return _error_or_raise(error)
+        chunks = ChatChunks(base_id, self.created, self.model_name, body.n)
+        return await self._respond(requests, body.stream, body.include_usage, chunks)
+
+    # -------------------------------------------------------------- plumbing
+    async def _read(self, request: Request, model: type) -> Any:
+        """Auth, then the body: JSON, valid text, known fields, the served model."""
+        self.auth.check(request.headers.get("authorization"))
+        raw = await request.body()
+        try:
+            # surrogateescape keeps invalid UTF-8 bytes as lone surrogates, found just below.
+            data = json.loads(raw.decode("utf-8", "surrogateescape"))
+        except json.JSONDecodeError as error:
+            raise ApiError.invalid(f"the request body is not valid JSON: {error}") from None
+        bad = find_malformed_text(data, "")
+        if bad is not None:
+            raise ApiError.invalid(f"{bad} is not valid UTF-8", bad)
+        body = parse_body(model, data)
+        if body.model != self.model_name:
+            raise ApiError(
+                ErrorCode.NOT_FOUND,
+                f"model: {body.model!r} is not served here (GET /v1/models: {self.model_name!r})",
+                "model",
+            )
+        return body
+
+    async def _request(
+        self, body: Any, prompt: str | list[int], max_tokens: int | None, request_id: str
+    ) -> GenerateRequest:
+        if max_tokens is None:
+            max_tokens = await self._room_for(prompt)
+        return GenerateRequest(
+            params=sampling_params(max_tokens=max_tokens, **body.sampling_kwargs()),
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=None if isinstance(prompt, str) else list(prompt),
+            request_id=request_id,
+            priority=body.priority,
+            cache_salt=body.cache_salt,
+        )
+
+    async def _room_for(self, prompt: str | list[int]) -> int:
+        """Default max_tokens: what fits after the prompt in the smallest worker's context and
+        KV pool (at least 1, so an over-long prompt gets the worker's own error)."""
+        await self.core.start()
+        tokenizer = self.core.tokenizer
+        if isinstance(prompt, str):
+            if tokenizer is None:
+                return 1  # the router refuses text without a tokenizer, naming the problem
+            prompt_len = len(tokenizer.encode(prompt))
+        else:
+            prompt_len = len(prompt)
+        capacities = [
+            min(
+                w.info["max_model_len"],
+                (w.info["num_blocks"] - w.stats.get("kv", {}).get("reserve_blocks", 0))
+                * w.info["block_size"],
+            )
+            for w in self.core.workers.values()
+            if w.alive
+        ]
+        return max(1, min(capacities, default=1) - prompt_len)
+
+    async def _respond(
+        self, requests: list[GenerateRequest], stream: bool, include_usage: bool, chunks: Any
+    ) -> Response:
+        merged = merge_streams([self.core.generate(r) for r in requests])
+        try:
+            first = await anext(merged)
+        except Exception as error:
+            return _error_or_raise(error)
+        if not stream:
+            collectors = [CompletionCollector() for _ in requests]
+            collectors[first[0]].add(first[1])
+            try:
+                async for i, delta in merged:
+                    collectors[i].add(delta)
+            except Exception as error:
+                return _error_or_raise(error)
+            return JSONResponse(chunks.whole(collectors))
+        events = _sse(first, merged, chunks, include_usage)
+        return StreamingResponse(events, media_type="text/event-stream")
+
+
+# ------------------------------------------------------------------- chunks
+class CompletionChunks:
+    """Builds `text_completion` bodies and stream chunks; choice = prompt index * n + branch."""
+
+    object_name = "text_completion"
+
+    def __init__(self, request_id: str, created: int, model: str, n: int) -> None:
+        self.head = {"id": request_id, "object": self.object_name, "created": created}
+        self.model = model
+        self.n = n
+
+    def choice_index(self, prompt_index: int, branch: int) -> int:
+        return prompt_index * self.n + branch
+
+    def start(self) -> list[dict[str, Any]]:
+        return []
+
+    def chunk(self, index: int, delta: StreamDelta) -> dict[str, Any]:
+        choice = {"index": index, "text": delta.text, "logprobs": None}
+        return self._wrap([{**choice, "finish_reason": delta.finish_reason}])
+
+    def whole(self, collectors: list[CompletionCollector]) -> dict[str, Any]:
+        choices = [
+            {
+                "index": self.choice_index(i, c.index),
+                **self.content(c.text),
+                "logprobs": None,
+                "finish_reason": c.finish_reason,
+            }
+            for i, collector in enumerate(collectors)
+            for c in collector.completions
+        ]
+        usage = sum_usage([total_usage(collector.completions) for collector in collectors])
+        return {**self.head, "model": self.model, "choices": choices, "usage": usage_json(usage)}
+
+    def content(self, text: str) -> dict[str, Any]:
+        return {"text": text}
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        return {**self._wrap([]), "usage": usage_json(usage)}
+
+    def _wrap(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {**self.head, "model": self.model, "choices": choices}
+
+
+class ChatChunks(CompletionChunks):
+    """Builds `chat.completion` bodies and `chat.completion.chunk` stream chunks."""
+
+    object_name = "chat.completion"
+
+    def __init__(self, request_id: str, created: int, model: str, n: int) -> None:
+        super().__init__(request_id, created, model, n)
+        self.chunk_head = {**self.head, "object": "chat.completion.chunk"}
+
+    def start(self) -> list[dict[str, Any]]:
+        role = {"role": "assistant", "content": ""}
+        return [
+            self._wrap([{"index": j, "delta": role, "logprobs": None, "finish_reason": None}])
+            for j in range(self.n)
+        ]
+
+    def chunk(self, index: int, delta: StreamDelta) -> dict[str, Any]:
+        content = {"content": delta.text} if delta.text else {}
+        choice = {"index": index, "delta": content, "logprobs": None}
+        return self._wrap([{**choice, "finish_reason": delta.finish_reason}])
+
+    def content(self, text: str) -> dict[str, Any]:
+        return {"message": {"role": "assistant", "content": text}}
+
+    def _wrap(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {**self.chunk_head, "model": self.model, "choices": choices}
+
+
+async def _sse(
+    first: tuple[int, StreamDelta],
+    rest: AsyncIterator[tuple[int, StreamDelta]],
+    chunks: CompletionChunks,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    """Server-sent events: the chunks, then usage if asked for, then `[DONE]`."""
+    usages: dict[tuple[int, int], Usage] = {}
+    extra = {"usage": None} if include_usage else {}
+
+    def event(i: int, delta: StreamDelta) -> str:
+        if delta.usage is not None:
+            usages[(i, delta.index)] = delta.usage
+        return _data({**chunks.chunk(chunks.choice_index(i, delta.index), delta), **extra})
+
+    for start in chunks.start():
+        yield _data({**start, **extra})
+    yield event(*first)
+    try:
+        async for i, delta in rest:
+            yield event(i, delta)
+            if delta.error:
+                raise ApiError(ErrorCode.INTERNAL, delta.error)
+    except Exception as error:
+        api_error = as_api_error(error)
+        if api_error is None:
+            logger.exception("stream failed")
+            api_error = ApiError(ErrorCode.INTERNAL, f"internal error: {error}")
+        yield _data(error_json(api_error))
+    else:
+        if include_usage:
+            per_prompt = _usage_per_prompt(usages)
+            yield _data(chunks.usage_chunk(sum_usage(per_prompt)))
+    yield "data: [DONE]\n\n"
+
+
+# ------------------------------------------------------------------ helpers
+def render_chat(messages: list[ChatMessage], tokenizer: Any) -> str:
+    """The prompt for a chat: the model's chat template when it has one, else a plain one
+    (`<|role|>` lines, then `<|assistant|>`), which is what the byte-level tiny-llama gets."""
+    hf = getattr(tokenizer, "hf_tokenizer", None)
+    turns = [{"role": m.role, "content": m.text()} for m in messages]
+    if hf is not None and getattr(hf, "chat_template", None):
+        return hf.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    return "".join(f"<|{t['role']}|>\n{t['content']}\n" for t in turns) + "<|assistant|>\n"
+
+
+def usage_json(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def sum_usage(usages: list[Usage]) -> Usage:
+    return Usage(
+        sum(u.prompt_tokens for u in usages),
+        sum(u.completion_tokens for u in usages),
+        sum(u.cached_tokens for u in usages),
+    )
+
+
+def _usage_per_prompt(usages: dict[tuple[int, int], Usage]) -> list[Usage]:
+    """Per prompt: prompt tokens once, completion tokens over its branches."""
+    prompts: dict[int, list[Usage]] = {}
+    for (i, _), usage in sorted(usages.items()):
+        prompts.setdefault(i, []).append(usage)
+    return [
+        Usage(u[0].prompt_tokens, sum(x.completion_tokens for x in u), u[0].cached_tokens)
+        for u in prompts.values()
+    ]
+
+
+def error_json(error: ApiError) -> dict[str, Any]:
+    param = "prompt" if error.param == "prompt_token_ids" else error.param
+    return {
+        "error": {
+            "message": error.message,
+            "type": OPENAI_ERROR_TYPE[error.code],
+            "param": param,
+            "code": error.code.value.lower(),
+        }
+    }
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    headers = {"www-authenticate": "Bearer"} if error.code is ErrorCode.UNAUTHENTICATED else None
+    return JSONResponse(error_json(error), status_code=HTTP_STATUS[error.code], headers=headers)
+
+
+def _error_or_raise(error: Exception) -> JSONResponse:
+    api_error = as_api_error(error)
+    if api_error is None:
+        raise error
+    return error_response(api_error)
+
+
+def _batch_id(base: str, i: int, prompts: list) -> str:
+    return base if len(prompts) == 1 else f"{base}-{i}"
+
+
+def _data(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

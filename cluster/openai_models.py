@@ -1,0 +1,165 @@
+"""Request bodies of the OpenAI-compatible HTTP API (the subset pagedserve serves).
+
+Fields are typed strictly and unknown fields are refused, so a client learns at once that a
+parameter it relies on does nothing here. The extra sampling fields vLLM users know (`top_k`,
+`ignore_eos`, `min_tokens`, `stop_token_ids`, ...) and the cluster's own (`priority`,
+`cache_salt`, `request_id`) are accepted as top-level fields (the openai client's `extra_body`).
+Ranges are checked by `SamplingParams`, the one place that knows them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from pagedserve.cluster.api_errors import ApiError
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Body):
+    """Fields shared by completions and chat completions."""
+
+    model: str
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted and ignored, as OpenAI does with it
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM-style extras
+    top_k: int | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    # cluster extras
+    priority: int = 0
+    cache_salt: str | None = None
+    request_id: str | None = None
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalties(cls, value: float) -> float:
+        if value != 0:
+            raise ValueError("penalties are not supported; leave it at 0")
+        return value
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `SamplingParams` (None means "its default")."""
+        kwargs: dict[str, Any] = {
+            "n": self.n,
+            "stop": self.stop,
+            "seed": self.seed,
+            "min_tokens": self.min_tokens,
+            "ignore_eos": self.ignore_eos,
+            "stop_token_ids": self.stop_token_ids,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+        }
+        for name in ("temperature", "top_p", "top_k"):
+            if getattr(self, name) is not None:
+                kwargs[name] = getattr(self, name)
+        return kwargs
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionBody(_SamplingFields):
+    """`POST /v1/completions`: one prompt (text or token ids) or a batch of them."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: Literal[False] = False
+    logprobs: None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: each item a text or a token-id list."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        if not prompt:
+            raise ApiError.invalid("prompt is empty", "prompt")
+        return list(prompt)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionBody(_SamplingFields):
+    """`POST /v1/chat/completions`."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: Literal[False] | None = None
+
+    def max_output_tokens(self) -> int | None:
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else (self.max_tokens)
+        )
+
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def parse_body(model: type[Body], data: Any) -> Body:
+    """Validate `data` as `model`; the first problem becomes an INVALID_ARGUMENT naming it."""
+    if not isinstance(data, dict):
+        raise ApiError.invalid("the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        first = error.errors()[0]
+        param = _loc_path(first["loc"])
+        if first["type"] == "extra_forbidden":
+            message = f"{param}: unknown or unsupported field"
+        elif first["type"] == "missing":
+            message = f"{param}: field required"
+        else:
+            message = f"{param}: {first['msg']}"
+        raise ApiError.invalid(message, param) from None
+
+
+def _loc_path(loc: tuple[Any, ...]) -> str:
+    """("messages", 0, "content") → "messages[0].content"; union branch names dropped."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif not path:
+            path = str(part)
+        elif "[" in str(part) or str(part) in ("str", "int", "list", "function-after"):
+            continue  # pydantic names union members ("list[int]") in the location
+        else:
+            path += f".{part}"
+    return path

@@ -1,0 +1,79 @@
+"""A running pagedserve app for API tests: Ray, Serve's HTTP and gRPC proxies, two workers."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray import serve
+
+from pagedserve.cluster.app import build_app
+from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.serve_options import grpc_options
+from pagedserve.cluster.worker_group import stop_worker_group
+
+# 127 usable blocks of 8 tokens (one kept in reserve): prompt + max_tokens > 1016 never fits,
+# while tiny-llama's context is 2048, so the two refusals can be told apart.
+ENGINE = {"num_kv_blocks": 128, "block_size": 8, "attention_backend": "torch"}
+POOL_TOKENS = 127 * 8
+CONTEXT = 2048
+VOCAB = 259
+
+
+@dataclass(frozen=True)
+class RunningApp:
+    name: str
+    http_port: int
+    grpc_port: int
+
+    @property
+    def grpc_address(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_app(name: str, **api: Any) -> Iterator[RunningApp]:
+    """Start a fresh local Ray (never another session's), Serve and the app; tear all down."""
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address="local", num_cpus=4, include_dashboard=False)
+    cluster = {"engine": ENGINE, "num_workers": 2, "name": name, "stats_interval_s": 0.1}
+    app = RunningApp(name, free_port(), free_port())
+    try:
+        serve.start(
+            http_options={"host": "127.0.0.1", "port": app.http_port},
+            grpc_options=grpc_options(app.grpc_port),
+        )
+        serve.run(build_app({**cluster, **api}), name=name, route_prefix="/")
+        yield app
+    finally:
+        serve.shutdown()
+        stop_worker_group(ClusterConfig.from_dict(cluster))
+        ray.shutdown()
+
+
+def wait_until(condition: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    """Poll `condition` until it returns something truthy; fail after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = condition()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.05)
