@@ -13,9 +13,10 @@ The one `Router` deployment is the ingress of both Serve proxies:
   OpenAI-compatible routes through `OpenAIFrontend`. The FastAPI ingress adds `__call__` for
   HTTP only; the gRPC methods dispatch by name exactly as without it.
 - Python: `handle.options(stream=True).generate.remote(GenerateRequest)`, `abort`, `stats`.
-"""
 
-from __future__ import annotations
+No `from __future__ import annotations` here: Serve pickles `Router` by value, and FastAPI must
+resolve the route annotations (`Request`) when the replica rebuilds the class.
+"""
 
 from collections.abc import AsyncIterator
 from typing import Any
@@ -35,6 +36,12 @@ from pagedserve.cluster.worker_group import start_worker_group
 from pagedserve.workers.stream import StreamDelta
 
 http_app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None)
+
+
+# Defined before `Router`: Serve pickles the class (by value) as soon as it is decorated.
+def served_model_name(config: ClusterConfig, api: ApiConfig) -> str:
+    """The model id of the OpenAI API: the configured name, else the engine's model."""
+    return api.served_model_name or config.engine.model or "tiny-llama"
 
 
 @serve.deployment(name="Router", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
@@ -115,11 +122,6 @@ class Router:
         serving = await self.grpc.serving_status() == SERVING
         body = {"status": "ok" if serving else "unavailable"}
         return JSONResponse(body, status_code=200 if serving else 503)
-
-
-def served_model_name(config: ClusterConfig, api: ApiConfig) -> str:
-    """The model id of the OpenAI API: the configured name, else the engine's model."""
-    return api.served_model_name or config.engine.model or "tiny-llama"
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:

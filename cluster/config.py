@@ -29,6 +29,11 @@ class ClusterConfig:
         pull_min_blocks: pull only when the holder has at least this many more blocks (below
             it, recomputing is cheaper than the transfer; see `pagedserve bench pull`).
         pull_timeout_s: deadline of one pull; past it the request prefills as usual.
+        enable_push: let a worker under eviction pressure hand cached blocks that no other
+            worker holds to the worker with the most free blocks, instead of dropping them.
+        push_free_fraction: "under pressure" means fewer uncached free blocks than this
+            fraction of the pool, with cached blocks about to be evicted.
+        push_max_chains: prefix chains pushed per worker per poll.
         stats_interval_s: how often the router refreshes each worker's load.
         rpc_timeout_s: deadline of every control call (stats, index, abort).
         startup_timeout_s: how long the router waits for workers to load their model.
@@ -47,6 +52,9 @@ class ClusterConfig:
     enable_pull: bool = True
     pull_min_blocks: int = 4
     pull_timeout_s: float = 5.0
+    enable_push: bool = True
+    push_free_fraction: float = 0.1
+    push_max_chains: int = 4
     stats_interval_s: float = 0.25
     rpc_timeout_s: float = 10.0
     startup_timeout_s: float = 300.0

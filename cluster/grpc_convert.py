@@ -120,9 +120,7 @@ def _set_stop_reason(message: Any, stop_reason: str | int | None) -> None:
 def stats_to_proto(stats: dict[str, Any]) -> pb.GetStatsResponse:
     """`GetStatsResponse` from `RouterCore.cluster_stats()`; missing numbers read as 0."""
     counters = {key: int(value) for key, value in stats.get("router", {}).items()}
-    message = pb.GetStatsResponse(
-        routing_policy=stats.get("policy", ""), router_counters=counters
-    )
+    message = pb.GetStatsResponse(routing_policy=stats.get("policy", ""), router_counters=counters)
     for worker_id, worker in sorted(stats.get("workers", {}).items()):
         message.workers.append(_worker_stats(worker_id, worker))
     alive = [w for w in message.workers if w.alive]

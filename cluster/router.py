@@ -55,6 +55,21 @@ class GenerateRequest:
     timeout_s: float | None = None
 
 
+@dataclasses.dataclass
+class _Attempt:
+    """One leg of a request: a fresh start, a replay of one branch, or a moved continuation."""
+
+    branch: int | None  # the client's branch index this leg serves (None: all of them)
+    prompt: list[int] | None = None
+    params: SamplingParams | None = None
+    handoff: Any = None
+    source: str | None = None
+
+
+def params_left(handoff) -> int:
+    return handoff.params.max_tokens - len(handoff.output_token_ids)
+
+
 class RouterCore:
     """Owns the routing policy, the view of every worker and the requests in flight.
 
@@ -125,6 +140,37 @@ class RouterCore:
         if not worker.alive or stats["epoch"] != worker.info.get("epoch"):
             await self._revive(worker)  # restarted by Ray: start its loop, rejoin the index
         worker.stats = stats
+        if self.config.enable_push and worker.alive and self._under_pressure(stats):
+            await self._push(worker)
+
+    def _under_pressure(self, stats: dict[str, Any]) -> bool:
+        kv = stats["kv"]
+        low_water = self.config.push_free_fraction * kv["total_blocks"]
+        return kv["free_blocks"] < low_water and kv["cached_free_blocks"] > 0
+
+    async def _push(self, source: WorkerState) -> None:
+        """Hand the cached prefixes `source` is about to evict, and no one else holds, to the
+        alive worker with the most free blocks; the receiver's events put it in the index."""
+        targets = [w for w in self.workers.values() if w.alive and w is not source]
+        if not targets:
+            return
+        target = max(targets, key=lambda w: (w.load().free_blocks, w.worker_id))
+        timeout = self.config.rpc_timeout_s
+        try:
+            chains = await asyncio.wait_for(
+                source.handle.push_candidates.remote(self.config.push_max_chains), timeout
+            )
+            for chain in chains:
+                matches = await asyncio.wait_for(self.index.match.remote(chain), timeout)
+                if any(n == len(chain) for wid, n in matches.items() if wid != source.worker_id):
+                    continue  # someone else holds it already
+                pushed = await target.handle.pull_prefix.remote(
+                    source.handle, chain, self.config.pull_timeout_s
+                )
+                self.counters["migrations.push"] += 1 if pushed else 0
+                self.counters["migrations.push_blocks"] += pushed
+        except (*WORKER_LOST_ERRORS, TimeoutError):
+            logger.warning("push from %s failed", source.worker_id, exc_info=True)
 
     async def _drop(self, worker: WorkerState) -> None:
         """Take a dead worker out of routing and its entries out of the index at once."""
@@ -201,7 +247,11 @@ class RouterCore:
 
     # ------------------------------------------------------------ requests
     async def generate(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
-        """Stream a request's deltas from the worker chosen for it (and a peer on failure)."""
+        """Stream a request's deltas from the worker chosen for it.
+
+        The stream survives a worker moving the request to a peer (`moved` deltas are followed,
+        never shown) and, by config, the worker dying (unfinished branches replay on a peer).
+        """
         await self.start()
         token_ids = self._tokenize(request)
         request_id = request.request_id or uuid.uuid4().hex
@@ -209,15 +259,18 @@ class RouterCore:
             raise RequestRejected(f"request_id {request_id!r} is already in flight")
         emitted: dict[int, list[int]] = {j: [] for j in range(request.params.n)}
         finished: set[int] = set()
-        plan = [(None, token_ids, request.params)]  # (branch index or None for all, prompt, params)
+        plan = [_Attempt(None, token_ids, request.params)]
         try:
             while plan:
-                branch, prompt, params = plan.pop(0)
-                worker, _ = await self.route(prompt, request.cache_salt)
+                attempt = plan.pop(0)
                 try:
-                    async for delta in self._stream(worker, request_id, prompt, params, request):
-                        if branch is not None:
-                            delta.index = branch
+                    async for delta in self._attempt(attempt, request_id, request):
+                        if delta.finish_reason == "moved":
+                            plan.append(
+                                _Attempt(delta.index, handoff=delta.handoff, source=delta.worker_id)
+                            )
+                            self.counters["migrations.move"] += 1
+                            continue
                         emitted[delta.index].extend(delta.token_ids)
                         if delta.finish_reason is not None:
                             finished.add(delta.index)
@@ -227,7 +280,41 @@ class RouterCore:
         finally:
             self._active.pop(request_id, None)
 
-    def _replay_plan(self, request, token_ids, emitted, finished) -> list:
+    async def _attempt(
+        self, attempt: _Attempt, request_id: str, request: GenerateRequest
+    ) -> AsyncIterator[StreamDelta]:
+        params = attempt.params
+        if attempt.handoff is not None:
+            worker = self._peer_for(attempt.source)
+            start = lambda: worker.handle.adopt.remote(attempt.handoff)  # noqa: E731
+            demand = len(attempt.handoff.all_token_ids) + params_left(attempt.handoff)
+            num_branches = 1
+        else:
+            worker, _ = await self.route(attempt.prompt, request.cache_salt)
+            start = lambda: worker.handle.generate.remote(  # noqa: E731
+                request_id,
+                attempt.prompt,
+                params,
+                request.priority,
+                request.cache_salt,
+                request.timeout_s,
+            )
+            demand = len(attempt.prompt) + params.max_tokens * params.n
+            num_branches = params.n
+        async for delta in self._stream(worker, request_id, start, demand, num_branches):
+            if attempt.branch is not None:
+                delta.index = attempt.branch
+            yield delta
+
+    def _peer_for(self, source: str | None) -> WorkerState:
+        """Where a moved request goes: the least loaded alive worker other than its source."""
+        alive = [w for w in self.workers.values() if w.alive]
+        if not alive:
+            raise NoWorkerAvailable("no worker is alive to continue a moved request")
+        others = [w for w in alive if w.worker_id != source] or alive
+        return min(others, key=lambda w: (w.load().num_requests, w.load().used_blocks, w.worker_id))
+
+    def _replay_plan(self, request, token_ids, emitted, finished) -> list[_Attempt]:
         if self.config.on_worker_failure == "fail":
             raise NoWorkerAvailable("the worker serving this request died")
         self.counters["replays"] += 1
@@ -240,23 +327,16 @@ class RouterCore:
                 max_tokens=params.max_tokens - len(done),
                 min_tokens=max(0, params.min_tokens - len(done)),
             )
-            plan.append((j, token_ids + done, params))
+            plan.append(_Attempt(j, token_ids + done, params))
         return plan
 
     async def _stream(
-        self,
-        worker: WorkerState,
-        request_id: str,
-        prompt: list[int],
-        params: SamplingParams,
-        request: GenerateRequest,
+        self, worker: WorkerState, request_id: str, start, demand: int, num_branches: int
     ) -> AsyncIterator[StreamDelta]:
         self._active[request_id] = worker
-        worker.begin(len(prompt) + params.max_tokens * params.n)
-        stream = worker.handle.generate.remote(
-            request_id, prompt, params, request.priority, request.cache_salt, request.timeout_s
-        )
-        remaining = params.n
+        worker.begin(demand)
+        stream = start()
+        remaining = num_branches
         try:
             async for ref in stream:
                 delta = await ref
@@ -267,7 +347,7 @@ class RouterCore:
             await self._drop(worker)
             raise WorkerLost(str(error)) from error
         finally:
-            worker.end(len(prompt) + params.max_tokens * params.n)
+            worker.end(demand)
             if remaining:  # cancelled or failed: the worker must free the blocks now
                 self._cancel(stream, worker, request_id)
 

@@ -8,23 +8,35 @@ import sys
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    """`pagedserve generate` as the offline engine alone (the CLI wires the cluster's
+    `pagedserve.cluster.client_cli` instead, which runs this with `--offline`)."""
     parser = subparsers.add_parser(
         "generate", help="generate text offline with one engine (no cluster)"
     )
+    add_sampling_arguments(parser)
+    add_engine_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    """The prompts and sampling flags, shared with the cluster's `pagedserve generate`."""
     parser.add_argument("prompts", nargs="*", help="prompts (default: a few built-in ones)")
-    parser.add_argument("--model", default=None, help="tiny-llama (default) or a local HF dir")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
     parser.add_argument("-n", type=int, default=1, help="completions per prompt")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of the engine built in this process."""
+    parser.add_argument("--model", default=None, help="tiny-llama (default) or a local HF dir")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
-    parser.set_defaults(func=run)
 
 
 DEFAULT_PROMPTS = ["Paged attention stores the KV cache in blocks", "Hello, world"]

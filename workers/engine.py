@@ -22,6 +22,7 @@ from pagedserve.workers.engine_config import (
     DEFAULT_CPU_KV_CACHE_BYTES,
     EngineConfig,
 )
+from pagedserve.workers.handoff import RequestHandoff, adopt_kv
 from pagedserve.workers.kv_cache import KVCache
 from pagedserve.workers.kv_cache_manager import KVCacheManager, KVUsage
 from pagedserve.workers.model_loader import LoadedModel, load_model
@@ -50,6 +51,7 @@ class _RequestGroup:
     branches: list[Request]
     arrival: float
     deadline: float | None
+    handoff: RequestHandoff | None = None
 
     @property
     def finished(self) -> bool:
@@ -118,6 +120,7 @@ class Engine:
         self._groups: dict[str, _RequestGroup] = {}
         self._arrivals = itertools.count()
         self.num_steps = 0
+        self.num_handoffs = 0
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -166,6 +169,7 @@ class Engine:
         ]
         first, *others = branches
         first.pending_branches = others
+        first.movable = params.n == 1
         self._groups[request_id] = _RequestGroup(
             request_id, prompt_text, list(token_ids), branches, now, deadline
         )
@@ -256,6 +260,10 @@ class Engine:
         touched: dict[str, _RequestGroup] = {}
         self._expire_deadlines(touched)
         plan = self.scheduler.schedule()
+        if plan.swap_out:
+            self.kv_cache.swap_out(plan.swap_out)
+        for victim, block_ids in plan.moved:  # before anything writes into their blocks
+            self._hand_off(victim, block_ids, touched)
         if plan.scheduled:
             self.num_steps += 1
             self._move_blocks(plan)
@@ -270,9 +278,7 @@ class Engine:
                 touched[group.request_id] = group
 
     def _move_blocks(self, plan: SchedulerOutput) -> None:
-        # Order matters: swapped-out KV must leave before its blocks are written by others.
-        if plan.swap_out:
-            self.kv_cache.swap_out(plan.swap_out)
+        # Swapped-out and moved KV left in `step` already, before these writes.
         if plan.swap_in:
             self.kv_cache.swap_in(plan.swap_in)
         copies = plan.all_copies()
@@ -303,6 +309,71 @@ class Engine:
         for request, token in zip(rows, tokens, strict=True):
             self._append_token(request, token, now)
             touched[request.group_id] = self._groups[request.group_id]
+
+    def _hand_off(self, victim: Request, block_ids: list[int], touched) -> None:
+        """Pack a preempted sequence for a peer and end it here with finish reason `moved`."""
+        group = self._groups[victim.group_id]
+        packed = self.kv_cache.export_blocks(block_ids) if block_ids else None
+        now = time.monotonic()
+        group.handoff = RequestHandoff(
+            request_id=group.request_id,
+            prompt_token_ids=list(group.prompt_token_ids),
+            output_token_ids=list(victim.output_token_ids),
+            num_computed_tokens=victim.num_computed_tokens if packed is not None else 0,
+            params=victim.params,
+            priority=victim.priority,
+            cache_extra_keys=victim.cache_extra_keys,
+            block_size=self.kv.block_size,
+            packed_kv=packed,
+            generator_state=None if victim.generator is None else victim.generator.get_state(),
+            num_preemptions=victim.timings.num_preemptions,
+            deadline_remaining_s=None if group.deadline is None else group.deadline - now,
+            emitted_text_chars=len(victim.detokenizer.emitted_text) if victim.detokenizer else 0,
+        )
+        victim.finish_reason = FinishReason.MOVED
+        victim.timings.finished = now
+        touched[group.request_id] = group
+        self.num_handoffs += 1
+
+    def adopt(self, handoff: RequestHandoff) -> None:
+        """Continue a sequence a peer handed off: reuse cached blocks, write back its KV, go on.
+
+        Without room for its KV the sequence recomputes it from its tokens (same output).
+        """
+        handoff.check_compatible(self.kv.block_size, self.loaded.name)
+        if handoff.request_id in self._groups:
+            raise RequestRejected(f"request_id {handoff.request_id!r} is already in flight")
+        now = time.monotonic()
+        prompt = handoff.prompt_token_ids
+        request = self._new_branch(
+            handoff.request_id,
+            0,
+            prompt,
+            handoff.params,
+            handoff.priority,
+            handoff.cache_extra_keys,
+            None,
+            now,
+        )
+        request.all_token_ids = handoff.all_token_ids
+        request.movable = True
+        request.timings.num_preemptions = handoff.num_preemptions
+        if request.generator is not None and handoff.generator_state is not None:
+            request.generator.set_state(handoff.generator_state)
+        if request.detokenizer is not None:
+            request.detokenizer.append(handoff.output_token_ids)
+        deadline = None
+        if handoff.deadline_remaining_s is not None:
+            deadline = now + handoff.deadline_remaining_s
+        request.deadline = deadline
+        self._groups[handoff.request_id] = _RequestGroup(
+            handoff.request_id, None, list(prompt), [request], now, deadline
+        )
+        if not adopt_kv(self.kv, self.kv_cache, request, handoff):
+            self.scheduler.add(request)  # no room for its KV: recompute it from the tokens
+            return
+        request.timings.first_scheduled = now
+        self.scheduler.add_running(request)
 
     def _fork_pending(self, request: Request) -> list[Request]:
         """Once a prompt is computed, its sibling branches share its blocks (no re-prefill)."""
@@ -380,6 +451,7 @@ class Engine:
             finished=group.finished,
             num_cached_tokens=first.num_cached_tokens,
             metrics=_metrics(group),
+            handoff=group.handoff,
         )
 
     # ----------------------------------------------------------------- stats
@@ -394,6 +466,7 @@ class Engine:
             "num_running": len(self.scheduler.running),
             "num_swapped": len(self.scheduler.swapped),
             "num_steps": self.num_steps,
+            "num_handoffs": self.num_handoffs,
             "kv_cache_device_bytes": self.kv_cache.device_bytes,
             "kv_cache_swap_bytes": self.kv_cache.swap_bytes,
         }

@@ -29,7 +29,13 @@ class LLM:
     def __init__(
         self, model: str | None = None, *, loaded_model: LoadedModel | None = None, **config
     ) -> None:
-        self.engine = Engine(EngineConfig(model=model, **config), loaded=loaded_model)
+        engine_config = EngineConfig(model=model, **config)
+        if engine_config.preemption_mode == "move":
+            raise ValueError(
+                "preemption_mode='move' hands requests to peer workers and needs a cluster "
+                "(pagedserve serve); offline, use 'recompute' or 'swap'"
+            )
+        self.engine = Engine(engine_config, loaded=loaded_model)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

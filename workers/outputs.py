@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -44,3 +45,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     error: str | None = None
+    handoff: Any = None  # a RequestHandoff when the request moved to a peer

@@ -69,6 +69,8 @@ class Request:
     timings: SequenceTimings = field(default_factory=lambda: SequenceTimings(time.monotonic()))
     # Branches that will fork from this one once its prompt is computed (n > 1).
     pending_branches: list[Request] = field(default_factory=list)
+    # Whether preemption may hand this sequence to a peer (single-branch requests only).
+    movable: bool = False
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -16,6 +16,10 @@ from typing import ClassVar
 from pagedserve.workers.kv_cache_manager import KVCacheManager
 from pagedserve.workers.request import Request, RequestStatus
 
+# `move` hands the victim to a peer worker with its KV (see workers/handoff.py); only a worker
+# in a cluster can use it, and a victim that cannot move (n > 1) is recomputed instead.
+PREEMPTION_MODES = ("recompute", "swap", "move")
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -34,9 +38,9 @@ class SchedulerConfig:
             )
         if self.policy not in SchedulingPolicy.registry:
             raise ValueError(f"policy must be one of {sorted(SchedulingPolicy.registry)}")
-        if self.preemption_mode not in ("recompute", "swap"):
+        if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
-                f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
             )
 
 
@@ -78,6 +82,7 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    moved: list[tuple[Request, list[int]]] = field(default_factory=list)  # victim, its blocks
     budget: int = 0
 
     @property
@@ -164,6 +169,15 @@ class Scheduler:
         step.copies.pop(victim, None)
         step.preempted.append(victim)
         victim.timings.num_preemptions += 1
+        if self.config.preemption_mode == "move" and victim.movable:
+            # The blocks are freed now; the engine copies their KV out before this step's
+            # forward can write into them.
+            num_blocks = -(-victim.num_computed_tokens // self.kv.block_size)
+            block_ids = self.kv.get_block_ids(victim.request_id)[:num_blocks]
+            self.kv.free(victim.request_id)
+            victim.status = RequestStatus.FINISHED
+            step.moved.append((victim, block_ids))
+            return
         if self.config.preemption_mode == "swap":
             moves = self.kv.swap_out(victim.request_id)
             if moves is not None:

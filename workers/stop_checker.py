@@ -16,6 +16,7 @@ class FinishReason(StrEnum):
     ABORT = "abort"  # the client cancelled
     TIMEOUT = "timeout"  # the request's deadline passed
     ERROR = "error"  # the engine failed the request
+    MOVED = "moved"  # handed to a peer worker with its KV; the stream continues there
 
 
 def check_stop(

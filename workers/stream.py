@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedserve.workers.outputs import RequestMetrics, RequestOutput
 
@@ -28,6 +29,7 @@ class StreamDelta:
     metrics: RequestMetrics | None = None
     worker_id: str | None = None
     error: str | None = None
+    handoff: Any = None  # with finish_reason "moved": the package a peer continues from
 
 
 @dataclass
@@ -64,5 +66,6 @@ class DeltaTracker:
                 )
                 delta.metrics = output.metrics
                 delta.error = output.error
+                delta.handoff = output.handoff
             deltas.append(delta)
         return deltas

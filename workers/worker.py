@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from pagedserve.workers.block import BlockKey
 from pagedserve.workers.engine import Engine
 from pagedserve.workers.engine_config import EngineConfig
+from pagedserve.workers.handoff import RequestHandoff
 from pagedserve.workers.kv_cache_manager import PrefixTransfer
 from pagedserve.workers.kv_checks import KVInvariantError, assert_no_leaks, check_invariants
 from pagedserve.workers.kv_events import KVEvent, KVSnapshot
@@ -158,23 +159,39 @@ class WorkerCore:
         Leaving the iteration early (cancellation, a closed stream) aborts the request and
         frees its blocks.
         """
+        add = lambda: self.engine.add_request(  # noqa: E731
+            request_id,
+            prompt,
+            params,
+            priority=priority,
+            cache_salt=cache_salt,
+            timeout_s=timeout_s,
+        )
+        async for delta in self._stream(request_id, params.n, add, DeltaTracker()):
+            yield delta
+
+    async def adopt(self, handoff: RequestHandoff) -> AsyncIterator[StreamDelta]:
+        """Continue a request a peer handed off; streams only the tokens it generates here."""
+        already_sent = DeltaTracker(
+            sent_tokens={0: len(handoff.output_token_ids)},
+            sent_text={0: handoff.emitted_text_chars},
+        )
+        async for delta in self._stream(
+            handoff.request_id, 1, lambda: self.engine.adopt(handoff), already_sent
+        ):
+            yield delta
+
+    async def _stream(
+        self, request_id: str, num_branches: int, add: Callable[[], None], tracker: DeltaTracker
+    ) -> AsyncIterator[StreamDelta]:
         self.start()
         queue: asyncio.Queue[StreamDelta] = asyncio.Queue()
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already streaming on this worker")
-        self._streams[request_id] = (queue, DeltaTracker())
-        remaining = params.n
+        self._streams[request_id] = (queue, tracker)
+        remaining = num_branches
         try:
-            await self._on_engine(
-                lambda: self.engine.add_request(
-                    request_id,
-                    prompt,
-                    params,
-                    priority=priority,
-                    cache_salt=cache_salt,
-                    timeout_s=timeout_s,
-                )
-            )
+            await self._on_engine(add)
             self._wakeup.set()
             while remaining:
                 delta = await queue.get()
@@ -251,6 +268,28 @@ class WorkerCore:
             return [b.key for b in blocks], packed
 
         return await self._on_engine(export)
+
+    def push_candidates(self, max_blocks: int) -> list[list[bytes]]:
+        """Chains (root first) ending in the cached free blocks next in line for eviction.
+
+        A pushed block is only useful with its ancestors, so each candidate is the whole chain
+        of cached blocks from the prefix root down to the block about to be evicted.
+        """
+        pool = self.engine.kv.pool
+        chains = []
+        for block in pool.free_queue:
+            if len(chains) >= max_blocks:
+                break
+            if block.block_hash is None:
+                continue
+            chain = [block.block_hash]
+            parent = block.key.parent_hash
+            while parent is not None and parent in pool.cached:
+                chain.append(parent)
+                parent = pool.cached[parent].key.parent_hash
+            if parent is None:  # the whole chain is here: worth pushing
+                chains.append(chain[::-1])
+        return chains
 
     async def import_prefix(self, keys: Sequence[BlockKey], packed: Any) -> int:
         """Store exported blocks as cached here; returns how many were new. 0 without room."""
@@ -370,6 +409,11 @@ class Worker:
         ):
             yield delta
 
+    async def adopt(self, handoff: RequestHandoff) -> AsyncIterator[StreamDelta]:
+        """Streaming, like `generate`: continue a request a peer handed off."""
+        async for delta in self.core.adopt(handoff):
+            yield delta
+
     async def abort(self, request_id: str) -> bool:
         return await self.core.abort(request_id)
 
@@ -393,6 +437,9 @@ class Worker:
 
     async def import_prefix(self, keys: Sequence[BlockKey], packed: Any) -> int:
         return await self.core.import_prefix(keys, packed)
+
+    async def push_candidates(self, max_blocks: int) -> list[list[bytes]]:
+        return self.core.push_candidates(max_blocks)
 
     async def pull_prefix(self, peer: Any, block_hashes: Sequence[bytes], timeout_s: float) -> int:
         """Fetch the prefix `block_hashes` from `peer` into our cache; 0 if it took too long.

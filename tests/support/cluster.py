@@ -14,8 +14,16 @@ from pagedserve.workers.sampling_params import SamplingParams
 WORKER_RESOURCE = "pagedserve_test_worker"
 
 
-def cluster_config(name: str, num_workers: int = 2, **overrides) -> ClusterConfig:
-    engine = EngineConfig(block_size=8, num_kv_blocks=192, attention_backend="torch")
+def cluster_config(
+    name: str, num_workers: int = 2, engine: dict | None = None, **overrides
+) -> ClusterConfig:
+    engine_options = {
+        "block_size": 8,
+        "num_kv_blocks": 192,
+        "attention_backend": "torch",
+        **(engine or {}),
+    }
+    engine = EngineConfig(**engine_options)
     return ClusterConfig(
         engine=engine,
         num_workers=num_workers,

@@ -127,3 +127,57 @@ def test_prefix_transfer_gives_hits_and_same_output(tiny_llama):
     assert pulled[-1].usage.cached_tokens == 32  # 4 full blocks; the last is recomputed
     finish_clean(llm_a)
     finish_clean(llm_b)
+
+
+def test_moved_request_continues_on_a_peer_without_gap_or_repeat(tiny_llama):
+    """A pool too small for the batch, in move mode: victims continue on a peer."""
+    from pagedserve.workers.engine import Engine
+    from pagedserve.workers.engine_config import EngineConfig
+
+    loaded, reference = tiny_llama
+    small = EngineConfig(
+        block_size=8,
+        num_kv_blocks=14,
+        attention_backend="torch",
+        preemption_mode="move",
+        watermark=0.0,
+        enable_prefix_caching=False,
+    )
+    core_a = WorkerCore(Engine(small, loaded=loaded), "a")
+    roomy = EngineConfig(block_size=8, num_kv_blocks=64, attention_backend="torch")
+    core_b = WorkerCore(Engine(roomy, loaded=loaded), "b")
+    prompts = [list(range(i * 7, i * 7 + 20)) for i in range(4)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    async def follow(request_id, prompt):
+        tokens, moves = [], 0
+        stream = core_a.generate(request_id, prompt, params)
+        while True:
+            async for delta in stream:
+                if delta.finish_reason == "moved":
+                    stream = core_b.adopt(delta.handoff)
+                    moves += 1
+                    break
+                tokens.extend(delta.token_ids)
+            else:
+                return tokens, moves
+
+    async def main():
+        results = await asyncio.gather(*(follow(f"r{i}", p) for i, p in enumerate(prompts)))
+        await core_a.close()
+        await core_b.close()
+        return results
+
+    results = asyncio.run(main())
+    assert sum(moves for _, moves in results) >= 1
+    for prompt, (tokens, _) in zip(prompts, results, strict=True):
+        assert tokens == reference.greedy(prompt, 24)
+    assert core_a.engine.num_handoffs >= 1 and core_b.check_pool()["ok"]
+    assert core_a.check_pool() == {"ok": True, "idle": True, "error": None}
+    assert core_b.check_pool()["idle"]
+
+
+def test_offline_llm_refuses_move_mode(tiny_llama):
+    loaded, _ = tiny_llama
+    with pytest.raises(ValueError, match="needs a cluster"):
+        LLM(loaded_model=loaded, preemption_mode="move")

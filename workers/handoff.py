@@ -1,0 +1,84 @@
+"""Moving a running request to a peer worker with its KV, instead of preempting it.
+
+When the pool runs short in `move` mode, the scheduler picks a victim as usual; the engine packs
+the victim's state (tokens, progress, sampler state) and the KV of its computed positions into a
+`RequestHandoff`, frees its blocks, and ends it here with finish reason `moved`. The router hands
+the package to a peer, whose engine adopts it: it takes blocks, writes the KV back and continues
+decoding where the request stopped, so the client's stream goes on without a gap or a repeat.
+If the peer has no room it recomputes the KV from the tokens instead; the output is the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pagedserve.workers.kv_memory import blocks_needed
+from pagedserve.workers.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestHandoff:
+    """Everything a peer needs to continue one sequence (n == 1 requests only)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    num_computed_tokens: int
+    params: SamplingParams
+    priority: int
+    cache_extra_keys: tuple[str, ...]
+    block_size: int
+    packed_kv: Any  # [L, 2, M, B, Hkv, D] on the CPU, M = ceil(num_computed / B); None: recompute
+    generator_state: torch.Tensor | None
+    num_preemptions: int
+    deadline_remaining_s: float | None
+    emitted_text_chars: int  # text already streamed to the client
+    source_worker: str | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def check_compatible(self, block_size: int, model_name: str) -> None:
+        """A handoff only fits a pool with the same block size and model."""
+        if block_size != self.block_size:
+            raise ValueError(f"handoff block size {self.block_size} != this pool's {block_size}")
+        if self.cache_extra_keys[:1] != (model_name,):
+            raise ValueError(f"handoff is for model {self.cache_extra_keys[:1]}, not {model_name}")
+        if self.packed_kv is not None:
+            expected = blocks_needed(self.num_computed_tokens, self.block_size)
+            if self.packed_kv.shape[2] != expected:
+                raise ValueError(
+                    f"handoff carries {self.packed_kv.shape[2]} blocks for "
+                    f"{self.num_computed_tokens} computed tokens (expected {expected})"
+                )
+
+
+def adopt_kv(kv, kv_cache, request, handoff: RequestHandoff) -> bool:
+    """Give an adopted request its computed KV: cached prefix blocks here, the rest imported.
+
+    Returns False (nothing changed) when there is no KV to adopt or no room for it.
+    """
+    if handoff.packed_kv is None or handoff.num_computed_tokens == 0:
+        return False
+    hit = kv.get_computed_blocks(request)
+    if hit.num_tokens > handoff.num_computed_tokens:
+        hit_blocks = handoff.num_computed_tokens // kv.block_size
+        hit = type(hit)(
+            hit.blocks[:hit_blocks], hit.block_hashes[:hit_blocks], hit_blocks * kv.block_size
+        )
+    allocation = kv.allocate_slots(request, handoff.num_computed_tokens - hit.num_tokens, hit)
+    if allocation is None:
+        return False
+    first = hit.num_tokens // kv.block_size
+    block_ids = kv.get_block_ids(request.request_id)[
+        first : blocks_needed(handoff.num_computed_tokens, kv.block_size)
+    ]
+    if block_ids:
+        kv_cache.import_blocks(handoff.packed_kv[:, :, first:], block_ids)
+    request.num_computed_tokens = handoff.num_computed_tokens
+    request.num_cached_tokens = hit.num_tokens
+    return True
