@@ -11,7 +11,14 @@ EOS = {258}
 
 
 def test_finish_reason_values() -> None:
-    assert [r.value for r in FinishReason] == ["stop", "length", "abort", "timeout", "error"]
+    assert [r.value for r in FinishReason] == [
+        "stop",
+        "length",
+        "abort",
+        "timeout",
+        "error",
+        "moved",
+    ]
     assert FinishReason.STOP == "stop" and str(FinishReason.LENGTH) == "length"
 
 
