@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import uuid
 from collections import Counter
@@ -286,12 +287,13 @@ class RouterCore:
         params = attempt.params
         if attempt.handoff is not None:
             worker = self._peer_for(attempt.source)
-            start = lambda: worker.handle.adopt.remote(attempt.handoff)  # noqa: E731
+            start = functools.partial(worker.handle.adopt.remote, attempt.handoff)
             demand = len(attempt.handoff.all_token_ids) + params_left(attempt.handoff)
             num_branches = 1
         else:
             worker, _ = await self.route(attempt.prompt, request.cache_salt)
-            start = lambda: worker.handle.generate.remote(  # noqa: E731
+            start = functools.partial(
+                worker.handle.generate.remote,
                 request_id,
                 attempt.prompt,
                 params,

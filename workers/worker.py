@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -159,7 +160,8 @@ class WorkerCore:
         Leaving the iteration early (cancellation, a closed stream) aborts the request and
         frees its blocks.
         """
-        add = lambda: self.engine.add_request(  # noqa: E731
+        add = functools.partial(
+            self.engine.add_request,
             request_id,
             prompt,
             params,
