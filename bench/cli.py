@@ -8,6 +8,8 @@ import importlib
 BENCH_MODULES: tuple[str, ...] = (
     "pagedserve.bench.kv_manager",
     "pagedserve.bench.offline",
+    "pagedserve.bench.routing",
+    "pagedserve.bench.pull",
 )
 
 

@@ -84,7 +84,10 @@ class RouterCore:
         self.config = config
         self.index = index
         self.workers = {wid: WorkerState(wid, handle) for wid, handle in workers.items()}
-        self.policy = make_policy(config.routing_policy, **config.routing_options)
+        options = dict(config.routing_options)
+        if config.routing_policy == "kv_aware":  # it converts router token counts to blocks
+            options.setdefault("block_size", config.engine.block_size)
+        self.policy = make_policy(config.routing_policy, **options)
         self.tokenizer = load_tokenizer(config.engine.model or "tiny-llama")
         self.model_name = ""
         self.block_size = config.engine.block_size
@@ -291,7 +294,7 @@ class RouterCore:
             demand = len(attempt.handoff.all_token_ids) + params_left(attempt.handoff)
             num_branches = 1
         else:
-            worker, _ = await self.route(attempt.prompt, request.cache_salt)
+            worker, matched = await self.route(attempt.prompt, request.cache_salt)
             start = functools.partial(
                 worker.handle.generate.remote,
                 request_id,
@@ -301,7 +304,9 @@ class RouterCore:
                 request.cache_salt,
                 request.timeout_s,
             )
-            demand = len(attempt.prompt) + params.max_tokens * params.n
+            # What this request adds to the worker's work: tokens it must still prefill (a
+            # cached prefix costs nothing) plus what it will decode.
+            demand = len(attempt.prompt) - matched * self.block_size + params.max_tokens * params.n
             num_branches = params.n
         async for delta in self._stream(worker, request_id, start, demand, num_branches):
             if attempt.branch is not None:

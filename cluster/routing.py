@@ -19,6 +19,12 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 DEFAULT_POLICY = "kv_aware"
+# A block still to prefill costs more than a block already resident on a busy worker: with
+# weight 1 a holder serving one long request (whose blocks include the very prefix a new
+# request would share) looked costlier than a cold idle worker, and hits were lost. The
+# routing bench measured this; 4 keeps holders preferred while the imbalance guard still
+# stops a hot prefix from piling onto one worker.
+DEFAULT_PREFILL_WEIGHT = 4.0
 
 
 @dataclass(frozen=True)
@@ -136,8 +142,11 @@ class KvAwarePolicy(RoutingPolicy):
 
     Imbalance guard: a worker whose `load > imbalance_factor · mean(load) + imbalance_slack` is
     excluded (`"overloaded"`), so a hot prefix cached on one worker cannot pull every request
-    there; with `imbalance_factor >= 1` some worker is always under the bound. Ties go to the
-    lower load, then fewer in-flight requests, then the lower worker id.
+    there; with `imbalance_factor >= 1` some worker is always under the bound. The guard only
+    applies once the load is also a real share of that worker's pool
+    (`> imbalance_pool_fraction · total_blocks`) or requests wait there: with few workers, one
+    long request on a large pool is far above the mean but no pile-up worth a lost cache hit.
+    Ties go to the lower load, then fewer in-flight requests, then the lower worker id.
 
     Args:
         prefill_weight: blocks of decode load one block of prefill is worth.
@@ -145,17 +154,20 @@ class KvAwarePolicy(RoutingPolicy):
         waiting_weight: load, in blocks, of each waiting request.
         imbalance_factor: how far above the mean load a worker may go (>= 1).
         imbalance_slack: absolute headroom in blocks, so that idle clusters are not guarded.
+        imbalance_pool_fraction: share of its own pool a worker's load must pass before the
+            guard may exclude it (unless requests wait there).
     """
 
     name = "kv_aware"
 
     def __init__(
         self,
-        prefill_weight: float = 1.0,
+        prefill_weight: float = DEFAULT_PREFILL_WEIGHT,
         block_size: int = 16,
         waiting_weight: float = 1.0,
         imbalance_factor: float = 1.5,
         imbalance_slack: float = 16.0,
+        imbalance_pool_fraction: float = 0.25,
     ) -> None:
         if prefill_weight < 0 or waiting_weight < 0 or imbalance_slack < 0:
             raise ValueError("prefill_weight, waiting_weight and imbalance_slack must be >= 0")
@@ -168,6 +180,11 @@ class KvAwarePolicy(RoutingPolicy):
         self.waiting_weight = waiting_weight
         self.imbalance_factor = imbalance_factor
         self.imbalance_slack = imbalance_slack
+        if not 0 <= imbalance_pool_fraction <= 1:
+            raise ValueError(
+                f"imbalance_pool_fraction must be in [0, 1], got {imbalance_pool_fraction}"
+            )
+        self.imbalance_pool_fraction = imbalance_pool_fraction
 
     def load_of(self, load: WorkerLoad) -> float:
         """The worker's load in blocks (see the class docstring)."""
@@ -179,13 +196,22 @@ class KvAwarePolicy(RoutingPolicy):
         mean = sum(load_values) / len(load_values)
         return self.imbalance_factor * mean + self.imbalance_slack
 
+    def _saturating(self, load: WorkerLoad, value: float) -> bool:
+        if load.num_waiting > 0 or load.total_blocks <= 0:
+            return True
+        return value > self.imbalance_pool_fraction * load.total_blocks
+
     def choose(
         self, num_prompt_blocks: int, matches: Mapping[str, int], loads: Sequence[WorkerLoad]
     ) -> RoutingDecision:
         ordered = _checked(loads)
         values = {w.worker_id: self.load_of(w) for w in ordered}
         bound = self.guard_bound(list(values.values()))
-        over = {worker_id for worker_id, value in values.items() if value > bound}
+        over = {
+            w.worker_id
+            for w in ordered
+            if values[w.worker_id] > bound and self._saturating(w, values[w.worker_id])
+        }
         if len(over) == len(values):  # cannot happen with factor >= 1; never leave no one
             over = set()
         candidates = []

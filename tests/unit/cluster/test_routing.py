@@ -58,7 +58,8 @@ def test_every_policy_refuses_no_workers_and_duplicates(name):
 
 # ----------------------------------------------------------------- kv_aware
 def test_kv_aware_prefers_the_worker_holding_the_prefix():
-    decision = make_policy("kv_aware").choose(10, {"b": 8}, [idle("a"), idle("b"), idle("c")])
+    policy = make_policy("kv_aware", prefill_weight=1.0)
+    decision = policy.choose(10, {"b": 8}, [idle("a"), idle("b"), idle("c")])
     assert decision.worker_id == "b"
     assert decision.policy == "kv_aware" and decision.matched_blocks == 8
     assert decision.candidates == (
@@ -76,6 +77,18 @@ def test_kv_aware_cost_trades_prefill_against_load():
     # With prefill weighed 4x, the 8 blocks saved are worth 32.
     heavy_prefill = KvAwarePolicy(prefill_weight=4.0, imbalance_slack=1000)
     assert heavy_prefill.choose(10, {"b": 8}, loads).worker_id == "b"
+
+
+def test_default_weight_keeps_a_busy_holder_over_a_cold_idle_worker():
+    """The routing bench's case: the holder serves one long request whose 64 blocks include
+    the very prefix the new request shares; weight 1 sent the request to a cold worker."""
+    loads = [idle("holder", total=8192, used_blocks=67), idle("cold", total=8192)]
+    assert make_policy("kv_aware").choose(66, {"holder": 64}, loads).worker_id == "holder"
+    # On a small pool the same load is a real share of it: the guard may step in.
+    small = [idle("holder", total=100, used_blocks=67), idle("cold", total=100)]
+    assert make_policy("kv_aware").choose(66, {"holder": 64}, small).worker_id == "cold"
+    weight_one = make_policy("kv_aware", prefill_weight=1.0, imbalance_slack=1000)
+    assert weight_one.choose(66, {"holder": 64}, loads).worker_id == "cold"
 
 
 def test_kv_aware_load_definition():
@@ -141,7 +154,7 @@ def test_kv_aware_ignores_matches_of_workers_not_alive_and_clamps():
 
 
 def test_kv_aware_ties_break_on_load_then_worker_id():
-    policy = KvAwarePolicy(imbalance_slack=1000)
+    policy = KvAwarePolicy(prefill_weight=1.0, imbalance_slack=1000)
     # Equal cost 10: a by prefill (10 + 0), b by load (0 + 10) -> lower load wins.
     loads = [idle("a"), idle("b", used_blocks=10)]
     assert policy.choose(10, {"b": 10}, loads).worker_id == "a"
