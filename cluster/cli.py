@@ -14,7 +14,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "serve", help="start the serving cluster (router + worker actors) on Ray"
     )
     parser.add_argument("--config", help="YAML file with a cluster config (flags override it)")
-    parser.add_argument("--address", help="join this Ray cluster instead of starting one")
+    parser.add_argument(
+        "--address", help="join this Ray cluster ('auto': the local one) instead of starting one"
+    )
     parser.add_argument("--model", help="tiny-llama (default) or a local HF checkpoint directory")
     parser.add_argument("--num-workers", type=int, help="worker actors (default: GPUs, or 2)")
     parser.add_argument("--routing-policy", choices=["kv_aware", "least_loaded", "round_robin"])
@@ -23,6 +25,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--kv-cache-bytes", type=int)
     parser.add_argument("--dtype")
     parser.add_argument("--on-worker-failure", choices=["replay", "fail"])
+    parser.add_argument(
+        "--auth-tokens-file",
+        help="require `authorization: Bearer <token>` with a token from this file (one a line)",
+    )
+    parser.add_argument("--served-model-name", help="model id of the OpenAI API")
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=9000)
     parser.add_argument("--host", default="0.0.0.0")
@@ -49,9 +56,11 @@ def cluster_config_from_args(args: argparse.Namespace, num_gpus: int) -> dict[st
     ):
         if getattr(args, flag) is not None:
             engine[key] = getattr(args, flag)
-    for flag in ("num_workers", "routing_policy", "on_worker_failure"):
+    for flag in ("num_workers", "routing_policy", "on_worker_failure", "served_model_name"):
         if getattr(args, flag) is not None:
             data[flag] = getattr(args, flag)
+    if args.auth_tokens_file is not None:
+        data["auth"] = {**(data.get("auth") or {}), "tokens_file": args.auth_tokens_file}
     if num_gpus:
         data.setdefault("num_workers", num_gpus)
         data.setdefault("worker_num_gpus", 1.0)
@@ -65,15 +74,18 @@ def run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
+    from pagedserve.cluster.api_config import split_app_args
     from pagedserve.cluster.app import build_app
     from pagedserve.cluster.config import ClusterConfig
     from pagedserve.cluster.serve_options import grpc_options, http_options
 
-    ray.init(address=args.address, include_dashboard=False)
+    # 'local' starts a fresh cluster even when another one runs on this machine; join an
+    # existing one with --address auto (or its address).
+    ray.init(address=args.address or "local", include_dashboard=False)
     num_gpus = int(ray.cluster_resources().get("GPU", 0))
     try:
         data = cluster_config_from_args(args, num_gpus)
-        ClusterConfig.from_dict(dict(data))  # validate before starting anything
+        build_app(data)  # validate the cluster and API config before starting anything
     except (OSError, ValueError, TypeError) as error:
         print(f"pagedserve serve: error: {error}", file=sys.stderr)
         return 2
@@ -97,5 +109,5 @@ def run(args: argparse.Namespace) -> int:
     from pagedserve.cluster.worker_group import stop_worker_group
 
     serve.shutdown()
-    stop_worker_group(ClusterConfig.from_dict(data))
+    stop_worker_group(ClusterConfig.from_dict(split_app_args(data)[0]))
     return 0

@@ -180,7 +180,7 @@ def format_status(stats: Any) -> str:
     table.append(
         f"routing: {stats.routing_policy}; prefix index: {stats.index.entries} blocks; "
         f"migrations: {m.pulls} pulls ({m.pulled_blocks} blocks), "
-        f"{m.blocks_imported} imported, {m.blocks_exported} exported"
+        f"{m.pushes} pushes ({m.pushed_blocks} blocks), {m.moves} moves"
     )
     return "\n".join(table)
 

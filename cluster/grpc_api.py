@@ -31,7 +31,7 @@ from pagedserve.cluster.grpc_convert import (
     stats_to_proto,
     workers_to_proto,
 )
-from pagedserve.cluster.grpc_wire import SERVICE, MalformedRequest
+from pagedserve.cluster.grpc_wire import SERVICE, MalformedRequest, StreamFailed
 from pagedserve.cluster.router import WORKER_LOST_ERRORS, NoWorkerAvailable, RouterCore
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
 
@@ -42,10 +42,6 @@ HEALTH_WAIT_S = 1.0  # a health check answers NOT_SERVING rather than wait for w
 WATCH_INTERVAL_S = 1.0
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-class StreamFailed(RuntimeError):
-    """Raised out of a streaming RPC after its status is set on the context."""
 
 
 class GrpcFrontend:

@@ -134,6 +134,9 @@ def stats_to_proto(stats: dict[str, Any]) -> pb.GetStatsResponse:
     message.num_alive_workers = len(alive)
     message.migrations.pulls = counters.get("migrations.pull", 0)
     message.migrations.pulled_blocks = counters.get("migrations.pull_blocks", 0)
+    message.migrations.pushes = counters.get("migrations.push", 0)
+    message.migrations.pushed_blocks = counters.get("migrations.push_blocks", 0)
+    message.migrations.moves = counters.get("migrations.move", 0)
     message.migrations.blocks_imported = sum(w.blocks_imported for w in message.workers)
     message.migrations.blocks_exported = sum(w.blocks_exported for w in message.workers)
     index = stats.get("index") or {}

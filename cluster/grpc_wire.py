@@ -8,6 +8,9 @@ request which does not parse is not a bare INTERNAL error from the proxy: it rea
 as a `MalformedRequest` naming the field (a string that is not UTF-8, or a field number this
 server does not know), which the replica answers with INVALID_ARGUMENT.
 
+Registering it also installs `grpc_streams.cancel_streams_in_flight` on the proxy, so that a
+stream that ends early always cancels its request on the replica.
+
 This module runs inside the proxy actor, so it imports only grpc, protobuf and the stubs.
 """
 
@@ -23,6 +26,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, un
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 
+from pagedserve.cluster.grpc_streams import cancel_streams_in_flight
 from pagedserve.proto.pagedserve.v1 import serving_pb2
 
 SERVICE = serving_pb2.DESCRIPTOR.services_by_name["Generation"]
@@ -42,8 +46,17 @@ class MalformedRequest:
     param: str | None = None
 
 
+class StreamFailed(RuntimeError):
+    """Raised out of a streaming RPC once its status is set on the context.
+
+    Defined here because Serve unpickles it in the proxy, which has this module imported
+    already (a class from a module that imports torch costs the first failed stream seconds).
+    """
+
+
 def add_generation_servicer(servicer: Any, server: grpc.Server) -> None:
     """Register `pagedserve.v1.Generation` on `server` with lenient request parsing."""
+    cancel_streams_in_flight(server)
     handlers = {}
     for method in SERVICE.methods:
         request_class = getattr(serving_pb2, method.input_type.name)

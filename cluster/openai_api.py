@@ -262,14 +262,18 @@ async def _sse(
     def event(i: int, delta: StreamDelta) -> str:
         if delta.usage is not None:
             usages[(i, delta.index)] = delta.usage
+        if not delta.text and delta.finish_reason is None:
+            return ""  # tokens whose text is not complete yet (a split UTF-8 character)
         return _data({**chunks.chunk(chunks.choice_index(i, delta.index), delta), **extra})
 
     for start in chunks.start():
         yield _data({**start, **extra})
-    yield event(*first)
+    if text := event(*first):
+        yield text
     try:
         async for i, delta in rest:
-            yield event(i, delta)
+            if text := event(i, delta):
+                yield text
             if delta.error:
                 raise ApiError(ErrorCode.INTERNAL, delta.error)
     except Exception as error:

@@ -14,14 +14,17 @@ _PUBLIC_NAMES: dict[str, str] = {
     "SamplingParams": "pagedserve.workers.sampling_params",
     "RequestOutput": "pagedserve.workers.outputs",
     "CompletionOutput": "pagedserve.workers.outputs",
+    "Client": "pagedserve.cluster.client",
+    "AsyncClient": "pagedserve.cluster.client",
 }
 
 __all__ = ["__version__", *_PUBLIC_NAMES]
 
-if TYPE_CHECKING:
-    from pagedserve.workers.llm import LLM
-    from pagedserve.workers.outputs import CompletionOutput, RequestOutput
-    from pagedserve.workers.sampling_params import SamplingParams
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports lazily
+    from pagedserve.cluster.client import AsyncClient, Client  # noqa: F401
+    from pagedserve.workers.llm import LLM  # noqa: F401
+    from pagedserve.workers.outputs import CompletionOutput, RequestOutput  # noqa: F401
+    from pagedserve.workers.sampling_params import SamplingParams  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

@@ -14,7 +14,7 @@ import sys
 COMMAND_MODULES: tuple[str, ...] = (
     "pagedserve.bench.kv_calc",
     "pagedserve.bench.cli",
-    "pagedserve.workers.cli",
+    "pagedserve.cluster.client_cli",  # generate (cluster, or --offline), status
     "pagedserve.cluster.cli",
 )
 

@@ -1,0 +1,1 @@
+"""Generated code of the `pagedserve.*` proto packages (see `serving.proto`)."""

@@ -1,0 +1,1 @@
+"""`serving.proto` and its generated stubs (`python -m pagedserve.proto.generate`)."""

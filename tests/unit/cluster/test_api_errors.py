@@ -1,0 +1,153 @@
+"""Error mapping, bearer-token auth and the API config, without Ray or a network."""
+
+from __future__ import annotations
+
+import pytest
+from ray.exceptions import ActorDiedError, RayTaskError
+
+from pagedserve.cluster.api_config import ApiConfig, AuthConfig, split_app_args
+from pagedserve.cluster.api_errors import (
+    HTTP_STATUS,
+    OPENAI_ERROR_TYPE,
+    ApiError,
+    ErrorCode,
+    as_api_error,
+    field_of,
+)
+from pagedserve.cluster.app import build_app
+from pagedserve.cluster.auth import TokenAuth, read_tokens_file
+from pagedserve.cluster.router import NoWorkerAvailable
+from pagedserve.workers.engine import RequestRejected, RequestTooLarge
+
+
+# ------------------------------------------------------------------ mapping
+def from_worker(error: Exception) -> Exception:
+    """What a rejection raised inside a worker looks like once Ray hands it back."""
+    return RayTaskError(
+        "generate", "Traceback (most recent call last): ...", error
+    ).as_instanceof_cause()
+
+
+@pytest.mark.parametrize(
+    "error, code",
+    [
+        (RequestRejected("prompt is empty"), ErrorCode.INVALID_ARGUMENT),
+        (RequestTooLarge("can never fit in the KV pool"), ErrorCode.RESOURCE_EXHAUSTED),
+        (from_worker(RequestTooLarge("can never fit")), ErrorCode.RESOURCE_EXHAUSTED),
+        (from_worker(RequestRejected("prompt_token_ids holds ids")), ErrorCode.INVALID_ARGUMENT),
+        (NoWorkerAvailable("no worker is alive"), ErrorCode.UNAVAILABLE),
+        (ActorDiedError(), ErrorCode.UNAVAILABLE),
+    ],
+)
+def test_router_and_worker_failures_map_to_codes(error, code):
+    assert as_api_error(error).code is code
+
+
+def test_a_worker_rejection_keeps_its_own_message():
+    error = as_api_error(from_worker(RequestRejected("prompt_token_ids holds ids outside")))
+    assert error.message == "prompt_token_ids holds ids outside"
+    assert error.param == "prompt_token_ids"
+
+
+def test_anything_else_is_not_an_api_error():
+    assert as_api_error(KeyError("bug")) is None
+    assert as_api_error(ValueError("temperature must be >= 0")) is None  # only via SamplingParams
+
+
+@pytest.mark.parametrize(
+    "message, field",
+    [
+        ("temperature must be >= 0, got -1", "temperature"),
+        ("stop[1] must be a non-empty string", "stop[1]"),
+        ("prompt is empty", "prompt"),
+        ("sampling.stop[0] is not valid UTF-8", "sampling.stop[0]"),
+        ("messages[0].content: Input should be a valid string", "messages[0].content"),
+        ("prompt (3 tokens) + max_tokens (9) exceeds the model's context", None),
+        ("the request body is not valid JSON", None),
+    ],
+)
+def test_field_of_reads_the_leading_field(message, field):
+    assert field_of(message) == field
+
+
+def test_every_code_has_an_http_form():
+    for code in ErrorCode:
+        assert code in HTTP_STATUS and code in OPENAI_ERROR_TYPE
+    assert HTTP_STATUS[ErrorCode.RESOURCE_EXHAUSTED] == 400  # never 429: retrying cannot help
+
+
+# --------------------------------------------------------------------- auth
+def test_auth_off_lets_everything_through():
+    auth = TokenAuth()
+    assert not auth.enabled
+    auth.check(None)
+    auth.check_metadata([])
+
+
+@pytest.mark.parametrize("header", ["Bearer s3cret", "bearer s3cret", "Bearer   s3cret  "])
+def test_a_listed_token_passes(header):
+    TokenAuth(["other", "s3cret"]).check(header)
+
+
+@pytest.mark.parametrize(
+    "header, reason",
+    [(None, "missing"), ("", "missing"), ("s3cret", "missing"), ("Bearer wrong", "invalid")],
+)
+def test_missing_or_wrong_tokens_are_unauthenticated(header, reason):
+    with pytest.raises(ApiError) as raised:
+        TokenAuth(["s3cret"]).check(header)
+    assert raised.value.code is ErrorCode.UNAUTHENTICATED
+    assert reason in raised.value.message and raised.value.param == "authorization"
+
+
+def test_grpc_metadata_is_read_case_insensitively():
+    auth = TokenAuth(["s3cret"])
+    auth.check_metadata([("user-agent", "x"), ("authorization", "Bearer s3cret")])
+    with pytest.raises(ApiError):
+        auth.check_metadata([("user-agent", "x")])
+
+
+def test_tokens_file(tmp_path):
+    path = tmp_path / "tokens"
+    path.write_text("# team tokens\n\nalpha\n  beta  \n", encoding="utf-8")
+    assert read_tokens_file(str(path)) == ["alpha", "beta"]
+    auth = TokenAuth.from_config(AuthConfig(tokens=("gamma",), tokens_file=str(path)))
+    for token in ("alpha", "beta", "gamma"):
+        auth.check(f"Bearer {token}")
+    (tmp_path / "empty").write_text("# nothing\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="holds no token"):
+        read_tokens_file(str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="cannot read"):
+        read_tokens_file(str(tmp_path / "missing"))
+
+
+# ------------------------------------------------------------------- config
+def test_split_app_args_takes_the_api_keys_out():
+    cluster, api = split_app_args(
+        {"num_workers": 3, "auth": {"tokens": ["t"]}, "served_model_name": "tiny"}
+    )
+    assert cluster == {"num_workers": 3}
+    assert api == ApiConfig(auth=AuthConfig(tokens=("t",)), served_model_name="tiny")
+    assert ApiConfig.from_dict(api.to_dict()) == api
+    assert split_app_args(None) == ({}, ApiConfig())
+
+
+@pytest.mark.parametrize(
+    "auth, match",
+    [
+        ({"token": ["t"]}, "unknown auth keys: token"),
+        ({"tokens": "t"}, "auth.tokens must be a list"),
+        ({"tokens": [""]}, r"auth.tokens\[0\]"),
+    ],
+)
+def test_bad_auth_config_is_named(auth, match):
+    with pytest.raises(ValueError, match=match):
+        split_app_args({"auth": auth})
+
+
+def test_build_app_checks_the_tokens_file_before_deploying(tmp_path):
+    with pytest.raises(ValueError, match="auth.tokens_file"):
+        build_app({"auth": {"tokens_file": str(tmp_path / "missing")}})
+    with pytest.raises(ValueError, match="unknown cluster config keys: bogus"):
+        build_app({"bogus": 1})
+    assert build_app({"num_workers": 1, "auth": {"tokens": ["t"]}}) is not None

@@ -1,0 +1,340 @@
+"""Requests and responses of both front ends, converted without Ray or a network."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+import pytest
+
+from pagedserve.cluster import client_cli
+from pagedserve.cluster.api_common import CompletionCollector, find_malformed_text, merge_streams
+from pagedserve.cluster.api_errors import ApiError, ErrorCode
+from pagedserve.cluster.client import build_request
+from pagedserve.cluster.grpc_convert import (
+    delta_to_proto,
+    request_from_proto,
+    response_to_proto,
+    stats_to_proto,
+)
+from pagedserve.cluster.openai_api import (
+    ChatChunks,
+    CompletionChunks,
+    error_json,
+    render_chat,
+)
+from pagedserve.cluster.openai_models import ChatCompletionBody, CompletionBody, parse_body
+from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
+from pagedserve.workers.outputs import RequestMetrics
+from pagedserve.workers.stream import StreamDelta, Usage
+from pagedserve.workers.tokenizer import ByteTokenizer
+
+
+# ----------------------------------------------------------------- gRPC in
+def test_unset_sampling_fields_take_the_defaults():
+    request = request_from_proto(pb.GenerateRequest(prompt="hi"))
+    assert request.prompt == "hi" and request.prompt_token_ids is None
+    assert (request.params.max_tokens, request.params.temperature, request.params.n) == (16, 1.0, 1)
+    assert request.request_id is None and request.cache_salt is None and request.timeout_s is None
+
+
+def test_every_field_reaches_the_router():
+    sampling = pb.SamplingParams(
+        max_tokens=5, temperature=0.0, top_p=0.5, top_k=3, seed=7, stop=["x"], n=2,
+        ignore_eos=True, stop_token_ids=[9], min_tokens=1, include_stop_str_in_output=True,
+    )  # fmt: skip
+    message = pb.GenerateRequest(
+        prompt_token_ids=[1, 2], sampling=sampling, priority=-1, cache_salt="tenant",
+        request_id="r1", timeout_s=2.5,
+    )  # fmt: skip
+    request = request_from_proto(message)
+    params = request.params
+    assert request.prompt_token_ids == [1, 2] and request.prompt is None
+    assert (params.max_tokens, params.temperature, params.top_p, params.top_k) == (5, 0.0, 0.5, 3)
+    assert (params.seed, params.stop, params.n, params.ignore_eos) == (7, ["x"], 2, True)
+    assert (params.stop_token_ids, params.min_tokens) == ([9], 1)
+    assert params.include_stop_str_in_output
+    assert (request.priority, request.cache_salt, request.request_id) == (-1, "tenant", "r1")
+    assert request.timeout_s == 2.5
+
+
+@pytest.mark.parametrize(
+    "message, field",
+    [
+        (pb.GenerateRequest(), "prompt"),
+        (pb.GenerateRequest(prompt="a", prompt_token_ids=[1]), "prompt"),
+        (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(max_tokens=0)), "max_tokens"),
+        (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(temperature=-1)), "temperature"),
+        (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(top_p=0)), "top_p"),
+        (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(top_p=1.5)), "top_p"),
+        (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(n=0)), "n"),
+        (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(n=65)), "n"),
+        (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(top_k=-2)), "top_k"),
+        (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(stop=[""])), "stop[0]"),
+        (pb.GenerateRequest(prompt="a", timeout_s=-1), "timeout_s"),
+    ],
+)
+def test_bad_fields_are_invalid_argument_naming_the_field(message, field):
+    with pytest.raises(ApiError) as raised:
+        request_from_proto(message)
+    assert raised.value.code is ErrorCode.INVALID_ARGUMENT
+    assert raised.value.param == field and raised.value.message.startswith(field)
+
+
+# ---------------------------------------------------------------- gRPC out
+def final_delta(index: int, text: str, ids: list[int], **changes) -> StreamDelta:
+    delta = StreamDelta("r1", index, ids, text, finish_reason="length", worker_id="w0")
+    delta.usage = Usage(3, len(ids), 2)
+    delta.metrics = RequestMetrics(queue_time=0.1, ttft=0.2, e2e=0.5)
+    for name, value in changes.items():
+        setattr(delta, name, value)
+    return delta
+
+
+def test_deltas_and_whole_responses():
+    first = StreamDelta("r1", 0, [65], "A", worker_id="w0")
+    message = delta_to_proto(first)
+    assert (message.text, list(message.token_ids), message.finish_reason) == ("A", [65], "")
+    assert not message.HasField("usage")
+    last = delta_to_proto(final_delta(0, "B", [66], finish_reason="stop", stop_reason="B"))
+    assert last.stop_string == "B" and last.usage.cached_tokens == 2
+    assert delta_to_proto(final_delta(0, "", [258], stop_reason=258)).stop_token_id == 258
+
+    collector = CompletionCollector()
+    for delta in (first, final_delta(1, "xy", [120, 121]), final_delta(0, "B", [66])):
+        collector.add(delta)
+    response = response_to_proto(collector)
+    assert [c.text for c in response.completions] == ["AB", "xy"]
+    assert [list(c.token_ids) for c in response.completions] == [[65, 66], [120, 121]]
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (3, 3)
+    assert response.request_id == "r1" and response.metrics.ttft_s == 0.2
+
+
+def test_stats_sum_alive_workers_and_read_missing_numbers_as_zero():
+    kv = {"block_size": 8, "total_blocks": 10, "used_blocks": 4, "cached_free_blocks": 1}
+    stats = {
+        "workers": {
+            "w1": {"alive": True, "inflight": 1, "kv": {**kv, "prefix_queries_tokens": 10,
+                   "prefix_hits_tokens": 5}, "num_waiting": 2, "num_running": 1,
+                   "blocks_imported": 3},
+            "w0": {"alive": True, "inflight": 0, "kv": {**kv, "prefix_queries_tokens": 10}},
+            "w2": {"alive": False, "inflight": 0, "kv": kv},
+        },
+        "router": {
+            "migrations.pull": 2, "migrations.pull_blocks": 6, "migrations.push": 1,
+            "migrations.push_blocks": 4, "migrations.move": 5, "routed.kv_aware": 9,
+        },
+        "index": {"entries": 4, "workers": {"w0": 1, "w1": 3}, "stale_workers": []},
+        "policy": "kv_aware",
+    }  # fmt: skip
+    message = stats_to_proto(stats)
+    assert [w.worker_id for w in message.workers] == ["w0", "w1", "w2"]
+    assert (message.kv.total_blocks, message.kv.used_blocks, message.kv.block_size) == (20, 8, 8)
+    assert message.prefix_hit_rate == 0.25 and message.num_alive_workers == 2
+    assert (message.num_waiting, message.num_running) == (2, 1)
+    assert (message.migrations.pulls, message.migrations.pulled_blocks) == (2, 6)
+    assert message.migrations.blocks_imported == 3
+    assert (message.migrations.pushes, message.migrations.pushed_blocks) == (1, 4)
+    assert message.migrations.moves == 5
+    assert message.router_counters["routed.kv_aware"] == 9
+    assert dict(message.index.worker_blocks) == {"w0": 1, "w1": 3}
+    table = client_cli.format_status(message)
+    assert "w2" in table and "NO" in table and "25.0%" in table and "2/3" in table
+
+
+# --------------------------------------------------------------- OpenAI in
+MODEL = {"model": "tiny-llama"}
+
+
+def bad_body(model, data) -> ApiError:
+    with pytest.raises(ApiError) as raised:
+        parse_body(model, data)
+    assert raised.value.code is ErrorCode.INVALID_ARGUMENT
+    return raised.value
+
+
+@pytest.mark.parametrize(
+    "data, param",
+    [
+        ({**MODEL, "prompt": "a", "tools": []}, "tools"),
+        ({**MODEL, "prompt": "a", "max_tokens": "5"}, "max_tokens"),
+        ({**MODEL, "prompt": "a", "max_tokens": 1.5}, "max_tokens"),
+        ({**MODEL, "prompt": "a", "temperature": "hot"}, "temperature"),
+        ({**MODEL, "prompt": "a", "n": True}, "n"),
+        ({**MODEL, "prompt": {"text": "a"}}, "prompt"),
+        ({**MODEL, "prompt": "a", "echo": True}, "echo"),
+        ({**MODEL, "prompt": "a", "presence_penalty": 0.5}, "presence_penalty"),
+        ({"prompt": "a"}, "model"),
+        ({**MODEL}, "prompt"),
+    ],
+)
+def test_completion_bodies_name_the_bad_field(data, param):
+    assert bad_body(CompletionBody, data).param == param
+
+
+@pytest.mark.parametrize(
+    "data, param",
+    [
+        ({**MODEL, "messages": []}, "messages"),
+        ({**MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+        ({**MODEL, "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({**MODEL, "messages": [{"role": "user", "content": "a", "x": 1}]}, "messages[0].x"),
+        ({**MODEL, "messages": [{"role": "user"}], "logprobs": True}, "logprobs"),
+    ],
+)
+def test_chat_bodies_name_the_bad_field(data, param):
+    assert bad_body(ChatCompletionBody, data).param == param
+
+
+def test_prompts_of_a_completion():
+    def prompts(prompt):
+        return parse_body(CompletionBody, {**MODEL, "prompt": prompt}).prompts()
+
+    assert prompts("a") == ["a"]
+    assert prompts([1, 2]) == [[1, 2]]
+    assert prompts(["a", "b"]) == ["a", "b"]
+    assert prompts([[1], [2, 3]]) == [[1], [2, 3]]
+    with pytest.raises(ApiError, match="prompt is empty"):
+        prompts([])
+
+
+def test_sampling_fields_pass_through_only_when_given():
+    body = parse_body(CompletionBody, {**MODEL, "prompt": "a", "top_k": 4, "stop": "x"})
+    kwargs = body.sampling_kwargs()
+    assert kwargs["top_k"] == 4 and kwargs["stop"] == "x" and "temperature" not in kwargs
+    chat = parse_body(
+        ChatCompletionBody,
+        {**MODEL, "messages": [{"role": "user", "content": "a"}], "max_completion_tokens": 3},
+    )
+    assert chat.max_output_tokens() == 3
+
+
+def test_malformed_text_is_found_by_path():
+    assert find_malformed_text({"messages": [{"content": "ok"}, {"content": "\udcff"}]}, "") == (
+        "messages[1].content"
+    )
+    assert find_malformed_text({"prompt": ["a", "\ud800"]}, "") == "prompt[1]"
+    assert find_malformed_text({"prompt": "fine é"}, "") is None
+
+
+def test_chat_without_a_template_uses_role_markers():
+    body = parse_body(
+        ChatCompletionBody,
+        {**MODEL, "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+        ]},
+    )  # fmt: skip
+    prompt = render_chat(body.messages, ByteTokenizer())
+    assert prompt == "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"
+
+
+# -------------------------------------------------------------- OpenAI out
+def test_completion_and_chat_bodies():
+    collectors = [CompletionCollector(), CompletionCollector()]
+    collectors[0].add(final_delta(0, "ab", [97, 98]))
+    collectors[0].add(final_delta(1, "c", [99]))
+    collectors[1].add(final_delta(0, "d", [100]))
+    whole = CompletionChunks("cmpl-1", 7, "tiny-llama", n=2).whole(collectors)
+    assert [(c["index"], c["text"]) for c in whole["choices"]] == [(0, "ab"), (1, "c"), (2, "d")]
+    assert whole["usage"]["prompt_tokens"] == 6 and whole["usage"]["completion_tokens"] == 4
+    assert whole["usage"]["total_tokens"] == 10
+    assert whole["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
+
+    chat = ChatChunks("chatcmpl-1", 7, "tiny-llama", n=1)
+    body = chat.whole(collectors[:1])
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "ab"}
+    (start,) = chat.start()
+    assert start["object"] == "chat.completion.chunk"
+    assert start["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    chunk = chat.chunk(0, final_delta(0, "z", [122], finish_reason="stop"))
+    assert chunk["choices"][0]["delta"] == {"content": "z"}
+    assert chunk["choices"][0]["finish_reason"] == "stop"
+
+
+def test_error_json_uses_the_openai_shape():
+    error = ApiError(ErrorCode.INVALID_ARGUMENT, "prompt_token_ids holds ids outside [0, 259)")
+    assert error_json(error) == {
+        "error": {
+            "message": "prompt_token_ids holds ids outside [0, 259)",
+            "type": "invalid_request_error",
+            "param": "prompt",
+            "code": "invalid_argument",
+        }
+    }
+
+
+def test_merge_streams_interleaves_and_fails_with_the_first_error():
+    async def stream(tag: str, n: int, fail: bool = False):
+        for i in range(n):
+            await asyncio.sleep(0)
+            yield StreamDelta(tag, i, [i], tag)
+        if fail:
+            raise ApiError.invalid("prompt is empty")
+
+    async def run(*streams):
+        return [(i, d.request_id) async for i, d in merge_streams(list(streams))]
+
+    got = asyncio.run(run(stream("a", 2), stream("b", 3)))
+    assert sorted(got) == [(0, "a"), (0, "a"), (1, "b"), (1, "b"), (1, "b")]
+    with pytest.raises(ApiError, match="prompt is empty"):
+        asyncio.run(run(stream("a", 100), stream("b", 1, fail=True)))
+
+
+# ------------------------------------------------------------ client + CLI
+def test_build_request_from_keywords():
+    request = build_request("hi", max_tokens=4, stop="x", seed=None, n=2, request_id="r")
+    assert request.prompt == "hi" and request.request_id == "r"
+    assert request.sampling.max_tokens == 4 and list(request.sampling.stop) == ["x"]
+    assert not request.sampling.HasField("seed") and request.sampling.n == 2
+    assert list(build_request(prompt_token_ids=[1, 2]).prompt_token_ids) == [1, 2]
+    with pytest.raises(TypeError, match="temprature"):
+        build_request("hi", temprature=0.5)
+
+
+def parse_cli(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    client_cli.register(parser.add_subparsers(dest="command"))
+    return parser.parse_args(list(argv))
+
+
+def test_cli_generate_talks_to_the_cluster_by_default():
+    args = parse_cli("generate", "hello", "--stream", "--max-tokens", "8")
+    assert args.func is client_cli.run_generate
+    assert (args.prompts, args.stream, args.max_tokens, args.offline) == (["hello"], True, 8, False)
+    assert args.address == "localhost:9000"
+    offline = parse_cli("generate", "hi", "--offline", "--block-size", "8")
+    assert offline.offline and offline.block_size == 8
+    status = parse_cli("status", "--address", "h:1", "--json")
+    assert status.func is client_cli.run_status and status.address == "h:1" and status.json
+
+
+def test_cli_reports_an_unreachable_cluster(capsys):
+    from pagedserve.cli import main
+
+    code = main(["generate", "hi", "--address", "127.0.0.1:9", "--timeout", "5"])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "UNAVAILABLE" in err and "is `pagedserve serve` running at 127.0.0.1:9?" in err
+
+
+def test_cli_status_json_round_trips():
+    message = stats_to_proto({"workers": {}, "router": {}, "policy": "kv_aware"})
+    assert json.loads(client_cli._to_json(message))["routing_policy"] == "kv_aware"
+
+
+def test_serve_flags_turn_auth_and_the_model_name_on(tmp_path):
+    from pagedserve.cli import build_parser
+    from pagedserve.cluster.app import build_app
+    from pagedserve.cluster.cli import cluster_config_from_args
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("s3cret\n", encoding="utf-8")
+    args = build_parser().parse_args(
+        ["serve", "--auth-tokens-file", str(tokens), "--served-model-name", "tiny"]
+    )
+    data = cluster_config_from_args(args, num_gpus=0)
+    assert data["auth"] == {"tokens_file": str(tokens)} and data["served_model_name"] == "tiny"
+    assert build_app(data) is not None

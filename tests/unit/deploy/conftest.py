@@ -1,0 +1,50 @@
+"""Fixtures for the deploy/ tests: the renderer, the rendered overlays and the CRD schemas."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+from unit.deploy.manifests import CRD_DIR, KUSTOMIZATIONS, load_renderer, strict
+
+
+@pytest.fixture(scope="session")
+def render():
+    return load_renderer()
+
+
+@pytest.fixture(scope="session")
+def rendered(render) -> dict[str, list[dict[str, Any]]]:
+    """Every kustomization, rendered once: name → objects (treat as read-only)."""
+    return {name: render.render(folder) for name, folder in KUSTOMIZATIONS.items()}
+
+
+@pytest.fixture(scope="session")
+def crd_schemas() -> dict[str, Any]:
+    """kind → apiVersion and a validator of the strict schema of the storage version."""
+    if not CRD_DIR.is_dir():
+        pytest.fail(
+            f"KubeRay CRD schemas not found: {CRD_DIR} is absent. CI lays ../shared beside the "
+            "clone (shared/kuberay-crds/ray.io_rayservices.yaml and ray.io_rayclusters.yaml, "
+            "from ray-project/kuberay); put that folder there to run the CRD validation.",
+            pytrace=False,
+        )
+    schemas = {}
+    for path in sorted(CRD_DIR.glob("ray.io_*.yaml")):
+        # libyaml's loader where there is one: the CRDs are large (about 1 MB each).
+        loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+        crd = yaml.load(path.read_text(encoding="utf-8"), Loader=loader)
+        for version in crd["spec"]["versions"]:
+            if version.get("storage"):
+                kind = crd["spec"]["names"]["kind"]
+                api_version = f"{crd['spec']['group']}/{version['name']}"
+                schema = strict(version["schema"]["openAPIV3Schema"])
+                schemas[kind] = {
+                    "apiVersion": api_version,
+                    "validator": jsonschema.Draft7Validator(schema),
+                }
+    missing = {"RayService", "RayCluster"} - schemas.keys()
+    assert not missing, f"{CRD_DIR} lacks the CRDs of {sorted(missing)}"
+    return schemas

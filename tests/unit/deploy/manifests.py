@@ -1,0 +1,92 @@
+"""Helpers for the deploy/ tests: paths, the renderer, lookups in rendered objects."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[3]
+DEPLOY = REPO / "deploy"
+K8S = DEPLOY / "k8s"
+KUSTOMIZATIONS = {
+    "base": K8S / "base",
+    "cpu-demo": K8S / "overlays" / "cpu-demo",
+    "gpu": K8S / "overlays" / "gpu",
+}
+# KubeRay's CRDs, as CI lays them out: ../shared beside the clone.
+CRD_DIR = REPO.parent / "shared" / "kuberay-crds"
+# The Kubernetes version whose schemas the core objects must satisfy (kubernetes-validate).
+KUBERNETES_VERSION = "1.33.0"
+
+
+def load_renderer():
+    """`deploy/render.py` as a module (deploy/ is no package: it ships beside the code)."""
+    name = "pagedserve_deploy_render"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, DEPLOY / "render.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def find(objects: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    matches = [
+        obj
+        for obj in objects
+        if obj["kind"] == kind and (name is None or obj["metadata"]["name"] == name)
+    ]
+    assert len(matches) == 1, f"expected one {kind} {name or ''}, found {len(matches)}"
+    return matches[0]
+
+
+def serve_config(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    """The RayService's `serveConfigV2`, parsed."""
+    return yaml.safe_load(find(objects, "RayService")["spec"]["serveConfigV2"])
+
+
+def ray_containers(rayservice: dict[str, Any]) -> list[dict[str, Any]]:
+    """The Ray container (the first) of the head and of every worker group."""
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    templates = [cluster["headGroupSpec"]["template"]] + [
+        group["template"] for group in cluster["workerGroupSpecs"]
+    ]
+    return [template["spec"]["containers"][0] for template in templates]
+
+
+def strict(schema: Any) -> Any:
+    """A copy of a CRD schema that rejects unknown fields, as `kubectl apply` does.
+
+    The API server prunes fields a structural schema does not declare, and kubectl's strict
+    field validation turns that into an error; plain JSON schema would let them through.
+    """
+    schema = copy.deepcopy(schema)
+
+    def visit(node: Any) -> None:
+        if isinstance(node, list):
+            for item in node:
+                visit(item)
+            return
+        if not isinstance(node, dict):
+            return
+        if (
+            "properties" in node
+            and "additionalProperties" not in node
+            and not node.get("x-kubernetes-preserve-unknown-fields")
+        ):
+            node["additionalProperties"] = False
+        for key in ("properties", "patternProperties"):
+            for child in node.get(key, {}).values():
+                visit(child)
+        for key in ("items", "additionalProperties", "not"):
+            visit(node.get(key))
+        for key in ("anyOf", "allOf", "oneOf"):
+            visit(node.get(key, []))
+
+    visit(schema)
+    return schema

@@ -1,0 +1,115 @@
+"""The RayService's serveConfigV2: a valid Serve config whose import paths and args are real."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+from ray.serve.schema import ServeDeploySchema
+from unit.deploy.manifests import serve_config
+
+from pagedserve.cluster import serve_options
+from pagedserve.cluster.api_config import split_app_args
+from pagedserve.cluster.app import Router, build_app
+from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.routing import make_policy
+
+ALL = ("base", "cpu-demo", "gpu")
+APP_BUILDER = "pagedserve.cluster.app:build_app"
+
+
+def import_path(path: str):
+    """Resolve `module:attr` or `module.attr`, as Serve does."""
+    module, _, attr = path.rpartition(":") if ":" in path else path.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
+def the_app(config: dict) -> dict:
+    (app,) = config["applications"]
+    return app
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_is_a_valid_serve_deploy_config(rendered, name):
+    config = serve_config(rendered[name])
+    schema = ServeDeploySchema.model_validate(config)
+    assert [app.name for app in schema.applications] == ["pagedserve"]
+    assert schema.applications[0].route_prefix == "/"
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_grpc_servicers_are_the_apps_own(rendered, name):
+    grpc = serve_config(rendered[name])["grpc_options"]
+    # One list, in cluster/serve_options.py: the manifests may not drift from it.
+    assert grpc["grpc_servicer_functions"] == serve_options.GRPC_SERVICER_FUNCTIONS
+    assert grpc["port"] == 9000
+    for path in grpc["grpc_servicer_functions"]:
+        assert callable(import_path(path)), path
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_import_path_is_the_app_builder(rendered, name):
+    app = the_app(serve_config(rendered[name]))
+    assert app["import_path"] == APP_BUILDER
+    assert import_path(APP_BUILDER) is build_app
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_args_build_the_app(rendered, name):
+    """What Serve does with import_path + args; binding starts no actors."""
+    app = the_app(serve_config(rendered[name]))
+    application = build_app(app["args"])
+
+    assert application is not None
+    # Serve applies `deployments:` overrides by name: each must name a deployment of the app.
+    assert {d["name"] for d in app["deployments"]} == {Router.name}
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_args_are_a_cluster_config_with_a_real_routing_policy(rendered, name):
+    args = the_app(serve_config(rendered[name]))["args"]
+    cluster, api = split_app_args(args)
+    config = ClusterConfig.from_dict(cluster)
+
+    policy = make_policy(config.routing_policy, **config.routing_options)
+    assert policy.name == config.routing_policy
+    # kv_aware counts blocks; its block size must be the engine's.
+    assert getattr(policy, "block_size", config.engine.block_size) == config.engine.block_size
+    assert config.namespace == "pagedserve" and config.name == "pagedserve"
+    assert not api.auth.enabled
+
+
+@pytest.mark.parametrize("name", ("base", "gpu"))
+def test_gpu_configs_put_one_worker_on_each_gpu(rendered, name):
+    config = ClusterConfig.from_dict(
+        split_app_args(the_app(serve_config(rendered[name]))["args"])[0]
+    )
+    assert config.worker_num_gpus == 1
+    assert config.engine.device == "cuda"
+    assert config.engine.attention_backend in ("triton", "auto")
+
+
+def test_gpu_overlay_serves_a_checkpoint_from_the_volume(rendered):
+    config = ClusterConfig.from_dict(
+        split_app_args(the_app(serve_config(rendered["gpu"]))["args"])[0]
+    )
+    assert config.engine.model.startswith("/models/")
+    assert config.engine.dtype == "bfloat16"
+
+
+def test_cpu_demo_is_tiny(rendered):
+    config = ClusterConfig.from_dict(
+        split_app_args(the_app(serve_config(rendered["cpu-demo"]))["args"])[0]
+    )
+    assert config.engine.model is None  # the built-in tiny-llama: no files, no download
+    assert config.engine.device == "cpu" and config.worker_num_gpus == 0
+    assert config.num_workers == 2
+    assert config.engine.num_kv_blocks is not None and config.engine.num_kv_blocks <= 256
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_router_is_one_replica(rendered, name):
+    """Requests in flight, Abort and the routing view live in one Router replica."""
+    (router,) = the_app(serve_config(rendered[name]))["deployments"]
+    assert router["num_replicas"] == 1
+    assert "autoscaling_config" not in router
