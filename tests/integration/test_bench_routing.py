@@ -8,12 +8,12 @@ import pytest
 import ray
 
 from pagedserve.bench.pull import Point, crossover
-from pagedserve.bench.routing import (
+from pagedserve.bench.routing_report import percentile
+from pagedserve.bench.routing_workload import (
     PlannedRequest,
     RoutingBenchConfig,
     ideal_cached_tokens,
     make_workload,
-    percentile,
 )
 from pagedserve.cli import main
 
