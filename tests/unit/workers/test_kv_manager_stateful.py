@@ -213,6 +213,7 @@ def run_machine(examples: int = EXAMPLES) -> None:
             stateful_step_count=STEPS_PER_EXAMPLE,
             deadline=None,
             database=None,
+            report_multiple_bugs=False,  # one broken invariant is enough: raise it plainly
             suppress_health_check=list(HealthCheck),
         ),
     )
