@@ -10,6 +10,9 @@ BENCH_MODULES: tuple[str, ...] = (
     "pagedserve.bench.offline",
     "pagedserve.bench.routing",
     "pagedserve.bench.pull",
+    "pagedserve.bench.serve",
+    "pagedserve.bench.ablate",
+    "pagedserve.bench.block_sweep",
 )
 
 

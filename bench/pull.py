@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from pagedserve.bench.routing import HelpFormatter, ensure_ray
+from pagedserve.cluster.config import ClusterConfig
 
 DEFAULT_LENGTHS = (1, 2, 4, 8, 16, 32, 64)
 _WARMUP_PROMPT_LEN = 40
@@ -258,7 +259,8 @@ def format_report(config: PullBenchConfig, points: list[Point]) -> str:
             f"crossover: pull+hit beats prefill from {found} blocks "
             f"({found * config.block_size} tokens){at_least} on"
         )
-        lines.append(f"recommended pull_min_blocks = {found} (ClusterConfig default: 4)")
+        default = ClusterConfig.__dataclass_fields__["pull_min_blocks"].default
+        lines.append(f"recommended pull_min_blocks = {found} (ClusterConfig default: {default})")
     return "\n".join(lines)
 
 
