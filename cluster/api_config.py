@@ -2,7 +2,8 @@
 
     build_app({"num_workers": 2, "engine": {...},              # ClusterConfig
                "auth": {"tokens": ["s3cret"], "tokens_file": "/etc/pagedserve/tokens"},
-               "served_model_name": "tiny"})
+               "served_model_name": "tiny",
+               "telemetry": {"exporter": "otlp", "metrics": True}})  # see workers/telemetry
 
 `split_app_args` takes the API's keys out, so the rest goes to `ClusterConfig.from_dict` as is.
 """
@@ -12,7 +13,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-API_KEYS = ("auth", "served_model_name")
+from pagedserve.workers.telemetry import TelemetryConfig
+
+API_KEYS = ("auth", "served_model_name", "telemetry")
 
 
 @dataclass(frozen=True)
@@ -49,10 +52,12 @@ class ApiConfig:
     Attributes:
         auth: bearer-token auth (off by default).
         served_model_name: the model id of the OpenAI API (default: the engine's model).
+        telemetry: tracing and metrics of the router and its workers (tracing off by default).
     """
 
     auth: AuthConfig = field(default_factory=AuthConfig)
     served_model_name: str | None = None
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,7 +74,10 @@ class ApiConfig:
                     f"unknown auth keys: {', '.join(unknown)}; known: tokens, tokens_file"
                 )
             auth = AuthConfig(**auth)
-        return cls(auth=auth, **data)
+        telemetry = data.pop("telemetry", None)
+        if not isinstance(telemetry, TelemetryConfig):
+            telemetry = TelemetryConfig.from_dict(telemetry)
+        return cls(auth=auth, telemetry=telemetry, **data)
 
 
 def split_app_args(args: dict[str, Any] | None) -> tuple[dict[str, Any], ApiConfig]:

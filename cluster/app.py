@@ -30,10 +30,12 @@ from pagedserve.cluster.api_config import ApiConfig, split_app_args
 from pagedserve.cluster.auth import TokenAuth
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.grpc_api import SERVING, GrpcFrontend
+from pagedserve.cluster.metrics import CONTENT_TYPE
 from pagedserve.cluster.openai_api import OpenAIFrontend
 from pagedserve.cluster.router import GenerateRequest, RouterCore
 from pagedserve.cluster.worker_group import start_worker_group
 from pagedserve.workers.stream import StreamDelta
+from pagedserve.workers.telemetry import ROUTER_SERVICE, get_tracing
 
 http_app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None)
 
@@ -51,14 +53,16 @@ class Router:
 
     Args:
         config: `ClusterConfig` data.
-        api: `ApiConfig` data (auth, served model name).
+        api: `ApiConfig` data (auth, served model name, telemetry).
     """
 
     def __init__(self, config: dict[str, Any], api: dict[str, Any] | None = None) -> None:
         self.config = ClusterConfig.from_dict(config)
         api_config = ApiConfig.from_dict(api or {})
-        index, workers = start_worker_group(self.config)
-        self.core = RouterCore(self.config, index, workers)
+        telemetry = api_config.telemetry
+        index, workers = start_worker_group(self.config, telemetry)
+        tracing = get_tracing(telemetry, ROUTER_SERVICE)
+        self.core = RouterCore(self.config, index, workers, tracing, telemetry.metrics)
         auth = TokenAuth.from_config(api_config.auth)
         model_name = served_model_name(self.config, api_config)
         self.grpc = GrpcFrontend(self.core, auth)
@@ -116,6 +120,13 @@ class Router:
     @http_app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         return await self.openai.chat_completions(request)
+
+    @http_app.get("/metrics")
+    async def metrics(self) -> Response:
+        """Prometheus scrape endpoint (404 when `telemetry.metrics` is off)."""
+        if not self.core.metrics.enabled:
+            return JSONResponse({"error": "metrics are off"}, status_code=404)
+        return Response(self.core.metrics.render(), media_type=CONTENT_TYPE)
 
     @http_app.get("/health")
     async def health(self) -> Response:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -30,6 +31,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="require `authorization: Bearer <token>` with a token from this file (one a line)",
     )
     parser.add_argument("--served-model-name", help="model id of the OpenAI API")
+    parser.add_argument(
+        "--trace-exporter",
+        choices=["otlp", "console", "file", "none"],
+        help="where spans go (default none; otlp honours OTEL_EXPORTER_OTLP_ENDPOINT)",
+    )
+    parser.add_argument(
+        "--trace-file", help="write spans as JSON lines here (see `pagedserve trace show`)"
+    )
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=9000)
     parser.add_argument("--host", default="0.0.0.0")
@@ -61,6 +70,15 @@ def cluster_config_from_args(args: argparse.Namespace, num_gpus: int) -> dict[st
             data[flag] = getattr(args, flag)
     if args.auth_tokens_file is not None:
         data["auth"] = {**(data.get("auth") or {}), "tokens_file": args.auth_tokens_file}
+    telemetry = dict(data.get("telemetry") or {})
+    if args.trace_file is not None:
+        # Absolute: worker processes may not share this process's working directory.
+        trace_file = os.path.abspath(args.trace_file)
+        telemetry.update(trace_file=trace_file, exporter=args.trace_exporter or "file")
+    elif args.trace_exporter is not None:
+        telemetry["exporter"] = args.trace_exporter
+    if telemetry:
+        data["telemetry"] = telemetry
     if num_gpus:
         data.setdefault("num_workers", num_gpus)
         data.setdefault("worker_num_gpus", 1.0)

@@ -32,7 +32,13 @@ from pagedserve.cluster.grpc_convert import (
     workers_to_proto,
 )
 from pagedserve.cluster.grpc_wire import SERVICE, MalformedRequest, StreamFailed
-from pagedserve.cluster.router import WORKER_LOST_ERRORS, NoWorkerAvailable, RouterCore
+from pagedserve.cluster.router import (
+    WORKER_LOST_ERRORS,
+    GenerateRequest,
+    NoWorkerAvailable,
+    RouterCore,
+)
+from pagedserve.cluster.tracing import tag_ingress
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -60,7 +66,7 @@ class GrpcFrontend:
     async def generate(self, request: Any, context: Any) -> pb.GenerateResponse:
         try:
             self._admit(request, context)
-            collector = await collect(self.core, request_from_proto(request))
+            collector = await collect(self.core, _traced(request, context))
             _raise_on_engine_error(collector.completions)
             return response_to_proto(collector)
         except Exception as error:
@@ -71,7 +77,7 @@ class GrpcFrontend:
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
         try:
             self._admit(request, context)
-            async for delta in self.core.generate(request_from_proto(request)):
+            async for delta in self.core.generate(_traced(request, context)):
                 yield delta_to_proto(delta)
                 if delta.error:
                     raise ApiError(ErrorCode.INTERNAL, delta.error)
@@ -172,3 +178,10 @@ def _raise_on_engine_error(completions: list) -> None:
     for completion in completions:
         if completion.error:
             raise ApiError(ErrorCode.INTERNAL, completion.error)
+
+
+def _traced(message: Any, context: Any) -> GenerateRequest:
+    """The router request of a gRPC message, continuing the trace its metadata names."""
+    request = request_from_proto(message)
+    tag_ingress([request], context.invocation_metadata(), "grpc")
+    return request

@@ -42,6 +42,7 @@ from pagedserve.cluster.openai_models import (
     parse_body,
 )
 from pagedserve.cluster.router import GenerateRequest, RouterCore
+from pagedserve.cluster.tracing import tag_ingress
 from pagedserve.workers.stream import StreamDelta, Usage
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ class OpenAIFrontend:
             ]
         except Exception as error:
             return _error_or_raise(error)
+        tag_ingress(requests, request.headers.items(), "http")
         chunks = CompletionChunks(base_id, self.created, self.model_name, body.n)
         return await self._respond(requests, body.stream, body.include_usage, chunks)
 
@@ -94,6 +96,7 @@ class OpenAIFrontend:
             requests = [await self._request(body, prompt, body.max_output_tokens(), base_id)]
         except Exception as error:
             return _error_or_raise(error)
+        tag_ingress(requests, request.headers.items(), "http")
         chunks = ChatChunks(base_id, self.created, self.model_name, body.n)
         return await self._respond(requests, body.stream, body.include_usage, chunks)
 

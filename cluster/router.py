@@ -23,12 +23,15 @@ from typing import Any
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.metrics import RouterMetrics
 from pagedserve.cluster.routing import WorkerLoad, make_policy
+from pagedserve.cluster.tracing import RouterTrace, migration_span, record_decision
 from pagedserve.cluster.worker_state import WorkerState
 from pagedserve.workers.block_hash import hash_full_blocks
 from pagedserve.workers.engine import RequestRejected
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.stream import StreamDelta
+from pagedserve.workers.telemetry import NOOP, Tracing
 from pagedserve.workers.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -54,6 +57,8 @@ class GenerateRequest:
     priority: int = 0
     cache_salt: str | None = None
     timeout_s: float | None = None
+    trace_context: dict[str, str] | None = None  # the client's W3C traceparent, if any
+    ingress: str = "python"  # grpc, http or python: names the front end on the trace
 
 
 @dataclasses.dataclass
@@ -78,10 +83,20 @@ class RouterCore:
         config: the cluster config.
         index: the prefix index actor.
         workers: worker id → actor handle.
+        tracing: where request spans go (no-op by default).
+        metrics: whether to keep Prometheus metrics (`self.metrics.render()`).
     """
 
-    def __init__(self, config: ClusterConfig, index: Any, workers: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        index: Any,
+        workers: dict[str, Any],
+        tracing: Tracing = NOOP,
+        metrics: bool = False,
+    ) -> None:
         self.config = config
+        self.tracing = tracing
         self.index = index
         self.workers = {wid: WorkerState(wid, handle) for wid, handle in workers.items()}
         options = dict(config.routing_options)
@@ -95,6 +110,9 @@ class RouterCore:
         self._active: dict[str, WorkerState] = {}
         self._started: asyncio.Task | None = None
         self._poller: asyncio.Task | None = None
+        self.metrics = RouterMetrics(
+            metrics, lambda: {w.worker_id: (w.alive, w.stats) for w in self.workers.values()}
+        )
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -168,11 +186,18 @@ class RouterCore:
                 matches = await asyncio.wait_for(self.index.match.remote(chain), timeout)
                 if any(n == len(chain) for wid, n in matches.items() if wid != source.worker_id):
                     continue  # someone else holds it already
-                pushed = await target.handle.pull_prefix.remote(
-                    source.handle, chain, self.config.pull_timeout_s
-                )
+                span = migration_span(self.tracing, None, "push", source.worker_id, target)
+                try:
+                    pushed = await target.handle.pull_prefix.remote(
+                        source.handle, chain, self.config.pull_timeout_s, self.tracing.inject(span)
+                    )
+                    span.set_attribute("pagedserve.migration.blocks", pushed)
+                finally:
+                    span.end()
                 self.counters["migrations.push"] += 1 if pushed else 0
                 self.counters["migrations.push_blocks"] += pushed
+                if pushed:
+                    self.metrics.on_migration("push", pushed)
         except (*WORKER_LOST_ERRORS, TimeoutError):
             logger.warning("push from %s failed", source.worker_id, exc_info=True)
 
@@ -202,8 +227,13 @@ class RouterCore:
             raise RequestRejected("the model has no tokenizer; send prompt_token_ids")
         return self.tokenizer.encode(request.prompt)
 
-    async def route(self, token_ids: list[int], cache_salt: str | None) -> tuple[WorkerState, int]:
-        """Pick a worker for a prompt; pull its prefix from a peer when that beats prefill."""
+    async def route(
+        self, token_ids: list[int], cache_salt: str | None, span: Any = None
+    ) -> tuple[WorkerState, int]:
+        """Pick a worker for a prompt; pull its prefix from a peer when that beats prefill.
+
+        `span`: the `route` span, given the decision (and parent of a pull), if traced.
+        """
         alive = [w for w in self.workers.values() if w.alive]
         if not alive:
             raise NoWorkerAvailable("no worker is alive")
@@ -223,12 +253,18 @@ class RouterCore:
         chosen = self.workers[decision.worker_id]
         matched = matches.get(chosen.worker_id, 0)
         self.counters[f"routed.{decision.policy}"] += 1
-        self.counters["routed.prefix_hit" if matched else "routed.prefix_miss"] += 1
+        outcome = "prefix_hit" if matched else "prefix_miss"
+        self.counters[f"routed.{outcome}"] += 1
+        self.metrics.on_routed(decision.policy, outcome)
+        if span is not None:
+            record_decision(span, decision, len(hashes), matched)
         if self.config.enable_pull:
-            matched = await self._maybe_pull(chosen, hashes, matches, matched)
+            matched = await self._maybe_pull(chosen, hashes, matches, matched, span)
         return chosen, matched
 
-    async def _maybe_pull(self, chosen: WorkerState, hashes, matches, matched: int) -> int:
+    async def _maybe_pull(
+        self, chosen: WorkerState, hashes, matches, matched: int, parent: Any = None
+    ) -> int:
         holders = [
             (n, wid)
             for wid, n in matches.items()
@@ -239,14 +275,23 @@ class RouterCore:
         best, holder_id = max(holders)
         if best - matched < self.config.pull_min_blocks:
             return matched
+        span = migration_span(self.tracing, parent, "pull", holder_id, chosen)
         try:
             pulled = await chosen.handle.pull_prefix.remote(
-                self.workers[holder_id].handle, hashes[:best], self.config.pull_timeout_s
+                self.workers[holder_id].handle,
+                hashes[:best],
+                self.config.pull_timeout_s,
+                self.tracing.inject(span),
             )
         except WORKER_LOST_ERRORS:
+            span.end()
             return matched
+        span.set_attribute("pagedserve.migration.blocks", pulled)
+        span.end()
         self.counters["migrations.pull"] += 1 if pulled else 0
         self.counters["migrations.pull_blocks"] += pulled
+        if pulled:
+            self.metrics.on_migration("pull", pulled)
         return max(matched, best) if pulled else matched
 
     # ------------------------------------------------------------ requests
@@ -257,8 +302,23 @@ class RouterCore:
         never shown) and, by config, the worker dying (unfinished branches replay on a peer).
         """
         await self.start()
-        token_ids = self._tokenize(request)
         request_id = request.request_id or uuid.uuid4().hex
+        trace = RouterTrace(self.tracing, request, request_id, self.model_name)
+        error = None
+        try:
+            async for delta in self._generate(request, request_id, trace):
+                yield delta
+        except Exception as e:
+            error = e
+            raise
+        finally:
+            trace.end(error)
+
+    async def _generate(
+        self, request: GenerateRequest, request_id: str, trace: RouterTrace
+    ) -> AsyncIterator[StreamDelta]:
+        token_ids = self._tokenize(request)
+        trace.on_prompt(len(token_ids))
         if request_id in self._active:
             raise RequestRejected(f"request_id {request_id!r} is already in flight")
         emitted: dict[int, list[int]] = {j: [] for j in range(request.params.n)}
@@ -268,33 +328,46 @@ class RouterCore:
             while plan:
                 attempt = plan.pop(0)
                 try:
-                    async for delta in self._attempt(attempt, request_id, request):
+                    async for delta in self._attempt(attempt, request_id, request, trace):
                         if delta.finish_reason == "moved":
                             plan.append(
                                 _Attempt(delta.index, handoff=delta.handoff, source=delta.worker_id)
                             )
                             self.counters["migrations.move"] += 1
+                            self.metrics.on_migration("move")
                             continue
                         emitted[delta.index].extend(delta.token_ids)
                         if delta.finish_reason is not None:
                             finished.add(delta.index)
+                            trace.on_delta(delta)
+                            self.metrics.on_finished(delta)
                         yield delta
-                except WorkerLost:
+                except WorkerLost as lost:
+                    trace.root.add_event("worker_lost", {"exception.message": str(lost)})
                     plan = self._replay_plan(request, token_ids, emitted, finished)
         finally:
             self._active.pop(request_id, None)
 
     async def _attempt(
-        self, attempt: _Attempt, request_id: str, request: GenerateRequest
+        self, attempt: _Attempt, request_id: str, request: GenerateRequest, trace: RouterTrace
     ) -> AsyncIterator[StreamDelta]:
         params = attempt.params
         if attempt.handoff is not None:
             worker = self._peer_for(attempt.source)
-            start = functools.partial(worker.handle.adopt.remote, attempt.handoff)
+            tokens = len(attempt.handoff.all_token_ids)
+            span = migration_span(self.tracing, trace.root, "move", attempt.source, worker, tokens)
+            start = functools.partial(
+                worker.handle.adopt.remote, attempt.handoff, trace.carrier(span)
+            )
             demand = len(attempt.handoff.all_token_ids) + params_left(attempt.handoff)
             num_branches = 1
         else:
-            worker, matched = await self.route(attempt.prompt, request.cache_salt)
+            route_span = trace.child("route")
+            try:
+                worker, matched = await self.route(attempt.prompt, request.cache_salt, route_span)
+            finally:
+                route_span.end()
+            span = trace.child("worker.call", **{"pagedserve.worker_id": worker.worker_id})
             start = functools.partial(
                 worker.handle.generate.remote,
                 request_id,
@@ -303,15 +376,19 @@ class RouterCore:
                 request.priority,
                 request.cache_salt,
                 request.timeout_s,
+                trace.carrier(span),
             )
             # What this request adds to the worker's work: tokens it must still prefill (a
             # cached prefix costs nothing) plus what it will decode.
             demand = len(attempt.prompt) - matched * self.block_size + params.max_tokens * params.n
             num_branches = params.n
-        async for delta in self._stream(worker, request_id, start, demand, num_branches):
-            if attempt.branch is not None:
-                delta.index = attempt.branch
-            yield delta
+        try:
+            async for delta in self._stream(worker, request_id, start, demand, num_branches):
+                if attempt.branch is not None:
+                    delta.index = attempt.branch
+                yield delta
+        finally:
+            span.end()
 
     def _peer_for(self, source: str | None) -> WorkerState:
         """Where a moved request goes: the least loaded alive worker other than its source."""

@@ -9,6 +9,7 @@ import ray
 
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.prefix_index import get_or_create_prefix_index
+from pagedserve.workers.telemetry import TelemetryConfig, otel_env
 from pagedserve.workers.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -17,13 +18,19 @@ logger = logging.getLogger(__name__)
 WORKER_MAX_CONCURRENCY = 4096
 
 
-def start_worker_group(config: ClusterConfig) -> tuple[Any, dict[str, Any]]:
+def start_worker_group(
+    config: ClusterConfig, telemetry: TelemetryConfig | None = None
+) -> tuple[Any, dict[str, Any]]:
     """Get or create the index and every worker; returns (index, {worker_id: handle}).
 
     Actors are detached and named, so router replicas share them and they outlive a router
     restart; `stop_worker_group` removes them. Ray restarts a crashed worker (max_restarts),
-    and the router re-registers it once it answers again.
+    and the router re-registers it once it answers again. Workers get the telemetry settings
+    at creation and this process's OTEL_* variables in their runtime env.
     """
+    telemetry = telemetry or TelemetryConfig()
+    env = otel_env()
+    runtime_env = {"env_vars": env} if env else None
     index = get_or_create_prefix_index(name=config.index_name, namespace=config.namespace)
     remote_worker = ray.remote(Worker)
     workers = {}
@@ -40,7 +47,8 @@ def start_worker_group(config: ClusterConfig) -> tuple[Any, dict[str, Any]]:
             num_cpus=config.worker_num_cpus,
             resources=dict(config.worker_resources),
             max_concurrency=WORKER_MAX_CONCURRENCY,
-        ).remote(worker_id, config.engine, config.index_name, config.namespace)
+            runtime_env=runtime_env,
+        ).remote(worker_id, config.engine, config.index_name, config.namespace, telemetry.to_dict())
     return index, workers
 
 

@@ -16,6 +16,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "pagedserve.bench.cli",
     "pagedserve.cluster.client_cli",  # generate (cluster, or --offline), status
     "pagedserve.cluster.cli",
+    "pagedserve.cluster.trace_view",  # trace show
 )
 
 

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict
@@ -27,8 +28,10 @@ from pagedserve.workers.handoff import RequestHandoff
 from pagedserve.workers.kv_cache_manager import PrefixTransfer
 from pagedserve.workers.kv_checks import KVInvariantError, assert_no_leaks, check_invariants
 from pagedserve.workers.kv_events import KVEvent, KVSnapshot
+from pagedserve.workers.request_trace import RequestTrace, RequestTraces, migration_span
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.stream import DeltaTracker, StreamDelta
+from pagedserve.workers.telemetry import NOOP, worker_tracing
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -43,10 +46,14 @@ class WorkerCore:
         worker_id: this worker's name in the cluster.
         event_sink: called as `sink(worker_id, epoch, events)` after each step that produced
             KV events (the prefix index's publish).
+        tracing: where request spans go (the no-op tracer by default).
     """
 
-    def __init__(self, engine: Engine, worker_id: str, event_sink: EventSink | None = None):
+    def __init__(
+        self, engine: Engine, worker_id: str, event_sink: EventSink | None = None, tracing=NOOP
+    ):
         self.engine = engine
+        self.traces = RequestTraces(tracing, worker_id)
         self.worker_id = worker_id
         self.epoch = uuid.uuid4().hex
         self.event_sink = event_sink
@@ -80,8 +87,10 @@ class WorkerCore:
                 await self._wakeup.wait()
                 continue
             self._stepping = True
+            prefilling, start_ns = self.traces.before_step(self.engine.scheduler), time.time_ns()
             try:
                 outputs = await asyncio.to_thread(self.engine.step)
+                self.traces.after_step(prefilling, start_ns)
             except Exception as error:
                 logger.exception("engine step failed; ending every request in flight")
                 outputs = self._fail_all(error)
@@ -154,11 +163,12 @@ class WorkerCore:
         priority: int = 0,
         cache_salt: str | None = None,
         timeout_s: float | None = None,
+        trace_context: dict[str, str] | None = None,
     ) -> AsyncIterator[StreamDelta]:
         """Stream a request's deltas until every branch finished. Raises `RequestRejected`.
 
         Leaving the iteration early (cancellation, a closed stream) aborts the request and
-        frees its blocks.
+        frees its blocks. `trace_context` (a W3C carrier) parents this request's spans.
         """
         add = functools.partial(
             self.engine.add_request,
@@ -169,22 +179,31 @@ class WorkerCore:
             cache_salt=cache_salt,
             timeout_s=timeout_s,
         )
-        async for delta in self._stream(request_id, params.n, add, DeltaTracker()):
+        trace = self.traces.open(request_id, trace_context, params)
+        async for delta in self._stream(request_id, params.n, add, DeltaTracker(), trace):
             yield delta
 
-    async def adopt(self, handoff: RequestHandoff) -> AsyncIterator[StreamDelta]:
+    async def adopt(
+        self, handoff: RequestHandoff, trace_context: dict[str, str] | None = None
+    ) -> AsyncIterator[StreamDelta]:
         """Continue a request a peer handed off; streams only the tokens it generates here."""
         already_sent = DeltaTracker(
             sent_tokens={0: len(handoff.output_token_ids)},
             sent_text={0: handoff.emitted_text_chars},
         )
+        trace = self.traces.open(handoff.request_id, trace_context, handoff.params, "worker.adopt")
         async for delta in self._stream(
-            handoff.request_id, 1, lambda: self.engine.adopt(handoff), already_sent
+            handoff.request_id, 1, lambda: self.engine.adopt(handoff), already_sent, trace
         ):
             yield delta
 
     async def _stream(
-        self, request_id: str, num_branches: int, add: Callable[[], None], tracker: DeltaTracker
+        self,
+        request_id: str,
+        num_branches: int,
+        add: Callable[[], None],
+        tracker: DeltaTracker,
+        trace: RequestTrace,
     ) -> AsyncIterator[StreamDelta]:
         self.start()
         queue: asyncio.Queue[StreamDelta] = asyncio.Queue()
@@ -199,9 +218,11 @@ class WorkerCore:
                 delta = await queue.get()
                 if delta.finish_reason is not None:
                     remaining -= 1
+                trace.on_delta(delta)
                 yield delta
         finally:
             self._streams.pop(request_id, None)
+            self.traces.close(trace, aborted=bool(remaining))
             if remaining:
                 await asyncio.shield(self._abort_quietly(request_id))
 
@@ -329,6 +350,7 @@ class Worker:
             name (not passed as a handle) so that Ray can restart this actor after its creator
             is gone.
         namespace: the Ray namespace of the index.
+        telemetry: `TelemetryConfig` data (tracing is off without it).
     """
 
     def __init__(
@@ -337,12 +359,14 @@ class Worker:
         config: EngineConfig,
         index_name: str | None = None,
         namespace: str | None = None,
+        telemetry: dict[str, Any] | None = None,
     ) -> None:
         import ray
 
         self._index = ray.get_actor(index_name, namespace=namespace) if index_name else None
         sink = self._publish if self._index is not None else None
-        self.core = WorkerCore(Engine(config), worker_id, sink)
+        tracing = worker_tracing(telemetry, worker_id)
+        self.core = WorkerCore(Engine(config), worker_id, sink, tracing)
 
     def _publish(self, worker_id: str, epoch: str, events: list[KVEvent]) -> None:
         """Send a batch to the index without waiting for it; its answer is checked aside.
@@ -399,6 +423,7 @@ class Worker:
         priority: int = 0,
         cache_salt: str | None = None,
         timeout_s: float | None = None,
+        trace_context: dict[str, str] | None = None,
     ) -> AsyncIterator[StreamDelta]:
         """Streaming: call as `handle.generate.remote(...)` and iterate the ObjectRefGenerator."""
         async for delta in self.core.generate(
@@ -408,12 +433,15 @@ class Worker:
             priority=priority,
             cache_salt=cache_salt,
             timeout_s=timeout_s,
+            trace_context=trace_context,
         ):
             yield delta
 
-    async def adopt(self, handoff: RequestHandoff) -> AsyncIterator[StreamDelta]:
+    async def adopt(
+        self, handoff: RequestHandoff, trace_context: dict[str, str] | None = None
+    ) -> AsyncIterator[StreamDelta]:
         """Streaming, like `generate`: continue a request a peer handed off."""
-        async for delta in self.core.adopt(handoff):
+        async for delta in self.core.adopt(handoff, trace_context):
             yield delta
 
     async def abort(self, request_id: str) -> bool:
@@ -443,19 +471,31 @@ class Worker:
     async def push_candidates(self, max_blocks: int) -> list[list[bytes]]:
         return self.core.push_candidates(max_blocks)
 
-    async def pull_prefix(self, peer: Any, block_hashes: Sequence[bytes], timeout_s: float) -> int:
+    async def pull_prefix(
+        self,
+        peer: Any,
+        block_hashes: Sequence[bytes],
+        timeout_s: float,
+        trace_context: dict[str, str] | None = None,
+    ) -> int:
         """Fetch the prefix `block_hashes` from `peer` into our cache; 0 if it took too long.
 
         Nothing is held while the transfer is in flight: blocks are taken only once the KV has
         arrived, so a missed deadline leaves both pools as they were.
         """
+        span = migration_span(self.core.traces, trace_context, len(block_hashes))
+        imported = 0
         try:
             keys, packed = await asyncio.wait_for(
                 peer.export_prefix.remote(block_hashes), timeout_s
             )
+            if keys:
+                imported = await self.core.import_prefix(keys, packed)
+                span.set_attribute("pagedserve.migration.bytes", int(getattr(packed, "nbytes", 0)))
         except TimeoutError:
             logger.warning("pull of %d blocks timed out after %.1f s", len(block_hashes), timeout_s)
-            return 0
-        if not keys:
-            return 0
-        return await self.core.import_prefix(keys, packed)
+            span.add_event("timeout")
+        finally:
+            span.set_attribute("pagedserve.migration.blocks", imported)
+            span.end()
+        return imported

@@ -1,0 +1,166 @@
+"""Prometheus metrics of the cluster, served by the router at `GET /metrics` (HTTP port).
+
+Why `prometheus_client` in the router, not `ray.util.metrics`: everything is already seen here.
+Per-request timings arrive on each request's last delta (`RequestMetrics`), and every worker's
+load and KV breakdown arrive with the router's stats poll, so one registry in the router holds
+the per-worker series (label `worker`) and the cluster-wide ones (`sum without (worker)`), on
+an endpoint that works without Ray's per-node metrics agent or its export port.
+
+Counters and histograms are recorded as events happen; worker gauges (and the prefix-cache
+counters, which the workers count cumulatively) are read from the last poll at scrape time.
+Without `prometheus_client`, or with `telemetry.metrics: false`, `RouterMetrics` is a no-op.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# Seconds; serving latencies from a CPU tiny model (ms) to long GPU generations (minutes).
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class RouterMetrics:
+    """Owns one Prometheus registry: the router's counters and histograms, and a collector that
+    turns the last polled worker stats into gauges.
+
+    Args:
+        enabled: False (or no `prometheus_client`): every method does nothing.
+        worker_stats: returns {worker_id: (alive, stats dict)} from the router's last poll.
+    """
+
+    def __init__(self, enabled: bool, worker_stats: Callable[[], dict[str, Any]]) -> None:
+        self.registry = None
+        if not enabled:
+            return
+        try:
+            import prometheus_client as prom
+        except ImportError:
+            logger.warning("prometheus_client is not installed; metrics are off")
+            return
+        self.registry = prom.CollectorRegistry(auto_describe=False)
+        reg = self.registry
+        self.routed = prom.Counter(
+            "pagedserve_routing_decisions", "Routing decisions", ["policy", "outcome"], registry=reg
+        )
+        self.migrations = prom.Counter(
+            "pagedserve_migrations", "KV migrations (pull, push, move)", ["kind"], registry=reg
+        )
+        self.migrated_blocks = prom.Counter(
+            "pagedserve_migrated_blocks", "KV blocks migrated", ["kind"], registry=reg
+        )
+        self.requests = prom.Counter(
+            "pagedserve_requests", "Finished requests", ["worker", "finish_reason"], registry=reg
+        )
+        self.preemptions = prom.Counter(
+            "pagedserve_preemptions", "Preemptions of finished requests", ["worker"], registry=reg
+        )
+        self.tokens = prom.Counter(
+            "pagedserve_tokens",
+            "Tokens by kind (prompt, generation)",
+            ["worker", "kind"],
+            registry=reg,
+        )
+        self.histograms = {
+            name: prom.Histogram(
+                f"pagedserve_{name}_seconds", doc, ["worker"], buckets=LATENCY_BUCKETS, registry=reg
+            )
+            for name, doc in (
+                ("queue_time", "Time from arrival to first scheduled"),
+                ("ttft", "Time to first token"),
+                ("inter_token_latency", "Time between consecutive tokens"),
+                ("e2e_latency", "Time from arrival to finish"),
+            )
+        }
+        reg.register(_WorkerCollector(worker_stats))
+
+    @property
+    def enabled(self) -> bool:
+        return self.registry is not None
+
+    def on_routed(self, policy: str, outcome: str) -> None:
+        if self.enabled:
+            self.routed.labels(policy, outcome).inc()
+
+    def on_migration(self, kind: str, blocks: int = 0) -> None:
+        if self.enabled:
+            self.migrations.labels(kind).inc()
+            self.migrated_blocks.labels(kind).inc(blocks)
+
+    def on_finished(self, delta: Any) -> None:
+        """A branch's last delta: its usage and the request's timings."""
+        if not self.enabled or delta.finish_reason in (None, "moved"):
+            return
+        worker = delta.worker_id or "unknown"
+        self.requests.labels(worker, delta.finish_reason).inc()
+        if delta.usage is not None:
+            self.tokens.labels(worker, "prompt").inc(delta.usage.prompt_tokens)
+            self.tokens.labels(worker, "generation").inc(delta.usage.completion_tokens)
+        m = delta.metrics
+        if m is None or delta.index != 0:  # timings are per request: count them once
+            return
+        self.preemptions.labels(worker).inc(m.num_preemptions)
+        for name, value in (("queue_time", m.queue_time), ("ttft", m.ttft), ("e2e_latency", m.e2e)):
+            if value is not None:
+                self.histograms[name].labels(worker).observe(max(0.0, value))
+        for gap in m.inter_token_latencies:
+            self.histograms["inter_token_latency"].labels(worker).observe(gap)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        if not self.enabled:
+            return b""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
+class _WorkerCollector:
+    """Gauges (and cumulative counters) from each worker's last polled stats."""
+
+    def __init__(self, worker_stats: Callable[[], dict[str, Any]]) -> None:
+        self.worker_stats = worker_stats
+
+    def collect(self) -> Iterable[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        def gauge(name: str, doc: str, extra: list[str] | None = None) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"pagedserve_{name}", doc, labels=["worker", *(extra or [])])
+
+        up = gauge("worker_up", "1 when the worker answers")
+        running = gauge("requests_running", "Sequences running on the worker")
+        waiting = gauge("requests_waiting", "Sequences waiting on the worker")
+        usage = gauge("kv_usage_fraction", "Fraction of KV blocks in use by requests")
+        blocks = gauge("kv_blocks", "KV blocks by state", ["state"])
+        positions = gauge("kv_positions", "KV token positions: useful and tail waste", ["kind"])
+        queries = CounterMetricFamily(
+            "pagedserve_prefix_cache_queries_tokens", "Prompt tokens looked up", labels=["worker"]
+        )
+        hits = CounterMetricFamily(
+            "pagedserve_prefix_cache_hits_tokens", "Prompt tokens found cached", labels=["worker"]
+        )
+        for worker_id, (alive, stats) in sorted(self.worker_stats().items()):
+            up.add_metric([worker_id], 1.0 if alive else 0.0)
+            kv = stats.get("kv")
+            if not kv:
+                continue
+            running.add_metric([worker_id], stats.get("num_running", 0))
+            waiting.add_metric([worker_id], stats.get("num_waiting", 0))
+            total = kv["total_blocks"] or 1
+            usage.add_metric([worker_id], kv["used_blocks"] / total)
+            for state, value in (
+                ("used", kv["used_blocks"]),
+                ("cached", kv["cached_free_blocks"]),
+                ("free", kv["free_blocks"]),
+                ("reserve", kv["reserve_blocks"]),
+            ):
+                blocks.add_metric([worker_id, state], value)
+            positions.add_metric([worker_id, "useful"], kv["useful_tokens"])
+            positions.add_metric([worker_id, "tail_waste"], kv["wasted_positions"])
+            queries.add_metric([worker_id], kv["prefix_queries_tokens"])
+            hits.add_metric([worker_id], kv["prefix_hits_tokens"])
+        yield from (up, running, waiting, usage, blocks, positions, queries, hits)
