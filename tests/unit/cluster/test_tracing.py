@@ -23,7 +23,7 @@ from pagedserve.cluster.tracing import RouterTrace, carrier_from_headers
 from pagedserve.workers.outputs import RequestMetrics
 from pagedserve.workers.stream import StreamDelta, Usage
 from pagedserve.workers.telemetry import NOOP, TelemetryConfig, Tracing, get_tracing
-from pagedserve.workers.worker import WorkerCore
+from pagedserve.workers.worker_core import WorkerCore
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

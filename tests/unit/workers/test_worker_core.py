@@ -8,7 +8,7 @@ from support.engine import finish_clean
 from pagedserve import LLM, SamplingParams
 from pagedserve.workers.block_hash import hash_full_blocks
 from pagedserve.workers.engine import RequestRejected
-from pagedserve.workers.worker import WorkerCore
+from pagedserve.workers.worker_core import WorkerCore
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 

@@ -1,0 +1,341 @@
+"""WorkerCore: one engine driven by an async step loop, streaming deltas to its callers.
+
+It holds the worker's logic and needs no Ray, so it is tested directly; `Worker`
+(`workers/worker.py`) is the Ray actor around it.
+
+The engine is single-threaded. Steps run in a thread so the event loop stays free to accept
+requests and stream tokens during a forward; anything that changes the engine (add, abort,
+block import) waits until no step is in flight and then runs on the loop thread. So exactly one
+thread touches the engine at any time, and an abort takes effect within one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import asdict
+from typing import Any, TypeVar
+
+from pagedserve.workers.block import BlockKey
+from pagedserve.workers.engine import Engine
+from pagedserve.workers.handoff import RequestHandoff
+from pagedserve.workers.kv_cache_manager import PrefixTransfer
+from pagedserve.workers.kv_checks import KVInvariantError, assert_no_leaks, check_invariants
+from pagedserve.workers.kv_events import KVEvent, KVSnapshot
+from pagedserve.workers.request_trace import RequestTrace, RequestTraces
+from pagedserve.workers.sampling_params import SamplingParams
+from pagedserve.workers.stream import DeltaTracker, StreamDelta
+from pagedserve.workers.telemetry import NOOP, Tracing
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+EventSink = Callable[[str, str, list[KVEvent]], None]
+
+
+class WorkerCore:
+    """Owns one engine, its step loop, the open streams and the KV event feed.
+
+    Args:
+        engine: the engine to drive.
+        worker_id: this worker's name in the cluster.
+        event_sink: called as `sink(worker_id, epoch, events)` after each step that produced
+            KV events (the prefix index's publish).
+        tracing: where request spans go (the no-op tracer by default).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        worker_id: str,
+        event_sink: EventSink | None = None,
+        tracing: Tracing = NOOP,
+    ):
+        self.engine = engine
+        self.traces = RequestTraces(tracing, worker_id)
+        self.worker_id = worker_id
+        self.epoch = uuid.uuid4().hex
+        self.event_sink = event_sink
+        self.transfer = PrefixTransfer(engine.kv)
+        self._streams: dict[str, tuple[asyncio.Queue[StreamDelta], DeltaTracker]] = {}
+        self._pending: list[tuple[Callable[[], Any], asyncio.Future]] = []
+        self._stepping = False
+        self._wakeup = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self.num_blocks_imported = 0
+        self.num_blocks_exported = 0
+        self._drop_next_batch = False
+        self.num_event_batches_dropped = 0
+
+    # ------------------------------------------------------------ the loop
+    def start(self) -> None:
+        if self._loop_task is None:
+            self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
+
+    async def close(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+            self._loop_task = None
+
+    async def _run_loop(self) -> None:
+        while True:
+            if not self.engine.has_unfinished_requests():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            self._stepping = True
+            prefilling, start_ns = self.traces.before_step(self.engine.scheduler), time.time_ns()
+            try:
+                outputs = await asyncio.to_thread(self.engine.step)
+                self.traces.after_step(prefilling, start_ns)
+            except Exception as error:
+                logger.exception("engine step failed; ending every request in flight")
+                outputs = self._fail_all(error)
+            finally:
+                self._stepping = False
+                self._run_pending()
+            for output in outputs:
+                self._dispatch(output)
+            self._publish_events()
+
+    def _fail_all(self, error: Exception) -> list:
+        """A failed step must not leave streams hanging: end them all, free their blocks."""
+        outputs = []
+        for request_id in list(self._streams):
+            output = self.engine.abort(request_id)
+            if output is not None:
+                for completion in output.outputs:
+                    completion.finish_reason = "error"
+                output.error = f"engine step failed: {error}"
+                outputs.append(output)
+        return outputs
+
+    async def _on_engine(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the engine once no step is in flight."""
+        if not self._stepping:
+            return fn()
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((fn, future))
+        return await future
+
+    def _run_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for fn, future in pending:
+            try:
+                result = fn()
+            except Exception as error:  # handed to the waiting caller, which re-raises it
+                if not future.done():
+                    future.set_exception(error)
+            else:
+                if not future.done():
+                    future.set_result(result)
+
+    def _dispatch(self, output) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is None:
+            return
+        queue, tracker = stream
+        for delta in tracker.deltas(output, self.worker_id):
+            queue.put_nowait(delta)
+
+    def _publish_events(self) -> None:
+        events = self.engine.kv.pool.take_events()
+        if events and self._drop_next_batch:  # chaos: the index must notice and resync
+            self._drop_next_batch = False
+            self.num_event_batches_dropped += 1
+            return
+        if events and self.event_sink is not None:
+            try:
+                self.event_sink(self.worker_id, self.epoch, events)
+            except Exception:  # the index resyncs from a snapshot after a lost batch
+                logger.exception("publishing %d KV events failed", len(events))
+
+    # ------------------------------------------------------------ requests
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        timeout_s: float | None = None,
+        trace_context: dict[str, str] | None = None,
+    ) -> AsyncIterator[StreamDelta]:
+        """Stream a request's deltas until every branch finished. Raises `RequestRejected`.
+
+        Leaving the iteration early (cancellation, a closed stream) aborts the request and
+        frees its blocks. `trace_context` (a W3C carrier) parents this request's spans.
+        """
+        add = functools.partial(
+            self.engine.add_request,
+            request_id,
+            prompt,
+            params,
+            priority=priority,
+            cache_salt=cache_salt,
+            timeout_s=timeout_s,
+        )
+        trace = self.traces.open(request_id, trace_context, params)
+        async for delta in self._stream(request_id, params.n, add, DeltaTracker(), trace):
+            yield delta
+
+    async def adopt(
+        self, handoff: RequestHandoff, trace_context: dict[str, str] | None = None
+    ) -> AsyncIterator[StreamDelta]:
+        """Continue a request a peer handed off; streams only the tokens it generates here."""
+        already_sent = DeltaTracker(
+            sent_tokens={0: len(handoff.output_token_ids)},
+            sent_text={0: handoff.emitted_text_chars},
+        )
+        trace = self.traces.open(handoff.request_id, trace_context, handoff.params, "worker.adopt")
+        async for delta in self._stream(
+            handoff.request_id, 1, lambda: self.engine.adopt(handoff), already_sent, trace
+        ):
+            yield delta
+
+    async def _stream(
+        self,
+        request_id: str,
+        num_branches: int,
+        add: Callable[[], None],
+        tracker: DeltaTracker,
+        trace: RequestTrace,
+    ) -> AsyncIterator[StreamDelta]:
+        self.start()
+        queue: asyncio.Queue[StreamDelta] = asyncio.Queue()
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already streaming on this worker")
+        self._streams[request_id] = (queue, tracker)
+        remaining = num_branches
+        try:
+            await self._on_engine(add)
+            self._wakeup.set()
+            while remaining:
+                delta = await queue.get()
+                if delta.finish_reason is not None:
+                    remaining -= 1
+                trace.on_delta(delta)
+                yield delta
+        finally:
+            self._streams.pop(request_id, None)
+            self.traces.close(trace, aborted=bool(remaining))
+            if remaining:
+                await asyncio.shield(self._abort_quietly(request_id))
+
+    async def _abort_quietly(self, request_id: str) -> None:
+        await self._on_engine(lambda: self.engine.abort(request_id))
+        self._publish_events()
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request; its stream ends with finish_reason "abort". False if unknown."""
+        output = await self._on_engine(lambda: self.engine.abort(request_id))
+        if output is None:
+            return False
+        self._dispatch(output)
+        self._publish_events()
+        return True
+
+    # --------------------------------------------------------------- state
+    def stats(self) -> dict[str, Any]:
+        stats = self.engine.stats()
+        usage = stats.pop("kv")
+        queries = usage.prefix_queries_tokens
+        return {
+            "worker_id": self.worker_id,
+            "epoch": self.epoch,
+            "kv": asdict(usage),
+            "prefix_hit_rate": usage.prefix_hits_tokens / queries if queries else 0.0,
+            "num_streams": len(self._streams),
+            "events_published": self.engine.kv.pool.num_events_published,
+            "blocks_imported": self.num_blocks_imported,
+            "blocks_exported": self.num_blocks_exported,
+            "event_batches_dropped": self.num_event_batches_dropped,
+            **stats,
+        }
+
+    def check_pool(self) -> dict[str, Any]:
+        """Pool invariants now; when idle, also that no block is held (free + cached = total)."""
+        idle = not self.engine.has_unfinished_requests() and not self._streams
+        try:
+            if idle:
+                assert_no_leaks(self.engine.kv)
+            else:
+                check_invariants(self.engine.kv)
+        except KVInvariantError as error:
+            return {"ok": False, "idle": idle, "error": str(error)}
+        return {"ok": True, "idle": idle, "error": None}
+
+    def chaos_drop_next_event_batch(self) -> None:
+        """Lose the next KV event batch on purpose (soak and resync tests)."""
+        self._drop_next_batch = True
+
+    def kv_snapshot(self) -> KVSnapshot:
+        pool = self.engine.kv.pool
+        self._publish_events()  # events below next_seq are reflected in the snapshot
+        return KVSnapshot(self.worker_id, self.epoch, pool.next_event_seq, tuple(pool.cached))
+
+    # ----------------------------------------------------------- migration
+    async def export_prefix(self, block_hashes: Sequence[bytes]) -> tuple[list[BlockKey], Any]:
+        """The leading cached blocks of `block_hashes`: their keys and KV packed on the CPU."""
+
+        def export():
+            blocks = self.transfer.cached_prefix(block_hashes)
+            if not blocks:
+                return [], None
+            packed = self.engine.kv_cache.export_blocks([b.block_id for b in blocks])
+            self.num_blocks_exported += len(blocks)
+            return [b.key for b in blocks], packed
+
+        return await self._on_engine(export)
+
+    def push_candidates(self, max_blocks: int) -> list[list[bytes]]:
+        """Chains (root first) ending in the cached free blocks next in line for eviction.
+
+        A pushed block is only useful with its ancestors, so each candidate is the whole chain
+        of cached blocks from the prefix root down to the block about to be evicted.
+        """
+        pool = self.engine.kv.pool
+        chains = []
+        for block in pool.free_queue:
+            if len(chains) >= max_blocks:
+                break
+            if block.block_hash is None:
+                continue
+            chain = [block.block_hash]
+            parent = block.key.parent_hash
+            while parent is not None and parent in pool.cached:
+                chain.append(parent)
+                parent = pool.cached[parent].key.parent_hash
+            if parent is None:  # the whole chain is here: worth pushing
+                chains.append(chain[::-1])
+        return chains
+
+    async def import_prefix(self, keys: Sequence[BlockKey], packed: Any) -> int:
+        """Store exported blocks as cached here; returns how many were new. 0 without room."""
+
+        def do_import():
+            reserved = self.transfer.reserve_for_import(keys)
+            if reserved is None or not reserved[0]:
+                return 0
+            indices, blocks = reserved
+            try:
+                self.engine.kv_cache.import_blocks(
+                    packed[:, :, indices], [b.block_id for b in blocks]
+                )
+            except Exception:
+                self.transfer.abort_import(blocks)
+                raise
+            self.transfer.commit_import(blocks, [keys[i] for i in indices])
+            self.num_blocks_imported += len(blocks)
+            return len(blocks)
+
+        imported = await self._on_engine(do_import)
+        self._publish_events()
+        return imported
