@@ -13,6 +13,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "pagedserve.bench.serve",
     "pagedserve.bench.ablate",
     "pagedserve.bench.block_sweep",
+    "pagedserve.bench.soak",
 )
 
 

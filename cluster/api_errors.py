@@ -7,24 +7,28 @@ gRPC names its status codes); each front end maps the code to its own wire form:
 |----------------------|------|-----------------------|---------------------------------------|
 | INVALID_ARGUMENT     | 400  | invalid_request_error | a bad field (the message names it)    |
 | RESOURCE_EXHAUSTED   | 400  | invalid_request_error | a request that can never fit the pool |
+| RESOURCE_EXHAUSTED   | 429  | rate_limit_error      | overloaded now: retry after the hint  |
 | UNAUTHENTICATED      | 401  | authentication_error  | bearer token missing or wrong         |
 | NOT_FOUND            | 404  | not_found_error       | unknown model or health service       |
 | UNAVAILABLE          | 503  | server_error          | no worker alive                       |
 | INTERNAL             | 500  | server_error          | a failed engine step, or a bug        |
 
-RESOURCE_EXHAUSTED is 400 over HTTP, not 429: the request will never fit, so a client must not
-retry it (OpenAI answers an over-long prompt the same way); `error.code` tells the two apart.
+RESOURCE_EXHAUSTED is 400 over HTTP when the request will never fit, so a client must not retry
+it (OpenAI answers an over-long prompt the same way); it is 429 with a `Retry-After` header (gRPC:
+`retry-after` trailing metadata) when a waiting queue is full now (`Overloaded`): the error's
+`retry_after_s` tells the two apart.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from enum import StrEnum
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from pagedserve.cluster.router import NoWorkerAvailable, WorkerLost
-from pagedserve.workers.engine import RequestRejected, RequestTooLarge
+from pagedserve.workers.errors import Overloaded, RequestRejected, RequestTooLarge
 
 
 class ErrorCode(StrEnum):
@@ -72,11 +76,34 @@ class ApiError(Exception):
         param: the field at fault, when there is one (derived from the message if not given).
     """
 
-    def __init__(self, code: ErrorCode, message: str, param: str | None = None) -> None:
+    def __init__(
+        self,
+        code: ErrorCode,
+        message: str,
+        param: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.param = param if param is not None else field_of(message)
+        self.retry_after_s = retry_after_s  # set only when retrying later can succeed
+
+    @property
+    def http_status(self) -> int:
+        if self.code is ErrorCode.RESOURCE_EXHAUSTED and self.retry_after_s is not None:
+            return 429
+        return HTTP_STATUS[self.code]
+
+    @property
+    def openai_type(self) -> str:
+        return "rate_limit_error" if self.http_status == 429 else OPENAI_ERROR_TYPE[self.code]
+
+    def retry_after_header(self) -> str | None:
+        """Whole seconds, at least 1, as HTTP's `Retry-After` takes them."""
+        if self.retry_after_s is None:
+            return None
+        return str(max(1, math.ceil(self.retry_after_s)))
 
     def __repr__(self) -> str:
         return f"ApiError({self.code.value}, {self.message!r})"
@@ -100,7 +127,11 @@ def as_api_error(error: BaseException) -> ApiError | None:
     """
     if isinstance(error, ApiError):
         return error
-    message = str(getattr(error, "cause", None) or error)
+    cause = getattr(error, "cause", None) or error
+    message = str(cause)
+    if isinstance(error, Overloaded):
+        retry_after_s = getattr(cause, "retry_after_s", None) or 1.0
+        return ApiError(ErrorCode.RESOURCE_EXHAUSTED, message, retry_after_s=retry_after_s)
     if isinstance(error, RequestTooLarge):
         return ApiError(ErrorCode.RESOURCE_EXHAUSTED, message)
     if isinstance(error, RequestRejected):

@@ -3,7 +3,7 @@ handling. Built from flags or a YAML file (`pagedserve serve --config FILE`)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from pagedserve.workers.engine_config import EngineConfig
@@ -38,6 +38,12 @@ class ClusterConfig:
         stats_interval_s: how often the router refreshes each worker's load.
         rpc_timeout_s: deadline of every control call (stats, index, abort).
         startup_timeout_s: how long the router waits for workers to load their model.
+        max_waiting_per_worker: new requests a worker's engine queues at most; past it the
+            worker refuses at once with `Overloaded` (RESOURCE_EXHAUSTED, HTTP 429). None:
+            unbounded.
+        max_inflight: requests the router streams at once; past it it refuses at once, the
+            same way. None: unbounded.
+        retry_after_s: the retry hint a refusal carries.
         namespace: Ray namespace of the named actors (index, workers).
         name: prefix of the actors' names, so two apps can share a Ray cluster.
     """
@@ -59,6 +65,9 @@ class ClusterConfig:
     stats_interval_s: float = 0.25
     rpc_timeout_s: float = 10.0
     startup_timeout_s: float = 300.0
+    max_waiting_per_worker: int | None = 256
+    max_inflight: int | None = 1024
+    retry_after_s: float = 1.0
     namespace: str = "pagedserve"
     name: str = "pagedserve"
 
@@ -71,9 +80,27 @@ class ClusterConfig:
             )
         if self.pull_min_blocks < 1:
             raise ValueError(f"pull_min_blocks must be >= 1, got {self.pull_min_blocks}")
-        for name in ("pull_timeout_s", "stats_interval_s", "rpc_timeout_s", "startup_timeout_s"):
+        for name in ("max_waiting_per_worker", "max_inflight"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 or None, got {getattr(self, name)}")
+        timeouts = ("pull_timeout_s", "stats_interval_s", "rpc_timeout_s", "startup_timeout_s")
+        for name in (*timeouts, "retry_after_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def worker_engine(self) -> EngineConfig:
+        """The engine config each worker is built from: `engine` with the cluster's queue bound."""
+        return replace(self.engine, max_waiting=self.max_waiting_per_worker)
+
+    @property
+    def limits(self) -> dict[str, Any]:
+        """The backpressure limits, as `cluster_stats` reports them."""
+        return {
+            "max_waiting_per_worker": self.max_waiting_per_worker,
+            "max_inflight": self.max_inflight,
+            "retry_after_s": self.retry_after_s,
+        }
 
     def worker_name(self, index: int) -> str:
         return f"{self.name}-worker-{index}"

@@ -169,6 +169,8 @@ class GrpcFrontend:
             raise error
         if api_error.code is ErrorCode.INTERNAL:
             logger.error("request failed: %s", api_error.message)
+        if retry_after := api_error.retry_after_header():
+            context.set_trailing_metadata((("retry-after", retry_after),))
         context.set_code(getattr(grpc.StatusCode, api_error.code.value))
         context.set_details(api_error.message)
         return empty

@@ -28,8 +28,6 @@ from pagedserve.cluster.api_common import (
     total_usage,
 )
 from pagedserve.cluster.api_errors import (
-    HTTP_STATUS,
-    OPENAI_ERROR_TYPE,
     ApiError,
     ErrorCode,
     as_api_error,
@@ -336,7 +334,7 @@ def error_json(error: ApiError) -> dict[str, Any]:
     return {
         "error": {
             "message": error.message,
-            "type": OPENAI_ERROR_TYPE[error.code],
+            "type": error.openai_type,
             "param": param,
             "code": error.code.value.lower(),
         }
@@ -344,8 +342,10 @@ def error_json(error: ApiError) -> dict[str, Any]:
 
 
 def error_response(error: ApiError) -> JSONResponse:
-    headers = {"www-authenticate": "Bearer"} if error.code is ErrorCode.UNAUTHENTICATED else None
-    return JSONResponse(error_json(error), status_code=HTTP_STATUS[error.code], headers=headers)
+    headers = {"www-authenticate": "Bearer"} if error.code is ErrorCode.UNAUTHENTICATED else {}
+    if retry_after := error.retry_after_header():
+        headers["retry-after"] = retry_after
+    return JSONResponse(error_json(error), status_code=error.http_status, headers=headers or None)
 
 
 def _error_or_raise(error: Exception) -> JSONResponse:

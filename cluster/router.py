@@ -7,6 +7,11 @@ Load is counted here as well as reported by workers: every request sent to a wor
 its `inflight` until its stream ends, so the policy sees a burst before any report shows it.
 A worker that stops answering is dropped from routing and from the index at once; its requests
 are replayed on a peer from their tokens (or failed with UNAVAILABLE, by config).
+
+Backpressure: past `max_inflight` open requests the router refuses at once with `Overloaded`
+(RESOURCE_EXHAUSTED, HTTP 429, a retry hint), as each worker does past its waiting-queue bound.
+A draining worker (`drain_worker`) leaves routing first; what it cannot finish in its grace
+period comes back as `Draining` and replays on a peer like a lost worker's requests.
 """
 
 from __future__ import annotations
@@ -24,11 +29,12 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.metrics import RouterMetrics
+from pagedserve.cluster.router_types import GenerateRequest, NoWorkerAvailable, WorkerLost
 from pagedserve.cluster.routing import WorkerLoad, make_policy
 from pagedserve.cluster.tracing import RouterTrace, migration_span, record_decision
 from pagedserve.cluster.worker_state import WorkerState
 from pagedserve.workers.block_hash import hash_full_blocks
-from pagedserve.workers.engine import RequestRejected
+from pagedserve.workers.errors import Draining, Overloaded, RequestRejected
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.stream import StreamDelta
 from pagedserve.workers.telemetry import NOOP, Tracing
@@ -36,29 +42,6 @@ from pagedserve.workers.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 WORKER_LOST_ERRORS = (RayActorError, ActorDiedError, ActorUnavailableError)
-
-
-class NoWorkerAvailable(RuntimeError):
-    """No alive worker can take the request (maps to UNAVAILABLE)."""
-
-
-class WorkerLost(RuntimeError):
-    """The worker serving a stream died mid-request."""
-
-
-@dataclasses.dataclass
-class GenerateRequest:
-    """One request as the router takes it from any front end."""
-
-    params: SamplingParams
-    prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
-    request_id: str | None = None
-    priority: int = 0
-    cache_salt: str | None = None
-    timeout_s: float | None = None
-    trace_context: dict[str, str] | None = None  # the client's W3C traceparent, if any
-    ingress: str = "python"  # grpc, http or python: names the front end on the trace
 
 
 @dataclasses.dataclass
@@ -108,6 +91,9 @@ class RouterCore:
         self.block_size = config.engine.block_size
         self.counters: Counter[str] = Counter()
         self._active: dict[str, WorkerState] = {}
+        self.num_inflight = 0  # requests between admission and their stream's end
+        # A pull has its own deadline inside the worker; this one covers a stuck worker.
+        self._pull_deadline_s = config.pull_timeout_s + config.rpc_timeout_s
         self._started: asyncio.Task | None = None
         self._poller: asyncio.Task | None = None
         self.metrics = RouterMetrics(
@@ -173,7 +159,7 @@ class RouterCore:
     async def _push(self, source: WorkerState) -> None:
         """Hand the cached prefixes `source` is about to evict, and no one else holds, to the
         alive worker with the most free blocks; the receiver's events put it in the index."""
-        targets = [w for w in self.workers.values() if w.alive and w is not source]
+        targets = [w for w in self.workers.values() if w.routable and w is not source]
         if not targets:
             return
         target = max(targets, key=lambda w: (w.load().free_blocks, w.worker_id))
@@ -188,8 +174,14 @@ class RouterCore:
                     continue  # someone else holds it already
                 span = migration_span(self.tracing, None, "push", source.worker_id, target)
                 try:
-                    pushed = await target.handle.pull_prefix.remote(
-                        source.handle, chain, self.config.pull_timeout_s, self.tracing.inject(span)
+                    pushed = await asyncio.wait_for(
+                        target.handle.pull_prefix.remote(
+                            source.handle,
+                            chain,
+                            self.config.pull_timeout_s,
+                            self.tracing.inject(span),
+                        ),
+                        self._pull_deadline_s,
                     )
                     span.set_attribute("pagedserve.migration.blocks", pushed)
                 finally:
@@ -234,9 +226,9 @@ class RouterCore:
 
         `span`: the `route` span, given the decision (and parent of a pull), if traced.
         """
-        alive = [w for w in self.workers.values() if w.alive]
+        alive = [w for w in self.workers.values() if w.routable]
         if not alive:
-            raise NoWorkerAvailable("no worker is alive")
+            raise NoWorkerAvailable("no worker is alive and admitting")
         extra = (self.model_name,) + ((cache_salt,) if cache_salt else ())
         hashes = hash_full_blocks(token_ids, self.block_size, extra)
         try:
@@ -277,13 +269,16 @@ class RouterCore:
             return matched
         span = migration_span(self.tracing, parent, "pull", holder_id, chosen)
         try:
-            pulled = await chosen.handle.pull_prefix.remote(
-                self.workers[holder_id].handle,
-                hashes[:best],
-                self.config.pull_timeout_s,
-                self.tracing.inject(span),
+            pulled = await asyncio.wait_for(
+                chosen.handle.pull_prefix.remote(
+                    self.workers[holder_id].handle,
+                    hashes[:best],
+                    self.config.pull_timeout_s,
+                    self.tracing.inject(span),
+                ),
+                self._pull_deadline_s,
             )
-        except WORKER_LOST_ERRORS:
+        except (*WORKER_LOST_ERRORS, TimeoutError):
             span.end()
             return matched
         span.set_attribute("pagedserve.migration.blocks", pulled)
@@ -302,17 +297,33 @@ class RouterCore:
         never shown) and, by config, the worker dying (unfinished branches replay on a peer).
         """
         await self.start()
+        self._admit()
+        self.num_inflight += 1
         request_id = request.request_id or uuid.uuid4().hex
         trace = RouterTrace(self.tracing, request, request_id, self.model_name)
         error = None
         try:
             async for delta in self._generate(request, request_id, trace):
                 yield delta
+        except Overloaded as e:
+            self.counters["refused.worker"] += 1
+            error = e
+            raise
         except Exception as e:
             error = e
             raise
         finally:
+            self.num_inflight -= 1
             trace.end(error)
+
+    def _admit(self) -> None:
+        """Refuse at once, with a retry hint, when the router already streams its limit."""
+        limit = self.config.max_inflight
+        if limit is not None and self.num_inflight >= limit:
+            self.counters["refused.router"] += 1
+            raise Overloaded(
+                f"the router streams its limit of {limit} requests", self.config.retry_after_s
+            )
 
     async def _generate(
         self, request: GenerateRequest, request_id: str, trace: RouterTrace
@@ -392,7 +403,7 @@ class RouterCore:
 
     def _peer_for(self, source: str | None) -> WorkerState:
         """Where a moved request goes: the least loaded alive worker other than its source."""
-        alive = [w for w in self.workers.values() if w.alive]
+        alive = [w for w in self.workers.values() if w.routable]
         if not alive:
             raise NoWorkerAvailable("no worker is alive to continue a moved request")
         others = [w for w in alive if w.worker_id != source] or alive
@@ -430,6 +441,10 @@ class RouterCore:
         except WORKER_LOST_ERRORS as error:
             await self._drop(worker)
             raise WorkerLost(str(error)) from error
+        except Draining as error:  # refused or cut off by a draining worker: replay elsewhere
+            worker.draining = True
+            self.counters["drain_handoffs"] += 1
+            raise WorkerLost(str(error)) from error
         finally:
             worker.end(demand)
             if remaining:  # cancelled or failed: the worker must free the blocks now
@@ -450,6 +465,17 @@ class RouterCore:
             worker.handle.abort.remote(request_id), self.config.rpc_timeout_s
         )
 
+    async def drain_worker(self, worker_id: str, grace_s: float) -> dict[str, int]:
+        """Take a worker out of routing first, then drain it (see `Worker.drain`): its open
+        streams get `grace_s` to finish and the rest replay on peers. The caller then stops it.
+        """
+        worker = self.workers[worker_id]
+        worker.draining = True
+        self.counters["workers_drained"] += 1
+        return await asyncio.wait_for(
+            worker.handle.drain.remote(grace_s), grace_s + self.config.rpc_timeout_s
+        )
+
     # ---------------------------------------------------------------- state
     def loads(self) -> list[WorkerLoad]:
         return [w.load() for w in self.workers.values() if w.alive]
@@ -468,6 +494,7 @@ class RouterCore:
         return {
             "workers": workers,
             "router": dict(self.counters),
+            "limits": self.config.limits,
             "index": index,
             "policy": self.config.routing_policy,
         }

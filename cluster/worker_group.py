@@ -48,7 +48,13 @@ def start_worker_group(
             resources=dict(config.worker_resources),
             max_concurrency=WORKER_MAX_CONCURRENCY,
             runtime_env=runtime_env,
-        ).remote(worker_id, config.engine, config.index_name, config.namespace, telemetry.to_dict())
+        ).remote(
+            worker_id,
+            config.worker_engine,
+            config.index_name,
+            config.namespace,
+            telemetry.to_dict(),
+        )
     return index, workers
 
 

@@ -17,10 +17,16 @@ class WorkerState:
     stats: dict[str, Any] = field(default_factory=dict)  # last `Worker.stats()`
     inflight: int = 0
     inflight_tokens: int = 0
+    draining: bool = False  # alive, but taking nothing new: routing skips it
+
+    @property
+    def routable(self) -> bool:
+        return self.alive and not self.draining
 
     def mark_alive(self, info: dict[str, Any]) -> None:
         self.info = info
         self.alive = True
+        self.draining = False  # a (re)started worker admits again
 
     def begin(self, tokens: int) -> None:
         self.inflight += 1

@@ -22,6 +22,7 @@ from pagedserve.workers.engine_config import (
     DEFAULT_CPU_KV_CACHE_BYTES,
     EngineConfig,
 )
+from pagedserve.workers.errors import Overloaded, RequestRejected, RequestTooLarge
 from pagedserve.workers.handoff import RequestHandoff, adopt_kv
 from pagedserve.workers.kv_cache import KVCache
 from pagedserve.workers.kv_cache_manager import KVCacheManager, KVUsage
@@ -33,14 +34,6 @@ from pagedserve.workers.sampler import Sampler, make_generator, suppress_stop_to
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedserve.workers.stop_checker import FinishReason, check_stop
-
-
-class RequestRejected(ValueError):
-    """A request that can never be served as given (bad input or too large to ever fit)."""
-
-
-class RequestTooLarge(RequestRejected):
-    """Valid, but prompt + max_tokens can never fit in this worker's KV pool."""
 
 
 @dataclass
@@ -112,6 +105,7 @@ class Engine:
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 policy=config.scheduling_policy,
                 preemption_mode=config.preemption_mode,
+                max_waiting=config.max_waiting,
             ),
             self.kv,
         )
@@ -156,6 +150,8 @@ class Engine:
         params = params or SamplingParams()
         if request_id in self._groups:
             raise RequestRejected(f"request_id {request_id!r} is already in flight")
+        if self.scheduler.waiting_full():
+            raise Overloaded(f"the engine's waiting queue is full ({self.config.max_waiting})")
         prompt_text, token_ids = self._tokenize(prompt)
         self._check_fits(len(token_ids), params)
         now = time.monotonic()
@@ -488,4 +484,11 @@ def _metrics(group: _RequestGroup) -> RequestMetrics:
     return metrics
 
 
-__all__ = ["Engine", "EngineConfig", "RequestRejected", "RequestStatus", "RequestTooLarge"]
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "Overloaded",
+    "RequestRejected",
+    "RequestStatus",
+    "RequestTooLarge",
+]

@@ -14,8 +14,10 @@ CUDA_KV_MEMORY_FRACTION = 0.8
 class EngineConfig:
     """Everything one worker's engine is built from.
 
-    `num_kv_blocks` wins over `kv_cache_bytes`; with neither, the pool takes 256 MiB on the CPU
-    or 80% of free device memory on CUDA. `max_model_len` defaults to the model's context.
+    `max_waiting` bounds the waiting queue: past it `add_request` raises `Overloaded` at once
+    (None: unbounded, as offline use wants). `num_kv_blocks` wins over `kv_cache_bytes`; with
+    neither, the pool takes 256 MiB on the CPU or 80% of free device memory on CUDA.
+    `max_model_len` defaults to the model's context.
     """
 
     model: str | None = None
@@ -36,6 +38,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     preemption_mode: str = "recompute"
+    max_waiting: int | None = None  # new requests queued at most (Overloaded past it)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -28,8 +28,11 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
     preemption_mode: str = "recompute"
+    max_waiting: int | None = None  # new requests queued at most; None: unbounded
 
     def __post_init__(self) -> None:
+        if self.max_waiting is not None and self.max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -121,6 +124,12 @@ class Scheduler:
         """A branch forked from a running sequence joins the batch with its parent's blocks."""
         request.status = RequestStatus.RUNNING
         self._insert(self.running, request)
+
+    def waiting_full(self) -> bool:
+        """Whether a new request must be refused. Preempted sequences re-enter `waiting`
+        regardless: they are in flight already, and refusing them would lose their work."""
+        limit = self.config.max_waiting
+        return limit is not None and len(self.waiting) >= limit
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)

@@ -137,6 +137,11 @@ class Worker:
     async def abort(self, request_id: str) -> bool:
         return await self.core.abort(request_id)
 
+    async def drain(self, grace_s: float) -> dict[str, int]:
+        """Stop admitting (new requests get `Draining`), give open streams `grace_s` to finish,
+        then end the rest for the router to replay. The caller then stops the actor."""
+        return await self.core.drain(grace_s)
+
     async def stats(self) -> dict[str, Any]:
         return self.core.stats()
 

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 from pagedserve.workers.block import BlockKey
 from pagedserve.workers.engine import Engine
+from pagedserve.workers.errors import Draining
 from pagedserve.workers.handoff import RequestHandoff
 from pagedserve.workers.kv_cache_manager import PrefixTransfer
 from pagedserve.workers.kv_checks import KVInvariantError, assert_no_leaks, check_invariants
@@ -70,6 +71,7 @@ class WorkerCore:
         self.num_blocks_exported = 0
         self._drop_next_batch = False
         self.num_event_batches_dropped = 0
+        self.draining = False  # set by `drain`: nothing new is admitted
 
     # ------------------------------------------------------------ the loop
     def start(self) -> None:
@@ -209,7 +211,9 @@ class WorkerCore:
         trace: RequestTrace,
     ) -> AsyncIterator[StreamDelta]:
         self.start()
-        queue: asyncio.Queue[StreamDelta] = asyncio.Queue()
+        if self.draining:
+            raise Draining(f"worker {self.worker_id} is draining", retry_after_s=0.0)
+        queue: asyncio.Queue[StreamDelta | None] = asyncio.Queue()
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already streaming on this worker")
         self._streams[request_id] = (queue, tracker)
@@ -219,6 +223,8 @@ class WorkerCore:
             self._wakeup.set()
             while remaining:
                 delta = await queue.get()
+                if delta is None:  # `drain` ran out of grace: the router replays the rest
+                    raise Draining(f"worker {self.worker_id} drained before this request ended")
                 if delta.finish_reason is not None:
                     remaining -= 1
                 trace.on_delta(delta)
@@ -242,6 +248,26 @@ class WorkerCore:
         self._publish_events()
         return True
 
+    async def drain(self, grace_s: float) -> dict[str, int]:
+        """Stop admitting, let open streams finish for up to `grace_s`, then end the rest with
+        `Draining` (their blocks are freed; the router replays them on a peer).
+
+        Returns:
+            How many streams finished within the grace period and how many were handed off.
+        """
+        self.draining = True
+        open_at_start = len(self._streams)
+        end = time.monotonic() + grace_s
+        while self._streams and time.monotonic() < end:
+            await asyncio.sleep(0.02)
+        handed_off = list(self._streams)
+        for queue, _ in self._streams.values():
+            queue.put_nowait(None)
+        end = time.monotonic() + 5.0  # a deadline here too: a stuck stream must not hang us
+        while self._streams and time.monotonic() < end:  # each one's `finally` aborts it
+            await asyncio.sleep(0.01)
+        return {"finished": open_at_start - len(handed_off), "handed_off": len(handed_off)}
+
     # --------------------------------------------------------------- state
     def stats(self) -> dict[str, Any]:
         stats = self.engine.stats()
@@ -257,6 +283,7 @@ class WorkerCore:
             "blocks_imported": self.num_blocks_imported,
             "blocks_exported": self.num_blocks_exported,
             "event_batches_dropped": self.num_event_batches_dropped,
+            "draining": self.draining,
             **stats,
         }
 

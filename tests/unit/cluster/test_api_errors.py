@@ -17,7 +17,7 @@ from pagedserve.cluster.api_errors import (
 from pagedserve.cluster.app import build_app
 from pagedserve.cluster.auth import TokenAuth, read_tokens_file
 from pagedserve.cluster.router import NoWorkerAvailable
-from pagedserve.workers.engine import RequestRejected, RequestTooLarge
+from pagedserve.workers.errors import Overloaded, RequestRejected, RequestTooLarge
 
 
 # ------------------------------------------------------------------ mapping
@@ -74,6 +74,28 @@ def test_every_code_has_an_http_form():
     for code in ErrorCode:
         assert code in HTTP_STATUS and code in OPENAI_ERROR_TYPE
     assert HTTP_STATUS[ErrorCode.RESOURCE_EXHAUSTED] == 400  # never 429: retrying cannot help
+
+
+@pytest.mark.parametrize("wrap", [lambda e: e, from_worker], ids=["router", "worker"])
+def test_overloaded_is_429_with_a_retry_hint(wrap):
+    error = as_api_error(wrap(Overloaded("the engine's waiting queue is full (4)", 2.5)))
+    assert error.code is ErrorCode.RESOURCE_EXHAUSTED
+    assert error.message == "the engine's waiting queue is full (4)"
+    assert error.http_status == 429 and error.openai_type == "rate_limit_error"
+    assert error.retry_after_s == 2.5 and error.retry_after_header() == "3"
+
+
+def test_overloaded_keeps_its_hint_across_pickling():
+    import pickle
+
+    error = pickle.loads(pickle.dumps(Overloaded("full", 0.2)))
+    assert isinstance(error, Overloaded) and str(error) == "full" and error.retry_after_s == 0.2
+    assert as_api_error(error).retry_after_header() == "1"  # whole seconds, at least 1
+
+
+def test_too_large_stays_400_without_a_hint():
+    error = as_api_error(RequestTooLarge("can never fit"))
+    assert error.http_status == 400 and error.retry_after_header() is None
 
 
 # --------------------------------------------------------------------- auth
@@ -151,3 +173,15 @@ def test_build_app_checks_the_tokens_file_before_deploying(tmp_path):
     with pytest.raises(ValueError, match="unknown cluster config keys: bogus"):
         build_app({"bogus": 1})
     assert build_app({"num_workers": 1, "auth": {"tokens": ["t"]}}) is not None
+
+
+def test_overloaded_http_response_is_429_with_retry_after():
+    import json
+
+    from pagedserve.cluster.openai_api import error_response
+
+    response = error_response(as_api_error(Overloaded("the router streams its limit", 2.0)))
+    assert response.status_code == 429 and response.headers["retry-after"] == "2"
+    body = json.loads(response.body)
+    assert body["error"]["type"] == "rate_limit_error"
+    assert body["error"]["code"] == "resource_exhausted"

@@ -7,6 +7,8 @@ from support.engine import finish_clean
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.workers.engine import RequestRejected
+from pagedserve.workers.errors import Overloaded
+from pagedserve.workers.scheduler import SchedulerConfig
 
 LONG = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
@@ -128,3 +130,33 @@ def test_metrics_are_reported(llm):
     assert m.queue_time >= 0 and m.ttft > 0 and m.e2e >= m.ttft and m.tpot > 0
     assert len(m.inter_token_latencies) == 4 and m.num_preemptions == 0
     finish_clean(llm)
+
+
+def test_a_full_waiting_queue_refuses_new_requests_at_once(tiny_llama):
+    loaded, _ = tiny_llama
+    llm = LLM(
+        loaded_model=loaded,
+        block_size=8,
+        num_kv_blocks=32,
+        attention_backend="torch",
+        max_num_seqs=1,
+        max_waiting=2,
+    )
+    engine = llm.engine
+    engine.add_request("a", list(range(10)), LONG)
+    engine.add_request("b", list(range(10, 20)), LONG)
+    with pytest.raises(Overloaded, match=r"waiting queue is full \(2\)"):
+        engine.add_request("c", list(range(20, 30)), LONG)
+    assert not engine.kv.has_request("c#0")
+    engine.step()  # "a" runs, "b" waits: room for one more
+    engine.add_request("c", list(range(20, 30)), LONG)
+    with pytest.raises(Overloaded):
+        engine.add_request("d", list(range(30, 40)), LONG)
+    while engine.has_unfinished_requests():
+        engine.step()
+    finish_clean(llm)
+
+
+def test_max_waiting_must_be_positive():
+    with pytest.raises(ValueError, match="max_waiting must be >= 1"):
+        SchedulerConfig(max_waiting=0)

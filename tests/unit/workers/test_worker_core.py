@@ -8,6 +8,7 @@ from support.engine import finish_clean
 from pagedserve import LLM, SamplingParams
 from pagedserve.workers.block_hash import hash_full_blocks
 from pagedserve.workers.engine import RequestRejected
+from pagedserve.workers.errors import Draining
 from pagedserve.workers.worker_core import WorkerCore
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -181,3 +182,29 @@ def test_offline_llm_refuses_move_mode(tiny_llama):
     loaded, _ = tiny_llama
     with pytest.raises(ValueError, match="needs a cluster"):
         LLM(loaded_model=loaded, preemption_mode="move")
+
+
+def test_drain_refuses_new_requests_finishes_short_ones_and_cuts_off_the_rest(tiny_llama):
+    llm, core = make_core(tiny_llama)
+    short = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    endless = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        finishing = asyncio.create_task(collect(core, "short", list(range(5, 15)), short))
+        cut_off = asyncio.create_task(collect(core, "long", list(range(20, 30)), endless))
+        while not llm.engine.kv.has_request("long#0"):
+            await asyncio.sleep(0.01)
+        result = await core.drain(grace_s=0.5)
+        with pytest.raises(Draining, match="is draining"):
+            await collect(core, "late", [1, 2, 3], short)
+        with pytest.raises(Draining, match="drained before this request ended"):
+            await cut_off
+        deltas = await finishing
+        stats = core.stats()
+        await core.close()
+        return result, deltas, stats
+
+    result, deltas, stats = asyncio.run(main())
+    assert result == {"finished": 1, "handed_off": 1}
+    assert deltas[-1].finish_reason == "length" and stats["draining"]
+    finish_clean(llm)

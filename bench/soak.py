@@ -1,0 +1,122 @@
+"""`pagedserve bench soak`: a long chaotic run on a local cluster, then the soak checks.
+
+Starts a worker group on a local Ray, drives a `RouterCore` in this process with the soak load
+of `bench/soak_driver.py` (shared prefixes, n > 1, cancellations, short deadlines, bad inputs, a
+small pool that forces preemption and moves; a worker kill, a lost KV event batch and a burst
+past the router's limit), then runs every check of `bench/soak_checks.py`. Exits 1 when any
+check found a problem.
+
+    pagedserve bench soak --num-requests 2000 --json soak.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from typing import Any
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from pagedserve.bench.soak_driver import SoakSpec
+
+    d = SoakSpec()
+    parser = subparsers.add_parser(
+        "soak",
+        help="a long run with faults (kill, event loss, burst) and leak/consistency checks",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add = parser.add_argument
+    add("--num-requests", type=int, default=2000, help="steady requests (a burst comes on top)")
+    add("--concurrency", type=int, default=d.concurrency, help="steady requests open at once")
+    add("--burst-size", type=int, default=d.burst_size, help="requests the burst sends at once")
+    add("--seed", type=int, default=d.seed, help="the workload's seed")
+    add("--num-workers", type=int, default=2, help="worker actors")
+    add("--num-kv-blocks", type=int, default=24, help="KV blocks per worker (small: preempt)")
+    add("--block-size", type=int, default=8, help="tokens per KV block")
+    add("--max-inflight", type=int, default=24, help="router: requests streamed at most")
+    add("--max-waiting", type=int, default=16, help="worker: new requests queued at most")
+    add("--no-faults", action="store_true", help="no kill, event loss or burst")
+    add("--json", default=None, help="write the summary and problems here")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import ray
+
+    from pagedserve.bench.soak_driver import SoakSpec
+    from pagedserve.cluster.config import ClusterConfig
+    from pagedserve.cluster.worker_group import stop_worker_group
+    from pagedserve.workers.engine_config import EngineConfig
+
+    faults = {"kill_at": None, "drop_events_at": None, "burst_at": None} if args.no_faults else {}
+    spec = SoakSpec(
+        num_requests=args.num_requests,
+        concurrency=args.concurrency,
+        burst_size=args.burst_size,
+        seed=args.seed,
+        **faults,
+    )
+    config = ClusterConfig(
+        engine=EngineConfig(
+            block_size=args.block_size,
+            num_kv_blocks=args.num_kv_blocks,
+            attention_backend="torch",
+            max_num_seqs=8,
+            preemption_mode="move",
+        ),
+        num_workers=args.num_workers,
+        worker_num_cpus=0.5,
+        name="pagedserve-soak",
+        stats_interval_s=0.2,
+        max_inflight=args.max_inflight,
+        max_waiting_per_worker=args.max_waiting,
+        retry_after_s=0.5,
+    )
+    if not ray.is_initialized():
+        ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    try:
+        result = asyncio.run(_soak(config, spec))
+    finally:
+        stop_worker_group(config)
+    print(json.dumps(result["summary"], indent=2))
+    for problem in result["problems"][:50]:
+        print("PROBLEM:", problem)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+    return 1 if result["problems"] else 0
+
+
+async def _soak(config, spec) -> dict[str, Any]:
+    from pagedserve.bench.soak_checks import check_soak, reference_outputs
+    from pagedserve.bench.soak_driver import run_soak
+    from pagedserve.cluster.router import RouterCore
+    from pagedserve.cluster.worker_group import start_worker_group
+
+    index, workers = start_worker_group(config)
+    core = RouterCore(config, index, workers)
+    await core.start()
+    try:
+        report = await run_soak(core, spec, log=print)
+        started = time.monotonic()
+        references = reference_outputs(config.engine, report)
+        problems = await check_soak(core, report, references)
+        stats = await core.cluster_stats()
+    finally:
+        await core.close()
+    summary = {
+        **report.summary(),
+        "checks_s": round(time.monotonic() - started, 1),
+        "router": stats["router"],
+        "limits": stats["limits"],
+        "index": stats["index"],
+        "workers": {
+            wid: {k: w.get(k) for k in ("num_steps", "num_handoffs", "event_batches_dropped")}
+            for wid, w in stats["workers"].items()
+        },
+        "latency_s_max": round(max(o.latency_s for o in report.outcomes), 2),
+    }
+    return {"summary": summary, "problems": problems}

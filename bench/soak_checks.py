@@ -1,0 +1,135 @@
+"""What a soak run must leave behind (see `bench/soak_driver.py`): each check returns the
+problems it found, as sentences; an empty list means the run passed."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Any
+
+from pagedserve.bench.soak_driver import Outcome, SoakReport
+from pagedserve.cluster.router import RouterCore
+from pagedserve.workers.engine_config import EngineConfig
+
+# What each kind of request may end as; anything else is a problem.
+ALLOWED = {
+    "ok": {"finished", "refused"},
+    "burst": {"finished", "refused"},
+    "cancel": {"cancelled", "finished", "refused"},
+    "deadline": {"timeout", "finished", "refused"},
+    "bad": {"rejected", "refused"},
+}
+
+
+def reference_outputs(engine: EngineConfig, report: SoakReport) -> dict[int, list[int]]:
+    """Each valid request run alone, offline (greedy: every branch equals this one), by index.
+
+    One engine in this process with the workers' config, one request at a time: no batching,
+    prefix sharing, preemption or migration can touch the reference.
+    """
+    from pagedserve.workers.llm import LLM
+
+    options = dataclasses.asdict(engine)
+    options.update(max_waiting=None, preemption_mode="recompute")
+    llm = LLM(options.pop("model"), **options)
+    references = {}
+    for outcome in report.outcomes:
+        req = outcome.request
+        if req.kind == "bad" or not outcome.tokens:
+            continue
+        params = dataclasses.replace(req.params, n=1)
+        (output,) = llm.generate([req.token_ids], params)
+        references[req.index] = list(output.outputs[0].token_ids)
+    return references
+
+
+def check_outcomes(report: SoakReport, references: dict[int, list[int]]) -> list[str]:
+    problems = []
+    for outcome in report.outcomes:
+        req = outcome.request
+        if outcome.status not in ALLOWED[req.kind]:
+            problems.append(
+                f"request {req.index} ({req.kind}, {req.bad_input}) ended {outcome.status}: "
+                f"{outcome.error}"
+            )
+            continue
+        problems.extend(_check_tokens(outcome, references.get(req.index)))
+    return problems
+
+
+def _check_tokens(outcome: Outcome, reference: list[int] | None) -> list[str]:
+    req = outcome.request
+    if not outcome.tokens:
+        return []
+    if outcome.status == "finished" and sorted(outcome.tokens) != list(range(req.params.n)):
+        return [f"request {req.index} finished with branches {sorted(outcome.tokens)}"]
+    problems = []
+    for branch, tokens in outcome.tokens.items():
+        exact = outcome.status == "finished"
+        if (tokens != reference) if exact else (tokens != reference[: len(tokens)]):
+            problems.append(
+                f"request {req.index} branch {branch} ({outcome.status}) differs from the "
+                f"request run alone: {tokens} vs {reference}"
+            )
+    return problems
+
+
+def check_counters(report: SoakReport, router: dict[str, int]) -> list[str]:
+    """The router's counters against what the client saw."""
+    problems = []
+    seen_refused = sum(o.status == "refused" for o in report.outcomes)
+    counted = router.get("refused.router", 0) + router.get("refused.worker", 0)
+    if counted != seen_refused:
+        problems.append(f"router counted {counted} refusals, the client saw {seen_refused}")
+    if "kill" in report.faults:
+        for name in ("workers_lost", "workers_restarted"):
+            if router.get(name, 0) < 1:
+                problems.append(f"a worker was killed but router counter {name} is 0")
+        if report.faults["kill"]["inflight"] and router.get("replays", 0) < 1:
+            problems.append("the killed worker had requests in flight but none replayed")
+    return problems
+
+
+async def check_cluster(core: RouterCore, settle_s: float = 60.0) -> list[str]:
+    """Every worker back and idle with a clean pool; the index agrees with every pool."""
+    end = time.monotonic() + settle_s
+    while not all(w.alive for w in core.workers.values()):
+        if time.monotonic() > end:
+            return ["a killed worker never rejoined"]
+        await asyncio.sleep(0.2)
+    problems = []
+    if core.num_inflight or core._active:
+        problems.append(f"router still holds {core.num_inflight} requests: {list(core._active)}")
+    timeout = core.config.rpc_timeout_s
+    for worker in core.workers.values():
+        last: Any = None
+        while time.monotonic() < end:
+            pool = await asyncio.wait_for(worker.handle.check_pool.remote(), timeout)
+            snapshot = await asyncio.wait_for(worker.handle.kv_snapshot.remote(), timeout)
+            held = await asyncio.wait_for(core.index.snapshot_of.remote(worker.worker_id), timeout)
+            last = (pool, set(snapshot.block_hashes), held)
+            if pool["ok"] and pool["idle"] and last[1] == held:
+                break
+            await asyncio.sleep(0.2)
+        else:
+            pool, cached, held = last
+            if not (pool["ok"] and pool["idle"]):
+                problems.append(f"{worker.worker_id} pool not clean: {pool}")
+            if cached != held:
+                problems.append(
+                    f"index disagrees with {worker.worker_id}: {len(cached - held)} cached "
+                    f"blocks missing, {len(held - cached)} stale"
+                )
+    return problems
+
+
+async def check_soak(
+    core: RouterCore, report: SoakReport, references: dict[int, list[int]]
+) -> list[str]:
+    """All the checks; returns every problem found (empty: the soak passed)."""
+    problems = check_outcomes(report, references)
+    problems += await check_cluster(core)
+    stats = await core.cluster_stats()
+    problems += check_counters(report, stats["router"])
+    return problems

@@ -1,0 +1,55 @@
+"""The CI soak: 300+ requests with shared prefixes, n > 1, cancellations, short deadlines and
+bad inputs, on a pool small enough to preempt and move; one worker killed mid-run, one KV event
+batch lost, one burst past the router's limit. Then the checks of `bench/soak_checks.py`:
+outputs as if run alone, none hung, pools clean, index in step, counters true.
+
+Own module so that the module-scoped Ray cluster is fresh: every worker slot is free.
+"""
+
+import asyncio
+import time
+
+from support.cluster import cluster_config, start_router
+
+from pagedserve.bench.soak_checks import check_soak, reference_outputs
+from pagedserve.bench.soak_driver import SoakSpec, run_soak
+from pagedserve.cluster.worker_group import stop_worker_group
+
+SPEC = SoakSpec(num_requests=300, concurrency=12, burst_size=40, hang_timeout_s=60.0)
+
+
+def test_soak_with_chaos(ray_cluster):
+    config = cluster_config(
+        "t-soak",
+        num_workers=2,
+        engine={"num_kv_blocks": 24, "max_num_seqs": 8, "preemption_mode": "move"},
+        max_waiting_per_worker=16,
+        max_inflight=24,
+        retry_after_s=0.5,
+    )
+
+    async def main():
+        core = await start_router(config)
+        report = await run_soak(core, SPEC)
+        started = time.monotonic()
+        references = reference_outputs(config.engine, report)
+        print(f"references: {time.monotonic() - started:.1f} s")
+        problems = await check_soak(core, report, references)
+        router = (await core.cluster_stats())["router"]
+        await core.close()
+        return report, problems, router
+
+    try:
+        report, problems, router = asyncio.run(main())
+    finally:
+        stop_worker_group(config)
+    summary = report.summary()
+    print(summary)
+    assert not problems, "\n".join(problems[:20])
+    statuses = summary["statuses"]
+    assert summary["requests"] >= 300 + SPEC.burst_size
+    assert statuses.get("hung", 0) == 0
+    assert statuses["finished"] > 200 and statuses["rejected"] > 0 and statuses["cancelled"] > 0
+    assert statuses.get("refused", 0) > 0  # the burst met backpressure
+    assert set(report.faults) == {"kill", "drop_events", "burst"}
+    assert router["migrations.move"] > 0  # the small pool preempted by moving to the peer

@@ -1,0 +1,34 @@
+"""Why a worker refuses a request: kept light (no torch) so the router and API import it too."""
+
+from __future__ import annotations
+
+
+class RequestRejected(ValueError):
+    """A request that can never be served as given (bad input or too large to ever fit)."""
+
+
+class RequestTooLarge(RequestRejected):
+    """Valid, but prompt + max_tokens can never fit in this worker's KV pool."""
+
+
+class Overloaded(RequestRejected):
+    """Valid, but a waiting queue is full now: retry after `retry_after_s` seconds.
+
+    Raised at once instead of queueing without bound (RESOURCE_EXHAUSTED, HTTP 429).
+    """
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self):  # keep `retry_after_s` across Ray's pickling
+        return type(self), (str(self), self.retry_after_s)
+
+
+class Draining(Overloaded):
+    """The worker is draining for shutdown: it admits nothing new and ends the streams still
+    open at the end of its grace period with this error. The router replays such a request on
+    a peer; a client that sees it may retry at once elsewhere."""
+
+
+__all__ = ["Draining", "Overloaded", "RequestRejected", "RequestTooLarge"]
