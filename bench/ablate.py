@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.bench.bench_io import ensure_ray, write_json, write_text
 from pagedserve.bench.serve_metrics import Delta, kv_sample_from_dict, record_dict, summarize
 from pagedserve.bench.serve_runner import RunResult, run_workload
 from pagedserve.bench.serve_workload import PlannedRequest
@@ -333,7 +333,7 @@ def run(args: argparse.Namespace) -> int:
         device,
         args.poll_interval,
     )
-    _ensure_ray(args.num_workers + 1)
+    ensure_ray(num_cpus=args.num_workers + 1)
     slo = (args.slo_ttft_ms, args.slo_tpot_ms)
     results = [run_arm(config, arm, workload, slo) for arm in arms(args.factors)]
     data = {
@@ -345,13 +345,12 @@ def run(args: argparse.Namespace) -> int:
         "ratios": ratio_rows(results),
         "arms": [_arm_json(r) for r in results],
     }
-    print(format_markdown(data))
+    markdown = format_markdown(data)
+    print(markdown)
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1, default=str)
+        write_json(args.json, data)
     if args.markdown:
-        with open(args.markdown, "w", encoding="utf-8") as f:
-            f.write(format_markdown(data) + "\n")
+        write_text(args.markdown, markdown + "\n")
     if args.plot_prefix:
         ran = [r for r in results if r.run]
         plot_ablation_bars(data["ratios"], f"{args.plot_prefix}_ratios.png")
@@ -359,14 +358,6 @@ def run(args: argparse.Namespace) -> int:
         plot_latency_cdfs(records, f"{args.plot_prefix}_cdf.png")
         plot_kv_usage({r.arm.name: r.run.kv_samples for r in ran}, f"{args.plot_prefix}_kv.png")
     return 0
-
-
-def _ensure_ray(num_cpus: int) -> None:
-    """A fresh local Ray ("local": never another session's cluster), unless one is up."""
-    import ray
-
-    if not ray.is_initialized():
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
 
 
 def _arm_json(result: ArmResult) -> dict[str, Any]:

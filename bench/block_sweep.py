@@ -22,11 +22,11 @@ no KV yet, and short requests may finish before long ones reach their final leng
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import asdict
 from typing import Any
 
+from pagedserve.bench.bench_io import write_json, write_text
 from pagedserve.bench.serve_workload import PlannedRequest, WorkloadConfig, make_workload
 from pagedserve.workers.kv_memory import paged_usage, reserve_max_usage
 
@@ -236,13 +236,12 @@ def run(args: argparse.Namespace) -> int:
         "kv_positions": args.kv_positions,
         "result": result,
     }
-    print(format_markdown(data))
+    markdown = format_markdown(data)
+    print(markdown)
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1, default=str)
+        write_json(args.json, data)
     if args.markdown:
-        with open(args.markdown, "w", encoding="utf-8") as f:
-            f.write(format_markdown(data) + "\n")
+        write_text(args.markdown, markdown + "\n")
     if args.plot:
         plot(data, args.plot)
     return 0

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from pagedserve.bench.bench_io import positive_int
 from pagedserve.workers.kv_memory import (
     LayoutUsage,
     check_lengths,
@@ -99,17 +100,6 @@ def _positive_ints(what: str, text: str) -> tuple[int, ...]:
         if value < 1:
             raise KvCalcError(f"{what}: values must be >= 1, got {value}")
     return values
-
-
-def _positive_int_arg(text: str) -> int:
-    """argparse type: one integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def _read_lengths_file(path: str) -> tuple[int, ...]:
@@ -386,15 +376,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--max-len",
-        type=_positive_int_arg,
+        type=positive_int,
         metavar="N",
         help="positions reserved per sequence by reserve-max (default: the longest length)",
     )
     shape = parser.add_argument_group("model shape (adds bytes; flags override --model)")
     shape.add_argument("--model", metavar="PATH", help="local HF model dir or its config.json")
-    shape.add_argument("--layers", type=_positive_int_arg, metavar="L", help="transformer layers")
-    shape.add_argument("--kv-heads", type=_positive_int_arg, metavar="H", help="KV heads h_kv")
-    shape.add_argument("--head-dim", type=_positive_int_arg, metavar="D", help="head dim d_h")
+    shape.add_argument("--layers", type=positive_int, metavar="L", help="transformer layers")
+    shape.add_argument("--kv-heads", type=positive_int, metavar="H", help="KV heads h_kv")
+    shape.add_argument("--head-dim", type=positive_int, metavar="D", help="head dim d_h")
     shape.add_argument("--dtype", help="KV dtype: float16, bfloat16, fp8, ... (overrides config)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", metavar="FILE.png", help="write utilization vs block size")

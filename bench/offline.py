@@ -36,6 +36,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from pagedserve.bench.bench_io import positive_int
 from pagedserve.bench.offline_hf import pad_token_id, run_hf
 from pagedserve.bench.offline_report import (
     KVUtilization,
@@ -254,16 +255,6 @@ def _build_llm(
 # --- command line -------------------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "offline",
@@ -274,9 +265,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--model", default=None, help="tiny-llama (default) or a local HF checkpoint directory")
     add("--dtype", default="float32")
     add("--device", default="cpu")
-    add("--num-prompts", type=_positive_int, default=64)
-    add("--min-len", type=_positive_int, default=16, help="shortest prompt")
-    add("--max-len", type=_positive_int, default=256, help="longest prompt")
+    add("--num-prompts", type=positive_int, default=64)
+    add("--min-len", type=positive_int, default=16, help="shortest prompt")
+    add("--max-len", type=positive_int, default=256, help="longest prompt")
     add("--length-dist", choices=sorted(LENGTH_DISTRIBUTIONS), default="uniform")
     add(
         "--output-len-dist",
@@ -284,17 +275,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="uniform",
         help="how each request's output target max_tokens_i is drawn (fixed: all --max-tokens)",
     )
-    add("--min-tokens", type=_positive_int, default=8, help="shortest output target (not fixed)")
-    add("--max-tokens", type=_positive_int, default=128, help="longest output target")
+    add("--min-tokens", type=positive_int, default=8, help="shortest output target (not fixed)")
+    add("--max-tokens", type=positive_int, default=128, help="longest output target")
     add("--seed", type=int, default=0)
-    add("--block-size", type=_positive_int, default=16)
-    add("--num-kv-blocks", type=_positive_int, default=None, help="default: enough for the batch")
-    add("--max-num-seqs", type=_positive_int, default=64)
-    add("--max-num-batched-tokens", type=_positive_int, default=2048)
+    add("--block-size", type=positive_int, default=16)
+    add("--num-kv-blocks", type=positive_int, default=None, help="default: enough for the batch")
+    add("--max-num-seqs", type=positive_int, default=64)
+    add("--max-num-batched-tokens", type=positive_int, default=2048)
     add("--attention-backend", choices=("auto", "torch", "triton"), default="auto")
     add("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     add("--kv-allocation", choices=ALLOCATION_MODES, default="paged")
-    add("--hf-batch-size", type=_positive_int, default=16)
+    add("--hf-batch-size", type=positive_int, default=16)
     add(
         "--hf-sort-by-length",
         action="store_true",

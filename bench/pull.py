@@ -30,7 +30,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pagedserve.bench.routing import HelpFormatter, ensure_ray
+from pagedserve.bench.bench_io import ensure_ray
+from pagedserve.bench.routing import HelpFormatter
 from pagedserve.cluster.config import ClusterConfig
 
 DEFAULT_LENGTHS = (1, 2, 4, 8, 16, 32, 64)

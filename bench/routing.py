@@ -47,6 +47,7 @@ import random
 import time
 from typing import Any
 
+from pagedserve.bench.bench_io import ensure_ray
 from pagedserve.bench.routing_report import (
     PolicyResult,
     RequestRecord,
@@ -189,19 +190,6 @@ async def _settled_stats(core) -> dict[str, Any]:
 
 
 # --- command line --------------------------------------------------------------------------
-
-
-def ensure_ray(address: str | None, num_cpus: int) -> None:
-    """Join `address`, or start a local Ray with `num_cpus` CPUs, unless already initialised."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    if address:
-        ray.init(address=address, log_to_driver=False)
-    else:
-        # "local": a new cluster even when another one runs on this machine.
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
 
 
 def run_routing_bench(config: RoutingBenchConfig) -> tuple[dict[str, PolicyResult], int]:

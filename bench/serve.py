@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from pagedserve.bench.bench_io import ensure_ray
 from pagedserve.bench.serve_metrics import Delta, kv_sample_from_pb, record_dict, summarize
 from pagedserve.bench.serve_runner import RunResult, run_workload
 from pagedserve.bench.serve_workload import (
@@ -140,10 +141,8 @@ def local_app(cluster: dict[str, Any], *, num_cpus: int | None = None) -> Iterat
     from pagedserve.cluster.worker_group import stop_worker_group
 
     config = ClusterConfig.from_dict(cluster)
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        cpus = num_cpus or math.ceil(config.num_workers * config.worker_num_cpus) + 1
-        ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+    cpus = num_cpus or math.ceil(config.num_workers * config.worker_num_cpus) + 1
+    started_ray = ensure_ray(num_cpus=cpus)
     grpc_port = free_port()
     try:
         serve.start(

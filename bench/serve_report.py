@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+from pagedserve.bench.bench_io import write_json, write_text
 
 _ROWS = (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("ITL", "itl_s"), ("E2E", "e2e_s"))
 _ROWS_QUEUE = (("queue (worker)", "queue_time_s"),)
@@ -59,25 +60,15 @@ def write_serve_outputs(
     """Write whichever outputs were asked for; returns the paths written."""
     written = []
     if json_path:
-        _dump(data, json_path)
+        write_json(json_path, data)
         written.append(json_path)
     if md_path:
-        _write(md_path, format_serve_markdown(data) + "\n")
+        write_text(md_path, format_serve_markdown(data) + "\n")
         written.append(md_path)
     if plot_prefix:
         written.append(plot_latency_cdfs({"serve": data["records"]}, f"{plot_prefix}_cdf.png"))
         written.append(plot_kv_usage({"serve": data["kv_samples"]}, f"{plot_prefix}_kv.png"))
     return written
-
-
-def _dump(data: dict[str, Any], path: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1, default=str)
-
-
-def _write(path: str, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
 
 
 def _pyplot():

@@ -17,6 +17,8 @@ import json
 import time
 from typing import Any
 
+from pagedserve.bench.bench_io import ensure_ray
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from pagedserve.bench.soak_driver import SoakSpec
@@ -44,7 +46,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import ray
 
     from pagedserve.bench.soak_driver import SoakSpec
     from pagedserve.cluster.config import ClusterConfig
@@ -75,8 +76,7 @@ def run(args: argparse.Namespace) -> int:
         max_waiting_per_worker=args.max_waiting,
         retry_after_s=0.5,
     )
-    if not ray.is_initialized():
-        ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    ensure_ray()
     try:
         result = asyncio.run(_soak(config, spec))
     finally:

@@ -12,6 +12,7 @@ Policies are small classes registered by `name`; `make_policy` builds one from c
 
 from __future__ import annotations
 
+import abc
 import bisect
 import math
 from collections.abc import Mapping, Sequence
@@ -83,7 +84,7 @@ class RoutingDecision:
     matched_blocks: int
 
 
-class RoutingPolicy:
+class RoutingPolicy(abc.ABC):
     """Picks one worker among the alive ones. Subclasses register themselves by `name`."""
 
     registry: ClassVar[dict[str, type[RoutingPolicy]]] = {}
@@ -93,6 +94,7 @@ class RoutingPolicy:
         super().__init_subclass__(**kwargs)
         RoutingPolicy.registry[cls.name] = cls
 
+    @abc.abstractmethod
     def choose(
         self, num_prompt_blocks: int, matches: Mapping[str, int], loads: Sequence[WorkerLoad]
     ) -> RoutingDecision:
@@ -109,7 +111,6 @@ class RoutingPolicy:
         Raises:
             ValueError: when `loads` is empty or names a worker twice.
         """
-        raise NotImplementedError
 
 
 def make_policy(name: str, **options: Any) -> RoutingPolicy:

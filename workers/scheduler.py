@@ -8,6 +8,7 @@ block, the lowest-ranked running sequence is preempted (recompute or swap) until
 
 from __future__ import annotations
 
+import abc
 import bisect
 import time
 from dataclasses import dataclass, field
@@ -47,7 +48,7 @@ class SchedulerConfig:
             )
 
 
-class SchedulingPolicy:
+class SchedulingPolicy(abc.ABC):
     """Orders sequences: lower keys run first and are preempted last."""
 
     registry: ClassVar[dict[str, type[SchedulingPolicy]]] = {}
@@ -56,8 +57,9 @@ class SchedulingPolicy:
     def __init_subclass__(cls) -> None:
         SchedulingPolicy.registry[cls.name] = cls
 
+    @abc.abstractmethod
     def key(self, request: Request) -> tuple[int, ...]:
-        raise NotImplementedError
+        """The sort key of `request` under this policy."""
 
 
 class FCFSPolicy(SchedulingPolicy):

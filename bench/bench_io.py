@@ -1,0 +1,51 @@
+"""Small pieces every benchmark command shares: argument types, Ray start-up, output files.
+
+Light on purpose (no torch, no ray at import) so that `pagedserve --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+
+def positive_int(text: str) -> int:
+    """argparse type: one integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
+    """Join `address`, or start a fresh local Ray, unless Ray is already initialised.
+
+    "local" starts a new cluster even when another one runs on this machine, so a benchmark
+    never lands on someone else's cluster by accident.
+
+    Returns:
+        Whether this call started (or joined) Ray, so the caller knows to shut it down.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if address:
+        ray.init(address=address, log_to_driver=False)
+    else:
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    return True
+
+
+def write_json(path: str, data: dict[str, Any]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1, default=str)
+
+
+def write_text(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
