@@ -34,7 +34,7 @@ from pagedserve.cluster.routing import WorkerLoad, make_policy
 from pagedserve.cluster.tracing import RouterTrace, migration_span, record_decision
 from pagedserve.cluster.worker_state import WorkerState
 from pagedserve.workers.block_hash import hash_full_blocks
-from pagedserve.workers.errors import Draining, Overloaded, RequestRejected
+from pagedserve.workers.errors import Draining, HandedOff, Overloaded, RequestRejected
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.stream import StreamDelta
 from pagedserve.workers.telemetry import NOOP, Tracing
@@ -441,9 +441,10 @@ class RouterCore:
         except WORKER_LOST_ERRORS as error:
             await self._drop(worker)
             raise WorkerLost(str(error)) from error
-        except Draining as error:  # refused or cut off by a draining worker: replay elsewhere
+        except Draining as error:  # cut off (a handoff) or refused by a draining worker: replay
             worker.draining = True
-            self.counters["drain_handoffs"] += 1
+            handoff = isinstance(error, HandedOff)
+            self.counters["drain_handoffs" if handoff else "refused.draining"] += 1
             raise WorkerLost(str(error)) from error
         finally:
             worker.end(demand)

@@ -31,4 +31,9 @@ class Draining(Overloaded):
     a peer; a client that sees it may retry at once elsewhere."""
 
 
-__all__ = ["Draining", "Overloaded", "RequestRejected", "RequestTooLarge"]
+class HandedOff(Draining):
+    """A stream the draining worker had admitted but could not finish within its grace period
+    (as opposed to a new request it refused): the router counts these as drain handoffs."""
+
+
+__all__ = ["Draining", "HandedOff", "Overloaded", "RequestRejected", "RequestTooLarge"]

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from pagedserve.workers.block import BlockKey
 from pagedserve.workers.engine import Engine
-from pagedserve.workers.errors import Draining
+from pagedserve.workers.errors import Draining, HandedOff
 from pagedserve.workers.handoff import RequestHandoff
 from pagedserve.workers.kv_cache_manager import PrefixTransfer
 from pagedserve.workers.kv_checks import KVInvariantError, assert_no_leaks, check_invariants
@@ -224,7 +224,7 @@ class WorkerCore:
             while remaining:
                 delta = await queue.get()
                 if delta is None:  # `drain` ran out of grace: the router replays the rest
-                    raise Draining(f"worker {self.worker_id} drained before this request ended")
+                    raise HandedOff(f"worker {self.worker_id} drained before this request ended")
                 if delta.finish_reason is not None:
                     remaining -= 1
                 trace.on_delta(delta)
