@@ -13,6 +13,11 @@ gRPC names its status codes); each front end maps the code to its own wire form:
 | UNAVAILABLE          | 503  | server_error          | no worker alive                       |
 | INTERNAL             | 500  | server_error          | a failed engine step, or a bug        |
 
+Nothing a client sees carries internals: a Ray error names actor ids, addresses, process ids and
+file paths, so `as_api_error` keeps only what the client can act on, and every failure nobody
+foresaw (a bug) becomes `internal_error`: INTERNAL with a short incident id that the server log
+holds beside the whole traceback.
+
 RESOURCE_EXHAUSTED is 400 over HTTP when the request will never fit, so a client must not retry
 it (OpenAI answers an over-long prompt the same way); it is 429 with a `Retry-After` header (gRPC:
 `retry-after` trailing metadata) when a waiting queue is full now (`Overloaded`): the error's
@@ -21,14 +26,18 @@ it (OpenAI answers an over-long prompt the same way); it is 429 with a `Retry-Af
 
 from __future__ import annotations
 
+import logging
 import math
 import re
+import uuid
 from enum import StrEnum
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from pagedserve.cluster.router import NoWorkerAvailable, WorkerLost
 from pagedserve.workers.errors import Overloaded, RequestRejected, RequestTooLarge
+
+logger = logging.getLogger(__name__)
 
 
 class ErrorCode(StrEnum):
@@ -82,15 +91,19 @@ class ApiError(Exception):
         message: str,
         param: str | None = None,
         retry_after_s: float | None = None,
+        http_status: int | None = None,
     ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.param = param if param is not None else field_of(message)
         self.retry_after_s = retry_after_s  # set only when retrying later can succeed
+        self._http_status = http_status  # a more precise HTTP status (413) than the code's
 
     @property
     def http_status(self) -> int:
+        if self._http_status is not None:
+            return self._http_status
         if self.code is ErrorCode.RESOURCE_EXHAUSTED and self.retry_after_s is not None:
             return 429
         return HTTP_STATUS[self.code]
@@ -123,7 +136,8 @@ def as_api_error(error: BaseException) -> ApiError | None:
     """The `ApiError` for a failure of the router or a worker; None for anything else (a bug).
 
     Rejections raised inside a worker arrive as `RayTaskError` subclasses of the original class;
-    their own message is in `.cause` (the wrapper's adds a traceback).
+    their own message is in `.cause` (the wrapper's adds a traceback). A lost actor's message
+    (actor id, address, pid) is logged, never returned.
     """
     if isinstance(error, ApiError):
         return error
@@ -139,5 +153,28 @@ def as_api_error(error: BaseException) -> ApiError | None:
     if isinstance(error, NoWorkerAvailable | WorkerLost):
         return ApiError(ErrorCode.UNAVAILABLE, message)
     if isinstance(error, RayActorError | ActorDiedError | ActorUnavailableError):
-        return ApiError(ErrorCode.UNAVAILABLE, f"a worker is unavailable: {message}")
+        logger.warning("a worker is unavailable: %s", message)
+        return ApiError(ErrorCode.UNAVAILABLE, "a worker is unavailable; retry")
     return None
+
+
+def internal_error(error: BaseException) -> ApiError:
+    """INTERNAL for a failure nobody foresaw: the client gets a short incident id, the log gets
+    the same id with the whole traceback."""
+    incident = uuid.uuid4().hex[:12]
+    logger.error("internal error %s", incident, exc_info=error)
+    return ApiError(ErrorCode.INTERNAL, f"internal error (incident {incident})")
+
+
+def engine_failure(detail: str) -> ApiError:
+    """INTERNAL for a request whose engine step failed on its worker (`detail`, logged only)."""
+    incident = uuid.uuid4().hex[:12]
+    logger.error("engine failure %s: %s", incident, detail)
+    return ApiError(
+        ErrorCode.INTERNAL, f"the engine step serving this request failed (incident {incident})"
+    )
+
+
+def to_api_error(error: BaseException) -> ApiError:
+    """Every failure as the client may see it: `as_api_error`, else `internal_error`."""
+    return as_api_error(error) or internal_error(error)

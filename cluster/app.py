@@ -27,16 +27,19 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pagedserve.cluster.api_config import ApiConfig, split_app_args
+from pagedserve.cluster.api_errors import ApiError
 from pagedserve.cluster.auth import TokenAuth
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.grpc_api import SERVING, GrpcFrontend
 from pagedserve.cluster.metrics import CONTENT_TYPE
-from pagedserve.cluster.openai_api import OpenAIFrontend
+from pagedserve.cluster.openai_api import OpenAIFrontend, error_response
 from pagedserve.cluster.router import GenerateRequest, RouterCore
 from pagedserve.cluster.worker_group import start_worker_group
 from pagedserve.workers.stream import StreamDelta
 from pagedserve.workers.telemetry import ROUTER_SERVICE, get_tracing
 
+DEFAULT_INFLIGHT = 1024  # Serve's slots for a router without `max_inflight`
+REFUSAL_HEADROOM = 1024
 http_app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None)
 
 
@@ -63,7 +66,7 @@ class Router:
         index, workers = start_worker_group(self.config, telemetry)
         tracing = get_tracing(telemetry, ROUTER_SERVICE)
         self.core = RouterCore(self.config, index, workers, tracing, telemetry.metrics)
-        auth = TokenAuth.from_config(api_config.auth)
+        auth = self.auth = TokenAuth.from_config(api_config.auth)
         model_name = served_model_name(self.config, api_config)
         self.grpc = GrpcFrontend(self.core, auth)
         self.openai = OpenAIFrontend(self.core, auth, model_name)
@@ -122,8 +125,13 @@ class Router:
         return await self.openai.chat_completions(request)
 
     @http_app.get("/metrics")
-    async def metrics(self) -> Response:
-        """Prometheus scrape endpoint (404 when `telemetry.metrics` is off)."""
+    async def metrics(self, request: Request) -> Response:
+        """Prometheus scrape endpoint (404 when `telemetry.metrics` is off); with auth on it
+        needs a token like every other route but the health check."""
+        try:
+            self.auth.check(request.headers.get("authorization"))
+        except ApiError as error:
+            return error_response(error)
         if not self.core.metrics.enabled:
             return JSONResponse({"error": "metrics are off"}, status_code=404)
         return Response(self.core.metrics.render(), media_type=CONTENT_TYPE)
@@ -148,4 +156,15 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     cluster, api = split_app_args(args)
     config = ClusterConfig.from_dict(cluster)
     TokenAuth.from_config(api.auth)  # fail here, not in every replica, on a bad tokens file
-    return Router.bind(config.to_dict(), api.to_dict())
+    ongoing = max_ongoing_requests(config)
+    router = Router.options(max_ongoing_requests=ongoing, max_queued_requests=ongoing)
+    return router.bind(config.to_dict(), api.to_dict())
+
+
+def max_ongoing_requests(config: ClusterConfig) -> int:
+    """Calls Serve lets into one Router replica at once: the router's own stream limit plus
+    room for the calls it refuses at once and for control calls. Serve must never be the
+    one that queues a request the router would refuse: a refusal is due at once, not after
+    the wait for a slot (past this, Serve refuses too: RESOURCE_EXHAUSTED, with a retry
+    trailer from `grpc_status`)."""
+    return (config.max_inflight or DEFAULT_INFLIGHT) + REFUSAL_HEADROOM

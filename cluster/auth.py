@@ -14,6 +14,7 @@ from pagedserve.cluster.api_config import AuthConfig
 from pagedserve.cluster.api_errors import ApiError, ErrorCode
 
 BEARER = "bearer "
+TENANT_ID_CHARS = 16  # hex digits of the token's SHA-256 that name its tenant
 
 
 def read_tokens_file(path: str) -> list[str]:
@@ -54,14 +55,18 @@ class TokenAuth:
     def enabled(self) -> bool:
         return bool(self._digests)
 
-    def check(self, authorization: str | None) -> None:
-        """Pass, or raise `ApiError(UNAUTHENTICATED)`.
+    def check(self, authorization: str | None) -> str:
+        """Pass, returning the caller's tenant, or raise `ApiError(UNAUTHENTICATED)`.
+
+        The tenant names the token (a prefix of its digest, never the token): request ids are
+        unique within a tenant and one tenant cannot reach another's requests. With auth off
+        every caller is the one tenant "".
 
         Args:
             authorization: the `authorization` header or metadata value, if any.
         """
         if not self.enabled:
-            return
+            return ""
         if not authorization or not authorization.lower().startswith(BEARER):
             raise ApiError(
                 ErrorCode.UNAUTHENTICATED,
@@ -75,13 +80,14 @@ class TokenAuth:
             raise ApiError(
                 ErrorCode.UNAUTHENTICATED, "authorization: invalid bearer token", "authorization"
             )
+        return digest.hex()[:TENANT_ID_CHARS]
 
-    def check_metadata(self, metadata: Iterable[tuple[str, str | bytes]]) -> None:
+    def check_metadata(self, metadata: Iterable[tuple[str, str | bytes]]) -> str:
         """`check` on the `authorization` entry of gRPC invocation metadata."""
         value = next((v for k, v in metadata if k.lower() == "authorization"), None)
         if isinstance(value, bytes):
             value = value.decode("utf-8", "replace")
-        self.check(value)
+        return self.check(value)
 
 
 def _digest(token: str) -> bytes:

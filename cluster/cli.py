@@ -41,7 +41,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=9000)
-    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="interface to serve on (default: this machine only; 0.0.0.0: every interface). "
+        "The gRPC port takes calls from this machine only when the host is a loopback one",
+    )
     parser.set_defaults(func=run)
 
 
@@ -95,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
     from pagedserve.cluster.api_config import split_app_args
     from pagedserve.cluster.app import build_app
     from pagedserve.cluster.config import ClusterConfig
+    from pagedserve.cluster.grpc_status import proxy_env_vars
     from pagedserve.cluster.serve_options import grpc_options, http_options
 
     # 'local' starts a fresh cluster even when another one runs on this machine; join an
@@ -107,9 +113,12 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError, TypeError) as error:
         print(f"pagedserve serve: error: {error}", file=sys.stderr)
         return 2
+    config = ClusterConfig.from_dict(split_app_args(data)[0])
+    env_vars = proxy_env_vars(args.host, config.max_request_bytes)
     serve.start(
         http_options=http_options(args.host, args.http_port),
         grpc_options=grpc_options(args.grpc_port),
+        controller_options={"runtime_env": {"env_vars": env_vars}},
     )
     serve.run(build_app(data), name="pagedserve", route_prefix="/")
     print(
@@ -127,5 +136,5 @@ def run(args: argparse.Namespace) -> int:
     from pagedserve.cluster.worker_group import stop_worker_group
 
     serve.shutdown()
-    stop_worker_group(ClusterConfig.from_dict(split_app_args(data)[0]))
+    stop_worker_group(config)
     return 0

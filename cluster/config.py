@@ -3,6 +3,7 @@ handling. Built from flags or a YAML file (`pagedserve serve --config FILE`)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -38,6 +39,10 @@ class ClusterConfig:
         stats_interval_s: how often the router refreshes each worker's load.
         rpc_timeout_s: deadline of every control call (stats, index, abort).
         startup_timeout_s: how long the router waits for workers to load their model.
+        max_prompt_chars: longest prompt the router takes, in characters (or token ids); a
+            longer one is refused before it is tokenized.
+        max_request_bytes: largest request body, HTTP body or gRPC message; a larger one is
+            refused before it is parsed (HTTP 413, gRPC RESOURCE_EXHAUSTED).
         max_waiting_per_worker: new requests a worker's engine queues at most; past it the
             worker refuses at once with `Overloaded` (RESOURCE_EXHAUSTED, HTTP 429). None:
             unbounded.
@@ -65,6 +70,8 @@ class ClusterConfig:
     stats_interval_s: float = 0.25
     rpc_timeout_s: float = 10.0
     startup_timeout_s: float = 300.0
+    max_prompt_chars: int = 1_000_000
+    max_request_bytes: int = 8 * 1024 * 1024
     max_waiting_per_worker: int | None = 256
     max_inflight: int | None = 1024
     retry_after_s: float = 1.0
@@ -84,9 +91,13 @@ class ClusterConfig:
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {getattr(self, name)}")
         timeouts = ("pull_timeout_s", "stats_interval_s", "rpc_timeout_s", "startup_timeout_s")
-        for name in (*timeouts, "retry_after_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in (*timeouts, "retry_after_s", "push_free_fraction"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):  # NaN fails every comparison
+                raise ValueError(f"{name} must be a finite number > 0, got {value}")
+        for name in ("max_prompt_chars", "max_request_bytes", "push_max_chains"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     @property
     def worker_engine(self) -> EngineConfig:

@@ -22,7 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from pagedserve.cluster.api_common import collect
-from pagedserve.cluster.api_errors import ApiError, ErrorCode, as_api_error
+from pagedserve.cluster.api_errors import ApiError, engine_failure, to_api_error
 from pagedserve.cluster.auth import TokenAuth
 from pagedserve.cluster.grpc_convert import (
     delta_to_proto,
@@ -31,12 +31,14 @@ from pagedserve.cluster.grpc_convert import (
     stats_to_proto,
     workers_to_proto,
 )
+from pagedserve.cluster.grpc_status import RETRY_AFTER_KEY, with_retry_hint
 from pagedserve.cluster.grpc_wire import SERVICE, MalformedRequest, StreamFailed
 from pagedserve.cluster.router import (
     WORKER_LOST_ERRORS,
     GenerateRequest,
     NoWorkerAvailable,
     RouterCore,
+    scoped_request_id,
 )
 from pagedserve.cluster.tracing import tag_ingress
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
@@ -65,8 +67,8 @@ class GrpcFrontend:
     # ----------------------------------------------------------- Generation
     async def generate(self, request: Any, context: Any) -> pb.GenerateResponse:
         try:
-            self._admit(request, context)
-            collector = await collect(self.core, _traced(request, context))
+            tenant = self._admit(request, context)
+            collector = await collect(self.core, _traced(request, context, tenant))
             _raise_on_engine_error(collector.completions)
             return response_to_proto(collector)
         except Exception as error:
@@ -76,21 +78,21 @@ class GrpcFrontend:
         self, request: Any, context: Any
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
         try:
-            self._admit(request, context)
-            async for delta in self.core.generate(_traced(request, context)):
+            tenant = self._admit(request, context)
+            async for delta in self.core.generate(_traced(request, context, tenant)):
                 yield delta_to_proto(delta)
                 if delta.error:
-                    raise ApiError(ErrorCode.INTERNAL, delta.error)
+                    raise engine_failure(delta.error)
         except Exception as error:
             self._fail(context, error, None)
             raise StreamFailed(context.details()) from error
 
     async def abort(self, request: Any, context: Any) -> pb.AbortResponse:
         try:
-            self._admit(request, context)
+            tenant = self._admit(request, context)
             if not request.request_id:
                 raise ApiError.invalid("request_id is empty")
-            return pb.AbortResponse(aborted=await self._abort(request.request_id))
+            return pb.AbortResponse(aborted=await self._abort(request.request_id, tenant))
         except Exception as error:
             return self._fail(context, error, pb.AbortResponse())
 
@@ -109,11 +111,13 @@ class GrpcFrontend:
         except Exception as error:
             return self._fail(context, error, pb.ListWorkersResponse())
 
-    async def _abort(self, request_id: str) -> bool:
+    async def _abort(self, request_id: str, tenant: str) -> bool:
         """Abort through this replica's router; else ask every worker (another router replica
-        may hold the stream, and each worker knows its own requests)."""
-        if await self.core.abort(request_id):
+        may hold the stream, and each worker knows its own requests by their tenant-scoped id,
+        so a tenant reaches only its own)."""
+        if await self.core.abort(request_id, tenant):
             return True
+        request_id = scoped_request_id(tenant, request_id)
         alive = [w for w in self.core.workers.values() if w.alive]
         results = await asyncio.gather(
             *(
@@ -156,34 +160,41 @@ class GrpcFrontend:
         return SERVING if any(w.alive for w in self.core.workers.values()) else NOT_SERVING
 
     # --------------------------------------------------------------- errors
-    def _admit(self, request: Any, context: Any) -> None:
-        """Auth first (so a stranger learns nothing about the request), then well-formedness."""
-        self.auth.check_metadata(context.invocation_metadata())
+    def _admit(self, request: Any, context: Any) -> str:
+        """Auth first (so a stranger learns nothing about the request), then well-formedness.
+        Returns the caller's tenant."""
+        tenant = self.auth.check_metadata(context.invocation_metadata())
         if isinstance(request, MalformedRequest):
             raise ApiError.invalid(request.message, request.param)
+        return tenant
 
     def _fail(self, context: Any, error: Exception, empty: Any) -> Any:
-        """Set the status for `error` on the context and return `empty`; bugs re-raise."""
-        api_error = as_api_error(error)
-        if api_error is None:
-            raise error
-        if api_error.code is ErrorCode.INTERNAL:
-            logger.error("request failed: %s", api_error.message)
+        """Set the status for `error` on the context and return `empty`.
+
+        A bug becomes INTERNAL with an incident id (the log has its traceback). A refusal's
+        retry hint goes into the trailer here (unary: Serve copies it along with the empty
+        response) and into the details, from which `grpc_status` makes the trailer of a
+        stream, whose context Serve never copies on failure.
+        """
+        api_error = to_api_error(error)
+        details = api_error.message
         if retry_after := api_error.retry_after_header():
-            context.set_trailing_metadata((("retry-after", retry_after),))
+            # A list: Serve's context concatenates it to its own list of request-id metadata.
+            context.set_trailing_metadata([(RETRY_AFTER_KEY, retry_after)])
+            details = with_retry_hint(details, retry_after)
         context.set_code(getattr(grpc.StatusCode, api_error.code.value))
-        context.set_details(api_error.message)
+        context.set_details(details)
         return empty
 
 
 def _raise_on_engine_error(completions: list) -> None:
     for completion in completions:
         if completion.error:
-            raise ApiError(ErrorCode.INTERNAL, completion.error)
+            raise engine_failure(completion.error)
 
 
-def _traced(message: Any, context: Any) -> GenerateRequest:
+def _traced(message: Any, context: Any, tenant: str) -> GenerateRequest:
     """The router request of a gRPC message, continuing the trace its metadata names."""
-    request = request_from_proto(message)
+    request = request_from_proto(message, tenant)
     tag_ingress([request], context.invocation_metadata(), "grpc")
     return request

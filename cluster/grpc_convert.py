@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from pagedserve.cluster.api_common import CompletionCollector, sampling_params
@@ -18,14 +19,14 @@ _KV_FIELDS = tuple(f.name for f in pb.KVUsage.DESCRIPTOR.fields)
 
 
 # ------------------------------------------------------------------ requests
-def request_from_proto(message: pb.GenerateRequest) -> GenerateRequest:
+def request_from_proto(message: pb.GenerateRequest, tenant: str = "") -> GenerateRequest:
     """The router's request for a `GenerateRequest`; raises `ApiError` naming a bad field."""
     if message.prompt and message.prompt_token_ids:
         raise ApiError.invalid("prompt: set prompt or prompt_token_ids, not both", "prompt")
     if not message.prompt and not message.prompt_token_ids:
         raise ApiError.invalid("prompt is empty: set prompt or prompt_token_ids", "prompt")
-    if message.timeout_s < 0:
-        raise ApiError.invalid(f"timeout_s must be >= 0, got {message.timeout_s}")
+    if not (math.isfinite(message.timeout_s) and message.timeout_s >= 0):  # NaN too
+        raise ApiError.invalid(f"timeout_s must be a finite number >= 0, got {message.timeout_s}")
     return GenerateRequest(
         params=params_from_proto(message.sampling),
         prompt=message.prompt or None,
@@ -34,6 +35,7 @@ def request_from_proto(message: pb.GenerateRequest) -> GenerateRequest:
         priority=message.priority,
         cache_salt=message.cache_salt or None,
         timeout_s=message.timeout_s or None,
+        tenant=tenant,
     )
 
 

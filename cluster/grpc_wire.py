@@ -9,7 +9,9 @@ as a `MalformedRequest` naming the field (a string that is not UTF-8, or a field
 server does not know), which the replica answers with INVALID_ARGUMENT.
 
 Registering it also installs `grpc_streams.cancel_streams_in_flight` on the proxy, so that a
-stream that ends early always cancels its request on the replica.
+stream that ends early always cancels its request on the replica, and
+`grpc_status.finish_statuses`, so that a refusal carries its `retry-after` trailer and no status
+carries a traceback or other internals.
 
 This module runs inside the proxy actor, so it imports only grpc, protobuf and the stubs.
 """
@@ -26,6 +28,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, un
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 
+from pagedserve.cluster.grpc_status import finish_statuses
 from pagedserve.cluster.grpc_streams import cancel_streams_in_flight
 from pagedserve.proto.pagedserve.v1 import serving_pb2
 
@@ -57,6 +60,7 @@ class StreamFailed(RuntimeError):
 def add_generation_servicer(servicer: Any, server: grpc.Server) -> None:
     """Register `pagedserve.v1.Generation` on `server` with lenient request parsing."""
     cancel_streams_in_flight(server)
+    finish_statuses(server)  # after: it wraps the stream canceller and sees its final status
     handlers = {}
     for method in SERVICE.methods:
         request_class = getattr(serving_pb2, method.input_type.name)

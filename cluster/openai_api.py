@@ -27,11 +27,7 @@ from pagedserve.cluster.api_common import (
     sampling_params,
     total_usage,
 )
-from pagedserve.cluster.api_errors import (
-    ApiError,
-    ErrorCode,
-    as_api_error,
-)
+from pagedserve.cluster.api_errors import ApiError, ErrorCode, engine_failure, to_api_error
 from pagedserve.cluster.auth import TokenAuth
 from pagedserve.cluster.openai_models import (
     ChatCompletionBody,
@@ -45,6 +41,7 @@ from pagedserve.workers.stream import StreamDelta, Usage
 
 logger = logging.getLogger(__name__)
 OWNER = "pagedserve"
+MAX_JSON_DEPTH = 32  # a request body nests 4 deep; anything far deeper is an attack
 
 
 class OpenAIFrontend:
@@ -73,11 +70,13 @@ class OpenAIFrontend:
 
     async def completions(self, request: Request) -> Response:
         try:
-            body = await self._read(request, CompletionBody)
+            body, tenant = await self._read(request, CompletionBody)
             prompts = body.prompts()
             base_id = body.request_id or new_request_id("cmpl-")
             requests = [
-                await self._request(body, prompt, body.max_tokens, _batch_id(base_id, i, prompts))
+                await self._request(
+                    body, prompt, body.max_tokens, _batch_id(base_id, i, prompts), tenant
+                )
                 for i, prompt in enumerate(prompts)
             ]
         except Exception as error:
@@ -88,10 +87,11 @@ class OpenAIFrontend:
 
     async def chat_completions(self, request: Request) -> Response:
         try:
-            body = await self._read(request, ChatCompletionBody)
+            body, tenant = await self._read(request, ChatCompletionBody)
             prompt = render_chat(body.messages, self.core.tokenizer)
             base_id = body.request_id or new_request_id("chatcmpl-")
-            requests = [await self._request(body, prompt, body.max_output_tokens(), base_id)]
+            max_tokens = body.max_output_tokens()
+            requests = [await self._request(body, prompt, max_tokens, base_id, tenant)]
         except Exception as error:
             return _error_or_raise(error)
         tag_ingress(requests, request.headers.items(), "http")
@@ -99,15 +99,12 @@ class OpenAIFrontend:
         return await self._respond(requests, body.stream, body.include_usage, chunks)
 
     # -------------------------------------------------------------- plumbing
-    async def _read(self, request: Request, model: type) -> Any:
-        """Auth, then the body: JSON, valid text, known fields, the served model."""
-        self.auth.check(request.headers.get("authorization"))
-        raw = await request.body()
-        try:
-            # surrogateescape keeps invalid UTF-8 bytes as lone surrogates, found just below.
-            data = json.loads(raw.decode("utf-8", "surrogateescape"))
-        except json.JSONDecodeError as error:
-            raise ApiError.invalid(f"the request body is not valid JSON: {error}") from None
+    async def _read(self, request: Request, model: type) -> tuple[Any, str]:
+        """Auth, then the body: bounded size, JSON of bounded depth, valid text, known fields,
+        the served model. Returns the body and the caller's tenant."""
+        tenant = self.auth.check(request.headers.get("authorization"))
+        raw = await read_body(request, self.core.config.max_request_bytes)
+        data = parse_json(raw)
         bad = find_malformed_text(data, "")
         if bad is not None:
             raise ApiError.invalid(f"{bad} is not valid UTF-8", bad)
@@ -118,10 +115,15 @@ class OpenAIFrontend:
                 f"model: {body.model!r} is not served here (GET /v1/models: {self.model_name!r})",
                 "model",
             )
-        return body
+        return body, tenant
 
     async def _request(
-        self, body: Any, prompt: str | list[int], max_tokens: int | None, request_id: str
+        self,
+        body: Any,
+        prompt: str | list[int],
+        max_tokens: int | None,
+        request_id: str,
+        tenant: str,
     ) -> GenerateRequest:
         if max_tokens is None:
             max_tokens = await self._room_for(prompt)
@@ -132,19 +134,16 @@ class OpenAIFrontend:
             request_id=request_id,
             priority=body.priority,
             cache_salt=body.cache_salt,
+            tenant=tenant,
         )
 
     async def _room_for(self, prompt: str | list[int]) -> int:
         """Default max_tokens: what fits after the prompt in the smallest worker's context and
         KV pool (at least 1, so an over-long prompt gets the worker's own error)."""
         await self.core.start()
-        tokenizer = self.core.tokenizer
-        if isinstance(prompt, str):
-            if tokenizer is None:
-                return 1  # the router refuses text without a tokenizer, naming the problem
-            prompt_len = len(tokenizer.encode(prompt))
-        else:
-            prompt_len = len(prompt)
+        if isinstance(prompt, str) and self.core.tokenizer is None:
+            return 1  # the router refuses text without a tokenizer, naming the problem
+        prompt_len = await self.core.prompt_length(prompt)
         capacities = [
             min(
                 w.info["max_model_len"],
@@ -276,13 +275,9 @@ async def _sse(
             if text := event(i, delta):
                 yield text
             if delta.error:
-                raise ApiError(ErrorCode.INTERNAL, delta.error)
+                raise engine_failure(delta.error)
     except Exception as error:
-        api_error = as_api_error(error)
-        if api_error is None:
-            logger.exception("stream failed")
-            api_error = ApiError(ErrorCode.INTERNAL, f"internal error: {error}")
-        yield _data(error_json(api_error))
+        yield _data(error_json(to_api_error(error)))
     else:
         if include_usage:
             per_prompt = _usage_per_prompt(usages)
@@ -349,10 +344,8 @@ def error_response(error: ApiError) -> JSONResponse:
 
 
 def _error_or_raise(error: Exception) -> JSONResponse:
-    api_error = as_api_error(error)
-    if api_error is None:
-        raise error
-    return error_response(api_error)
+    """The error response for any failure: a bug too becomes INTERNAL with an incident id."""
+    return error_response(to_api_error(error))
 
 
 def _batch_id(base: str, i: int, prompts: list) -> str:
@@ -361,3 +354,61 @@ def _batch_id(base: str, i: int, prompts: list) -> str:
 
 def _data(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused (413) as soon as it is known to pass `limit` bytes: from its
+    `content-length` before reading, else while reading it, so a huge body costs no more
+    than `limit` bytes of memory."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(size, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_json(raw: bytes) -> Any:
+    """JSON without NaN/Infinity, nested at most `MAX_JSON_DEPTH` deep (400 otherwise)."""
+    try:
+        # surrogateescape keeps invalid UTF-8 bytes as lone surrogates (find_malformed_text).
+        data = json.loads(raw.decode("utf-8", "surrogateescape"), parse_constant=_no_constant)
+    except json.JSONDecodeError as error:
+        raise ApiError.invalid(f"the request body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise _too_deep() from None
+    if json_depth(data) > MAX_JSON_DEPTH:
+        raise _too_deep()
+    return data
+
+
+def json_depth(value: Any) -> int:
+    """How deeply lists and objects nest in `value` (a scalar: 0), without recursion."""
+    depth, level = 0, [value]
+    while level:
+        containers = [v for v in level if isinstance(v, dict | list)]
+        if not containers:
+            break
+        depth += 1
+        level = [item for c in containers for item in (c.values() if isinstance(c, dict) else c)]
+    return depth
+
+
+def _no_constant(name: str) -> Any:
+    raise ApiError.invalid(f"the request body holds {name}: numbers must be finite")
+
+
+def _too_large(size: int, limit: int) -> ApiError:
+    return ApiError(
+        ErrorCode.INVALID_ARGUMENT,
+        f"the request body is {size:,} bytes or more; the limit is {limit:,} (max_request_bytes)",
+        http_status=413,
+    )
+
+
+def _too_deep() -> ApiError:
+    return ApiError.invalid(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")

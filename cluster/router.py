@@ -8,6 +8,12 @@ its `inflight` until its stream ends, so the policy sees a burst before any repo
 A worker that stops answering is dropped from routing and from the index at once; its requests
 are replayed on a peer from their tokens (or failed with UNAVAILABLE, by config).
 
+Request ids are the router's: a request's id is checked and reserved in one step, before any
+await, so two requests can never share one; with auth on, an id is scoped to its tenant (the
+token that sent it): what the workers see is `tenant:id`, so a tenant can neither see, abort
+nor squat another's request. Prompts are length-checked before they are tokenized, and
+tokenized in a thread, so a huge prompt cannot stall the event loop every request shares.
+
 Backpressure: past `max_inflight` open requests the router refuses at once with `Overloaded`
 (RESOURCE_EXHAUSTED, HTTP 429, a retry hint), as each worker does past its waiting-queue bound.
 A draining worker (`drain_worker`) leaves routing first; what it cannot finish in its grace
@@ -90,7 +96,9 @@ class RouterCore:
         self.model_name = ""
         self.block_size = config.engine.block_size
         self.counters: Counter[str] = Counter()
-        self._active: dict[str, WorkerState] = {}
+        # Scoped request id → the worker serving it now (None until routed). Reserved when a
+        # request is admitted, released when its stream ends: the one owner of id uniqueness.
+        self._inflight_ids: dict[str, WorkerState | None] = {}
         self.num_inflight = 0  # requests between admission and their stream's end
         # A pull has its own deadline inside the worker; this one covers a stuck worker.
         self._pull_deadline_s = config.pull_timeout_s + config.rpc_timeout_s
@@ -208,16 +216,27 @@ class RouterCore:
             logger.exception("could not drop %s from the index", worker.worker_id)
 
     # -------------------------------------------------------------- routing
-    def _tokenize(self, request: GenerateRequest) -> list[int]:
+    async def _tokenize(self, request: GenerateRequest) -> list[int]:
+        """The prompt's token ids; text is measured first, then tokenized off the event loop."""
         if request.prompt_token_ids is not None:
             if request.prompt is not None:
                 raise RequestRejected("give prompt or prompt_token_ids, not both")
+            check_prompt_size(len(request.prompt_token_ids), self.config.max_prompt_chars)
             return list(request.prompt_token_ids)
         if not request.prompt:
             raise RequestRejected("prompt is empty")
         if self.tokenizer is None:
             raise RequestRejected("the model has no tokenizer; send prompt_token_ids")
-        return self.tokenizer.encode(request.prompt)
+        check_prompt_size(len(request.prompt), self.config.max_prompt_chars)
+        return await asyncio.to_thread(self.tokenizer.encode, request.prompt)
+
+    async def prompt_length(self, prompt: str | list[int]) -> int:
+        """Tokens in a prompt, checked for size first and tokenized off the event loop."""
+        if isinstance(prompt, str):
+            request = GenerateRequest(params=SamplingParams(), prompt=prompt)
+        else:
+            request = GenerateRequest(params=SamplingParams(), prompt_token_ids=prompt)
+        return len(await self._tokenize(request))
 
     async def route(
         self, token_ids: list[int], cache_salt: str | None, span: Any = None
@@ -296,14 +315,17 @@ class RouterCore:
         The stream survives a worker moving the request to a peer (`moved` deltas are followed,
         never shown) and, by config, the worker dying (unfinished branches replay on a peer).
         """
-        await self.start()
+        # Admission and id reservation run before the first await: atomic on the event loop.
         self._admit()
+        client_id = request.request_id or uuid.uuid4().hex
+        request_id = self._reserve_id(request.tenant, client_id)
         self.num_inflight += 1
-        request_id = request.request_id or uuid.uuid4().hex
-        trace = RouterTrace(self.tracing, request, request_id, self.model_name)
+        trace = RouterTrace(self.tracing, request, client_id, self.model_name)
         error = None
         try:
+            await self.start()
             async for delta in self._generate(request, request_id, trace):
+                delta.request_id = client_id  # the worker knows the tenant-scoped id
                 yield delta
         except Overloaded as e:
             self.counters["refused.worker"] += 1
@@ -314,7 +336,18 @@ class RouterCore:
             raise
         finally:
             self.num_inflight -= 1
+            self._inflight_ids.pop(request_id, None)
             trace.end(error)
+
+    def _reserve_id(self, tenant: str, client_id: str) -> str:
+        """Reserve the tenant-scoped id of a new request; a duplicate is refused, and nothing
+        of the request already in flight under that id is touched."""
+        request_id = scoped_request_id(tenant, client_id)
+        if request_id in self._inflight_ids:
+            self.counters["refused.duplicate_id"] += 1
+            raise RequestRejected(f"request_id {client_id!r} is already in flight")
+        self._inflight_ids[request_id] = None
+        return request_id
 
     def _admit(self) -> None:
         """Refuse at once, with a retry hint, when the router already streams its limit."""
@@ -328,36 +361,31 @@ class RouterCore:
     async def _generate(
         self, request: GenerateRequest, request_id: str, trace: RouterTrace
     ) -> AsyncIterator[StreamDelta]:
-        token_ids = self._tokenize(request)
+        token_ids = await self._tokenize(request)
         trace.on_prompt(len(token_ids))
-        if request_id in self._active:
-            raise RequestRejected(f"request_id {request_id!r} is already in flight")
         emitted: dict[int, list[int]] = {j: [] for j in range(request.params.n)}
         finished: set[int] = set()
         plan = [_Attempt(None, token_ids, request.params)]
-        try:
-            while plan:
-                attempt = plan.pop(0)
-                try:
-                    async for delta in self._attempt(attempt, request_id, request, trace):
-                        if delta.finish_reason == "moved":
-                            plan.append(
-                                _Attempt(delta.index, handoff=delta.handoff, source=delta.worker_id)
-                            )
-                            self.counters["migrations.move"] += 1
-                            self.metrics.on_migration("move")
-                            continue
-                        emitted[delta.index].extend(delta.token_ids)
-                        if delta.finish_reason is not None:
-                            finished.add(delta.index)
-                            trace.on_delta(delta)
-                            self.metrics.on_finished(delta)
-                        yield delta
-                except WorkerLost as lost:
-                    trace.root.add_event("worker_lost", {"exception.message": str(lost)})
-                    plan = self._replay_plan(request, token_ids, emitted, finished)
-        finally:
-            self._active.pop(request_id, None)
+        while plan:
+            attempt = plan.pop(0)
+            try:
+                async for delta in self._attempt(attempt, request_id, request, trace):
+                    if delta.finish_reason == "moved":
+                        plan.append(
+                            _Attempt(delta.index, handoff=delta.handoff, source=delta.worker_id)
+                        )
+                        self.counters["migrations.move"] += 1
+                        self.metrics.on_migration("move")
+                        continue
+                    emitted[delta.index].extend(delta.token_ids)
+                    if delta.finish_reason is not None:
+                        finished.add(delta.index)
+                        trace.on_delta(delta)
+                        self.metrics.on_finished(delta)
+                    yield delta
+            except WorkerLost as lost:
+                trace.root.add_event("worker_lost", {"exception.message": str(lost)})
+                plan = self._replay_plan(request, token_ids, emitted, finished)
 
     async def _attempt(
         self, attempt: _Attempt, request_id: str, request: GenerateRequest, trace: RouterTrace
@@ -428,7 +456,7 @@ class RouterCore:
     async def _stream(
         self, worker: WorkerState, request_id: str, start, demand: int, num_branches: int
     ) -> AsyncIterator[StreamDelta]:
-        self._active[request_id] = worker
+        self._inflight_ids[request_id] = worker
         worker.begin(demand)
         stream = start()
         remaining = num_branches
@@ -439,8 +467,9 @@ class RouterCore:
                     remaining -= 1
                 yield delta
         except WORKER_LOST_ERRORS as error:
+            logger.warning("worker %s lost mid-stream: %s", worker.worker_id, error)
             await self._drop(worker)
-            raise WorkerLost(str(error)) from error
+            raise WorkerLost(f"worker {worker.worker_id} was lost") from error
         except Draining as error:  # cut off (a handoff) or refused by a draining worker: replay
             worker.draining = True
             handoff = isinstance(error, HandedOff)
@@ -458,8 +487,9 @@ class RouterCore:
         if worker.alive:
             worker.handle.abort.remote(request_id)
 
-    async def abort(self, request_id: str) -> bool:
-        worker = self._active.get(request_id)
+    async def abort(self, request_id: str, tenant: str = "") -> bool:
+        """Abort a request this router streams, by the id its client gave, within its tenant."""
+        worker = self._inflight_ids.get(scoped_request_id(tenant, request_id))
         if worker is None:
             return False
         return await asyncio.wait_for(
@@ -499,3 +529,17 @@ class RouterCore:
             "index": index,
             "policy": self.config.routing_policy,
         }
+
+
+def scoped_request_id(tenant: str, client_id: str) -> str:
+    """The id workers know a request by: the client's id within its tenant."""
+    return f"{tenant}:{client_id}" if tenant else client_id
+
+
+def check_prompt_size(size: int, limit: int) -> None:
+    """Refuse a prompt longer than `limit` characters (or token ids) before any work on it."""
+    if size > limit:
+        raise RequestRejected(
+            f"prompt is {size:,} characters or tokens long; the limit is {limit:,} "
+            "(max_prompt_chars)"
+        )

@@ -4,7 +4,9 @@ modules (API errors, clients, benches) can name them; `cluster/router.py` re-exp
 from __future__ import annotations
 
 import dataclasses
+import math
 
+from pagedserve.workers.errors import RequestRejected
 from pagedserve.workers.sampling_params import SamplingParams
 
 
@@ -29,3 +31,10 @@ class GenerateRequest:
     timeout_s: float | None = None
     trace_context: dict[str, str] | None = None  # the client's W3C traceparent, if any
     ingress: str = "python"  # grpc, http or python: names the front end on the trace
+    tenant: str = ""  # who sent it (with auth on): request ids are unique per tenant
+
+    def __post_init__(self) -> None:
+        if self.timeout_s is not None and not (
+            math.isfinite(self.timeout_s) and self.timeout_s > 0
+        ):
+            raise RequestRejected(f"timeout_s must be a finite number > 0, got {self.timeout_s}")

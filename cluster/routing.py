@@ -170,6 +170,16 @@ class KvAwarePolicy(RoutingPolicy):
         imbalance_slack: float = 16.0,
         imbalance_pool_fraction: float = 0.25,
     ) -> None:
+        weights = {
+            "prefill_weight": prefill_weight,
+            "waiting_weight": waiting_weight,
+            "imbalance_factor": imbalance_factor,
+            "imbalance_slack": imbalance_slack,
+            "imbalance_pool_fraction": imbalance_pool_fraction,
+        }
+        for name, value in weights.items():
+            if not math.isfinite(value):  # NaN would pass every range check below
+                raise ValueError(f"{name} must be a finite number, got {value}")
         if prefill_weight < 0 or waiting_weight < 0 or imbalance_slack < 0:
             raise ValueError("prefill_weight, waiting_weight and imbalance_slack must be >= 0")
         if block_size < 1:

@@ -12,8 +12,10 @@ from typing import Any
 import ray
 from ray import serve
 
+from pagedserve.cluster.api_config import split_app_args
 from pagedserve.cluster.app import build_app
 from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.grpc_status import proxy_env_vars
 from pagedserve.cluster.serve_options import grpc_options
 from pagedserve.cluster.worker_group import stop_worker_group
 
@@ -30,6 +32,7 @@ class RunningApp:
     name: str
     http_port: int
     grpc_port: int
+    config: ClusterConfig
 
     @property
     def grpc_address(self) -> str:
@@ -47,24 +50,47 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_app(name: str, **api: Any) -> Iterator[RunningApp]:
-    """Start a fresh local Ray (never another session's), Serve and the app; tear all down."""
+def running_app(name: str, **args: Any) -> Iterator[RunningApp]:
+    """Start a fresh local Ray (never another session's), Serve and the app; tear all down.
+
+    `args` are `build_app` arguments over the defaults (API keys and cluster config keys).
+    """
     if ray.is_initialized():
         ray.shutdown()
     ray.init(address="local", num_cpus=4, include_dashboard=False)
-    cluster = {"engine": ENGINE, "num_workers": 2, "name": name, "stats_interval_s": 0.1}
-    app = RunningApp(name, free_port(), free_port())
+    defaults = {"engine": ENGINE, "num_workers": 2, "name": name, "stats_interval_s": 0.1}
+    app_args = {**defaults, **args}
+    config = ClusterConfig.from_dict(split_app_args(app_args)[0])
+    app = RunningApp(name, free_port(), free_port(), config)
     try:
         serve.start(
             http_options={"host": "127.0.0.1", "port": app.http_port},
             grpc_options=grpc_options(app.grpc_port),
+            controller_options={
+                "runtime_env": {"env_vars": proxy_env_vars("127.0.0.1", config.max_request_bytes)}
+            },
         )
-        serve.run(build_app({**cluster, **api}), name=name, route_prefix="/")
+        serve.run(build_app(app_args), name=name, route_prefix="/")
         yield app
     finally:
         serve.shutdown()
-        stop_worker_group(ClusterConfig.from_dict(cluster))
+        stop_worker_group(config)
         ray.shutdown()
+
+
+def assert_app_pools_clean(app: RunningApp, deadline_s: float = 30.0) -> None:
+    """Every worker of the app: no request left, every block free or cached, invariants hold
+    (waits, up to `deadline_s`, for requests that are still being aborted)."""
+    workers = [
+        ray.get_actor(app.config.worker_name(i), namespace=app.config.namespace)
+        for i in range(app.config.num_workers)
+    ]
+
+    def clean() -> bool:
+        results = ray.get([w.check_pool.remote() for w in workers])
+        return all(r["ok"] and r["idle"] for r in results)
+
+    wait_until(clean, deadline_s, "every worker pool to be idle and clean")
 
 
 def wait_until(condition: Callable[[], Any], timeout_s: float, what: str) -> Any:
