@@ -185,3 +185,17 @@ def test_overloaded_http_response_is_429_with_retry_after():
     body = json.loads(response.body)
     assert body["error"]["type"] == "rate_limit_error"
     assert body["error"]["code"] == "resource_exhausted"
+
+
+def test_unforeseen_errors_and_lost_actors_reach_clients_without_internals(caplog):
+    from ray.exceptions import ActorDiedError
+
+    from pagedserve.cluster.api_errors import to_api_error
+
+    bug = to_api_error(KeyError("secret path /srv/x.py"))
+    assert bug.code.value == "INTERNAL" and bug.message.startswith("internal error (incident ")
+    assert "/srv" not in bug.message
+    incident = bug.message.split("incident ")[1].rstrip(")")
+    assert incident in caplog.text, "the log holds the same incident id"
+    lost = to_api_error(ActorDiedError())
+    assert lost.code.value == "UNAVAILABLE" and "actor" not in lost.message.lower()
