@@ -242,6 +242,8 @@ def test_ray_pods_send_traces_to_the_collector(rendered, name):
     collector_ports = {p["port"] for p in collector["spec"]["ports"]}
     for container in ray_containers(find(objects, "RayService")):
         env = env_of(container)
+        # Serve's gRPC proxies (on every node) refuse messages past the app's request limit.
+        assert env["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"] == str(8 * 1024 * 1024)
         endpoint = urlparse(env["OTEL_EXPORTER_OTLP_ENDPOINT"])
         assert endpoint.hostname == "otel-collector" and endpoint.port in collector_ports
         assert env["OTEL_EXPORTER_OTLP_PROTOCOL"] == "grpc" and endpoint.port == 4317
