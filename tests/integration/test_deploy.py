@@ -19,7 +19,7 @@ import pytest
 import ray
 from ray import serve
 from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
-from unit.deploy.manifests import KUSTOMIZATIONS, load_renderer, serve_config
+from unit.deploy.manifests import KUSTOMIZATIONS, kustomize, serve_config
 
 from pagedserve.cluster.api_config import split_app_args
 from pagedserve.cluster.client import Client
@@ -51,7 +51,7 @@ def wait_running(app_name: str, timeout_s: float) -> None:
 
 @pytest.fixture
 def cpu_demo_config() -> dict:
-    objects = load_renderer().render(KUSTOMIZATIONS["cpu-demo"])
+    objects = kustomize(KUSTOMIZATIONS["cpu-demo"])
     return serve_config(objects)
 
 

@@ -1,4 +1,4 @@
-"""Fixtures for the deploy/ tests: the renderer, the rendered overlays and the CRD schemas."""
+"""Fixtures for the deploy/ tests: the overlays rendered by kubectl kustomize, the CRD schemas."""
 
 from __future__ import annotations
 
@@ -7,18 +7,13 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
-from unit.deploy.manifests import CRD_DIR, KUSTOMIZATIONS, load_renderer, strict
+from unit.deploy.manifests import CRD_DIR, KUSTOMIZATIONS, kustomize, strict
 
 
 @pytest.fixture(scope="session")
-def render():
-    return load_renderer()
-
-
-@pytest.fixture(scope="session")
-def rendered(render) -> dict[str, list[dict[str, Any]]]:
+def rendered() -> dict[str, list[dict[str, Any]]]:
     """Every kustomization, rendered once: name → objects (treat as read-only)."""
-    return {name: render.render(folder) for name, folder in KUSTOMIZATIONS.items()}
+    return {name: kustomize(folder) for name, folder in KUSTOMIZATIONS.items()}
 
 
 @pytest.fixture(scope="session")

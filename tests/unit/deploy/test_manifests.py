@@ -304,8 +304,11 @@ def test_prometheus_scrapes_the_metrics_port_of_every_ray_pod(rendered, name):
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     deployment = find(objects, "Deployment", "prometheus")
     account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account}]
-    find(objects, "ServiceAccount", account)
+    (subject,) = binding["subjects"]
+    assert (subject["kind"], subject["name"]) == ("ServiceAccount", account)
+    # kustomize's namespace transformer puts the account in the overlay's namespace.
+    sa_namespace = find(objects, "ServiceAccount", account)["metadata"].get("namespace")
+    assert subject.get("namespace") == sa_namespace
 
 
 @pytest.mark.parametrize("name", ALL)
