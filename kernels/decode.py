@@ -223,9 +223,14 @@ def choose_num_splits(
     return max(1, min(wanted, ranges, launch.max_splits))
 
 
-def reduce_block_s(num_splits: int) -> int:
-    """Stage 2's split tile: two buckets (16, or 64 up to the default cap): two compiles."""
-    return 16 if num_splits <= 16 else max(64, next_pow2(num_splits))
+def reduce_block_s(launch: DecodeLaunch) -> int:
+    """Stage 2's split tile: the cap, whatever this batch's split count.
+
+    Fixed per launch config, so stage 2 compiles once: a warm-up at one batch size cannot
+    leave a compile for another batch size to pay mid-serving. Masked lanes cost no memory
+    traffic, and stage 2 is a small fraction of a split decode.
+    """
+    return max(16, next_pow2(launch.max_splits))
 
 
 def paged_decode_attention(
@@ -249,7 +254,8 @@ def paged_decode_attention(
         seq_lens: `[S]` int32 context lengths including the query token (whose K/V is
             already in the pool); 0 yields a zero row.
         scale: softmax scale.
-        num_splits: most KV splits per sequence; None picks from the shapes and SM count.
+        num_splits: most KV splits per sequence; None picks from the shapes and SM count
+            (at most `launch.max_splits`).
         launch: tile sizes, warps, stages and split policy; None for the defaults.
 
     Returns:
@@ -293,8 +299,10 @@ def launch_decode(
         num_splits = choose_num_splits(
             num_seqs, num_kv_heads, max_context, head_dim, query.device, launch, query.dtype
         )
-    if not isinstance(num_splits, int) or not 1 <= num_splits <= 256:
-        raise ValueError(f"num_splits must be an int in [1, 256] or None, got {num_splits!r}")
+    if not isinstance(num_splits, int) or not 1 <= num_splits <= launch.max_splits:
+        raise ValueError(
+            f"num_splits must be an int in [1, {launch.max_splits}] or None, got {num_splits!r}"
+        )
     # One split per sequence: the partial buffers are never touched.
     part_out = part_lse = _unused_partials(query.device)
     if num_splits > 1:
@@ -330,7 +338,7 @@ def launch_decode(
             NUM_HEADS=num_heads,
             HEAD_DIM=head_dim,
             VARLEN=varlen,
-            BLOCK_S=reduce_block_s(num_splits),
+            BLOCK_S=reduce_block_s(launch),
             BLOCK_D=block_d,
             num_warps=4,
         )  # fmt: skip

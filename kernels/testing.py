@@ -219,3 +219,18 @@ class KernelRecorder:
             self.keys.add(specialisation_key(self.kernel, args, kwargs))
 
         return launch
+
+
+def compiled_variants(kernel: object) -> int | None:
+    """Binaries Triton has compiled for `kernel` in this process, over every device.
+
+    None under the interpreter (it compiles nothing) or on a Triton whose cache layout is
+    unknown. `device_caches[device][0]` is the per-device binary cache in Triton 3.x.
+    """
+    caches = getattr(kernel, "device_caches", None)
+    if caches is None:
+        return None
+    try:
+        return sum(len(entry[0]) for entry in caches.values())
+    except (TypeError, IndexError, KeyError):
+        return None

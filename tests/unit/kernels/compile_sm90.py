@@ -79,11 +79,11 @@ def compile_defaults() -> None:
         block_n = 32 if dtype == "fp32" else 64
         for varlen in (False, True):
             _decode(dtype, precision, block_n, varlen, num_warps=4, num_stages=2)
-        for block_s in (16, 64):
+        for varlen in (False, True):
             compile_kernel(
                 decode.decode_reduce_kernel,
                 dtype,
-                {"NUM_HEADS": 32, "HEAD_DIM": 128, "VARLEN": False, "BLOCK_S": block_s,
+                {"NUM_HEADS": 32, "HEAD_DIM": 128, "VARLEN": varlen, "BLOCK_S": 64,
                  "BLOCK_D": 128},
             )  # fmt: skip
         _prefill(dtype, precision, 64, block_n, num_warps=4, num_stages=2)

@@ -13,7 +13,7 @@ import pytest
 from pagedserve.kernels.launch import DECODE_CANDIDATES, PREFILL_CANDIDATES
 
 SCRIPT = pathlib.Path(__file__).with_name("compile_sm90.py")
-# 3 dtypes x (2 decode variants + 2 reduce buckets + prefill) + write_kv + 3 block movers.
+# 3 dtypes x (decode and reduce, each plain and VARLEN, + prefill) + write_kv + 3 block movers.
 DEFAULT_KERNELS = 3 * 5 + 4
 
 pytestmark = pytest.mark.skipif(
