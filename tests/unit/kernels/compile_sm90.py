@@ -5,7 +5,7 @@ pointer casts, tile shapes tl.dot refuses), so CI also compiles the real kernels
 cubin with the ptxas that ships with Triton. Must run with TRITON_INTERPRET unset, which is
 why `test_compile_sm90.py` starts it in a subprocess. Prints one line per kernel.
 
-`--candidates` also builds every launch configuration the GPU benchmark sweeps (bf16,
+`--candidates` builds instead every launch configuration the GPU benchmark sweeps (bf16,
 Llama-8B shapes) and fails on any that needs more shared memory than an H100/H200 block
 may take, so the sweep on a lent GPU cannot die on a resource error.
 """
@@ -111,9 +111,10 @@ def compile_candidates() -> None:
 
 
 def main() -> None:
-    compile_defaults()
     if "--candidates" in sys.argv[1:]:
-        compile_candidates()
+        compile_candidates()  # the defaults are built by the plain run
+    else:
+        compile_defaults()
 
 
 if __name__ == "__main__":

@@ -47,5 +47,5 @@ def test_kernels_compile_for_sm90(tmp_path: pathlib.Path) -> None:
 def test_every_swept_launch_config_compiles_within_shared_memory(tmp_path) -> None:
     """The GPU sweep's candidates all build for sm_90 and fit a block's shared memory."""
     out = _compile(tmp_path, "--candidates")
-    assert out.count(": ok in") >= DEFAULT_KERNELS + len(PREFILL_CANDIDATES), out
+    assert out.count(": ok in") >= len(PREFILL_CANDIDATES) + 4, out
     assert len(DECODE_CANDIDATES) >= 4
