@@ -1,14 +1,28 @@
-"""Decode-attention microbenchmark: Triton paged kernel vs torch reference vs contiguous.
+"""Attention-kernel benchmark: Triton paged kernels vs SDPA / flash on the same data.
 
-    python -m pagedserve.bench.kernels [--quick] [--json out/kernels.json]
+    python -m pagedserve.bench.kernels [--quick] [--out-dir DIR] [--budget-s S] [--dry-run]
 
-For each (batch, context) the same random KV is read three ways: the Triton paged decode
-kernel (blocks in shuffled order), the torch reference (paged gather + SDPA in float32), and
-SDPA on the same data laid out contiguously, `[batch, kv_heads, context, head_dim]`. Decode
-is bound by reading the KV cache, so each row reports latency, achieved GB/s of KV read and
-that rate as a share of the device copy bandwidth measured at start-up (bytes read plus
-written per second by `Tensor.copy_`, i.e. what the memory system sustains). Needs CUDA;
-elsewhere it says so and exits 0.
+Llama-8B attention shapes by default (32 query heads, 8 KV heads, head_dim 128, block 16,
+bf16). The same random KV is read by the Triton paged kernels (blocks in shuffled order) and
+by `F.scaled_dot_product_attention` on a contiguous copy, with the backend left to torch
+(`sdpa`) and forced to flash attention (`sdpa_flash`). Sections, in the order they run (the
+most important first, so a budget cut loses the least):
+
+- decode: batch x context grid; time, TFLOP/s, KV GB/s and its share of the measured copy
+  bandwidth (bytes read plus written by `Tensor.copy_`, ~4.3 TB/s on an H200);
+- prefill: causal prompts, no cache;
+- mixed: one 32k decode among prefill chunks and short decodes, with the decodes in the
+  prefill launch or through the split-KV decode kernel (`split_decodes`);
+- uneven: one decode batch of very uneven lengths, per split policy;
+- cuda_graph: small decode configs, stream launch vs CUDA-graph replay;
+- movers and sweep (`pagedserve.bench.gpu_sweep`): write_kv / block-copy bandwidth, then
+  every launch-config candidate;
+- jit: compiled variants per kernel at the end (the no-churn check, on a real cache).
+
+Every row is appended to `DIR/bench_rows.jsonl` as it is measured; `DIR/kernels.json` and
+`DIR/kernels.md` are written at the end. `--dry-run` runs tiny shapes on the CPU under the
+Triton interpreter (TRITON_INTERPRET=1 must be set before start): a rehearsal of the code
+path whose timings mean nothing. Without CUDA and without `--dry-run` it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -17,126 +31,305 @@ import argparse
 import json
 import pathlib
 import sys
+import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels import paged_decode_attention, paged_decode_attention_ref
+from pagedserve.bench import gpu_sweep
+from pagedserve.bench.gpu_rows import (
+    RowLog,
+    copy_bandwidth_gbps,
+    graph_time_ms,
+    read_rows,
+    render_markdown,
+    time_ms,
+    timer_name,
+)
+from pagedserve.kernels import (
+    DecodeLaunch,
+    paged_decode_attention,
+    paged_prefill_attention,
+    paged_prefill_attention_ref,
+    triton_interpreter_active,
+)
 from pagedserve.kernels.decode import choose_num_splits
+from pagedserve.kernels.testing import compiled_variants
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+TABLE_COLUMNS = {
+    "decode": ["batch", "context", "impl", "splits", "latency_us", "tflops", "kv_gbps",
+               "share_of_copy_bw", "max_abs_err"],
+    "prefill": ["batch", "prompt", "impl", "latency_us", "tflops", "max_abs_err"],
+    "mixed": ["impl", "latency_us", "max_abs_err", "note"],
+    "uneven": ["impl", "latency_us", "kv_gbps", "share_of_copy_bw", "max_abs_err"],
+    "cuda_graph": ["batch", "context", "stream_us", "graph_us", "saved_us"],
+    **gpu_sweep.TABLE_COLUMNS,
+    "jit": ["kernel", "compiled_variants"],
+}  # fmt: skip
 
 
 @dataclass
-class Row:
-    """One measurement."""
+class Shapes:
+    heads: int
+    kv_heads: int
+    head_dim: int
+    block: int
+    dtype: torch.dtype
+    device: torch.device
 
-    batch: int
-    context: int
-    impl: str
-    num_splits: int | None
-    latency_us: float
-    kv_gbps: float
-    share_of_copy_bw: float
-    max_abs_err: float | None
-
-
-def _bench_ms(fn: Callable[[], object], rep_ms: int) -> float:
-    """Median milliseconds per call (Triton's do_bench flushes L2 between calls)."""
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=max(rep_ms // 4, 5), rep=rep_ms))
-
-
-def copy_bandwidth_gbps(device: torch.device, mib: int = 2048) -> float:
-    """Device-to-device copy rate, counting bytes read plus bytes written."""
-    src = torch.empty(mib << 20, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    ms = _bench_ms(lambda: dst.copy_(src), rep_ms=200)
-    return 2 * (mib << 20) / (ms * 1e-3) / 1e9
+    @property
+    def scale(self) -> float:
+        return self.head_dim**-0.5
 
 
 @dataclass
-class Batch:
-    """A decode batch: paged pool plus the same KV laid out contiguously."""
+class PagedData:
+    """Random KV in a shuffled paged pool, plus the same KV contiguous `[B, Hkv, ctx, D]`."""
 
-    query: torch.Tensor
     key_cache: torch.Tensor
     value_cache: torch.Tensor
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
-    keys: torch.Tensor  # [batch, kv_heads, context, head_dim]
+    keys: torch.Tensor
     values: torch.Tensor
 
 
-def make_batch(args: argparse.Namespace, batch: int, context: int) -> Batch:
-    """Random KV on the GPU, blocks handed out in shuffled order across the pool."""
-    device, dtype = torch.device(args.device), DTYPES[args.dtype]
-    blocks_per_seq = -(-context // args.block_size)
+def make_paged(s: Shapes, batch: int, context: int, gen: torch.Generator) -> PagedData:
+    blocks_per_seq = -(-context // s.block)
     num_blocks = batch * blocks_per_seq
-    shape = (num_blocks, args.block_size, args.kv_heads, args.head_dim)
-    key_cache = torch.randn(shape, device=device, dtype=dtype)
-    value_cache = torch.randn(shape, device=device, dtype=dtype)
-    tables = torch.randperm(num_blocks, device=device).view(batch, blocks_per_seq)
+    shape = (num_blocks, s.block, s.kv_heads, s.head_dim)
+    key_cache = torch.randn(shape, device=s.device, dtype=s.dtype)
+    value_cache = torch.randn(shape, device=s.device, dtype=s.dtype)
+    order = torch.randperm(num_blocks, generator=gen).to(s.device)
+    tables = order.view(batch, blocks_per_seq)
 
     def contiguous(cache: torch.Tensor) -> torch.Tensor:
-        flat = cache[tables].view(batch, blocks_per_seq * args.block_size, *shape[2:])
+        flat = cache[tables].view(batch, blocks_per_seq * s.block, *shape[2:])
         return flat[:, :context].transpose(1, 2).contiguous()
 
-    return Batch(
-        query=torch.randn(batch, args.heads, args.head_dim, device=device, dtype=dtype),
+    return PagedData(
         key_cache=key_cache,
         value_cache=value_cache,
         block_tables=tables.to(torch.int32),
-        seq_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
+        seq_lens=torch.full((batch,), context, dtype=torch.int32, device=s.device),
         keys=contiguous(key_cache),
         values=contiguous(value_cache),
     )
 
 
-def contiguous_decode(b: Batch, scale: float) -> torch.Tensor:
-    """SDPA over contiguous KV. The query heads sharing a KV head become that head's query
-    rows (`[batch, kv_heads, group, dim]`), so the fused flash kernel runs without a GQA
-    expansion of K and V; with one token per sequence there is nothing to mask."""
-    batch, heads, dim = b.query.shape
-    kv_heads = b.keys.shape[1]
-    q = b.query.view(batch, kv_heads, heads // kv_heads, dim)
-    out = F.scaled_dot_product_attention(q, b.keys, b.values, scale=scale)
+def sdpa_decode(q: torch.Tensor, d: PagedData, scale: float, flash: bool) -> torch.Tensor:
+    """SDPA over contiguous KV; the query heads of a KV head become its query rows, so no
+    K/V expansion is needed and flash attention applies (one token: nothing to mask)."""
+    batch, heads, dim = q.shape
+    kv_heads = d.keys.shape[1]
+    q4 = q.view(batch, kv_heads, heads // kv_heads, dim)
+    with _sdpa_backend(flash):
+        out = F.scaled_dot_product_attention(q4, d.keys, d.values, scale=scale)
     return out.reshape(batch, heads, dim)
 
 
-def bench_config(args: argparse.Namespace, batch: int, context: int, copy_gbps: float) -> list[Row]:
-    """Measure every implementation on one (batch, context)."""
-    b = make_batch(args, batch, context)
-    scale = args.head_dim**-0.5
-    paged = (b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, scale)
-    kv_bytes = 2 * batch * context * args.kv_heads * args.head_dim * b.query.element_size()
-    expected = contiguous_decode(b, scale).float()
-    splits = choose_num_splits(
-        batch,
-        args.kv_heads,
-        b.block_tables.shape[1] * args.block_size,
-        args.head_dim,
-        b.query.device,
-    )
-    impls: list[tuple[str, int | None, Callable[[], torch.Tensor]]] = [
+def _sdpa_backend(flash: bool):
+    from contextlib import nullcontext
+
+    if not flash:
+        return nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+
+
+def _measure(
+    log: RowLog,
+    s: Shapes,
+    fn: Callable[[], torch.Tensor],
+    expected: torch.Tensor | None,
+    rep_ms: int,
+    *,
+    flops: float | None = None,
+    nbytes: float | None = None,
+    copy_gbps: float | None = None,
+    **fields,
+) -> dict:
+    """Time `fn` and log one row with its rates; a failing implementation logs its error."""
+    try:
+        err = (fn().float() - expected).abs().max().item() if expected is not None else None
+        ms = time_ms(fn, s.device, rep_ms)
+    except Exception as exc:  # one backend failing must not stop the others
+        return log.add(**fields, error=f"{type(exc).__name__}: {exc}"[:300])
+    seconds = ms * 1e-3
+    if flops:
+        fields["tflops"] = flops / seconds / 1e12
+    if nbytes:
+        fields["kv_gbps"] = nbytes / seconds / 1e9
+        fields["share_of_copy_bw"] = fields["kv_gbps"] / copy_gbps if copy_gbps else None
+    return log.add(**fields, latency_us=ms * 1e3, max_abs_err=err, timer=timer_name(s.device))
+
+
+def bench_decode(args, s: Shapes, log: RowLog, copy_gbps: float, gen) -> None:
+    for batch in args.batches:
+        for context in args.contexts:
+            if batch * context <= args.max_tokens and not _out_of_time(args):
+                _decode_config(args, s, log, copy_gbps, gen, batch, context)
+                _free(s.device)
+
+
+def _decode_config(args, s: Shapes, log: RowLog, copy_gbps, gen, batch, context) -> None:
+    d = make_paged(s, batch, context, gen)
+    q = torch.randn(batch, s.heads, s.head_dim, device=s.device, dtype=s.dtype)
+    paged = (q, d.key_cache, d.value_cache, d.block_tables, d.seq_lens, s.scale)
+    expected = sdpa_decode(q, d, s.scale, flash=False).float()
+    max_context = d.block_tables.shape[1] * s.block
+    splits = choose_num_splits(batch, s.kv_heads, max_context, s.head_dim, s.device)
+    flops = 4 * batch * s.heads * context * s.head_dim
+    kv_bytes = 2 * batch * context * s.kv_heads * s.head_dim * q.element_size()
+    impls = [
         ("triton", splits, lambda: paged_decode_attention(*paged)),
-        ("contiguous_sdpa", None, lambda: contiguous_decode(b, scale)),
+        ("sdpa", None, lambda: sdpa_decode(q, d, s.scale, flash=False)),
+        ("sdpa_flash", None, lambda: sdpa_decode(q, d, s.scale, flash=True)),
     ]
-    if batch * context <= args.ref_max_tokens:
-        impls.append(("torch_ref", None, lambda: paged_decode_attention_ref(*paged)))
-    rows = []
-    for name, num_splits, fn in impls:
-        err = (fn().float() - expected).abs().max().item()
-        ms = _bench_ms(fn, args.rep_ms)
-        gbps = kv_bytes / (ms * 1e-3) / 1e9
-        rows.append(Row(batch, context, name, num_splits, ms * 1e3, gbps, gbps / copy_gbps, err))
-    return rows
+    for name, nsplits, fn in impls:
+        _measure(log, s, fn, expected, args.rep_ms, flops=flops, nbytes=kv_bytes,
+                 copy_gbps=copy_gbps, batch=batch, context=context, impl=name,
+                 splits=nsplits)  # fmt: skip
 
 
-def _parse_ints(text: str) -> list[int]:
+def bench_prefill(args, s: Shapes, log: RowLog, gen) -> None:
+    for batch, prompt in args.prefills:
+        if not _out_of_time(args):
+            _prefill_config(args, s, log, gen, batch, prompt)
+            _free(s.device)
+
+
+def _prefill_config(args, s: Shapes, log: RowLog, gen, batch: int, prompt: int) -> None:
+    d = make_paged(s, batch, prompt, gen)
+    tokens = batch * prompt
+    q = torch.randn(tokens, s.heads, s.head_dim, device=s.device, dtype=s.dtype)
+    starts = torch.arange(0, tokens + 1, prompt, device=s.device, dtype=torch.int32)
+    paged = (q, d.key_cache, d.value_cache, d.block_tables, starts, d.seq_lens, s.scale)
+    q4 = q.view(batch, prompt, s.heads, s.head_dim).transpose(1, 2)
+    group = s.heads // s.kv_heads
+    k_full = d.keys.repeat_interleave(group, dim=1)  # flash wants equal head counts
+    v_full = d.values.repeat_interleave(group, dim=1)
+
+    def sdpa(flash: bool) -> torch.Tensor:
+        with _sdpa_backend(flash):
+            out = F.scaled_dot_product_attention(q4, k_full, v_full, is_causal=True, scale=s.scale)
+        return out.transpose(1, 2).reshape(tokens, s.heads, s.head_dim)
+
+    expected = sdpa(False).float()
+    flops = 4 * batch * s.heads * s.head_dim * prompt * (prompt + 1) / 2
+    for name, fn in (
+        ("triton", lambda: paged_prefill_attention(*paged)),
+        ("sdpa", lambda: sdpa(False)),
+        ("sdpa_flash", lambda: sdpa(True)),
+    ):
+        _measure(log, s, fn, expected, args.rep_ms, flops=flops, batch=batch, prompt=prompt,
+                 impl=name)  # fmt: skip
+
+
+def _varlen_batch(s: Shapes, ctx_lens: list[int], q_lens: list[int], gen):
+    """A packed batch over one shuffled pool: (query, cache, tables, starts, seq_lens)."""
+    from pagedserve.kernels.testing import make_paged_kv
+
+    kv = make_paged_kv(ctx_lens, s.kv_heads, s.head_dim, s.block, s.dtype, s.device,
+                       generator=gen, spare_blocks=0)  # fmt: skip
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(starts[-1]), s.heads, s.head_dim, generator=gen).to(s.dtype)
+    return (q.to(s.device), kv.key_cache, kv.value_cache, kv.block_tables,
+            starts.to(s.device), kv.seq_lens, s.scale)  # fmt: skip
+
+
+def bench_mixed(args, s: Shapes, log: RowLog, gen) -> None:
+    """One long decode among prefill chunks and short decodes: one launch or two."""
+    if _out_of_time(args):
+        return
+    long_ctx, chunk, short_ctx, n_chunks, n_short = args.mixed
+    ctx_lens = [long_ctx] + [2 * chunk] * n_chunks + [short_ctx] * n_short
+    q_lens = [1] + [chunk] * n_chunks + [1] * n_short
+    paged = _varlen_batch(s, ctx_lens, q_lens, gen)
+    expected = paged_prefill_attention_ref(*paged).float()
+    note = f"1 decode @{long_ctx} + {n_chunks} chunks of {chunk} + {n_short} decodes @{short_ctx}"
+    for name, fn in (
+        ("triton", lambda: paged_prefill_attention(*paged)),
+        ("triton_split_decodes", lambda: paged_prefill_attention(*paged, split_decodes=True)),
+    ):
+        _measure(log, s, fn, expected, args.rep_ms, impl=name, note=note)
+    _free(s.device)
+
+
+def bench_uneven(args, s: Shapes, log: RowLog, copy_gbps: float, gen) -> None:
+    """A decode batch of very uneven lengths (fixed seed), per split policy."""
+    if _out_of_time(args):
+        return
+    batch, lo, hi = args.uneven
+    lens = torch.exp(
+        torch.empty(batch).uniform_(0, 1, generator=gen) * torch.log(torch.tensor(hi / lo))
+    )
+    ctx_lens = [max(lo, min(hi, int(lo * x))) for x in lens.tolist()]
+    ctx_lens[0] = hi  # always one sequence at the longest context
+    paged = _varlen_batch(s, ctx_lens, [1] * batch, gen)
+    q, kc, vc, tables, _, seq_lens, scale = paged
+    decode_args = (q, kc, vc, tables, seq_lens, scale)
+    expected = paged_prefill_attention_ref(*paged).float()
+    kv_bytes = 2 * sum(ctx_lens) * s.kv_heads * s.head_dim * q.element_size()
+    for min_tokens in (None, 256, 1024):
+        launch = DecodeLaunch(min_split_tokens=min_tokens)
+        _measure(log, s, lambda launch=launch: paged_decode_attention(*decode_args, launch=launch),
+                 expected, args.rep_ms, nbytes=kv_bytes, copy_gbps=copy_gbps,
+                 impl=f"triton min_split_tokens={min_tokens}")  # fmt: skip
+    _free(s.device)
+
+
+def bench_cuda_graph(args, s: Shapes, log: RowLog, gen) -> None:
+    """Small decodes are launch-bound: stream launch vs CUDA-graph replay of the same call."""
+    for batch, context in args.graph_configs:
+        if not _out_of_time(args):
+            _graph_config(args, s, log, gen, batch, context)
+
+
+def _graph_config(args, s: Shapes, log: RowLog, gen, batch: int, context: int) -> None:
+    d = make_paged(s, batch, context, gen)
+    q = torch.randn(batch, s.heads, s.head_dim, device=s.device, dtype=s.dtype)
+    paged = (q, d.key_cache, d.value_cache, d.block_tables, d.seq_lens, s.scale)
+
+    def fn() -> torch.Tensor:
+        return paged_decode_attention(*paged)
+
+    stream_ms = time_ms(fn, s.device, args.rep_ms)
+    graph_ms = graph_time_ms(fn, s.device, args.rep_ms)
+    graph_us = None if graph_ms is None else graph_ms * 1e3
+    log.add(batch=batch, context=context, stream_us=stream_ms * 1e3, graph_us=graph_us,
+            saved_us=None if graph_us is None else stream_ms * 1e3 - graph_us,
+            timer=timer_name(s.device),
+            note=None if graph_us is not None else "no CUDA: graph not timed")  # fmt: skip
+
+
+def log_jit(log: RowLog) -> None:
+    """Compiled variants per kernel after the whole run (None under the interpreter)."""
+    from pagedserve.kernels import block_ops, decode, kv_write, prefill
+
+    for kernel in (decode.decode_split_kernel, decode.decode_reduce_kernel, prefill.prefill_kernel,
+                   kv_write.write_kv_kernel, block_ops.copy_blocks_kernel):  # fmt: skip
+        log.add(kernel=kernel.fn.__name__, compiled_variants=compiled_variants(kernel))
+
+
+def _free(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _out_of_time(args) -> bool:
+    return args.deadline is not None and time.monotonic() > args.deadline
+
+
+def _pairs(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(v) for v in item.split("x")) for item in text.split(",") if item]
+
+
+def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
@@ -147,75 +340,87 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--batches", type=_parse_ints, default=[1, 8, 32, 64, 128, 256])
-    p.add_argument("--contexts", type=_parse_ints, default=[512, 2048, 8192, 32768])
+    p.add_argument("--batches", type=_ints, default=[1, 8, 32, 64, 128, 256])
+    p.add_argument("--contexts", type=_ints, default=[512, 2048, 8192, 32768])
+    p.add_argument("--prefills", type=_pairs, help="BATCHxPROMPT list",
+                   default=_pairs("1x512,1x2048,1x8192,1x32768,8x2048,32x512"))  # fmt: skip
+    p.add_argument("--mixed", type=_ints, default=[32768, 1024, 2048, 4, 32],
+                   help="long_ctx,chunk,short_ctx,n_chunks,n_short")  # fmt: skip
+    p.add_argument("--uneven", type=_ints, default=[64, 64, 32768], help="batch,min_len,max_len")
     p.add_argument(
-        "--max-tokens",
-        type=int,
-        default=1 << 22,
-        help="skip configs with more KV tokens than this (memory)",
+        "--graph-configs", type=_pairs, default=_pairs("1x512,8x512,32x512,1x2048,8x2048,32x2048")
     )
     p.add_argument(
-        "--ref-max-tokens",
-        type=int,
-        default=1 << 19,
-        help="run the slow torch reference only up to this many KV tokens",
+        "--max-tokens", type=int, default=1 << 22, help="skip decodes with more KV tokens"
     )
     p.add_argument("--rep-ms", type=int, default=60, help="measuring time per point")
-    p.add_argument("--quick", action="store_true", help="batches 1,32,256; contexts 512,8192")
-    p.add_argument("--json", type=pathlib.Path, help="also write the rows here")
-    p.set_defaults(device="cuda")  # a hook for dry runs under the Triton interpreter
+    p.add_argument("--quick", action="store_true", help="a smaller decode grid")
+    p.add_argument("--no-sweep", action="store_true", help="skip the launch-config sweep")
+    p.add_argument("--budget-s", type=float, help="skip what is left after this many seconds")
+    p.add_argument(
+        "--out-dir", type=pathlib.Path, help="bench_rows.jsonl, kernels.json, kernels.md"
+    )
+    p.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU interpreter")
     args = p.parse_args(argv)
+    args.device = "cuda"
     if args.quick:
         args.batches, args.contexts = [1, 32, 256], [512, 8192]
+    if args.dry_run:
+        _shrink_for_dry_run(args)
+    args.deadline = None if args.budget_s is None else time.monotonic() + args.budget_s
     return args
 
 
-def _print_row(row: Row) -> None:
-    splits = "-" if row.num_splits is None else str(row.num_splits)
-    err = "-" if row.max_abs_err is None else f"{row.max_abs_err:.1e}"
-    print(
-        f"{row.batch:>5} {row.context:>7} {row.impl:<16} {splits:>6} {row.latency_us:>10.1f} "
-        f"{row.kv_gbps:>8.0f} {100 * row.share_of_copy_bw:>6.1f}% {err:>8}",
-        flush=True,
-    )
+def _shrink_for_dry_run(args: argparse.Namespace) -> None:
+    args.device, args.dtype = "cpu", "fp32"
+    args.heads, args.kv_heads, args.head_dim, args.block_size = 4, 2, 32, 16
+    args.batches, args.contexts = [1, 3], [40, 100]
+    args.prefills, args.mixed, args.uneven = [(1, 40), (2, 24)], [200, 24, 40, 1, 2], [4, 16, 120]
+    args.graph_configs, args.rep_ms = [(1, 40)], 1
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
+    if args.dry_run and not triton_interpreter_active():
+        print("--dry-run needs TRITON_INTERPRET=1 set before Python starts", file=sys.stderr)
+        return 2
+    if not args.dry_run and not torch.cuda.is_available():
         print("pagedserve.bench.kernels: no CUDA device here; nothing to benchmark.")
         return 0
-    device = torch.device("cuda")
-    copy_gbps = copy_bandwidth_gbps(device)
-    print(
-        f"{torch.cuda.get_device_name(device)}  dtype={args.dtype} heads={args.heads} "
-        f"kv_heads={args.kv_heads} head_dim={args.head_dim} block={args.block_size}  "
-        f"copy bandwidth {copy_gbps:.0f} GB/s (read+write)"
+    device = torch.device(args.device)
+    s = Shapes(
+        args.heads, args.kv_heads, args.head_dim, args.block_size, DTYPES[args.dtype], device
     )
-    print(
-        f"{'batch':>5} {'context':>7} {'impl':<16} {'splits':>6} {'latency_us':>10} "
-        f"{'KV GB/s':>8} {'of copy':>7} {'max_err':>8}"
-    )
-    rows: list[Row] = []
-    for batch in args.batches:
-        for context in args.contexts:
-            if batch * context > args.max_tokens:
-                print(f"{batch:>5} {context:>7} skipped: more than --max-tokens KV tokens")
-                continue
-            for row in bench_config(args, batch, context, copy_gbps):
-                _print_row(row)
-                rows.append(row)
-            torch.cuda.empty_cache()  # the next config's pool may be much larger
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        payload = {
-            "copy_gbps": copy_gbps,
-            "args": {k: str(v) for k, v in vars(args).items()},
-            "rows": [asdict(r) for r in rows],
-        }
-        args.json.write_text(json.dumps(payload, indent=2))
+    rows_path = args.out_dir / "bench_rows.jsonl" if args.out_dir else None
+    copy_gbps = copy_bandwidth_gbps(device, mib=2048 if device.type == "cuda" else 8)
+    RowLog(rows_path, "device").add(
+        name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (rehearsal)",
+        torch=torch.__version__, copy_gbps=copy_gbps, timer=timer_name(device))  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    bench_decode(args, s, RowLog(rows_path, "decode"), copy_gbps, gen)
+    bench_prefill(args, s, RowLog(rows_path, "prefill"), gen)
+    bench_mixed(args, s, RowLog(rows_path, "mixed"), gen)
+    bench_uneven(args, s, RowLog(rows_path, "uneven"), copy_gbps, gen)
+    bench_cuda_graph(args, s, RowLog(rows_path, "cuda_graph"), gen)
+    gpu_sweep.bench_movers(args, s, RowLog(rows_path, "movers"), copy_gbps)
+    if not args.no_sweep:
+        gpu_sweep.run_sweeps(args, s, rows_path, gen)
+    log_jit(RowLog(rows_path, "jit"))
+    if args.out_dir:
+        write_reports(args.out_dir, rows_path)
     return 0
+
+
+def write_reports(out_dir: pathlib.Path, rows_path: pathlib.Path) -> None:
+    """kernels.json (every row) and kernels.md (one table per section) from the row log."""
+    rows = [
+        r
+        for r in read_rows(rows_path)
+        if r.get("section") in TABLE_COLUMNS or r.get("section") == "device"
+    ]
+    (out_dir / "kernels.json").write_text(json.dumps({"rows": rows}, indent=1, default=str))
+    (out_dir / "kernels.md").write_text(render_markdown(rows, TABLE_COLUMNS))
 
 
 if __name__ == "__main__":

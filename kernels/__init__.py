@@ -15,6 +15,7 @@ from pagedserve.kernels.dispatch import (
     triton_interpreter_active,
 )
 from pagedserve.kernels.kv_write import write_kv
+from pagedserve.kernels.launch import CopyLaunch, DecodeLaunch, PrefillLaunch
 from pagedserve.kernels.prefill import paged_prefill_attention
 from pagedserve.kernels.reference import (
     copy_blocks_ref,
@@ -28,7 +29,10 @@ from pagedserve.kernels.reference import (
 __all__ = [
     "BACKENDS",
     "TORCH_OPS",
+    "CopyLaunch",
+    "DecodeLaunch",
     "KernelOps",
+    "PrefillLaunch",
     "copy_blocks",
     "copy_blocks_ref",
     "gather_blocks",

@@ -23,9 +23,8 @@ from pagedserve.kernels._checks import (
     check_index,
     check_packed,
 )
+from pagedserve.kernels.launch import DEFAULT_COPY, CopyLaunch
 
-# Elements one program copies; a block larger than this is split over a third grid axis.
-_CHUNK = 4096
 _PTR_TABLES: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
 
 
@@ -66,7 +65,8 @@ def copy_blocks_kernel(
     tl.store(base + dst * BLOCK_NUMEL + offs, data, mask=mask)
 
 
-@triton.jit
+# num_ids varies with every call: unspecialised, so a new count never compiles a variant.
+@triton.jit(do_not_specialize=["num_ids"])
 def gather_blocks_kernel(
     table_ptr, packed_ptr, ids_ptr, num_ids, BLOCK_NUMEL: tl.constexpr, CHUNK: tl.constexpr
 ):
@@ -82,7 +82,7 @@ def gather_blocks_kernel(
     tl.store(packed_ptr + row * BLOCK_NUMEL + offs, data, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_ids"])
 def scatter_blocks_kernel(
     table_ptr, packed_ptr, ids_ptr, num_ids, BLOCK_NUMEL: tl.constexpr, CHUNK: tl.constexpr
 ):
@@ -98,14 +98,17 @@ def scatter_blocks_kernel(
     tl.store(base + block * BLOCK_NUMEL + offs, data, mask=mask)
 
 
-def _grid(rows: int, num_layers: int, block_numel: int) -> tuple[int, int, int]:
-    return (rows, 2 * num_layers, triton.cdiv(block_numel, _CHUNK))
+def _grid(rows: int, num_layers: int, block_numel: int, chunk: int) -> tuple[int, int, int]:
+    # A block larger than one chunk is split over the third grid axis.
+    return (rows, 2 * num_layers, triton.cdiv(block_numel, chunk))
 
 
 def copy_blocks(
     key_caches: list[torch.Tensor],
     value_caches: list[torch.Tensor],
     block_mapping: torch.Tensor,
+    *,
+    launch: CopyLaunch | None = None,
 ) -> None:
     """Copy whole blocks `src -> dst` in every layer's K and V pool (Triton, one launch).
 
@@ -114,6 +117,7 @@ def copy_blocks(
         value_caches: same, for values.
         block_mapping: `[P, 2]` int64 (src, dst) pairs, on any device. Pairs are copied in
             parallel, so a dst must not appear twice nor as another pair's src.
+        launch: elements per program and warps; None for the defaults.
     """
     dims = check_cache_lists(key_caches, value_caches)
     check_block_mapping(block_mapping)
@@ -121,13 +125,15 @@ def copy_blocks(
         return
     mapping = block_mapping.to(device=key_caches[0].device).contiguous()
     block_numel = dims[1] * dims[2] * dims[3]
-    grid = _grid(mapping.shape[0], len(key_caches), block_numel)
+    launch = launch or DEFAULT_COPY
+    grid = _grid(mapping.shape[0], len(key_caches), block_numel, launch.chunk)
     copy_blocks_kernel[grid](
         _pointer_table(key_caches, value_caches),
         key_caches[0],
         mapping,
         BLOCK_NUMEL=block_numel,
-        CHUNK=_CHUNK,
+        CHUNK=launch.chunk,
+        num_warps=launch.num_warps,
     )
 
 
@@ -135,6 +141,8 @@ def gather_blocks(
     key_caches: list[torch.Tensor],
     value_caches: list[torch.Tensor],
     block_ids: torch.Tensor,
+    *,
+    launch: CopyLaunch | None = None,
 ) -> torch.Tensor:
     """Pack blocks of every layer into one contiguous tensor (Triton, one launch).
 
@@ -142,6 +150,7 @@ def gather_blocks(
         key_caches: one `[num_blocks, block_size, num_kv_heads, head_dim]` pool per layer.
         value_caches: same, for values.
         block_ids: `[M]` int64 block ids, on any device.
+        launch: elements per program and warps; None for the defaults.
 
     Returns:
         `[L, 2, M, block_size, num_kv_heads, head_dim]` on the pools' device.
@@ -157,13 +166,15 @@ def gather_blocks(
     if num_ids == 0:
         return packed
     block_numel = dims[1] * dims[2] * dims[3]
-    gather_blocks_kernel[_grid(num_ids, len(key_caches), block_numel)](
+    launch = launch or DEFAULT_COPY
+    gather_blocks_kernel[_grid(num_ids, len(key_caches), block_numel, launch.chunk)](
         _pointer_table(key_caches, value_caches),
         packed,
         ids,
         num_ids,
         BLOCK_NUMEL=block_numel,
-        CHUNK=_CHUNK,
+        CHUNK=launch.chunk,
+        num_warps=launch.num_warps,
     )
     return packed
 
@@ -173,6 +184,8 @@ def scatter_blocks(
     key_caches: list[torch.Tensor],
     value_caches: list[torch.Tensor],
     block_ids: torch.Tensor,
+    *,
+    launch: CopyLaunch | None = None,
 ) -> None:
     """Unpack `gather_blocks` output into blocks `block_ids` of every layer (Triton).
 
@@ -182,6 +195,7 @@ def scatter_blocks(
         key_caches: one pool per layer, written in place.
         value_caches: same, for values.
         block_ids: `[M]` int64 destination block ids, on any device.
+        launch: elements per program and warps; None for the defaults.
     """
     dims = check_cache_lists(key_caches, value_caches)
     check_index("block_ids", block_ids, 1, None)
@@ -195,11 +209,13 @@ def scatter_blocks(
     if num_ids == 0:
         return
     block_numel = dims[1] * dims[2] * dims[3]
-    scatter_blocks_kernel[_grid(num_ids, len(key_caches), block_numel)](
+    launch = launch or DEFAULT_COPY
+    scatter_blocks_kernel[_grid(num_ids, len(key_caches), block_numel, launch.chunk)](
         _pointer_table(key_caches, value_caches),
         packed,
         ids,
         num_ids,
         BLOCK_NUMEL=block_numel,
-        CHUNK=_CHUNK,
+        CHUNK=launch.chunk,
+        num_warps=launch.num_warps,
     )

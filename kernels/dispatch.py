@@ -6,6 +6,7 @@ The choice is made once, by the worker from its config (`backend`), and handed d
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,27 +62,35 @@ def triton_interpreter_active() -> bool:
     return isinstance(write_kv_kernel, InterpretedFunction)
 
 
-def _triton_ops() -> KernelOps:
+def _triton_ops(split_decodes: bool) -> KernelOps:
     # Imported here so that a broken or missing Triton never stops the torch backend.
     from pagedserve.kernels import block_ops, decode, kv_write, prefill
 
+    prefill_fn = prefill.paged_prefill_attention
+    if split_decodes:
+        prefill_fn = functools.partial(prefill_fn, split_decodes=True)
     return KernelOps(
         name="triton",
         write_kv=kv_write.write_kv,
         paged_decode_attention=decode.paged_decode_attention,
-        paged_prefill_attention=prefill.paged_prefill_attention,
+        paged_prefill_attention=prefill_fn,
         copy_blocks=block_ops.copy_blocks,
         gather_blocks=block_ops.gather_blocks,
         scatter_blocks=block_ops.scatter_blocks,
     )
 
 
-def get_kernel_ops(backend: str = "auto", device: torch.device | str = "cpu") -> KernelOps:
+def get_kernel_ops(
+    backend: str = "auto", device: torch.device | str = "cpu", *, split_decodes: bool = False
+) -> KernelOps:
     """Return the kernel implementation to use on `device`.
 
     Args:
         backend: "auto" (Triton on CUDA, torch elsewhere), "triton" or "torch".
         device: the device the KV pool lives on.
+        split_decodes: Triton only: in mixed prefill+decode batches, run the decode rows
+            through the split-KV decode kernel (a second launch). Off by default until a
+            GPU run has compared both (`pagedserve.bench.kernels`, mixed-batch rows).
 
     Returns:
         The chosen `KernelOps`.
@@ -100,4 +109,4 @@ def get_kernel_ops(backend: str = "auto", device: torch.device | str = "cpu") ->
             f"kernel backend 'triton' needs a CUDA device, or TRITON_INTERPRET=1 set before "
             f"pagedserve.kernels is imported, to run on {device_type!r}; use 'torch' or 'auto'"
         )
-    return _triton_ops()
+    return _triton_ops(split_decodes)

@@ -8,9 +8,7 @@ import triton.language as tl
 
 from pagedserve.kernels._checks import check_write_kv
 from pagedserve.kernels._triton_utils import next_pow2
-
-# Elements one program moves per tensor; more heads are split across a second grid axis.
-_MAX_TILE = 4096
+from pagedserve.kernels.launch import DEFAULT_COPY, CopyLaunch
 
 
 @triton.jit
@@ -59,6 +57,8 @@ def write_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    launch: CopyLaunch | None = None,
 ) -> None:
     """Scatter the K and V of N new tokens into the pool, in place (Triton).
 
@@ -68,14 +68,17 @@ def write_kv(
         key_cache: `[num_blocks, block_size, num_kv_heads, head_dim]` contiguous pool.
         value_cache: same shape as `key_cache`.
         slot_mapping: `[N]` int32/int64 slots `block_id * block_size + offset`; -1 skips.
+        launch: elements per program (`chunk`: more heads go to a second grid axis) and
+            warps; None for the defaults.
     """
     check_write_kv(key, value, key_cache, value_cache, slot_mapping)
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return
     _, _, num_kv_heads, head_dim = key_cache.shape
+    launch = launch or DEFAULT_COPY
     block_d = next_pow2(head_dim)
-    block_h = min(next_pow2(num_kv_heads), max(1, _MAX_TILE // block_d))
+    block_h = min(next_pow2(num_kv_heads), max(1, launch.chunk // block_d))
     grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
     write_kv_kernel[grid](
         key,
@@ -91,4 +94,5 @@ def write_kv(
         HEAD_DIM=head_dim,
         BLOCK_H=block_h,
         BLOCK_D=block_d,
+        num_warps=launch.num_warps,
     )

@@ -14,6 +14,14 @@ once per group (GQA/MQA) and `tl.dot` has enough rows even at GROUP = 1:
 Tiles are numbered without a host sync: sequence i's tiles start at
 `query_start_loc[i] // BLOCK_Q + i`, which leaves room for its ceil(q_len_i / BLOCK_Q)
 tiles, so `T // BLOCK_Q + S` programs per head always suffice; spare ones exit at once.
+
+A tile's keys split in two: those at or before its first query position are visible to
+every row and run without any mask; only the tiles from there to the tile's last query
+position (the diagonal) pay the causal mask.
+
+With `split_decodes`, sequences with exactly one new token are left to a second launch, the
+split-KV decode kernel (VARLEN mode), so a long decode inside a mixed batch is spread over
+many programs instead of one per KV head.
 """
 
 from __future__ import annotations
@@ -22,8 +30,16 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels._attend import attend_tiles
 from pagedserve.kernels._checks import check_prefill
 from pagedserve.kernels._triton_utils import dot_precision, next_pow2, upcast_dot_operands
+from pagedserve.kernels.decode import launch_decode
+from pagedserve.kernels.launch import (
+    DEFAULT_DECODE,
+    DEFAULT_PREFILL,
+    DecodeLaunch,
+    PrefillLaunch,
+)
 
 _LOG2E = 1.4426950408889634
 
@@ -45,7 +61,8 @@ def _find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
 
 # num_seqs stays a runtime int32: specialised to the constant 1 it could not seed the
 # binary search's loop-carried `hi` (and every batch size would share one compile anyway).
-@triton.jit(do_not_specialize=["num_seqs"])
+# The table stride and the decode-skipping flag vary per batch, so they stay unspecialised.
+@triton.jit(do_not_specialize=["num_seqs", "stride_table", "skip_decodes"])
 def prefill_kernel(
     query_ptr,
     key_cache_ptr,
@@ -56,6 +73,7 @@ def prefill_kernel(
     out_ptr,
     scale_log2,
     num_seqs,
+    skip_decodes,
     stride_q_tok,
     stride_q_head,
     stride_table,
@@ -78,7 +96,8 @@ def prefill_kernel(
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     tile_in_seq = tile - (q_start // BLOCK_Q + seq)
-    if tile_in_seq * BLOCK_Q >= q_len:
+    # Spare tile, or a decode that the split-KV decode launch handles.
+    if (tile_in_seq * BLOCK_Q >= q_len) | ((skip_decodes != 0) & (q_len == 1)):
         return
     ctx_len = tl.load(seq_lens_ptr + seq)
     cached_len = ctx_len - q_len  # positions before the first new token
@@ -107,46 +126,32 @@ def prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # Keys past the tile's last query position are masked for every row: stop there.
     kv_end = tl.minimum(ctx_len, cached_len + (tile_in_seq + 1) * BLOCK_Q)
+    # Whole tiles at or before the tile's first query position: visible to every row.
+    full_end = (cached_len + tile_in_seq * BLOCK_Q + 1) // BLOCK_N * BLOCK_N
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_table
-    for kv_tile in range(0, kv_end, BLOCK_N):
-        offs_n = kv_tile + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < kv_end
-        blocks = tl.load(table_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
-        rows = (blocks * PAGE + offs_n % PAGE) * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(key_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        causal = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
-        qk = tl.where(causal, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        # Padding rows see no key at all; subtract 0 instead of -inf to keep them NaN-free.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(qk - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(value_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    m_i, l_i, acc = attend_tiles(
+        q, m_i, l_i, acc, key_cache_ptr, value_cache_ptr, table_row, kv_head, q_pos,
+        0, full_end, scale_log2, offs_d, d_mask,
+        NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N, False, True, DOT_PRECISION, UPCAST,
+    )  # fmt: skip
+    m_i, l_i, acc = attend_tiles(
+        q, m_i, l_i, acc, key_cache_ptr, value_cache_ptr, table_row, kv_head, q_pos,
+        full_end, kv_end, scale_log2, offs_d, d_mask,
+        NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N, True, True, DOT_PRECISION, UPCAST,
+    )  # fmt: skip
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     dst = out_ptr + (tokens[:, None] * NUM_HEADS + heads[:, None]) * HEAD_DIM + offs_d[None, :]
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
 
-def _tile_sizes(group: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_Q, BLOCK_M, BLOCK_N): ~64 query rows per tile, never fewer than 16 (tl.dot).
-
-    Wide heads and float32 halve the KV tile, keeping the pipelined K/V buffers within the
-    shared memory of GPUs smaller than an H100 (float32 at 64 x 128 needs ~113 KiB).
-    """
-    block_q = max(1, 64 // group)
+def tile_sizes(
+    group: int, head_dim: int, dtype: torch.dtype, launch: PrefillLaunch = DEFAULT_PREFILL
+) -> tuple[int, int, int]:
+    """(BLOCK_Q, BLOCK_M, BLOCK_N): `launch.block_m` query rows per tile, >= 16 (tl.dot)."""
+    block_q = max(1, launch.block_m // group)
     block_m = max(16, next_pow2(block_q * group))
-    block_n = 64 if head_dim <= 128 and dtype != torch.float32 else 32
-    return block_q, block_m, block_n
+    return block_q, block_m, launch.tile_n(head_dim, dtype)
 
 
 def paged_prefill_attention(
@@ -157,6 +162,10 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    *,
+    launch: PrefillLaunch | None = None,
+    split_decodes: bool = False,
+    decode_launch: DecodeLaunch | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed variable-length new tokens over cache plus themselves.
 
@@ -170,6 +179,10 @@ def paged_prefill_attention(
         seq_lens: `[S]` int32 full context lengths, new tokens included; the new tokens of
             sequence i are its last `query_start_loc[i+1] - query_start_loc[i]` positions.
         scale: softmax scale.
+        launch: tile sizes, warps and stages; None for the defaults.
+        split_decodes: send sequences with one new token through the split-KV decode
+            kernel (a second launch) instead of one program per KV head here.
+        decode_launch: the decode kernel's knobs when `split_decodes` is set.
 
     Returns:
         `[T, num_heads, head_dim]` in the query's dtype; rows past `query_start_loc[-1]`
@@ -183,22 +196,14 @@ def paged_prefill_attention(
     out = torch.zeros((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
+    launch = launch or DEFAULT_PREFILL
     group = num_heads // num_kv_heads
-    block_q, block_m, block_n = _tile_sizes(group, head_dim, query.dtype)
+    block_q, block_m, block_n = tile_sizes(group, head_dim, query.dtype, launch)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     prefill_kernel[grid](
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        query_start_loc,
-        seq_lens,
-        out,
-        float(scale) * _LOG2E,
-        num_seqs,
-        query.stride(0),
-        query.stride(1),
-        block_tables.stride(0),
+        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out,
+        float(scale) * _LOG2E, num_seqs, int(split_decodes),
+        query.stride(0), query.stride(1), block_tables.stride(0),
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         GROUP=group,
@@ -210,5 +215,12 @@ def paged_prefill_attention(
         BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(query.dtype),
         UPCAST=upcast_dot_operands(query.dtype, query.device),
-    )
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
+    )  # fmt: skip
+    if split_decodes:
+        launch_decode(
+            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, scale,
+            num_splits=None, launch=decode_launch or DEFAULT_DECODE,
+        )  # fmt: skip
     return out

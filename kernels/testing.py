@@ -159,3 +159,78 @@ def tolerance(dtype: torch.dtype) -> dict[str, float]:
     if dtype == torch.float16:
         return {"atol": 2e-3, "rtol": 2e-3}
     return {"atol": 2e-2, "rtol": 2e-2}
+
+
+def specialisation_key(kernel: object, args: tuple, kwargs: dict) -> tuple:
+    """What picks a compiled variant of a Triton kernel for one launch, as Triton keys it.
+
+    Triton compiles one binary per distinct (constexpr values, launch options, argument
+    dtypes, and for plain ints and pointers: == 1, divisible by 16 / 16-byte aligned). The
+    interpreter compiles nothing, so the CPU tests count these keys instead of cache entries.
+    Ints named in the kernel's `do_not_specialize` contribute only that they are ints.
+
+    Args:
+        kernel: a `@triton.jit` kernel (compiled or interpreted).
+        args: positional launch arguments.
+        kwargs: keyword launch arguments (constexprs, num_warps, num_stages).
+
+    Returns:
+        A hashable key; equal keys reuse one compiled kernel.
+    """
+    import inspect
+
+    fn = kernel.fn
+    params = inspect.signature(fn).parameters
+    names = list(params)
+    constexprs = {n for n, p in params.items() if "constexpr" in str(p.annotation)}
+    options = getattr(kernel, "kwargs", None) or {}
+    no_spec = getattr(kernel, "do_not_specialize", None) or options.get("do_not_specialize") or []
+    no_spec = {names[n] if isinstance(n, int) else n for n in no_spec}
+    bound = dict(zip(names, args, strict=False)) | kwargs
+    key = []
+    for name in sorted(bound):
+        value = bound[name]
+        if isinstance(value, torch.Tensor):
+            key.append((name, str(value.dtype), value.data_ptr() % 16 == 0))
+        elif isinstance(value, float) and name not in constexprs:
+            key.append((name, "fp32"))  # runtime floats are never specialised
+        elif name in constexprs or name not in names or not isinstance(value, int):
+            key.append((name, value))  # constexprs and launch options, by value
+        elif isinstance(value, bool):
+            key.append((name, value))
+        elif name in no_spec:
+            key.append((name, "int"))
+        else:
+            key.append((name, value == 1, value % 16 == 0))
+    return tuple(key)
+
+
+class KernelRecorder:
+    """Stands in for a Triton kernel: records each launch's specialisation key, runs nothing."""
+
+    def __init__(self, kernel: object) -> None:
+        self.kernel = kernel
+        self.keys: set[tuple] = set()
+        self.launches = 0
+
+    def __getitem__(self, grid: tuple):
+        def launch(*args, **kwargs) -> None:
+            self.launches += 1
+            self.keys.add(specialisation_key(self.kernel, args, kwargs))
+
+        return launch
+
+
+def compiled_variants(kernel: object) -> int | None:
+    """Binaries Triton has compiled for `kernel` in this process, over every device.
+
+    None under the interpreter (it compiles nothing) or on a Triton whose cache layout is
+    unknown. `device_caches[device][0]` is the per-device binary cache in Triton 3.x.
+    """
+    caches = getattr(kernel, "device_caches", None)
+    if caches is None:
+        return None
+    try:
+        return sum(len(entry[0]) for entry in caches.values())
+    except (TypeError, IndexError, KeyError):
+        return None

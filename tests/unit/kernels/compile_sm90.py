@@ -4,20 +4,30 @@ The interpreter accepts code the compiler rejects (loop-carried types, early ret
 pointer casts, tile shapes tl.dot refuses), so CI also compiles the real kernels down to
 cubin with the ptxas that ships with Triton. Must run with TRITON_INTERPRET unset, which is
 why `test_compile_sm90.py` starts it in a subprocess. Prints one line per kernel.
+
+`--candidates` builds instead every launch configuration the GPU benchmark sweeps (bf16,
+Llama-8B shapes) and fails on any that needs more shared memory than an H100/H200 block
+may take, so the sweep on a lent GPU cannot die on a resource error.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from pagedserve.kernels import block_ops, decode, kv_write, prefill
+from pagedserve.kernels.launch import DECODE_CANDIDATES, PREFILL_CANDIDATES
 
 INDEX_ARGS = {"block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"}
 INT64_ARGS = {"slot_mapping_ptr", "ids_ptr", "mapping_ptr", "table_ptr"}
+# Largest dynamic shared memory one block may use on sm_90 (227 KiB).
+SM90_MAX_SHARED = 232448
+ATTN = {"NUM_HEADS": 32, "NUM_KV_HEADS": 8, "GROUP": 4, "HEAD_DIM": 128, "PAGE": 16}
 
 
 def _arg_type(name: str, dtype: str) -> str:
@@ -32,8 +42,8 @@ def _arg_type(name: str, dtype: str) -> str:
     return "fp32" if name == "scale_log2" else "i32"
 
 
-def compile_kernel(fn, dtype: str, constexprs: dict) -> None:
-    """Compile `fn` for sm_90 with the given constexprs; raise on any compiler error."""
+def compile_kernel(fn, dtype: str, constexprs: dict, **options) -> int:
+    """Compile `fn` for sm_90; raise on any compiler error; return its shared memory bytes."""
     names = fn.arg_names
     signature = {n: "constexpr" if n in constexprs else _arg_type(n, dtype) for n in names}
     source = ASTSource(
@@ -42,32 +52,41 @@ def compile_kernel(fn, dtype: str, constexprs: dict) -> None:
         constexprs={(names.index(k),): v for k, v in constexprs.items()},
     )
     start = time.perf_counter()
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     took = time.perf_counter() - start
-    print(f"{fn.__name__} {dtype}: ok in {took:.1f}s, {compiled.metadata.shared} B shared")
+    shared = compiled.metadata.shared
+    print(f"{fn.__name__} {dtype} {options or ''}: ok in {took:.1f}s, {shared} B shared")
+    if shared > SM90_MAX_SHARED:
+        raise RuntimeError(f"{fn.__name__} {options} needs {shared} B of shared memory")
+    return shared
 
 
-def main() -> None:
-    attn = {"NUM_HEADS": 32, "NUM_KV_HEADS": 8, "GROUP": 4, "HEAD_DIM": 128, "PAGE": 16}
+def _decode(dtype: str, precision: str, block_n: int, varlen: bool, **options) -> None:
+    tiles = {"BLOCK_D": 128, "DOT_PRECISION": precision, "UPCAST": False}
+    constexprs = {**ATTN, **tiles, "VARLEN": varlen, "BLOCK_G": 16, "BLOCK_N": block_n}
+    compile_kernel(decode.decode_split_kernel, dtype, constexprs, **options)
+
+
+def _prefill(dtype: str, precision: str, block_m: int, block_n: int, **options) -> None:
+    tiles = {"BLOCK_D": 128, "DOT_PRECISION": precision, "UPCAST": False}
+    block_q = block_m // ATTN["GROUP"]
+    constexprs = {**ATTN, **tiles, "BLOCK_Q": block_q, "BLOCK_M": block_m, "BLOCK_N": block_n}
+    compile_kernel(prefill.prefill_kernel, dtype, constexprs, **options)
+
+
+def compile_defaults() -> None:
     for dtype, precision in (("fp16", "tf32"), ("bf16", "tf32"), ("fp32", "ieee")):
-        tiles = {"BLOCK_D": 128, "DOT_PRECISION": precision, "UPCAST": False}
-        for splits in (1, 4):
-            compile_kernel(
-                decode.decode_split_kernel,
-                dtype,
-                {**attn, **tiles, "NUM_SPLITS": splits, "BLOCK_G": 16, "BLOCK_N": 64},
-            )
-        compile_kernel(
-            decode.decode_reduce_kernel,
-            dtype,
-            {"NUM_HEADS": 32, "HEAD_DIM": 128, "NUM_SPLITS": 4, "BLOCK_S": 4, "BLOCK_D": 128},
-        )
         block_n = 32 if dtype == "fp32" else 64
-        compile_kernel(
-            prefill.prefill_kernel,
-            dtype,
-            {**attn, **tiles, "BLOCK_Q": 16, "BLOCK_M": 64, "BLOCK_N": block_n},
-        )
+        for varlen in (False, True):
+            _decode(dtype, precision, block_n, varlen, num_warps=4, num_stages=2)
+        for varlen in (False, True):
+            compile_kernel(
+                decode.decode_reduce_kernel,
+                dtype,
+                {"NUM_HEADS": 32, "HEAD_DIM": 128, "VARLEN": varlen, "BLOCK_S": 64,
+                 "BLOCK_D": 128},
+            )  # fmt: skip
+        _prefill(dtype, precision, 64, block_n, num_warps=4, num_stages=2)
     compile_kernel(
         kv_write.write_kv_kernel,
         "bf16",
@@ -77,6 +96,25 @@ def main() -> None:
     compile_kernel(block_ops.copy_blocks_kernel, "bf16", movers)
     for fn in (block_ops.gather_blocks_kernel, block_ops.scatter_blocks_kernel):
         compile_kernel(fn, "bf16", movers)
+
+
+def compile_candidates() -> None:
+    seen = set()
+    for c in DECODE_CANDIDATES:
+        key = (c.tile_n(128, torch.bfloat16), c.num_warps, c.num_stages)
+        if key not in seen:
+            seen.add(key)
+            _decode("bf16", "tf32", key[0], False, num_warps=c.num_warps, num_stages=c.num_stages)
+    for c in PREFILL_CANDIDATES:
+        block_n = c.tile_n(128, torch.bfloat16)
+        _prefill("bf16", "tf32", c.block_m, block_n, num_warps=c.num_warps, num_stages=c.num_stages)
+
+
+def main() -> None:
+    if "--candidates" in sys.argv[1:]:
+        compile_candidates()  # the defaults are built by the plain run
+    else:
+        compile_defaults()
 
 
 if __name__ == "__main__":
