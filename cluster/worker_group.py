@@ -54,6 +54,8 @@ def start_worker_group(
             config.index_name,
             config.namespace,
             telemetry.to_dict(),
+            lease_timeout_s=config.lease_timeout_s,
+            max_buffered_deltas=config.max_buffered_deltas,
         )
     return index, workers
 
