@@ -49,6 +49,12 @@ class ClusterConfig:
         max_inflight: requests the router streams at once; past it it refuses at once, the
             same way. None: unbounded.
         retry_after_s: the retry hint a refusal carries.
+        lease_timeout_s: a worker aborts the requests of a router replica that has not renewed
+            its lease (every stats poll renews it) within this long, so a dead router leaves
+            no orphans decoding. At least 4 × `stats_interval_s`, so that a few late polls
+            cannot end live requests.
+        max_buffered_deltas: deltas a worker buffers per stream; past it the request is
+            paused (it keeps its blocks) until the reader catches up.
         namespace: Ray namespace of the named actors (index, workers).
         name: prefix of the actors' names, so two apps can share a Ray cluster.
     """
@@ -75,6 +81,8 @@ class ClusterConfig:
     max_waiting_per_worker: int | None = 256
     max_inflight: int | None = 1024
     retry_after_s: float = 1.0
+    lease_timeout_s: float = 10.0
+    max_buffered_deltas: int = 64
     namespace: str = "pagedserve"
     name: str = "pagedserve"
 
@@ -98,6 +106,19 @@ class ClusterConfig:
         for name in ("max_prompt_chars", "max_request_bytes", "push_max_chains"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        self._check_lease()
+        if self.max_buffered_deltas < 1:
+            raise ValueError(f"max_buffered_deltas must be >= 1, got {self.max_buffered_deltas}")
+
+    def _check_lease(self) -> None:
+        lease = self.lease_timeout_s
+        if not (lease > 0 and math.isfinite(lease)):
+            raise ValueError(f"lease_timeout_s must be > 0 and finite, got {lease}")
+        if lease < 4 * self.stats_interval_s:
+            raise ValueError(
+                f"lease_timeout_s ({lease}) must be >= 4 x stats_interval_s "
+                f"({self.stats_interval_s}): the router renews leases every stats interval"
+            )
 
     @property
     def worker_engine(self) -> EngineConfig:

@@ -323,15 +323,24 @@ class PrefixIndexActor:
     async actor, or a publish that is not awaited inside a method of a one-at-a-time actor),
     otherwise the resync waits out the deadline.
 
+    On every start (Ray restarts it with the same arguments) it looks up `worker_names` and
+    resyncs each worker that exists from its snapshot at once, so that a restarted index is not
+    blind until some worker happens to publish. A name with no actor yet (the first start comes
+    before the workers) is skipped: that worker registers itself when it is ready.
+
     Args:
         max_entries: the state's LRU bound.
         snapshot_timeout_s: deadline for one `kv_snapshot()` call.
+        worker_names: the named worker actors to resync from on start.
+        namespace: their Ray namespace (None: the index's own).
     """
 
     def __init__(
         self,
         max_entries: int = DEFAULT_MAX_ENTRIES,
         snapshot_timeout_s: float = DEFAULT_SNAPSHOT_TIMEOUT_S,
+        worker_names: Sequence[str] = (),
+        namespace: str | None = None,
     ) -> None:
         if snapshot_timeout_s <= 0:
             raise ValueError(f"snapshot_timeout_s must be > 0, got {snapshot_timeout_s}")
@@ -340,6 +349,26 @@ class PrefixIndexActor:
         self._locks: dict[str, asyncio.Lock] = {}
         self._snapshot_timeout_s = snapshot_timeout_s
         self._snapshot_failures = 0
+        self._startup_resyncs = 0
+        # Ray runs an async actor's __init__ on the actor's event loop, so the resync starts
+        # now and methods are served meanwhile (match answers from what has arrived so far).
+        self._startup = asyncio.get_running_loop().create_task(
+            self._resync_named(tuple(worker_names), namespace)
+        )
+
+    async def _resync_named(self, worker_names: Sequence[str], namespace: str | None) -> None:
+        """Look up each named worker and resync it; each snapshot under its own deadline."""
+        found = await asyncio.gather(*(_find_actor(n, namespace) for n in worker_names))
+        handles = {n: h for n, h in zip(worker_names, found, strict=True) if h is not None}
+        for worker_id, handle in handles.items():
+            self._handles.setdefault(worker_id, handle)  # a fresh registration wins
+
+        async def resync(worker_id: str) -> None:
+            async with self._locks.setdefault(worker_id, asyncio.Lock()):
+                if await self._resync(worker_id) is not None:
+                    self._startup_resyncs += 1
+
+        await asyncio.gather(*(resync(worker_id) for worker_id in handles))
 
     async def register_worker(self, worker_id: str, handle: ActorHandle) -> None:
         """Remember the handle used to resync `worker_id`; its entries come with its publishes."""
@@ -386,6 +415,7 @@ class PrefixIndexActor:
             **self._state.stats(),
             "registered_workers": sorted(self._handles),
             "snapshot_failures": self._snapshot_failures,
+            "startup_resyncs": self._startup_resyncs,
         }
 
     async def _resync(self, worker_id: str) -> KVSnapshot | None:
@@ -422,6 +452,14 @@ class PrefixIndexActor:
         return snapshot
 
 
+async def _find_actor(name: str, namespace: str | None) -> ActorHandle | None:
+    """The named actor, or None when there is none (yet)."""
+    try:
+        return await asyncio.to_thread(ray.get_actor, name, namespace=namespace)
+    except ValueError:
+        return None
+
+
 def _cancel_quietly(ref: ray.ObjectRef) -> None:
     """Best effort: a stuck worker may not be cancellable, and the index must not care."""
     try:
@@ -435,18 +473,21 @@ def get_or_create_prefix_index(
     namespace: str | None = None,
     max_entries: int = DEFAULT_MAX_ENTRIES,
     snapshot_timeout_s: float = DEFAULT_SNAPSHOT_TIMEOUT_S,
+    worker_names: Sequence[str] = (),
 ) -> ActorHandle:
     """The cluster's prefix index actor, started if no actor of that name exists yet.
 
     The options only apply when the actor is created; an existing one keeps its own. Ray
-    restarts a crashed index empty: workers then see `needs_resync` without `resynced` and
-    register again.
+    restarts a crashed index with the same options, and it resyncs at once from the snapshot of
+    every worker in `worker_names` that exists; any worker it missed registers again when its
+    next publish finds the index out of step.
 
     Args:
         name: the actor's name.
-        namespace: its Ray namespace (None: the job's).
+        namespace: its Ray namespace (None: the job's); also the workers'.
         max_entries: the LRU bound on hash entries.
         snapshot_timeout_s: deadline for one worker snapshot during a resync.
+        worker_names: the named worker actors to resync from whenever the index (re)starts.
 
     Returns:
         The actor's handle.
@@ -454,4 +495,9 @@ def get_or_create_prefix_index(
     # Detached: the index must outlive whichever router replica happened to create it.
     return PrefixIndexActor.options(
         name=name, namespace=namespace, get_if_exists=True, max_restarts=-1, lifetime="detached"
-    ).remote(max_entries=max_entries, snapshot_timeout_s=snapshot_timeout_s)
+    ).remote(
+        max_entries=max_entries,
+        snapshot_timeout_s=snapshot_timeout_s,
+        worker_names=tuple(worker_names),
+        namespace=namespace,
+    )

@@ -85,6 +85,7 @@ class RouterCore:
         metrics: bool = False,
     ) -> None:
         self.config = config
+        self.router_id = uuid.uuid4().hex
         self.tracing = tracing
         self.index = index
         self.workers = {wid: WorkerState(wid, handle) for wid, handle in workers.items()}
@@ -149,7 +150,9 @@ class RouterCore:
 
     async def _poll(self, worker: WorkerState) -> None:
         try:
-            stats = await asyncio.wait_for(worker.handle.stats.remote(), self.config.rpc_timeout_s)
+            stats = await asyncio.wait_for(
+                worker.handle.stats.remote(self.router_id), self.config.rpc_timeout_s
+            )
         except (*WORKER_LOST_ERRORS, TimeoutError):
             await self._drop(worker)
             return
@@ -396,7 +399,10 @@ class RouterCore:
             tokens = len(attempt.handoff.all_token_ids)
             span = migration_span(self.tracing, trace.root, "move", attempt.source, worker, tokens)
             start = functools.partial(
-                worker.handle.adopt.remote, attempt.handoff, trace.carrier(span)
+                worker.handle.adopt.remote,
+                attempt.handoff,
+                trace.carrier(span),
+                owner_id=self.router_id,
             )
             demand = len(attempt.handoff.all_token_ids) + params_left(attempt.handoff)
             num_branches = 1
@@ -416,6 +422,7 @@ class RouterCore:
                 request.cache_salt,
                 request.timeout_s,
                 trace.carrier(span),
+                owner_id=self.router_id,
             )
             # What this request adds to the worker's work: tokens it must still prefill (a
             # cached prefix costs nothing) plus what it will decode.

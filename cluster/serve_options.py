@@ -12,6 +12,14 @@ GRPC_SERVICER_FUNCTIONS: list[str] = [
 ]
 
 
+# Environment of the Router replica. Serve (2.60) runs a replica's user code on a separate loop
+# by default and drives a streaming method there into an unbounded queue, so a router stream
+# would pull its worker's deltas as fast as they come whatever the client reads; on Serve's own
+# loop the replica pulls the Router's generator only as its (backpressured) Ray stream drains.
+# Apply with `@serve.deployment(ray_actor_options={"runtime_env": {"env_vars": ...}})`.
+ROUTER_ENV_VARS: dict[str, str] = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+
+
 def http_options(host: str = "0.0.0.0", port: int = 8000) -> dict[str, Any]:
     return {"host": host, "port": port}
 

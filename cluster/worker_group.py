@@ -31,11 +31,14 @@ def start_worker_group(
     telemetry = telemetry or TelemetryConfig()
     env = otel_env()
     runtime_env = {"env_vars": env} if env else None
-    index = get_or_create_prefix_index(name=config.index_name, namespace=config.namespace)
+    names = [config.worker_name(i) for i in range(config.num_workers)]
+    # The index gets the names so that, restarted by Ray, it resyncs from every worker at once.
+    index = get_or_create_prefix_index(
+        name=config.index_name, namespace=config.namespace, worker_names=names
+    )
     remote_worker = ray.remote(Worker)
     workers = {}
-    for i in range(config.num_workers):
-        worker_id = config.worker_name(i)
+    for worker_id in names:
         workers[worker_id] = remote_worker.options(
             name=worker_id,
             namespace=config.namespace,
@@ -54,6 +57,8 @@ def start_worker_group(
             config.index_name,
             config.namespace,
             telemetry.to_dict(),
+            lease_timeout_s=config.lease_timeout_s,
+            max_buffered_deltas=config.max_buffered_deltas,
         )
     return index, workers
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -28,27 +27,12 @@ from pagedserve.workers.kv_cache import KVCache
 from pagedserve.workers.kv_cache_manager import KVCacheManager, KVUsage
 from pagedserve.workers.model_loader import LoadedModel, load_model
 from pagedserve.workers.model_runner import ModelRunner
-from pagedserve.workers.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from pagedserve.workers.request import Request, RequestStatus
+from pagedserve.workers.outputs import CompletionOutput, RequestOutput
+from pagedserve.workers.request import Request, RequestGroup, RequestStatus
 from pagedserve.workers.sampler import Sampler, make_generator, suppress_stop_tokens
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedserve.workers.stop_checker import FinishReason, check_stop
-
-
-@dataclass
-class _RequestGroup:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    branches: list[Request]
-    arrival: float
-    deadline: float | None
-    handoff: RequestHandoff | None = None
-
-    @property
-    def finished(self) -> bool:
-        return all(branch.is_finished for branch in self.branches)
 
 
 class Engine:
@@ -111,7 +95,8 @@ class Engine:
         )
         self.runner = ModelRunner(self.loaded, self.kv_cache, ops)
         self.sampler = Sampler(config.seed)
-        self._groups: dict[str, _RequestGroup] = {}
+        self._groups: dict[str, RequestGroup] = {}
+        self._paused: set[str] = set()  # ids of paused groups (see `pause`)
         self._arrivals = itertools.count()
         self.num_steps = 0
         self.num_handoffs = 0
@@ -166,7 +151,7 @@ class Engine:
         first, *others = branches
         first.pending_branches = others
         first.movable = params.n == 1
-        self._groups[request_id] = _RequestGroup(
+        self._groups[request_id] = RequestGroup(
             request_id, prompt_text, list(token_ids), branches, now, deadline
         )
         self.scheduler.add(first)
@@ -243,8 +228,34 @@ class Engine:
         self._end_group(group, FinishReason.ABORT)
         return self._pop_output(group)
 
+    def pause(self, request_id: str) -> bool:
+        """Stop scheduling a request (its reader fell behind). It keeps its blocks and stays
+        preemptible; deadlines still apply. False when it is unknown or already done."""
+        return self._set_paused(request_id, True)
+
+    def resume(self, request_id: str) -> bool:
+        """Schedule a paused request again. False when it is unknown or already done."""
+        return self._set_paused(request_id, False)
+
+    def _set_paused(self, request_id: str, paused: bool) -> bool:
+        group = self._groups.get(request_id)
+        if group is None:
+            return False
+        for branch in group.branches:
+            branch.paused = paused
+        (self._paused.add if paused else self._paused.discard)(request_id)
+        return True
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
+
+    def has_runnable_requests(self) -> bool:
+        """Whether a step could do anything: a request not paused, or a deadline that passed."""
+        if len(self._groups) > len(self._paused):
+            return True
+        now = time.monotonic()
+        deadlines = (self._groups[r].deadline for r in self._paused)
+        return any(d is not None and now >= d for d in deadlines)
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -253,7 +264,7 @@ class Engine:
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
         """Run one scheduling + forward + sampling step; outputs of requests it touched."""
-        touched: dict[str, _RequestGroup] = {}
+        touched: dict[str, RequestGroup] = {}
         self._expire_deadlines(touched)
         plan = self.scheduler.schedule()
         if plan.swap_out:
@@ -266,7 +277,7 @@ class Engine:
             self._run(plan, touched)
         return [self._output_for(group) for group in touched.values()]
 
-    def _expire_deadlines(self, touched: dict[str, _RequestGroup]) -> None:
+    def _expire_deadlines(self, touched: dict[str, RequestGroup]) -> None:
         now = time.monotonic()
         for group in list(self._groups.values()):
             if group.deadline is not None and now >= group.deadline:
@@ -281,7 +292,7 @@ class Engine:
         if copies:
             self.kv_cache.copy_blocks(copies)
 
-    def _run(self, plan: SchedulerOutput, touched: dict[str, _RequestGroup]) -> None:
+    def _run(self, plan: SchedulerOutput, touched: dict[str, RequestGroup]) -> None:
         batch = build_batch(plan.scheduled, self.kv, self.loaded.device)
         logits = self.runner.execute(
             batch.input_ids, batch.positions, batch.metadata, batch.logits_indices
@@ -362,7 +373,7 @@ class Engine:
         if handoff.deadline_remaining_s is not None:
             deadline = now + handoff.deadline_remaining_s
         request.deadline = deadline
-        self._groups[handoff.request_id] = _RequestGroup(
+        self._groups[handoff.request_id] = RequestGroup(
             handoff.request_id, None, list(prompt), [request], now, deadline
         )
         if not adopt_kv(self.kv, self.kv_cache, request, handoff):
@@ -409,21 +420,22 @@ class Engine:
         if request.detokenizer is not None:
             request.detokenizer.flush()
 
-    def _end_group(self, group: _RequestGroup, reason: FinishReason) -> None:
+    def _end_group(self, group: RequestGroup, reason: FinishReason) -> None:
         for branch in group.branches:
             self._finish(branch, reason)
 
     # --------------------------------------------------------------- outputs
-    def _output_for(self, group: _RequestGroup) -> RequestOutput:
+    def _output_for(self, group: RequestGroup) -> RequestOutput:
         if group.finished:
             return self._pop_output(group)
         return self._make_output(group)
 
-    def _pop_output(self, group: _RequestGroup) -> RequestOutput:
+    def _pop_output(self, group: RequestGroup) -> RequestOutput:
         self._groups.pop(group.request_id, None)
+        self._paused.discard(group.request_id)
         return self._make_output(group)
 
-    def _make_output(self, group: _RequestGroup) -> RequestOutput:
+    def _make_output(self, group: RequestGroup) -> RequestOutput:
         outputs = []
         for branch in group.branches:
             # Only emitted text: a tail that may still become a stop string is held back.
@@ -446,7 +458,7 @@ class Engine:
             outputs=outputs,
             finished=group.finished,
             num_cached_tokens=first.num_cached_tokens,
-            metrics=_metrics(group),
+            metrics=group.metrics(),
             handoff=group.handoff,
         )
 
@@ -461,27 +473,12 @@ class Engine:
             "num_waiting": len(self.scheduler.waiting),
             "num_running": len(self.scheduler.running),
             "num_swapped": len(self.scheduler.swapped),
+            "num_paused": len(self._paused),
             "num_steps": self.num_steps,
             "num_handoffs": self.num_handoffs,
             "kv_cache_device_bytes": self.kv_cache.device_bytes,
             "kv_cache_swap_bytes": self.kv_cache.swap_bytes,
         }
-
-
-def _metrics(group: _RequestGroup) -> RequestMetrics:
-    first = group.branches[0].timings
-    metrics = RequestMetrics(num_preemptions=sum(b.timings.num_preemptions for b in group.branches))
-    if first.first_scheduled is not None:
-        metrics.queue_time = first.first_scheduled - group.arrival
-    if first.first_token is not None:
-        metrics.ttft = first.first_token - group.arrival
-        metrics.inter_token_latencies = list(first.inter_token_latencies)
-        if first.inter_token_latencies:
-            metrics.tpot = sum(first.inter_token_latencies) / len(first.inter_token_latencies)
-    finished = [b.timings.finished for b in group.branches if b.timings.finished is not None]
-    if group.finished and finished:
-        metrics.e2e = max(finished) - group.arrival
-    return metrics
 
 
 __all__ = [

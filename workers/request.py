@@ -1,6 +1,7 @@
 """One sequence the engine generates: its tokens, progress, sampling state and timings.
 
-A user request with `n > 1` becomes `n` sequences (branches) that share the prompt's blocks.
+A user request with `n > 1` becomes `n` sequences (branches) that share the prompt's blocks;
+`RequestGroup` holds them together with what the request reports as a whole.
 """
 
 from __future__ import annotations
@@ -8,10 +9,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import torch
 
 from pagedserve.workers.detokenizer import IncrementalDetokenizer
+from pagedserve.workers.outputs import RequestMetrics
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.stop_checker import FinishReason
 
@@ -71,6 +74,8 @@ class Request:
     pending_branches: list[Request] = field(default_factory=list)
     # Whether preemption may hand this sequence to a peer (single-branch requests only).
     movable: bool = False
+    # Paused while its stream's reader lags: never scheduled, keeps its blocks, preemptible.
+    paused: bool = False
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -91,3 +96,38 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+
+@dataclass
+class RequestGroup:
+    """One user request: its branches (one `Request` each), prompt, arrival and deadline."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    branches: list[Request]
+    arrival: float
+    deadline: float | None
+    handoff: Any = None  # the `RequestHandoff` once a preemption moved it to a peer
+
+    @property
+    def finished(self) -> bool:
+        return all(branch.is_finished for branch in self.branches)
+
+    def metrics(self) -> RequestMetrics:
+        """The request's latencies so far, from its first branch (e2e once all finished)."""
+        first = self.branches[0].timings
+        metrics = RequestMetrics(
+            num_preemptions=sum(b.timings.num_preemptions for b in self.branches)
+        )
+        if first.first_scheduled is not None:
+            metrics.queue_time = first.first_scheduled - self.arrival
+        if first.first_token is not None:
+            metrics.ttft = first.first_token - self.arrival
+            metrics.inter_token_latencies = list(first.inter_token_latencies)
+            if first.inter_token_latencies:
+                metrics.tpot = sum(first.inter_token_latencies) / len(first.inter_token_latencies)
+        finished = [b.timings.finished for b in self.branches if b.timings.finished is not None]
+        if self.finished and finished:
+            metrics.e2e = max(finished) - self.arrival
+        return metrics

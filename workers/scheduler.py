@@ -4,6 +4,11 @@ Every step the scheduler hands out a token budget. Running sequences go first â€
 prefill chunks, so a long prompt cannot starve requests that are already streaming â€” then
 swapped-out sequences come back, then waiting ones are admitted. When the pool cannot supply a
 block, the lowest-ranked running sequence is preempted (recompute or swap) until it can.
+
+A paused sequence (its client stopped reading) is skipped in every queue: it keeps its blocks
+and its place, does not count against `max_num_seqs` (it is in no batch), and is the first
+victim when blocks run short, for a running sequence or a waiting one alike, since it is the
+one sequence that loses no progress to waiting.
 """
 
 from __future__ import annotations
@@ -136,6 +141,19 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    @property
+    def num_active(self) -> int:
+        """Running sequences that take part in batches (paused ones do not)."""
+        return sum(not r.paused for r in self.running)
+
+    def _victim(self) -> Request:
+        """The running sequence to preempt: the lowest-ranked paused one, else the lowest."""
+        paused = self._paused_victim()
+        return paused if paused is not None else self.running[-1]
+
+    def _paused_victim(self) -> Request | None:
+        return next((r for r in reversed(self.running) if r.paused), None)
+
     def finish(self, request: Request) -> None:
         """Take a sequence out of whichever queue holds it and free its blocks at once."""
         for queue in (self.running, self.waiting, self.swapped):
@@ -152,7 +170,7 @@ class Scheduler:
         for request in sorted(self.running, key=lambda r: r.is_prefilling):
             if step.budget == 0:
                 break
-            if request.status is RequestStatus.RUNNING:
+            if request.status is RequestStatus.RUNNING and not request.paused:
                 self._schedule_running(request, step)
         if not step.preempted:
             self._swap_in(step)
@@ -165,7 +183,7 @@ class Scheduler:
             allocation = self.kv.allocate_slots(request, num_new)
             if allocation is not None:
                 break
-            victim = self.running[-1]
+            victim = self._victim()
             self._preempt(victim, step)
             if victim is request:
                 return
@@ -202,21 +220,25 @@ class Scheduler:
         self.add(victim)
 
     def _swap_in(self, step: SchedulerOutput) -> None:
-        while self.swapped and len(self.running) < self.config.max_num_seqs:
-            request = self.swapped[0]
+        while self.num_active < self.config.max_num_seqs:
+            request = next((r for r in self.swapped if not r.paused), None)
+            if request is None:
+                return
             moves = self.kv.swap_in(request)
             if moves is None:
                 return
-            self.swapped.pop(0)
+            self.swapped.remove(request)
             step.swap_in.extend(moves)
             request.status = RequestStatus.RUNNING
             self._insert(self.running, request)
 
     def _admit_waiting(self, step: SchedulerOutput) -> None:
-        while self.waiting and step.budget > 0:
-            request = self.waiting[0]
+        while step.budget > 0:
+            request = next((r for r in self.waiting if not r.paused), None)
+            if request is None:
+                return
             group_size = 1 + len(request.pending_branches)
-            if len(self.running) + group_size > self.config.max_num_seqs:
+            if self.num_active + group_size > self.config.max_num_seqs:
                 return
             computed = self.kv.get_computed_blocks(request)
             num_new = len(request.all_token_ids) - computed.num_tokens
@@ -226,8 +248,12 @@ class Scheduler:
                 num_new = step.budget
             allocation = self.kv.allocate_slots(request, num_new, computed)
             if allocation is None:
-                return
-            self.waiting.pop(0)
+                victim = self._paused_victim()
+                if victim is None:
+                    return
+                self._preempt(victim, step)  # a paused sequence yields its blocks, then retry
+                continue
+            self.waiting.remove(request)
             self._start(request, computed.num_tokens)
             step.scheduled[request] = num_new
             step.budget -= num_new

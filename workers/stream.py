@@ -1,7 +1,10 @@
-"""What a worker streams back per step: token deltas, and the final usage and timings."""
+"""What a worker streams back per step: token deltas, the final usage and timings, and the
+bounded buffer a stream's deltas wait in until its reader takes them."""
 
 from __future__ import annotations
 
+import asyncio
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,3 +72,48 @@ class DeltaTracker:
                 delta.handoff = output.handoff
             deltas.append(delta)
         return deltas
+
+
+DEFAULT_MAX_BUFFERED_DELTAS = 64
+
+
+class DeltaBuffer:
+    """Owns one stream's deltas not yet taken by its reader, and whether it asked for a pause.
+
+    The worker pauses the request once `full()` (the engine stops decoding it, so nothing but
+    a final delta can arrive: at most `capacity` deltas plus one step's worth wait here) and
+    resumes it once the reader has drained the buffer to `low_water`. A `None` entry is the
+    drain's cut-off signal.
+
+    Args:
+        capacity: deltas buffered before the request is paused (>= 1).
+    """
+
+    def __init__(self, capacity: int = DEFAULT_MAX_BUFFERED_DELTAS) -> None:
+        if capacity < 1:
+            raise ValueError(f"max_buffered_deltas must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self.low_water = capacity // 2
+        self.paused = False
+        self._deltas: deque[StreamDelta | None] = deque()
+        self._ready = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self._deltas)
+
+    def put(self, delta: StreamDelta | None) -> None:
+        self._deltas.append(delta)
+        self._ready.set()
+
+    def full(self) -> bool:
+        return len(self._deltas) >= self.capacity
+
+    def drained(self) -> bool:
+        """Paused and read down to the low-water mark: time to resume."""
+        return self.paused and len(self._deltas) <= self.low_water
+
+    async def get(self) -> StreamDelta | None:
+        while not self._deltas:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._deltas.popleft()

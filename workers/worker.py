@@ -12,20 +12,29 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+import ray
+
 from pagedserve.workers.block import BlockKey
 from pagedserve.workers.engine import Engine
 from pagedserve.workers.engine_config import EngineConfig
 from pagedserve.workers.handoff import RequestHandoff
 from pagedserve.workers.kv_events import KVEvent, KVSnapshot
+from pagedserve.workers.lease import DEFAULT_LEASE_TIMEOUT_S
 from pagedserve.workers.request_trace import migration_span
 from pagedserve.workers.sampling_params import SamplingParams
-from pagedserve.workers.stream import StreamDelta
+from pagedserve.workers.stream import DEFAULT_MAX_BUFFERED_DELTAS, StreamDelta
 from pagedserve.workers.telemetry import worker_tracing
 from pagedserve.workers.worker_core import WorkerCore
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Worker", "WorkerCore"]
+
+# Deltas a `generate`/`adopt` stream may have produced and its caller not yet taken; past it
+# Ray holds the generator at its `yield`, the stream's `DeltaBuffer` fills and the engine
+# pauses the request. (Ray's default, -1, lets a generator run ahead of its reader without
+# bound.) A generator held there is also closed by Ray when its caller dies.
+STREAM_BACKPRESSURE_OBJECTS = 8
 
 
 class Worker:
@@ -41,6 +50,9 @@ class Worker:
             is gone.
         namespace: the Ray namespace of the index.
         telemetry: `TelemetryConfig` data (tracing is off without it).
+        lease_timeout_s: how long an owner's requests live without a renewal (see
+            `workers/lease.py`).
+        max_buffered_deltas: deltas a stream buffers before its request is paused.
     """
 
     def __init__(
@@ -50,13 +62,21 @@ class Worker:
         index_name: str | None = None,
         namespace: str | None = None,
         telemetry: dict[str, Any] | None = None,
+        *,
+        lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
+        max_buffered_deltas: int = DEFAULT_MAX_BUFFERED_DELTAS,
     ) -> None:
-        import ray
-
         self._index = ray.get_actor(index_name, namespace=namespace) if index_name else None
         sink = self._publish if self._index is not None else None
         tracing = worker_tracing(telemetry, worker_id)
-        self.core = WorkerCore(Engine(config), worker_id, sink, tracing)
+        self.core = WorkerCore(
+            Engine(config),
+            worker_id,
+            sink,
+            tracing,
+            lease_timeout_s=lease_timeout_s,
+            max_buffered_deltas=max_buffered_deltas,
+        )
 
     def _publish(self, worker_id: str, epoch: str, events: list[KVEvent]) -> None:
         """Send a batch to the index without waiting for it; its answer is checked aside.
@@ -70,8 +90,6 @@ class Worker:
     async def _check_published(self, ref: Any, worker_id: str) -> None:
         """An index that restarted empty answers `needs_resync` without resyncing (it lost our
         handle): register again so that it pulls our snapshot."""
-        import ray
-
         try:
             result = await ref
         except Exception:
@@ -84,8 +102,6 @@ class Worker:
 
     async def ready(self) -> dict[str, Any]:
         """Start the step loop and join the index (which resyncs from our snapshot)."""
-        import ray
-
         self.core.start()
         if self._index is not None:
             me = ray.get_runtime_context().current_actor
@@ -105,6 +121,7 @@ class Worker:
             "num_blocks": engine.kv.pool.num_blocks,
         }
 
+    @ray.method(_generator_backpressure_num_objects=STREAM_BACKPRESSURE_OBJECTS)
     async def generate(
         self,
         request_id: str,
@@ -114,8 +131,14 @@ class Worker:
         cache_salt: str | None = None,
         timeout_s: float | None = None,
         trace_context: dict[str, str] | None = None,
+        owner_id: str | None = None,
     ) -> AsyncIterator[StreamDelta]:
-        """Streaming: call as `handle.generate.remote(...)` and iterate the ObjectRefGenerator."""
+        """Streaming: call as `handle.generate.remote(...)` and iterate the ObjectRefGenerator.
+
+        `owner_id` (the router replica's id) ties the request to that owner's lease: it is
+        aborted once the owner has not renewed (`stats(owner_id)`, `renew_lease`) within
+        `lease_timeout_s`. None: no lease.
+        """
         async for delta in self.core.generate(
             request_id,
             prompt,
@@ -124,14 +147,19 @@ class Worker:
             cache_salt=cache_salt,
             timeout_s=timeout_s,
             trace_context=trace_context,
+            owner_id=owner_id,
         ):
             yield delta
 
+    @ray.method(_generator_backpressure_num_objects=STREAM_BACKPRESSURE_OBJECTS)
     async def adopt(
-        self, handoff: RequestHandoff, trace_context: dict[str, str] | None = None
+        self,
+        handoff: RequestHandoff,
+        trace_context: dict[str, str] | None = None,
+        owner_id: str | None = None,
     ) -> AsyncIterator[StreamDelta]:
         """Streaming, like `generate`: continue a request a peer handed off."""
-        async for delta in self.core.adopt(handoff, trace_context):
+        async for delta in self.core.adopt(handoff, trace_context, owner_id):
             yield delta
 
     async def abort(self, request_id: str) -> bool:
@@ -142,8 +170,14 @@ class Worker:
         then end the rest for the router to replay. The caller then stops the actor."""
         return await self.core.drain(grace_s)
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self, owner_id: str | None = None) -> dict[str, Any]:
+        """The worker's state; also renews `owner_id`'s lease (the router polls this)."""
+        if owner_id is not None:
+            self.core.renew_lease(owner_id)
         return self.core.stats()
+
+    async def renew_lease(self, owner_id: str) -> None:
+        self.core.renew_lease(owner_id)
 
     async def health(self) -> bool:
         return True

@@ -7,6 +7,13 @@ The engine is single-threaded. Steps run in a thread so the event loop stays fre
 requests and stream tokens during a forward; anything that changes the engine (add, abort,
 block import) waits until no step is in flight and then runs on the loop thread. So exactly one
 thread touches the engine at any time, and an abort takes effect within one step.
+
+Two guards keep a request from running on when nobody wants it:
+- a bounded buffer per stream (`DeltaBuffer`): a reader that stops reading gets its request
+  paused in the engine once `max_buffered_deltas` wait, and resumed once it has read half;
+- owner leases (`LeaseTable`): a request sent with an `owner_id` is aborted once that owner
+  (a router replica) has not renewed within `lease_timeout_s`. A housekeeping task checks every
+  quarter of that, engine busy or idle.
 """
 
 from __future__ import annotations
@@ -28,9 +35,15 @@ from pagedserve.workers.handoff import RequestHandoff
 from pagedserve.workers.kv_cache_manager import PrefixTransfer
 from pagedserve.workers.kv_checks import KVInvariantError, assert_no_leaks, check_invariants
 from pagedserve.workers.kv_events import KVEvent, KVSnapshot
+from pagedserve.workers.lease import DEFAULT_LEASE_TIMEOUT_S, LeaseTable
 from pagedserve.workers.request_trace import RequestTrace, RequestTraces
 from pagedserve.workers.sampling_params import SamplingParams
-from pagedserve.workers.stream import DeltaTracker, StreamDelta
+from pagedserve.workers.stream import (
+    DEFAULT_MAX_BUFFERED_DELTAS,
+    DeltaBuffer,
+    DeltaTracker,
+    StreamDelta,
+)
 from pagedserve.workers.telemetry import NOOP, Tracing
 
 logger = logging.getLogger(__name__)
@@ -39,7 +52,8 @@ EventSink = Callable[[str, str, list[KVEvent]], None]
 
 
 class WorkerCore:
-    """Owns one engine, its step loop, the open streams and the KV event feed.
+    """Owns one engine, its step loop, the open streams (each with its bounded buffer), the
+    owners' leases and the KV event feed.
 
     Args:
         engine: the engine to drive.
@@ -47,6 +61,9 @@ class WorkerCore:
         event_sink: called as `sink(worker_id, epoch, events)` after each step that produced
             KV events (the prefix index's publish).
         tracing: where request spans go (the no-op tracer by default).
+        lease_timeout_s: how long an owner's requests live without a renewal.
+        max_buffered_deltas: deltas a stream buffers before its request is paused.
+        clock: the leases' monotonic clock (tests inject one).
     """
 
     def __init__(
@@ -55,18 +72,27 @@ class WorkerCore:
         worker_id: str,
         event_sink: EventSink | None = None,
         tracing: Tracing = NOOP,
+        *,
+        lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
+        max_buffered_deltas: int = DEFAULT_MAX_BUFFERED_DELTAS,
+        clock: Callable[[], float] = time.monotonic,
     ):
+        if max_buffered_deltas < 1:
+            raise ValueError(f"max_buffered_deltas must be >= 1, got {max_buffered_deltas}")
         self.engine = engine
         self.traces = RequestTraces(tracing, worker_id)
         self.worker_id = worker_id
         self.epoch = uuid.uuid4().hex
         self.event_sink = event_sink
         self.transfer = PrefixTransfer(engine.kv)
-        self._streams: dict[str, tuple[asyncio.Queue[StreamDelta], DeltaTracker]] = {}
-        self._pending: list[tuple[Callable[[], Any], asyncio.Future]] = []
+        self.leases = LeaseTable(lease_timeout_s, clock)
+        self.max_buffered_deltas = max_buffered_deltas
+        self._streams: dict[str, tuple[DeltaBuffer, DeltaTracker]] = {}
+        self._pending: list[tuple[Callable[[], Any], asyncio.Future | None]] = []
         self._stepping = False
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
+        self._housekeeping: asyncio.Task | None = None
         self.num_blocks_imported = 0
         self.num_blocks_exported = 0
         self._drop_next_batch = False
@@ -76,18 +102,32 @@ class WorkerCore:
     # ------------------------------------------------------------ the loop
     def start(self) -> None:
         if self._loop_task is None:
-            self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
+            loop = asyncio.get_running_loop()
+            self._loop_task = loop.create_task(self._run_loop())
+            self._housekeeping = loop.create_task(self._housekeeping_loop())
 
     async def close(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._loop_task
-            self._loop_task = None
+        for task in (self._loop_task, self._housekeeping):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._loop_task = self._housekeeping = None
+
+    async def _housekeeping_loop(self) -> None:
+        """Every quarter lease: abort the orphans of expired owners, and wake the step loop so
+        that a paused request's deadline is noticed while nothing else runs."""
+        while True:
+            await asyncio.sleep(self.leases.timeout_s / 4)
+            try:
+                await self.check_leases()
+            except Exception:  # the next round tries again; the loop must live on
+                logger.exception("lease check failed")
+            self._wakeup.set()
 
     async def _run_loop(self) -> None:
         while True:
-            if not self.engine.has_unfinished_requests():
+            if not self.engine.has_runnable_requests():  # idle, or every request paused
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
@@ -126,25 +166,38 @@ class WorkerCore:
         self._pending.append((fn, future))
         return await future
 
+    def _on_engine_soon(self, fn: Callable[[], Any]) -> None:
+        """Run `fn` on the engine now, or right after the step in flight; nobody waits."""
+        if not self._stepping:
+            fn()
+        else:
+            self._pending.append((fn, None))
+
     def _run_pending(self) -> None:
         pending, self._pending = self._pending, []
         for fn, future in pending:
             try:
                 result = fn()
             except Exception as error:  # handed to the waiting caller, which re-raises it
-                if not future.done():
+                if future is None:
+                    logger.exception("deferred engine call failed")
+                elif not future.done():
                     future.set_exception(error)
             else:
-                if not future.done():
+                if future is not None and not future.done():
                     future.set_result(result)
 
     def _dispatch(self, output) -> None:
         stream = self._streams.get(output.request_id)
         if stream is None:
             return
-        queue, tracker = stream
+        buffer, tracker = stream
         for delta in tracker.deltas(output, self.worker_id):
-            queue.put_nowait(delta)
+            buffer.put(delta)
+        if not output.finished and not buffer.paused and buffer.full():
+            # The reader lags: stop decoding for it (blocks kept) until it has read half.
+            buffer.paused = True
+            self._on_engine_soon(functools.partial(self.engine.pause, output.request_id))
 
     def _publish_events(self) -> None:
         events = self.engine.kv.pool.take_events()
@@ -169,11 +222,13 @@ class WorkerCore:
         cache_salt: str | None = None,
         timeout_s: float | None = None,
         trace_context: dict[str, str] | None = None,
+        owner_id: str | None = None,
     ) -> AsyncIterator[StreamDelta]:
         """Stream a request's deltas until every branch finished. Raises `RequestRejected`.
 
         Leaving the iteration early (cancellation, a closed stream) aborts the request and
         frees its blocks. `trace_context` (a W3C carrier) parents this request's spans.
+        `owner_id` ties the request to that owner's lease (None: no lease).
         """
         add = functools.partial(
             self.engine.add_request,
@@ -185,20 +240,25 @@ class WorkerCore:
             timeout_s=timeout_s,
         )
         trace = self.traces.open(request_id, trace_context, params)
-        async for delta in self._stream(request_id, params.n, add, DeltaTracker(), trace):
+        async for delta in self._stream(request_id, params.n, add, DeltaTracker(), trace, owner_id):
             yield delta
 
     async def adopt(
-        self, handoff: RequestHandoff, trace_context: dict[str, str] | None = None
+        self,
+        handoff: RequestHandoff,
+        trace_context: dict[str, str] | None = None,
+        owner_id: str | None = None,
     ) -> AsyncIterator[StreamDelta]:
-        """Continue a request a peer handed off; streams only the tokens it generates here."""
+        """Continue a request a peer handed off; streams only the tokens it generates here.
+        `owner_id` as in `generate`."""
         already_sent = DeltaTracker(
             sent_tokens={0: len(handoff.output_token_ids)},
             sent_text={0: handoff.emitted_text_chars},
         )
         trace = self.traces.open(handoff.request_id, trace_context, handoff.params, "worker.adopt")
+        start = functools.partial(self.engine.adopt, handoff)
         async for delta in self._stream(
-            handoff.request_id, 1, lambda: self.engine.adopt(handoff), already_sent, trace
+            handoff.request_id, 1, start, already_sent, trace, owner_id
         ):
             yield delta
 
@@ -209,31 +269,41 @@ class WorkerCore:
         add: Callable[[], None],
         tracker: DeltaTracker,
         trace: RequestTrace,
+        owner_id: str | None,
     ) -> AsyncIterator[StreamDelta]:
         self.start()
         if self.draining:
             raise Draining(f"worker {self.worker_id} is draining", retry_after_s=0.0)
-        queue: asyncio.Queue[StreamDelta | None] = asyncio.Queue()
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already streaming on this worker")
-        self._streams[request_id] = (queue, tracker)
+        buffer = DeltaBuffer(self.max_buffered_deltas)
+        self._streams[request_id] = (buffer, tracker)
         remaining = num_branches
         try:
             await self._on_engine(add)
+            self.leases.attach(request_id, owner_id)
             self._wakeup.set()
             while remaining:
-                delta = await queue.get()
+                delta = await buffer.get()
                 if delta is None:  # `drain` ran out of grace: the router replays the rest
                     raise HandedOff(f"worker {self.worker_id} drained before this request ended")
                 if delta.finish_reason is not None:
                     remaining -= 1
+                elif buffer.drained():
+                    await self._resume(request_id, buffer)
                 trace.on_delta(delta)
                 yield delta
         finally:
             self._streams.pop(request_id, None)
+            self.leases.detach(request_id)
             self.traces.close(trace, aborted=bool(remaining))
             if remaining:
                 await asyncio.shield(self._abort_quietly(request_id))
+
+    async def _resume(self, request_id: str, buffer: DeltaBuffer) -> None:
+        buffer.paused = False
+        await self._on_engine(functools.partial(self.engine.resume, request_id))
+        self._wakeup.set()
 
     async def _abort_quietly(self, request_id: str) -> None:
         await self._on_engine(lambda: self.engine.abort(request_id))
@@ -261,12 +331,27 @@ class WorkerCore:
         while self._streams and time.monotonic() < end:
             await asyncio.sleep(0.02)
         handed_off = list(self._streams)
-        for queue, _ in self._streams.values():
-            queue.put_nowait(None)
+        for buffer, _ in self._streams.values():
+            buffer.put(None)
         end = time.monotonic() + 5.0  # a deadline here too: a stuck stream must not hang us
         while self._streams and time.monotonic() < end:  # each one's `finally` aborts it
             await asyncio.sleep(0.01)
         return {"finished": open_at_start - len(handed_off), "handed_off": len(handed_off)}
+
+    # -------------------------------------------------------------- leases
+    def renew_lease(self, owner_id: str) -> None:
+        """`owner_id` is alive: its requests live another `lease_timeout_s`."""
+        self.leases.renew(owner_id)
+
+    async def check_leases(self) -> int:
+        """Abort every request whose owner's lease expired (blocks freed, KV events published,
+        stream ended with finish_reason "abort"). Returns how many were aborted."""
+        aborted = 0
+        for request_id in self.leases.expired():
+            logger.warning("request %s: its owner stopped renewing; aborting it", request_id)
+            if await self.abort(request_id):
+                aborted += 1
+        return aborted
 
     # --------------------------------------------------------------- state
     def stats(self) -> dict[str, Any]:
@@ -284,6 +369,8 @@ class WorkerCore:
             "blocks_exported": self.num_blocks_exported,
             "event_batches_dropped": self.num_event_batches_dropped,
             "draining": self.draining,
+            "lease_expired": self.leases.num_expired,
+            "lease_owners": self.leases.num_owners,
             **stats,
         }
 

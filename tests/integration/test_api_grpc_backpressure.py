@@ -1,0 +1,83 @@
+"""Backpressure end to end through Serve's real gRPC proxy: streams nobody reads pause their
+requests on the workers (blocks stop growing), and read to the end later they give exactly
+what the same requests give unpaused; nothing leaks.
+
+The hops that carry it: gRPC flow control → `grpc_streams` (bounded buffer, Ray generator
+backpressure on the replica call) → the Router replica (user code on Serve's own loop, see
+`ROUTER_ENV`) → Ray generator backpressure on `Worker.generate` → the worker's bounded
+`DeltaBuffer` → the engine pauses the request.
+"""
+
+from __future__ import annotations
+
+import grpc
+import ray
+from support.api_app import running_app, wait_until
+
+from pagedserve.cluster.serve_options import ROUTER_ENV_VARS
+from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
+from pagedserve.proto.pagedserve.v1 import serving_pb2_grpc
+
+NAME = "api-grpc-backpressure"
+NUM_STREAMS = 4
+MAX_TOKENS = 400  # two streams per worker fit its 127-block pool without preemption
+DEADLINE_S = 180.0
+# Set for the whole local Ray here, as the Router deployment's runtime_env should set it
+# (`serve_options.ROUTER_ENV_VARS`): without it the test times out waiting for pauses.
+ROUTER_ENV = ROUTER_ENV_VARS
+# A small receive window, so that the client's own HTTP/2 buffer holds few messages.
+CLIENT_OPTIONS = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+
+
+def request(i: int, request_id: str) -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    prompt = [(7 * i + j) % 250 + 1 for j in range(12)]
+    return pb.GenerateRequest(prompt_token_ids=prompt, sampling=sampling, request_id=request_id)
+
+
+def worker_stats() -> list[dict]:
+    handles = [ray.get_actor(f"{NAME}-worker-{i}", namespace="pagedserve") for i in range(2)]
+    return ray.get([h.stats.remote() for h in handles])
+
+
+def test_unread_streams_pause_and_resume_with_unchanged_output(monkeypatch):
+    for key, value in ROUTER_ENV.items():
+        monkeypatch.setenv(key, value)  # the local Ray started below inherits it
+    with running_app(NAME, max_buffered_deltas=4) as app:
+        channel = grpc.insecure_channel(app.grpc_address, options=CLIENT_OPTIONS)
+        stub = serving_pb2_grpc.GenerationStub(channel)
+        reference = [
+            list(stub.Generate(request(i, f"ref-{i}"), timeout=DEADLINE_S).completions[0].token_ids)
+            for i in range(NUM_STREAMS)
+        ]
+        streams = [
+            stub.GenerateStream(request(i, f"unread-{i}"), timeout=DEADLINE_S)
+            for i in range(NUM_STREAMS)
+        ]
+        paused = wait_until(
+            lambda: _all_paused(worker_stats()), DEADLINE_S, f"{NUM_STREAMS} paused requests"
+        )
+        # Every request is paused, so no engine can step: blocks and steps stand still.
+        again = worker_stats()
+        assert [s["num_steps"] for s in again] == [s["num_steps"] for s in paused]
+        assert [s["kv"]["used_blocks"] for s in again] == [s["kv"]["used_blocks"] for s in paused]
+        produced = sum(s["kv"]["useful_tokens"] for s in paused)
+        assert produced < NUM_STREAMS * MAX_TOKENS // 2, "paused well before the end"
+
+        outputs = [[t for m in stream for t in m.token_ids] for stream in streams]
+        assert outputs == reference
+        wait_until(
+            lambda: all(s["kv"]["used_blocks"] == 0 for s in worker_stats()),
+            DEADLINE_S,
+            "every block to be free",
+        )
+        handles = [ray.get_actor(f"{NAME}-worker-{i}", namespace="pagedserve") for i in range(2)]
+        for check in ray.get([h.check_pool.remote() for h in handles]):
+            assert check == {"ok": True, "idle": True, "error": None}
+        assert all(s["num_paused"] == 0 and s["num_streams"] == 0 for s in worker_stats())
+        channel.close()
+
+
+def _all_paused(stats: list[dict]) -> list[dict] | None:
+    paused = sum(s["num_paused"] for s in stats)
+    return stats if paused == NUM_STREAMS else None

@@ -1,0 +1,78 @@
+"""A real Worker actor and owner leases: a request whose owner never renews is aborted by the
+worker (pool clean), one whose owner renews (via `stats(owner_id)`) lives past the lease."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import ray
+
+from pagedserve.workers.engine_config import EngineConfig
+from pagedserve.workers.sampling_params import SamplingParams
+from pagedserve.workers.worker import Worker
+
+LEASE_S = 2.0
+DEADLINE_S = 120.0
+PARAMS = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def worker():
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=2, include_dashboard=False)
+    config = EngineConfig(block_size=8, num_kv_blocks=64, attention_backend="torch")
+    handle = (
+        ray.remote(Worker)
+        .options(max_concurrency=64)
+        .remote("w0", config, lease_timeout_s=LEASE_S, max_buffered_deltas=4)
+    )
+    ray.get(handle.ready.remote())
+    yield handle
+    ray.kill(handle, no_restart=True)
+    ray.shutdown()
+
+
+async def read(stream) -> list:
+    return [await ref async for ref in stream]
+
+
+async def wait_for(condition, what: str) -> None:
+    end = time.monotonic() + DEADLINE_S
+    while not await condition():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+def test_an_orphan_is_aborted_and_a_renewed_request_lives_on(worker):
+    async def renew_like_a_router(stop: asyncio.Event) -> None:
+        while not stop.is_set():  # the router's stats poll, much more often than the lease
+            await worker.stats.remote("router-alive")
+            await asyncio.sleep(LEASE_S / 20)
+
+    async def main():
+        stop = asyncio.Event()
+        renewing = asyncio.create_task(renew_like_a_router(stop))
+        orphan = worker.generate.remote("orphan", list(range(20)), PARAMS, owner_id="router-gone")
+        kept = worker.generate.remote("kept", list(range(30, 50)), PARAMS, owner_id="router-alive")
+        # Neither stream is read, so both pause; the orphan's owner never renews.
+        await wait_for(lambda: _stat(worker, "lease_expired", 1), "the orphan's lease to expire")
+        kept_deltas = await asyncio.wait_for(read(kept), DEADLINE_S)
+        orphan_deltas = await asyncio.wait_for(read(orphan), DEADLINE_S)
+        stop.set()
+        await renewing
+        return orphan_deltas, kept_deltas, await worker.check_pool.remote()
+
+    orphan, kept, pool = asyncio.run(main())
+    assert orphan[-1].finish_reason == "abort"
+    assert kept[-1].finish_reason == "length"
+    assert sum(len(d.token_ids) for d in kept) == PARAMS.max_tokens
+    assert pool == {"ok": True, "idle": True, "error": None}
+    stats = ray.get(worker.stats.remote())
+    assert stats["lease_expired"] == 1 and stats["num_streams"] == 0
+
+
+async def _stat(worker, key: str, value) -> bool:
+    return (await worker.stats.remote())[key] == value
