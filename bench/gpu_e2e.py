@@ -31,7 +31,7 @@ import time
 import torch
 
 from pagedserve.bench.gpu_rows import RowLog, timer_name
-from pagedserve.kernels import get_kernel_ops, triton_interpreter_active
+from pagedserve.kernels import triton_interpreter_active
 from pagedserve.kernels.testing import compiled_variants
 
 ONE_B = dict(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, vocab=32000)
@@ -97,9 +97,8 @@ def run_engine(loaded, backend: str, split_decodes: bool, prompts, max_new: int,
         num_kv_blocks=blocks,
         max_num_seqs=len(prompts),
         enable_prefix_caching=False,
+        split_decodes=split_decodes,
     )
-    if split_decodes:  # a benchmark-only switch: the engine config has no such field yet
-        llm.engine.runner.ops = get_kernel_ops(backend, loaded.device, split_decodes=True)
     params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
     llm.generate([p[:16] for p in prompts[:2]], SamplingParams(max_tokens=4, temperature=0.0))
     kernels = (decode.decode_split_kernel, decode.decode_reduce_kernel, prefill.prefill_kernel)

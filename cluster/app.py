@@ -34,6 +34,7 @@ from pagedserve.cluster.grpc_api import SERVING, GrpcFrontend
 from pagedserve.cluster.metrics import CONTENT_TYPE
 from pagedserve.cluster.openai_api import OpenAIFrontend, error_response
 from pagedserve.cluster.router import GenerateRequest, RouterCore
+from pagedserve.cluster.serve_options import ROUTER_ENV_VARS
 from pagedserve.cluster.worker_group import start_worker_group
 from pagedserve.workers.stream import StreamDelta
 from pagedserve.workers.telemetry import ROUTER_SERVICE, get_tracing
@@ -49,7 +50,13 @@ def served_model_name(config: ClusterConfig, api: ApiConfig) -> str:
     return api.served_model_name or config.engine.model or "tiny-llama"
 
 
-@serve.deployment(name="Router", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
+# The Router's code runs on Serve's own event loop (ROUTER_ENV_VARS): only there does a client
+# that stops reading hold the Router's stream back, and so pause its request on the worker.
+@serve.deployment(
+    name="Router",
+    max_ongoing_requests=1024,
+    ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": ROUTER_ENV_VARS}},
+)
 @serve.ingress(http_app)
 class Router:
     """Ingress: takes requests, routes them to workers, streams deltas back.

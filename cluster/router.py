@@ -105,6 +105,7 @@ class RouterCore:
         self._pull_deadline_s = config.pull_timeout_s + config.rpc_timeout_s
         self._started: asyncio.Task | None = None
         self._poller: asyncio.Task | None = None
+        self._renewer: asyncio.Task | None = None
         self.metrics = RouterMetrics(
             metrics, lambda: {w.worker_id: (w.alive, w.stats) for w in self.workers.values()}
         )
@@ -125,10 +126,12 @@ class RouterCore:
             raise NoWorkerAvailable(f"no worker became ready within {timeout} s")
         self.model_name = alive[0].info["model"]
         self.block_size = alive[0].info["block_size"]
-        self._poller = asyncio.get_running_loop().create_task(self._poll_loop())
+        loop = asyncio.get_running_loop()
+        self._poller = loop.create_task(self._poll_loop())
+        self._renewer = loop.create_task(self._renew_loop())
 
     async def close(self) -> None:
-        for task in (self._poller, self._started):
+        for task in (self._poller, self._renewer, self._started):
             if task is not None:
                 task.cancel()
 
@@ -142,6 +145,15 @@ class RouterCore:
         if worker.info and info["epoch"] != worker.info["epoch"]:
             self.counters["workers_restarted"] += 1
         worker.mark_alive(info)
+
+    async def _renew_loop(self) -> None:
+        """Renew this router's lease on every worker each stats interval, without waiting for
+        any answer: a slow worker, poll or push must never let the others' leases lapse (a
+        lapsed lease aborts every request this router streams from that worker)."""
+        while True:
+            for worker in self.workers.values():
+                worker.handle.renew_lease.remote(self.router_id)
+            await asyncio.sleep(self.config.stats_interval_s)
 
     async def _poll_loop(self) -> None:
         while True:

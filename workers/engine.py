@@ -57,7 +57,9 @@ class Engine:
                 f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= "
                 f"max_model_len ({self.max_model_len}) when chunked prefill is off"
             )
-        ops = get_kernel_ops(config.attention_backend, self.loaded.device)
+        ops = get_kernel_ops(
+            config.attention_backend, self.loaded.device, split_decodes=config.split_decodes
+        )
         num_blocks = self._num_kv_blocks()
         num_swap = config.num_swap_blocks
         if num_swap is None:

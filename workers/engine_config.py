@@ -39,6 +39,9 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     preemption_mode: str = "recompute"
     max_waiting: int | None = None  # new requests queued at most (Overloaded past it)
+    # Triton: decodes of a mixed prefill+decode batch through the split decode kernel (a
+    # second launch), so a long decode among prefills is spread over many programs.
+    split_decodes: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

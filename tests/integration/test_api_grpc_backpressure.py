@@ -4,8 +4,8 @@ what the same requests give unpaused; nothing leaks.
 
 The hops that carry it: gRPC flow control → `grpc_streams` (bounded buffer, Ray generator
 backpressure on the replica call) → the Router replica (user code on Serve's own loop, see
-`ROUTER_ENV`) → Ray generator backpressure on `Worker.generate` → the worker's bounded
-`DeltaBuffer` → the engine pauses the request.
+`serve_options.ROUTER_ENV_VARS`) → Ray generator backpressure on `Worker.generate` → the
+worker's bounded `DeltaBuffer` → the engine pauses the request.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import grpc
 import ray
 from support.api_app import running_app, wait_until
 
-from pagedserve.cluster.serve_options import ROUTER_ENV_VARS
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
 from pagedserve.proto.pagedserve.v1 import serving_pb2_grpc
 
@@ -22,9 +21,6 @@ NAME = "api-grpc-backpressure"
 NUM_STREAMS = 4
 MAX_TOKENS = 400  # two streams per worker fit its 127-block pool without preemption
 DEADLINE_S = 180.0
-# Set for the whole local Ray here, as the Router deployment's runtime_env should set it
-# (`serve_options.ROUTER_ENV_VARS`): without it the test times out waiting for pauses.
-ROUTER_ENV = ROUTER_ENV_VARS
 # A small receive window, so that the client's own HTTP/2 buffer holds few messages.
 CLIENT_OPTIONS = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
 
@@ -40,9 +36,9 @@ def worker_stats() -> list[dict]:
     return ray.get([h.stats.remote() for h in handles])
 
 
-def test_unread_streams_pause_and_resume_with_unchanged_output(monkeypatch):
-    for key, value in ROUTER_ENV.items():
-        monkeypatch.setenv(key, value)  # the local Ray started below inherits it
+def test_unread_streams_pause_and_resume_with_unchanged_output():
+    # The Router deployment sets `serve_options.ROUTER_ENV_VARS` itself (cluster/app.py):
+    # without it the replica would pull the Router's stream unread and nothing would pause.
     with running_app(NAME, max_buffered_deltas=4) as app:
         channel = grpc.insecure_channel(app.grpc_address, options=CLIENT_OPTIONS)
         stub = serving_pb2_grpc.GenerationStub(channel)

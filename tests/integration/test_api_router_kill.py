@@ -1,6 +1,7 @@
 """A Router replica killed mid-stream: its clients get UNAVAILABLE (no internals), Serve
-starts a new replica that serves at once, and the workers abort the orphaned requests when
-the dead router's lease lapses, so none decodes on to `max_tokens`.
+starts a new replica that serves at once, and the workers abort the orphaned requests (Ray
+closes a dead caller's stream; the dead router's lease lapses as a backstop), so none decodes
+on to `max_tokens`.
 
 Own module: it kills the app's only Router replica.
 """
@@ -81,11 +82,12 @@ def test_a_killed_router_s_streams_end_unavailable_and_leave_no_orphan(app):
             channel.close()
 
     wait_until(serves_again, 120, "a new Router replica to serve")
-    # The orphans: aborted by their workers once the dead router's lease lapsed, long before
-    # LONG tokens could be decoded.
+    # The orphans ended long before LONG tokens: Ray closes a dead caller's stream (the worker
+    # aborts the request) and, as a backstop, the dead router's lease lapses. Finishing any
+    # of them would have taken at least LONG engine steps.
     assert_app_pools_clean(app, deadline_s=LEASE_S * 10)
     stats = [
         ray.get(ray.get_actor(app.config.worker_name(i), namespace="pagedserve").stats.remote())
         for i in range(app.config.num_workers)
     ]
-    assert sum(s.get("lease_expired", 0) for s in stats) >= 4, stats
+    assert max(s["num_steps"] for s in stats) < LONG, stats
