@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.bench.bench_io import ensure_ray, write_json, write_text
-from pagedserve.bench.serve_metrics import Delta, kv_sample_from_dict, record_dict, summarize
+from pagedserve.bench.serve_metrics import Delta, kv_sample_from_cluster, record_dict, summarize
 from pagedserve.bench.serve_runner import RunResult, run_workload
 from pagedserve.bench.serve_workload import PlannedRequest
+from pagedserve.workers.worker_types import WorkerRequest
 
 BASELINE: dict[str, Any] = {
     "kv_allocation": "paged",
@@ -162,7 +163,7 @@ async def _drive(cluster_config, index, workers, workload, config: AblateConfig)
         await asyncio.gather(*(_warm_up(wid, handle) for wid, handle in workers.items()))
 
         async def poll(t_s: float) -> dict[str, Any]:
-            return kv_sample_from_dict(t_s, await core.cluster_stats())
+            return kv_sample_from_cluster(t_s, await core.cluster_stats())
 
         return await run_workload(
             workload,
@@ -218,7 +219,9 @@ async def _warm_up(worker_id: str, handle: Any) -> None:
     rng = random.Random(f"warm-up {worker_id}")
     tokens = [rng.randrange(256) for _ in range(24)]
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    async for ref in handle.generate.remote(f"warm-up-{worker_id}", tokens, params):
+    async for ref in handle.generate.remote(
+        WorkerRequest.fresh(f"warm-up-{worker_id}", tokens, params)
+    ):
         await ref
 
 

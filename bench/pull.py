@@ -33,6 +33,7 @@ from typing import Any
 from pagedserve.bench.bench_io import ensure_ray
 from pagedserve.bench.routing import HelpFormatter
 from pagedserve.cluster.config import ClusterConfig
+from pagedserve.workers.worker_types import WorkerRequest
 
 DEFAULT_LENGTHS = (1, 2, 4, 8, 16, 32, 64)
 _WARMUP_PROMPT_LEN = 40
@@ -113,7 +114,7 @@ async def ttft(handle: Any, request_id: str, token_ids: list[int]) -> tuple[floa
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     started = time.perf_counter()
     first, cached = None, 0
-    async for ref in handle.generate.remote(request_id, token_ids, params):
+    async for ref in handle.generate.remote(WorkerRequest.fresh(request_id, token_ids, params)):
         delta = await ref
         if delta.token_ids and first is None:
             first = time.perf_counter() - started
@@ -164,7 +165,7 @@ async def kv_bytes_of(a: Any, model: str, config: PullBenchConfig, blocks: int) 
 
 async def run_pull_bench_async(config: PullBenchConfig, a: Any, b: Any) -> list[Point]:
     info, _ = await asyncio.gather(a.ready.remote(), b.ready.remote())
-    model = info["model"]
+    model = info.model
     warm_up = list(range(_WARMUP_PROMPT_LEN))
     await asyncio.gather(ttft(a, "warm-up-a", warm_up), ttft(b, "warm-up-b", warm_up))
     await measure_once(a, b, model, config, 2, random.Random("warm-up"))  # first transfer
@@ -185,10 +186,10 @@ async def _assert_idle(handle: Any, deadline_s: float = 10.0) -> None:
     end = time.monotonic() + deadline_s
     while True:
         stats = await handle.stats.remote()
-        if not stats["num_streams"] and not stats["kv"]["used_blocks"]:
+        if not stats.num_streams and not stats.kv.used_blocks:
             return
         if time.monotonic() > end:
-            raise RuntimeError(f"{stats['worker_id']} still holds blocks: {stats['kv']}")
+            raise RuntimeError(f"{stats.worker_id} still holds blocks: {stats.kv}")
         await asyncio.sleep(0.1)
 
 

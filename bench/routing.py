@@ -65,7 +65,9 @@ from pagedserve.bench.routing_workload import (
     make_workload,
 )
 from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.router_types import ClusterStats
 from pagedserve.workers.engine_config import EngineConfig
+from pagedserve.workers.worker_types import WorkerRequest
 
 _WARMUP_PROMPT_LEN = 40
 _WARMUP_TOKENS = 2
@@ -139,7 +141,9 @@ async def _warm_up(worker_id: str, handle: Any) -> None:
     rng = random.Random(f"warm-up {worker_id}")
     tokens = [rng.randrange(256) for _ in range(_WARMUP_PROMPT_LEN)]
     params = SamplingParams(max_tokens=_WARMUP_TOKENS, temperature=0.0, ignore_eos=True)
-    async for ref in handle.generate.remote(f"warm-up-{worker_id}", tokens, params):
+    async for ref in handle.generate.remote(
+        WorkerRequest.fresh(f"warm-up-{worker_id}", tokens, params)
+    ):
         await ref
 
 
@@ -178,12 +182,16 @@ async def _send(
     return record
 
 
-async def _settled_stats(core) -> dict[str, Any]:
+async def _settled_stats(core) -> ClusterStats:
     """The router's cluster stats once every worker's pool is idle (or the deadline passed)."""
     deadline = time.monotonic() + _SETTLE_S
     while True:
         stats = await core.cluster_stats()
-        busy = [w for w in stats["workers"].values() if w.get("num_streams") or used_blocks(w)]
+        busy = [
+            w
+            for w in stats.workers.values()
+            if w.stats is not None and (w.stats.num_streams or used_blocks(w))
+        ]
         if not busy or time.monotonic() > deadline:
             return stats
         await asyncio.sleep(0.1)
@@ -198,8 +206,8 @@ def run_routing_bench(config: RoutingBenchConfig) -> tuple[dict[str, PolicyResul
     results = {}
     for policy in config.policies:
         results[policy] = run_policy(config, policy, workload)
-    any_stats = next(iter(results.values())).cluster_stats["workers"].values()
-    num_kv_blocks = next(iter(any_stats))["kv"]["total_blocks"]
+    any_stats = next(iter(results.values())).cluster_stats.workers.values()
+    num_kv_blocks = next(w.info.num_blocks for w in any_stats if w.info is not None)
     return results, num_kv_blocks
 
 

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pagedserve.bench.routing_workload import RoutingBenchConfig
+from pagedserve.cluster.router_types import WorkerView
 
 TTFT_GOAL = 3.0  # kv_aware TTFT p50 at least 3x better than round_robin
 HIT_RATE_GOAL = 0.90  # hit rate at least 90% of the ideal
@@ -104,9 +105,9 @@ def summarize(policy: str, records: list[RequestRecord], stats: dict[str, Any]) 
     duration = max(r.arrival_s + r.e2e_s for r in ok) - min(r.arrival_s for r in ok) if ok else 0.0
     prompt_tokens = sum(r.prompt_tokens for r in ok)
     per_worker = Counter(_short_worker_id(r.worker_id) for r in ok)
-    for worker_id in stats["workers"]:
+    for worker_id in stats.workers:
         per_worker.setdefault(_short_worker_id(worker_id), 0)
-    router = stats["router"]
+    router = stats.router
     return PolicySummary(
         policy=policy,
         num_ok=len(ok),
@@ -124,17 +125,17 @@ def summarize(policy: str, records: list[RequestRecord], stats: dict[str, Any]) 
         ),
         num_misses=sum(1 for r in ok if r.cached_tokens == 0),
         requests_per_worker=dict(sorted(per_worker.items())),
-        pulls=router.get("migrations.pull", 0),
-        pulled_blocks=router.get("migrations.pull_blocks", 0),
-        pushes=router.get("migrations.push", 0),
-        pushed_blocks=router.get("migrations.push_blocks", 0),
-        blocks_in_use_at_end=sum(used_blocks(w) for w in stats["workers"].values()),
+        pulls=router.pulls,
+        pulled_blocks=router.pull_blocks,
+        pushes=router.pushes,
+        pushed_blocks=router.push_blocks,
+        blocks_in_use_at_end=sum(used_blocks(w) for w in stats.workers.values()),
     )
 
 
-def used_blocks(worker_stats: dict[str, Any]) -> int:
-    """KV blocks a worker's pool has in use, from its entry in `cluster_stats()["workers"]`."""
-    return worker_stats.get("kv", {}).get("used_blocks", 0)
+def used_blocks(worker: WorkerView) -> int:
+    """KV blocks a worker's pool has in use, from its entry in `cluster_stats().workers`."""
+    return worker.stats.kv.used_blocks if worker.stats is not None else 0
 
 
 def _short_worker_id(worker_id: str | None) -> str:

@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from pagedserve.cluster.router_types import ClusterStats
+
 OK_FINISH = ("stop", "length")
 LATENCIES = ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_time_s")
 
@@ -222,12 +224,12 @@ def kv_sample_from_pb(t_s: float, stats: Any) -> dict[str, float]:
     }
 
 
-def kv_sample_from_dict(t_s: float, stats: dict[str, Any]) -> dict[str, float]:
+def kv_sample_from_cluster(t_s: float, stats: ClusterStats) -> dict[str, float]:
     """One sample from `RouterCore.cluster_stats()`, summed over alive workers."""
-    alive = [w for w in stats["workers"].values() if w.get("alive") and w.get("kv")]
+    alive = [w.stats for w in stats.workers.values() if w.alive and w.stats is not None]
     sample = {"t_s": t_s}
     for name in KV_SAMPLE_FIELDS[1:6]:
-        sample[name] = sum(w["kv"][name] for w in alive)
-    sample["num_running"] = sum(w.get("num_running", 0) for w in alive)
-    sample["num_waiting"] = sum(w.get("num_waiting", 0) for w in alive)
+        sample[name] = sum(getattr(w.kv, name) for w in alive)
+    sample["num_running"] = sum(w.num_running for w in alive)
+    sample["num_waiting"] = sum(w.num_waiting for w in alive)
     return sample

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import time
 from typing import Any
@@ -110,12 +111,15 @@ async def _soak(config, spec) -> dict[str, Any]:
     summary = {
         **report.summary(),
         "checks_s": round(time.monotonic() - started, 1),
-        "router": stats["router"],
-        "limits": stats["limits"],
-        "index": stats["index"],
+        "router": stats.router.as_dict(),
+        "limits": dataclasses.asdict(stats.limits),
+        "index": dataclasses.asdict(stats.index) if stats.index is not None else None,
         "workers": {
-            wid: {k: w.get(k) for k in ("num_steps", "num_handoffs", "event_batches_dropped")}
-            for wid, w in stats["workers"].items()
+            wid: {
+                k: getattr(w.stats, k, None)
+                for k in ("num_steps", "num_handoffs", "event_batches_dropped")
+            }
+            for wid, w in stats.workers.items()
         },
         "latency_s_max": round(max(o.latency_s for o in report.outcomes), 2),
     }

@@ -99,8 +99,9 @@ async def check_cluster(core: RouterCore, settle_s: float = 60.0) -> list[str]:
             return ["a killed worker never rejoined"]
         await asyncio.sleep(0.2)
     problems = []
-    if core.num_inflight or core._active:
-        problems.append(f"router still holds {core.num_inflight} requests: {list(core._active)}")
+    if core.num_inflight or core._inflight_ids:
+        held = list(core._inflight_ids)
+        problems.append(f"router still holds {core.num_inflight} requests: {held}")
     timeout = core.config.rpc_timeout_s
     for worker in core.workers.values():
         last: Any = None
@@ -109,12 +110,12 @@ async def check_cluster(core: RouterCore, settle_s: float = 60.0) -> list[str]:
             snapshot = await asyncio.wait_for(worker.handle.kv_snapshot.remote(), timeout)
             held = await asyncio.wait_for(core.index.snapshot_of.remote(worker.worker_id), timeout)
             last = (pool, set(snapshot.block_hashes), held)
-            if pool["ok"] and pool["idle"] and last[1] == held:
+            if pool.clean and last[1] == held:
                 break
             await asyncio.sleep(0.2)
         else:
             pool, cached, held = last
-            if not (pool["ok"] and pool["idle"]):
+            if not pool.clean:
                 problems.append(f"{worker.worker_id} pool not clean: {pool}")
             if cached != held:
                 problems.append(
@@ -131,5 +132,5 @@ async def check_soak(
     problems = check_outcomes(report, references)
     problems += await check_cluster(core)
     stats = await core.cluster_stats()
-    problems += check_counters(report, stats["router"])
+    problems += check_counters(report, stats.router.as_dict())
     return problems

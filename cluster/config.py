@@ -7,6 +7,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from pagedserve.cluster.router_types import BackpressureLimits
 from pagedserve.workers.engine_config import EngineConfig
 
 FAILURE_MODES = ("replay", "fail")
@@ -126,13 +127,13 @@ class ClusterConfig:
         return replace(self.engine, max_waiting=self.max_waiting_per_worker)
 
     @property
-    def limits(self) -> dict[str, Any]:
+    def limits(self) -> BackpressureLimits:
         """The backpressure limits, as `cluster_stats` reports them."""
-        return {
-            "max_waiting_per_worker": self.max_waiting_per_worker,
-            "max_inflight": self.max_inflight,
-            "retry_after_s": self.retry_after_s,
-        }
+        return BackpressureLimits(
+            max_waiting_per_worker=self.max_waiting_per_worker,
+            max_inflight=self.max_inflight,
+            retry_after_s=self.retry_after_s,
+        )
 
     def worker_name(self, index: int) -> str:
         return f"{self.name}-worker-{index}"

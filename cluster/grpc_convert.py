@@ -7,7 +7,7 @@ from typing import Any
 
 from pagedserve.cluster.api_common import CompletionCollector, sampling_params
 from pagedserve.cluster.api_errors import ApiError
-from pagedserve.cluster.router import GenerateRequest
+from pagedserve.cluster.router_types import ClusterStats, GenerateRequest, WorkerView
 from pagedserve.cluster.worker_state import WorkerState
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
 from pagedserve.workers.outputs import RequestMetrics
@@ -16,6 +16,16 @@ from pagedserve.workers.stream import StreamDelta, Usage
 # Sampling fields declared `optional`: unset means the SamplingParams default, not zero.
 _OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n")
 _KV_FIELDS = tuple(f.name for f in pb.KVUsage.DESCRIPTOR.fields)
+# `WorkerStats` counts the proto carries as they are.
+_WORKER_COUNTS = (
+    "num_waiting",
+    "num_running",
+    "num_swapped",
+    "num_steps",
+    "events_published",
+    "blocks_imported",
+    "blocks_exported",
+)
 
 
 # ------------------------------------------------------------------ requests
@@ -119,11 +129,11 @@ def _set_stop_reason(message: Any, stop_reason: str | int | None) -> None:
 
 
 # --------------------------------------------------------------------- state
-def stats_to_proto(stats: dict[str, Any]) -> pb.GetStatsResponse:
-    """`GetStatsResponse` from `RouterCore.cluster_stats()`; missing numbers read as 0."""
-    counters = {key: int(value) for key, value in stats.get("router", {}).items()}
-    message = pb.GetStatsResponse(routing_policy=stats.get("policy", ""), router_counters=counters)
-    for worker_id, worker in sorted(stats.get("workers", {}).items()):
+def stats_to_proto(stats: ClusterStats) -> pb.GetStatsResponse:
+    """`GetStatsResponse` from `RouterCore.cluster_stats()`."""
+    counters = stats.router
+    message = pb.GetStatsResponse(routing_policy=stats.policy, router_counters=counters.as_dict())
+    for worker_id, worker in sorted(stats.workers.items()):
         message.workers.append(_worker_stats(worker_id, worker))
     alive = [w for w in message.workers if w.alive]
     for name in _KV_FIELDS:
@@ -134,53 +144,44 @@ def stats_to_proto(stats: dict[str, Any]) -> pb.GetStatsResponse:
     message.num_waiting = sum(w.num_waiting for w in alive)
     message.num_running = sum(w.num_running for w in alive)
     message.num_alive_workers = len(alive)
-    message.migrations.pulls = counters.get("migrations.pull", 0)
-    message.migrations.pulled_blocks = counters.get("migrations.pull_blocks", 0)
-    message.migrations.pushes = counters.get("migrations.push", 0)
-    message.migrations.pushed_blocks = counters.get("migrations.push_blocks", 0)
-    message.migrations.moves = counters.get("migrations.move", 0)
+    message.migrations.pulls = counters.pulls
+    message.migrations.pulled_blocks = counters.pull_blocks
+    message.migrations.pushes = counters.pushes
+    message.migrations.pushed_blocks = counters.push_blocks
+    message.migrations.moves = counters.moves
     message.migrations.blocks_imported = sum(w.blocks_imported for w in message.workers)
     message.migrations.blocks_exported = sum(w.blocks_exported for w in message.workers)
-    index = stats.get("index") or {}
-    message.index.entries = index.get("entries", 0)
-    message.index.max_entries = index.get("max_entries", 0) or 0
-    message.index.worker_blocks.update(index.get("workers", {}))
-    message.index.stale_workers.extend(index.get("stale_workers", []))
-    message.index.resyncs = index.get("resyncs", 0)
-    message.index.events_applied = index.get("events_applied", 0)
+    if (index := stats.index) is not None:
+        message.index.entries = index.entries
+        message.index.max_entries = index.max_entries
+        message.index.worker_blocks.update(index.workers)
+        message.index.stale_workers.extend(index.stale_workers)
+        message.index.resyncs = index.resyncs
+        message.index.events_applied = index.events_applied
     return message
 
 
-def _worker_stats(worker_id: str, stats: dict[str, Any]) -> pb.WorkerStats:
-    kv = stats.get("kv", {})
-    return pb.WorkerStats(
-        worker_id=worker_id,
-        alive=bool(stats.get("alive")),
-        inflight=stats.get("inflight", 0),
-        kv=pb.KVUsage(**{name: int(kv.get(name, 0)) for name in _KV_FIELDS}),
-        prefix_hit_rate=float(stats.get("prefix_hit_rate", 0.0)),
-        num_waiting=stats.get("num_waiting", 0),
-        num_running=stats.get("num_running", 0),
-        num_swapped=stats.get("num_swapped", 0),
-        num_steps=stats.get("num_steps", 0),
-        events_published=stats.get("events_published", 0),
-        blocks_imported=stats.get("blocks_imported", 0),
-        blocks_exported=stats.get("blocks_exported", 0),
-    )
+def _worker_stats(worker_id: str, view: WorkerView) -> pb.WorkerStats:
+    message = pb.WorkerStats(worker_id=worker_id, alive=view.alive, inflight=view.inflight)
+    stats = view.stats
+    if stats is None:  # never answered a poll yet
+        return message
+    message.kv.CopyFrom(pb.KVUsage(**{name: getattr(stats.kv, name) for name in _KV_FIELDS}))
+    message.prefix_hit_rate = stats.prefix_hit_rate
+    for name in _WORKER_COUNTS:
+        setattr(message, name, getattr(stats, name))
+    return message
 
 
 def workers_to_proto(workers: list[WorkerState]) -> pb.ListWorkersResponse:
     message = pb.ListWorkersResponse()
     for worker in sorted(workers, key=lambda w: w.worker_id):
-        info = worker.info
-        message.workers.add(
-            worker_id=worker.worker_id,
-            alive=worker.alive,
-            model=info.get("model", ""),
-            block_size=info.get("block_size", 0),
-            vocab_size=info.get("vocab_size", 0),
-            max_model_len=info.get("max_model_len", 0),
-            num_blocks=info.get("num_blocks", 0),
-            epoch=info.get("epoch", ""),
-        )
+        entry = message.workers.add(worker_id=worker.worker_id, alive=worker.alive)
+        if (info := worker.info) is not None:
+            entry.model = info.model
+            entry.block_size = info.block_size
+            entry.vocab_size = info.vocab_size
+            entry.max_model_len = info.max_model_len
+            entry.num_blocks = info.num_blocks
+            entry.epoch = info.epoch
     return message

@@ -15,9 +15,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagedserve.workers.worker_types import WorkerStats
 
 logger = logging.getLogger(__name__)
+# worker id → (alive, its last stats or None): what the router's poll last saw.
+WorkerStatsByWorker = dict[str, tuple[bool, "WorkerStats | None"]]
 
 # Seconds; serving latencies from a CPU tiny model (ms) to long GPU generations (minutes).
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
@@ -30,10 +35,11 @@ class RouterMetrics:
 
     Args:
         enabled: False (or no `prometheus_client`): every method does nothing.
-        worker_stats: returns {worker_id: (alive, stats dict)} from the router's last poll.
+        worker_stats: returns {worker_id: (alive, last `WorkerStats` or None)} from the
+            router's last poll.
     """
 
-    def __init__(self, enabled: bool, worker_stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, enabled: bool, worker_stats: Callable[[], WorkerStatsByWorker]) -> None:
         self.registry = None
         if not enabled:
             return
@@ -122,7 +128,7 @@ class RouterMetrics:
 class _WorkerCollector:
     """Gauges (and cumulative counters) from each worker's last polled stats."""
 
-    def __init__(self, worker_stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, worker_stats: Callable[[], WorkerStatsByWorker]) -> None:
         self.worker_stats = worker_stats
 
     def collect(self) -> Iterable[Any]:
@@ -145,22 +151,21 @@ class _WorkerCollector:
         )
         for worker_id, (alive, stats) in sorted(self.worker_stats().items()):
             up.add_metric([worker_id], 1.0 if alive else 0.0)
-            kv = stats.get("kv")
-            if not kv:
+            if stats is None:
                 continue
-            running.add_metric([worker_id], stats.get("num_running", 0))
-            waiting.add_metric([worker_id], stats.get("num_waiting", 0))
-            total = kv["total_blocks"] or 1
-            usage.add_metric([worker_id], kv["used_blocks"] / total)
+            kv = stats.kv
+            running.add_metric([worker_id], stats.num_running)
+            waiting.add_metric([worker_id], stats.num_waiting)
+            usage.add_metric([worker_id], kv.used_blocks / (kv.total_blocks or 1))
             for state, value in (
-                ("used", kv["used_blocks"]),
-                ("cached", kv["cached_free_blocks"]),
-                ("free", kv["free_blocks"]),
-                ("reserve", kv["reserve_blocks"]),
+                ("used", kv.used_blocks),
+                ("cached", kv.cached_free_blocks),
+                ("free", kv.free_blocks),
+                ("reserve", kv.reserve_blocks),
             ):
                 blocks.add_metric([worker_id, state], value)
-            positions.add_metric([worker_id, "useful"], kv["useful_tokens"])
-            positions.add_metric([worker_id, "tail_waste"], kv["wasted_positions"])
-            queries.add_metric([worker_id], kv["prefix_queries_tokens"])
-            hits.add_metric([worker_id], kv["prefix_hits_tokens"])
+            positions.add_metric([worker_id, "useful"], kv.useful_tokens)
+            positions.add_metric([worker_id, "tail_waste"], kv.wasted_positions)
+            queries.add_metric([worker_id], kv.prefix_queries_tokens)
+            hits.add_metric([worker_id], kv.prefix_hits_tokens)
         yield from (up, running, waiting, usage, blocks, positions, queries, hits)

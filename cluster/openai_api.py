@@ -144,15 +144,7 @@ class OpenAIFrontend:
         if isinstance(prompt, str) and self.core.tokenizer is None:
             return 1  # the router refuses text without a tokenizer, naming the problem
         prompt_len = await self.core.prompt_length(prompt)
-        capacities = [
-            min(
-                w.info["max_model_len"],
-                (w.info["num_blocks"] - w.stats.get("kv", {}).get("reserve_blocks", 0))
-                * w.info["block_size"],
-            )
-            for w in self.core.workers.values()
-            if w.alive
-        ]
+        capacities = [w.capacity_tokens() for w in self.core.workers.values() if w.alive]
         return max(1, min(capacities, default=1) - prompt_len)
 
     async def _respond(

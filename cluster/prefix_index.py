@@ -30,15 +30,16 @@ the least recent is evicted, which loses routing information only.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import ray
 from ray.actor import ActorHandle
 
+from pagedserve.cluster.index_stats import IndexStats
 from pagedserve.workers.block import BlockHash
 from pagedserve.workers.kv_events import (
     AllCleared,
@@ -237,21 +238,21 @@ class PrefixIndexState:
         view = self._views.get(worker_id)
         return view is not None and view.stale
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> IndexStats:
         """Entry and worker counts plus the counters since construction."""
         counters = self._counters
-        return {
-            "entries": len(self._entries),
-            "max_entries": self.max_entries,
-            "workers": {w: len(view.hashes) for w, view in sorted(self._views.items())},
-            "stale_workers": sorted(w for w, view in self._views.items() if view.stale),
-            "resyncs": counters.resyncs,
-            "gaps_detected": counters.gaps_detected,
-            "restarts_detected": counters.restarts_detected,
-            "evictions": counters.evictions,
-            "events_applied": counters.events_applied,
-            "duplicates_ignored": counters.duplicates_ignored,
-        }
+        return IndexStats(
+            entries=len(self._entries),
+            max_entries=self.max_entries,
+            workers={w: len(view.hashes) for w, view in sorted(self._views.items())},
+            stale_workers=tuple(sorted(w for w, view in self._views.items() if view.stale)),
+            resyncs=counters.resyncs,
+            gaps_detected=counters.gaps_detected,
+            restarts_detected=counters.restarts_detected,
+            evictions=counters.evictions,
+            events_applied=counters.events_applied,
+            duplicates_ignored=counters.duplicates_ignored,
+        )
 
     def check_invariants(self) -> None:
         """Assert the entry map and the per-worker views mirror each other exactly."""
@@ -410,13 +411,13 @@ class PrefixIndexActor:
     async def snapshot_of(self, worker_id: str) -> set[BlockHash]:
         return self._state.hashes_of(worker_id)
 
-    async def stats(self) -> dict[str, Any]:
-        return {
-            **self._state.stats(),
-            "registered_workers": sorted(self._handles),
-            "snapshot_failures": self._snapshot_failures,
-            "startup_resyncs": self._startup_resyncs,
-        }
+    async def stats(self) -> IndexStats:
+        return dataclasses.replace(
+            self._state.stats(),
+            registered_workers=tuple(sorted(self._handles)),
+            snapshot_failures=self._snapshot_failures,
+            startup_resyncs=self._startup_resyncs,
+        )
 
     async def _resync(self, worker_id: str) -> KVSnapshot | None:
         """Fetch and apply `worker_id`'s snapshot; on any failure drop the worker's entries.

@@ -23,11 +23,10 @@ period comes back as `Draining` and replays on a peer like a lost worker's reque
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
-import functools
 import logging
 import uuid
-from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -35,16 +34,30 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.metrics import RouterMetrics
-from pagedserve.cluster.router_types import GenerateRequest, NoWorkerAvailable, WorkerLost
-from pagedserve.cluster.routing import WorkerLoad, make_policy
+from pagedserve.cluster.router_types import (
+    ClusterStats,
+    GenerateRequest,
+    NoWorkerAvailable,
+    RouterCounters,
+    WorkerLost,
+    WorkerView,
+)
+from pagedserve.cluster.routing import make_policy
 from pagedserve.cluster.tracing import RouterTrace, migration_span, record_decision
 from pagedserve.cluster.worker_state import WorkerState
 from pagedserve.workers.block_hash import hash_full_blocks
 from pagedserve.workers.errors import Draining, HandedOff, Overloaded, RequestRejected
+from pagedserve.workers.handoff import RequestHandoff
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.stream import StreamDelta
 from pagedserve.workers.telemetry import NOOP, Tracing
 from pagedserve.workers.tokenizer import load_tokenizer
+from pagedserve.workers.worker_types import (
+    DrainResult,
+    RequestMoved,
+    WorkerRequest,
+    WorkerStats,
+)
 
 logger = logging.getLogger(__name__)
 WORKER_LOST_ERRORS = (RayActorError, ActorDiedError, ActorUnavailableError)
@@ -57,7 +70,7 @@ class _Attempt:
     branch: int | None  # the client's branch index this leg serves (None: all of them)
     prompt: list[int] | None = None
     params: SamplingParams | None = None
-    handoff: Any = None
+    handoff: RequestHandoff | None = None
     source: str | None = None
 
 
@@ -96,7 +109,7 @@ class RouterCore:
         self.tokenizer = load_tokenizer(config.engine.model or "tiny-llama")
         self.model_name = ""
         self.block_size = config.engine.block_size
-        self.counters: Counter[str] = Counter()
+        self.counters = RouterCounters()
         # Scoped request id → the worker serving it now (None until routed). Reserved when a
         # request is admitted, released when its stream ends: the one owner of id uniqueness.
         self._inflight_ids: dict[str, WorkerState | None] = {}
@@ -124,8 +137,8 @@ class RouterCore:
         if not alive:
             self._started = None  # let the next request try again
             raise NoWorkerAvailable(f"no worker became ready within {timeout} s")
-        self.model_name = alive[0].info["model"]
-        self.block_size = alive[0].info["block_size"]
+        self.model_name = alive[0].info.model
+        self.block_size = alive[0].info.block_size
         loop = asyncio.get_running_loop()
         self._poller = loop.create_task(self._poll_loop())
         self._renewer = loop.create_task(self._renew_loop())
@@ -142,8 +155,8 @@ class RouterCore:
         except (*WORKER_LOST_ERRORS, TimeoutError) as error:
             logger.warning("worker %s is not ready: %s", worker.worker_id, error)
             return
-        if worker.info and info["epoch"] != worker.info["epoch"]:
-            self.counters["workers_restarted"] += 1
+        if worker.info is not None and info.epoch != worker.info.epoch:
+            self.counters.workers_restarted += 1
         worker.mark_alive(info)
 
     async def _renew_loop(self) -> None:
@@ -168,16 +181,16 @@ class RouterCore:
         except (*WORKER_LOST_ERRORS, TimeoutError):
             await self._drop(worker)
             return
-        if not worker.alive or stats["epoch"] != worker.info.get("epoch"):
+        if not worker.alive or worker.info is None or stats.epoch != worker.info.epoch:
             await self._revive(worker)  # restarted by Ray: start its loop, rejoin the index
         worker.stats = stats
         if self.config.enable_push and worker.alive and self._under_pressure(stats):
             await self._push(worker)
 
-    def _under_pressure(self, stats: dict[str, Any]) -> bool:
-        kv = stats["kv"]
-        low_water = self.config.push_free_fraction * kv["total_blocks"]
-        return kv["free_blocks"] < low_water and kv["cached_free_blocks"] > 0
+    def _under_pressure(self, stats: WorkerStats) -> bool:
+        kv = stats.kv
+        low_water = self.config.push_free_fraction * kv.total_blocks
+        return kv.free_blocks < low_water and kv.cached_free_blocks > 0
 
     async def _push(self, source: WorkerState) -> None:
         """Hand the cached prefixes `source` is about to evict, and no one else holds, to the
@@ -209,8 +222,8 @@ class RouterCore:
                     span.set_attribute("pagedserve.migration.blocks", pushed)
                 finally:
                     span.end()
-                self.counters["migrations.push"] += 1 if pushed else 0
-                self.counters["migrations.push_blocks"] += pushed
+                self.counters.pushes += 1 if pushed else 0
+                self.counters.push_blocks += pushed
                 if pushed:
                     self.metrics.on_migration("push", pushed)
         except (*WORKER_LOST_ERRORS, TimeoutError):
@@ -221,7 +234,7 @@ class RouterCore:
         if not worker.alive:
             return
         worker.alive = False
-        self.counters["workers_lost"] += 1
+        self.counters.workers_lost += 1
         logger.warning("worker %s lost; dropped from routing and the index", worker.worker_id)
         try:
             await asyncio.wait_for(
@@ -272,15 +285,18 @@ class RouterCore:
                 else {}
             )
         except (*WORKER_LOST_ERRORS, TimeoutError):
-            self.counters["index_unavailable"] += 1
+            self.counters.index_unavailable += 1
             matches = {}
         loads = [w.load() for w in alive]
         decision = self.policy.choose(len(hashes), matches, loads)
         chosen = self.workers[decision.worker_id]
         matched = matches.get(chosen.worker_id, 0)
-        self.counters[f"routed.{decision.policy}"] += 1
+        self.counters.count_routed(decision.policy)
         outcome = "prefix_hit" if matched else "prefix_miss"
-        self.counters[f"routed.{outcome}"] += 1
+        if matched:
+            self.counters.prefix_hits += 1
+        else:
+            self.counters.prefix_misses += 1
         self.metrics.on_routed(decision.policy, outcome)
         if span is not None:
             record_decision(span, decision, len(hashes), matched)
@@ -317,8 +333,8 @@ class RouterCore:
             return matched
         span.set_attribute("pagedserve.migration.blocks", pulled)
         span.end()
-        self.counters["migrations.pull"] += 1 if pulled else 0
-        self.counters["migrations.pull_blocks"] += pulled
+        self.counters.pulls += 1 if pulled else 0
+        self.counters.pull_blocks += pulled
         if pulled:
             self.metrics.on_migration("pull", pulled)
         return max(matched, best) if pulled else matched
@@ -343,7 +359,7 @@ class RouterCore:
                 delta.request_id = client_id  # the worker knows the tenant-scoped id
                 yield delta
         except Overloaded as e:
-            self.counters["refused.worker"] += 1
+            self.counters.refused_worker += 1
             error = e
             raise
         except Exception as e:
@@ -359,7 +375,7 @@ class RouterCore:
         of the request already in flight under that id is touched."""
         request_id = scoped_request_id(tenant, client_id)
         if request_id in self._inflight_ids:
-            self.counters["refused.duplicate_id"] += 1
+            self.counters.refused_duplicate_id += 1
             raise RequestRejected(f"request_id {client_id!r} is already in flight")
         self._inflight_ids[request_id] = None
         return request_id
@@ -368,7 +384,7 @@ class RouterCore:
         """Refuse at once, with a retry hint, when the router already streams its limit."""
         limit = self.config.max_inflight
         if limit is not None and self.num_inflight >= limit:
-            self.counters["refused.router"] += 1
+            self.counters.refused_router += 1
             raise Overloaded(
                 f"the router streams its limit of {limit} requests", self.config.retry_after_s
             )
@@ -385,11 +401,11 @@ class RouterCore:
             attempt = plan.pop(0)
             try:
                 async for delta in self._attempt(attempt, request_id, request, trace):
-                    if delta.finish_reason == "moved":
+                    if isinstance(delta, RequestMoved):  # continue on a peer, never shown
                         plan.append(
                             _Attempt(delta.index, handoff=delta.handoff, source=delta.worker_id)
                         )
-                        self.counters["migrations.move"] += 1
+                        self.counters.moves += 1
                         self.metrics.on_migration("move")
                         continue
                     emitted[delta.index].extend(delta.token_ids)
@@ -404,20 +420,16 @@ class RouterCore:
 
     async def _attempt(
         self, attempt: _Attempt, request_id: str, request: GenerateRequest, trace: RouterTrace
-    ) -> AsyncIterator[StreamDelta]:
+    ) -> AsyncIterator[StreamDelta | RequestMoved]:
         params = attempt.params
         if attempt.handoff is not None:
             worker = self._peer_for(attempt.source)
             tokens = len(attempt.handoff.all_token_ids)
             span = migration_span(self.tracing, trace.root, "move", attempt.source, worker, tokens)
-            start = functools.partial(
-                worker.handle.adopt.remote,
-                attempt.handoff,
-                trace.carrier(span),
-                owner_id=self.router_id,
+            worker_request = WorkerRequest.moved(
+                attempt.handoff, trace_context=trace.carrier(span), owner_id=self.router_id
             )
             demand = len(attempt.handoff.all_token_ids) + params_left(attempt.handoff)
-            num_branches = 1
         else:
             route_span = trace.child("route")
             try:
@@ -425,24 +437,22 @@ class RouterCore:
             finally:
                 route_span.end()
             span = trace.child("worker.call", **{"pagedserve.worker_id": worker.worker_id})
-            start = functools.partial(
-                worker.handle.generate.remote,
+            worker_request = WorkerRequest.fresh(
                 request_id,
                 attempt.prompt,
                 params,
-                request.priority,
-                request.cache_salt,
-                request.timeout_s,
-                trace.carrier(span),
+                priority=request.priority,
+                cache_salt=request.cache_salt,
+                timeout_s=request.timeout_s,
+                trace_context=trace.carrier(span),
                 owner_id=self.router_id,
             )
             # What this request adds to the worker's work: tokens it must still prefill (a
             # cached prefix costs nothing) plus what it will decode.
             demand = len(attempt.prompt) - matched * self.block_size + params.max_tokens * params.n
-            num_branches = params.n
         try:
-            async for delta in self._stream(worker, request_id, start, demand, num_branches):
-                if attempt.branch is not None:
+            async for delta in self._stream(worker, worker_request, demand):
+                if attempt.branch is not None and isinstance(delta, StreamDelta):
                     delta.index = attempt.branch
                 yield delta
         finally:
@@ -459,7 +469,7 @@ class RouterCore:
     def _replay_plan(self, request, token_ids, emitted, finished) -> list[_Attempt]:
         if self.config.on_worker_failure == "fail":
             raise NoWorkerAvailable("the worker serving this request died")
-        self.counters["replays"] += 1
+        self.counters.replays += 1
         plan = []
         for j in sorted(set(emitted) - finished):
             done = emitted[j]
@@ -473,16 +483,17 @@ class RouterCore:
         return plan
 
     async def _stream(
-        self, worker: WorkerState, request_id: str, start, demand: int, num_branches: int
-    ) -> AsyncIterator[StreamDelta]:
+        self, worker: WorkerState, request: WorkerRequest, demand: int
+    ) -> AsyncIterator[StreamDelta | RequestMoved]:
+        request_id = request.request_id
         self._inflight_ids[request_id] = worker
         worker.begin(demand)
-        stream = start()
-        remaining = num_branches
+        stream = worker.handle.generate.remote(request)
+        remaining = request.num_branches
         try:
             async for ref in stream:
                 delta = await ref
-                if delta.finish_reason is not None:
+                if isinstance(delta, RequestMoved) or delta.finish_reason is not None:
                     remaining -= 1
                 yield delta
         except WORKER_LOST_ERRORS as error:
@@ -492,7 +503,10 @@ class RouterCore:
         except Draining as error:  # cut off (a handoff) or refused by a draining worker: replay
             worker.draining = True
             handoff = isinstance(error, HandedOff)
-            self.counters["drain_handoffs" if handoff else "refused.draining"] += 1
+            if handoff:
+                self.counters.drain_handoffs += 1
+            else:
+                self.counters.refused_draining += 1
             raise WorkerLost(str(error)) from error
         finally:
             worker.end(demand)
@@ -508,46 +522,44 @@ class RouterCore:
 
     async def abort(self, request_id: str, tenant: str = "") -> bool:
         """Abort a request this router streams, by the id its client gave, within its tenant."""
-        worker = self._inflight_ids.get(scoped_request_id(tenant, request_id))
+        scoped_id = scoped_request_id(tenant, request_id)
+        worker = self._inflight_ids.get(scoped_id)
         if worker is None:
             return False
         return await asyncio.wait_for(
-            worker.handle.abort.remote(request_id), self.config.rpc_timeout_s
+            worker.handle.abort.remote(scoped_id), self.config.rpc_timeout_s
         )
 
-    async def drain_worker(self, worker_id: str, grace_s: float) -> dict[str, int]:
+    async def drain_worker(self, worker_id: str, grace_s: float) -> DrainResult:
         """Take a worker out of routing first, then drain it (see `Worker.drain`): its open
         streams get `grace_s` to finish and the rest replay on peers. The caller then stops it.
         """
         worker = self.workers[worker_id]
         worker.draining = True
-        self.counters["workers_drained"] += 1
+        self.counters.workers_drained += 1
         return await asyncio.wait_for(
             worker.handle.drain.remote(grace_s), grace_s + self.config.rpc_timeout_s
         )
 
     # ---------------------------------------------------------------- state
-    def loads(self) -> list[WorkerLoad]:
-        return [w.load() for w in self.workers.values() if w.alive]
-
-    async def cluster_stats(self) -> dict[str, Any]:
+    async def cluster_stats(self) -> ClusterStats:
         await self.start()
         await asyncio.gather(*(self._poll(w) for w in self.workers.values()))
         workers = {
-            w.worker_id: {"alive": w.alive, "inflight": w.inflight, **w.stats}
+            w.worker_id: WorkerView(w.worker_id, w.alive, w.inflight, w.info, w.stats)
             for w in self.workers.values()
         }
         try:
             index = await asyncio.wait_for(self.index.stats.remote(), self.config.rpc_timeout_s)
         except (*WORKER_LOST_ERRORS, TimeoutError):
             index = None
-        return {
-            "workers": workers,
-            "router": dict(self.counters),
-            "limits": self.config.limits,
-            "index": index,
-            "policy": self.config.routing_policy,
-        }
+        return ClusterStats(
+            workers=workers,
+            router=copy.deepcopy(self.counters),
+            limits=self.config.limits,
+            index=index,
+            policy=self.config.routing_policy,
+        )
 
 
 def scoped_request_id(tenant: str, client_id: str) -> str:

@@ -1,13 +1,16 @@
-"""What the router takes and the failures it raises, apart from `RouterCore` so that light
-modules (API errors, clients, benches) can name them; `cluster/router.py` re-exports them."""
+"""What the router takes, reports and raises, apart from `RouterCore` so that light modules (API
+errors, clients, benches) can name them; `cluster/router.py` re-exports them."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass, field
 
+from pagedserve.cluster.index_stats import IndexStats
 from pagedserve.workers.errors import RequestRejected
 from pagedserve.workers.sampling_params import SamplingParams
+from pagedserve.workers.worker_types import WorkerInfo, WorkerStats
 
 
 class NoWorkerAvailable(RuntimeError):
@@ -38,3 +41,92 @@ class GenerateRequest:
             math.isfinite(self.timeout_s) and self.timeout_s > 0
         ):
             raise RequestRejected(f"timeout_s must be a finite number > 0, got {self.timeout_s}")
+
+
+@dataclass
+class RouterCounters:
+    """What one router counted since it started (`cluster_stats().router`).
+
+    `as_dict` gives the flat names the gRPC `router_counters` map and dashboards use
+    (`routed.kv_aware`, `migrations.pull_blocks`, `refused.router`, ...).
+    """
+
+    routed: dict[str, int] = field(default_factory=dict)  # decisions per routing policy
+    prefix_hits: int = 0  # routed to a worker holding part of the prompt
+    prefix_misses: int = 0
+    moves: int = 0
+    pulls: int = 0
+    pull_blocks: int = 0
+    pushes: int = 0
+    push_blocks: int = 0
+    replays: int = 0
+    workers_lost: int = 0
+    workers_restarted: int = 0
+    workers_drained: int = 0
+    drain_handoffs: int = 0  # streams a draining worker cut off (replayed on a peer)
+    refused_router: int = 0  # past `max_inflight`
+    refused_worker: int = 0  # a worker's waiting queue was full
+    refused_draining: int = 0  # a draining worker refused a new request (replayed)
+    refused_duplicate_id: int = 0
+    index_unavailable: int = 0  # routed without prefix hints: the index did not answer
+
+    def count_routed(self, policy: str) -> None:
+        self.routed[policy] = self.routed.get(policy, 0) + 1
+
+    def as_dict(self) -> dict[str, int]:
+        flat = {f"routed.{policy}": n for policy, n in sorted(self.routed.items())}
+        for name, key in _FLAT_NAMES.items():
+            flat[key] = getattr(self, name)
+        return flat
+
+
+_FLAT_NAMES = {
+    "prefix_hits": "routed.prefix_hit",
+    "prefix_misses": "routed.prefix_miss",
+    "moves": "migrations.move",
+    "pulls": "migrations.pull",
+    "pull_blocks": "migrations.pull_blocks",
+    "pushes": "migrations.push",
+    "push_blocks": "migrations.push_blocks",
+    "replays": "replays",
+    "workers_lost": "workers_lost",
+    "workers_restarted": "workers_restarted",
+    "workers_drained": "workers_drained",
+    "drain_handoffs": "drain_handoffs",
+    "refused_router": "refused.router",
+    "refused_worker": "refused.worker",
+    "refused_draining": "refused.draining",
+    "refused_duplicate_id": "refused.duplicate_id",
+    "index_unavailable": "index_unavailable",
+}
+
+
+@dataclass(frozen=True)
+class BackpressureLimits:
+    """The limits past which the cluster refuses at once (RESOURCE_EXHAUSTED / HTTP 429)."""
+
+    max_waiting_per_worker: int | None
+    max_inflight: int | None
+    retry_after_s: float
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """One worker as a router sees it: alive, its own in-flight count, its last report."""
+
+    worker_id: str
+    alive: bool
+    inflight: int
+    info: WorkerInfo | None
+    stats: WorkerStats | None
+
+
+@dataclass(frozen=True)
+class ClusterStats:
+    """`RouterCore.cluster_stats()`: every worker, the router's counters, the index."""
+
+    workers: dict[str, WorkerView]
+    router: RouterCounters
+    limits: BackpressureLimits
+    index: IndexStats | None
+    policy: str

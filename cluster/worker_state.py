@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.cluster.routing import WorkerLoad
+from pagedserve.workers.worker_types import WorkerInfo, WorkerStats
 
 
 @dataclass
 class WorkerState:
+    """Owns what one router knows of one worker: its handle, its `WorkerInfo` once it was
+    ready, its last `WorkerStats`, and the requests this router has in flight on it."""
+
     worker_id: str
     handle: Any
     alive: bool = False
-    info: dict[str, Any] = field(default_factory=dict)  # from `Worker.ready()`
-    stats: dict[str, Any] = field(default_factory=dict)  # last `Worker.stats()`
+    info: WorkerInfo | None = None  # from `Worker.ready()`
+    stats: WorkerStats | None = None  # last `Worker.stats()`
     inflight: int = 0
     inflight_tokens: int = 0
     draining: bool = False  # alive, but taking nothing new: routing skips it
@@ -23,7 +27,7 @@ class WorkerState:
     def routable(self) -> bool:
         return self.alive and not self.draining
 
-    def mark_alive(self, info: dict[str, Any]) -> None:
+    def mark_alive(self, info: WorkerInfo) -> None:
         self.info = info
         self.alive = True
         self.draining = False  # a (re)started worker admits again
@@ -36,14 +40,22 @@ class WorkerState:
         self.inflight -= 1
         self.inflight_tokens -= tokens
 
+    def capacity_tokens(self) -> int:
+        """Tokens one request can hold here: the context, and the pool less its reserve."""
+        if self.info is None:
+            return 0
+        reserve = self.stats.kv.reserve_blocks if self.stats is not None else 0
+        pool_tokens = (self.info.num_blocks - reserve) * self.info.block_size
+        return min(self.info.max_model_len, pool_tokens)
+
     def load(self) -> WorkerLoad:
-        kv = self.stats.get("kv", {})
-        total = kv.get("total_blocks", self.info.get("num_blocks", 0))
-        used = kv.get("used_blocks", 0)
+        stats = self.stats
+        total = stats.kv.total_blocks if stats else (self.info.num_blocks if self.info else 0)
+        used = stats.kv.used_blocks if stats else 0
         return WorkerLoad(
             worker_id=self.worker_id,
-            num_running=self.stats.get("num_running", 0),
-            num_waiting=self.stats.get("num_waiting", 0),
+            num_running=stats.num_running if stats else 0,
+            num_waiting=stats.num_waiting if stats else 0,
             used_blocks=used,
             total_blocks=total,
             free_blocks=total - used,

@@ -17,14 +17,21 @@ import ray
 from pagedserve.workers.block import BlockKey
 from pagedserve.workers.engine import Engine
 from pagedserve.workers.engine_config import EngineConfig
-from pagedserve.workers.handoff import RequestHandoff
 from pagedserve.workers.kv_events import KVEvent, KVSnapshot
 from pagedserve.workers.lease import DEFAULT_LEASE_TIMEOUT_S
 from pagedserve.workers.request_trace import migration_span
-from pagedserve.workers.sampling_params import SamplingParams
+from pagedserve.workers.stop_checker import FinishReason
 from pagedserve.workers.stream import DEFAULT_MAX_BUFFERED_DELTAS, StreamDelta
 from pagedserve.workers.telemetry import worker_tracing
 from pagedserve.workers.worker_core import WorkerCore
+from pagedserve.workers.worker_types import (
+    DrainResult,
+    PoolCheck,
+    RequestMoved,
+    WorkerInfo,
+    WorkerRequest,
+    WorkerStats,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +107,7 @@ class Worker:
             with contextlib.suppress(Exception):
                 await self._index.register_worker.remote(worker_id, me)
 
-    async def ready(self) -> dict[str, Any]:
+    async def ready(self) -> WorkerInfo:
         """Start the step loop and join the index (which resyncs from our snapshot)."""
         self.core.start()
         if self._index is not None:
@@ -108,69 +115,53 @@ class Worker:
             await self._index.register_worker.remote(self.core.worker_id, me)
         return self.describe()
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> WorkerInfo:
         """What the router needs to hash and validate exactly as this worker does."""
         engine = self.core.engine
-        return {
-            "worker_id": self.core.worker_id,
-            "epoch": self.core.epoch,
-            "model": engine.loaded.name,
-            "block_size": engine.kv.block_size,
-            "vocab_size": engine.loaded.vocab_size,
-            "max_model_len": engine.max_model_len,
-            "num_blocks": engine.kv.pool.num_blocks,
-        }
+        return WorkerInfo(
+            worker_id=self.core.worker_id,
+            epoch=self.core.epoch,
+            model=engine.loaded.name,
+            block_size=engine.kv.block_size,
+            vocab_size=engine.loaded.vocab_size,
+            max_model_len=engine.max_model_len,
+            num_blocks=engine.kv.pool.num_blocks,
+        )
 
     @ray.method(_generator_backpressure_num_objects=STREAM_BACKPRESSURE_OBJECTS)
-    async def generate(
-        self,
-        request_id: str,
-        prompt: Any,
-        params: SamplingParams,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        timeout_s: float | None = None,
-        trace_context: dict[str, str] | None = None,
-        owner_id: str | None = None,
-    ) -> AsyncIterator[StreamDelta]:
-        """Streaming: call as `handle.generate.remote(...)` and iterate the ObjectRefGenerator.
+    async def generate(self, request: WorkerRequest) -> AsyncIterator[StreamDelta | RequestMoved]:
+        """Streaming: call as `handle.generate.remote(request)` and iterate the
+        ObjectRefGenerator; a `moved` request (`request.handoff`) continues here.
 
-        `owner_id` (the router replica's id) ties the request to that owner's lease: it is
-        aborted once the owner has not renewed (`stats(owner_id)`, `renew_lease`) within
-        `lease_timeout_s`. None: no lease.
+        `request.owner_id` (the router replica's id) ties the request to that owner's lease:
+        it is aborted once the owner has not renewed (`stats(owner_id)`, `renew_lease`)
+        within `lease_timeout_s`. None: no lease.
         """
-        async for delta in self.core.generate(
-            request_id,
-            prompt,
-            params,
-            priority=priority,
-            cache_salt=cache_salt,
-            timeout_s=timeout_s,
-            trace_context=trace_context,
-            owner_id=owner_id,
-        ):
-            yield delta
-
-    @ray.method(_generator_backpressure_num_objects=STREAM_BACKPRESSURE_OBJECTS)
-    async def adopt(
-        self,
-        handoff: RequestHandoff,
-        trace_context: dict[str, str] | None = None,
-        owner_id: str | None = None,
-    ) -> AsyncIterator[StreamDelta]:
-        """Streaming, like `generate`: continue a request a peer handed off."""
-        async for delta in self.core.adopt(handoff, trace_context, owner_id):
-            yield delta
+        if request.handoff is not None:
+            deltas = self.core.adopt(request.handoff, request.trace_context, request.owner_id)
+        else:
+            deltas = self.core.generate(
+                request.request_id,
+                request.prompt,
+                request.params,
+                priority=request.priority,
+                cache_salt=request.cache_salt,
+                timeout_s=request.timeout_s,
+                trace_context=request.trace_context,
+                owner_id=request.owner_id,
+            )
+        async for delta in deltas:
+            yield moved_or_delta(delta, self.core.worker_id)
 
     async def abort(self, request_id: str) -> bool:
         return await self.core.abort(request_id)
 
-    async def drain(self, grace_s: float) -> dict[str, int]:
+    async def drain(self, grace_s: float) -> DrainResult:
         """Stop admitting (new requests get `Draining`), give open streams `grace_s` to finish,
         then end the rest for the router to replay. The caller then stops the actor."""
         return await self.core.drain(grace_s)
 
-    async def stats(self, owner_id: str | None = None) -> dict[str, Any]:
+    async def stats(self, owner_id: str | None = None) -> WorkerStats:
         """The worker's state; also renews `owner_id`'s lease (the router polls this)."""
         if owner_id is not None:
             self.core.renew_lease(owner_id)
@@ -179,13 +170,10 @@ class Worker:
     async def renew_lease(self, owner_id: str) -> None:
         self.core.renew_lease(owner_id)
 
-    async def health(self) -> bool:
-        return True
-
     async def kv_snapshot(self) -> KVSnapshot:
         return self.core.kv_snapshot()
 
-    async def check_pool(self) -> dict[str, Any]:
+    async def check_pool(self) -> PoolCheck:
         return self.core.check_pool()
 
     async def chaos_drop_next_event_batch(self) -> None:
@@ -228,3 +216,10 @@ class Worker:
             span.set_attribute("pagedserve.migration.blocks", imported)
             span.end()
         return imported
+
+
+def moved_or_delta(delta: StreamDelta, worker_id: str) -> StreamDelta | RequestMoved:
+    """A branch's `moved` end becomes the typed control message the router follows."""
+    if delta.finish_reason != FinishReason.MOVED.value:
+        return delta
+    return RequestMoved(delta.request_id, delta.index, worker_id, delta.handoff)

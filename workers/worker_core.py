@@ -25,7 +25,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import asdict
 from typing import Any, TypeVar
 
 from pagedserve.workers.block import BlockKey
@@ -45,6 +44,7 @@ from pagedserve.workers.stream import (
     StreamDelta,
 )
 from pagedserve.workers.telemetry import NOOP, Tracing
+from pagedserve.workers.worker_types import DrainResult, PoolCheck, WorkerStats
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -318,7 +318,7 @@ class WorkerCore:
         self._publish_events()
         return True
 
-    async def drain(self, grace_s: float) -> dict[str, int]:
+    async def drain(self, grace_s: float) -> DrainResult:
         """Stop admitting, let open streams finish for up to `grace_s`, then end the rest with
         `Draining` (their blocks are freed; the router replays them on a peer).
 
@@ -336,7 +336,7 @@ class WorkerCore:
         end = time.monotonic() + 5.0  # a deadline here too: a stuck stream must not hang us
         while self._streams and time.monotonic() < end:  # each one's `finally` aborts it
             await asyncio.sleep(0.01)
-        return {"finished": open_at_start - len(handed_off), "handed_off": len(handed_off)}
+        return DrainResult(finished=open_at_start - len(handed_off), handed_off=len(handed_off))
 
     # -------------------------------------------------------------- leases
     def renew_lease(self, owner_id: str) -> None:
@@ -354,27 +354,24 @@ class WorkerCore:
         return aborted
 
     # --------------------------------------------------------------- state
-    def stats(self) -> dict[str, Any]:
-        stats = self.engine.stats()
-        usage = stats.pop("kv")
-        queries = usage.prefix_queries_tokens
-        return {
-            "worker_id": self.worker_id,
-            "epoch": self.epoch,
-            "kv": asdict(usage),
-            "prefix_hit_rate": usage.prefix_hits_tokens / queries if queries else 0.0,
-            "num_streams": len(self._streams),
-            "events_published": self.engine.kv.pool.num_events_published,
-            "blocks_imported": self.num_blocks_imported,
-            "blocks_exported": self.num_blocks_exported,
-            "event_batches_dropped": self.num_event_batches_dropped,
-            "draining": self.draining,
-            "lease_expired": self.leases.num_expired,
-            "lease_owners": self.leases.num_owners,
-            **stats,
-        }
+    def stats(self) -> WorkerStats:
+        engine = self.engine.stats()
+        return WorkerStats(
+            worker_id=self.worker_id,
+            epoch=self.epoch,
+            kv=engine.pop("kv"),
+            num_streams=len(self._streams),
+            events_published=self.engine.kv.pool.num_events_published,
+            blocks_imported=self.num_blocks_imported,
+            blocks_exported=self.num_blocks_exported,
+            event_batches_dropped=self.num_event_batches_dropped,
+            draining=self.draining,
+            lease_expired=self.leases.num_expired,
+            lease_owners=self.leases.num_owners,
+            **engine,
+        )
 
-    def check_pool(self) -> dict[str, Any]:
+    def check_pool(self) -> PoolCheck:
         """Pool invariants now; when idle, also that no block is held (free + cached = total)."""
         idle = not self.engine.has_unfinished_requests() and not self._streams
         try:
@@ -383,8 +380,8 @@ class WorkerCore:
             else:
                 check_invariants(self.engine.kv)
         except KVInvariantError as error:
-            return {"ok": False, "idle": idle, "error": str(error)}
-        return {"ok": True, "idle": idle, "error": None}
+            return PoolCheck(ok=False, idle=idle, error=str(error))
+        return PoolCheck(ok=True, idle=idle)
 
     def chaos_drop_next_event_batch(self) -> None:
         """Lose the next KV event batch on purpose (soak and resync tests)."""

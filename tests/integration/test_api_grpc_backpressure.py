@@ -55,25 +55,25 @@ def test_unread_streams_pause_and_resume_with_unchanged_output():
         )
         # Every request is paused, so no engine can step: blocks and steps stand still.
         again = worker_stats()
-        assert [s["num_steps"] for s in again] == [s["num_steps"] for s in paused]
-        assert [s["kv"]["used_blocks"] for s in again] == [s["kv"]["used_blocks"] for s in paused]
-        produced = sum(s["kv"]["useful_tokens"] for s in paused)
+        assert [s.num_steps for s in again] == [s.num_steps for s in paused]
+        assert [s.kv.used_blocks for s in again] == [s.kv.used_blocks for s in paused]
+        produced = sum(s.kv.useful_tokens for s in paused)
         assert produced < NUM_STREAMS * MAX_TOKENS // 2, "paused well before the end"
 
         outputs = [[t for m in stream for t in m.token_ids] for stream in streams]
         assert outputs == reference
         wait_until(
-            lambda: all(s["kv"]["used_blocks"] == 0 for s in worker_stats()),
+            lambda: all(s.kv.used_blocks == 0 for s in worker_stats()),
             DEADLINE_S,
             "every block to be free",
         )
         handles = [ray.get_actor(f"{NAME}-worker-{i}", namespace="pagedserve") for i in range(2)]
         for check in ray.get([h.check_pool.remote() for h in handles]):
-            assert check == {"ok": True, "idle": True, "error": None}
-        assert all(s["num_paused"] == 0 and s["num_streams"] == 0 for s in worker_stats())
+            assert check.clean and check.error is None
+        assert all(s.num_paused == 0 and s.num_streams == 0 for s in worker_stats())
         channel.close()
 
 
 def _all_paused(stats: list[dict]) -> list[dict] | None:
-    paused = sum(s["num_paused"] for s in stats)
+    paused = sum(s.num_paused for s in stats)
     return stats if paused == NUM_STREAMS else None

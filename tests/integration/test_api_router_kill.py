@@ -90,4 +90,4 @@ def test_a_killed_router_s_streams_end_unavailable_and_leave_no_orphan(app):
         ray.get(ray.get_actor(app.config.worker_name(i), namespace="pagedserve").stats.remote())
         for i in range(app.config.num_workers)
     ]
-    assert max(s["num_steps"] for s in stats) < LONG, stats
+    assert max(s.num_steps for s in stats) < LONG, stats

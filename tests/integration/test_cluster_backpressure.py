@@ -5,6 +5,7 @@ Own module so that the module-scoped Ray cluster is fresh: every worker slot is 
 """
 
 import asyncio
+import dataclasses
 
 from support.cluster import assert_pools_clean, cluster_config, greedy, run_request, start_router
 
@@ -49,8 +50,8 @@ def test_full_queues_refuse_at_once_and_admitted_requests_finish(ray_cluster):
     finally:
         stop_worker_group(config)
     refused = [r for r in results if isinstance(r, Exception)]
-    router_refusals = stats["router"].get("refused.router", 0)
-    worker_refusals = stats["router"].get("refused.worker", 0)
+    router_refusals = stats.router.refused_router
+    worker_refusals = stats.router.refused_worker
     # 10 at once, the router streams 6 at most; the worker runs 1 and queues 2 of the 6.
     assert router_refusals == 4 and worker_refusals == 3 and len(refused) == 7
     for error in refused:
@@ -58,7 +59,7 @@ def test_full_queues_refuse_at_once_and_admitted_requests_finish(ray_cluster):
         assert api_error.http_status == 429 and api_error.retry_after_header() is not None
     for result, reference in zip(results, alone, strict=True):
         assert isinstance(result, Exception) or result == reference
-    assert stats["limits"] == {
+    assert dataclasses.asdict(stats.limits) == {
         "max_waiting_per_worker": 2,
         "max_inflight": 6,
         "retry_after_s": 0.5,

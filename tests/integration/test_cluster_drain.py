@@ -43,7 +43,7 @@ def test_drain_drops_no_in_flight_request(ray_cluster):
     finally:
         stop_worker_group(config)
     assert outputs == alone  # none dropped, none changed
-    assert drained["finished"] + drained["handed_off"] >= 2 and drained["handed_off"] >= 1
-    assert stats["router"]["drain_handoffs"] == drained["handed_off"]
-    assert stats["router"]["workers_drained"] == 1
-    assert stats["workers"][victim]["draining"] and finals[0].worker_id != victim
+    assert drained.finished + drained.handed_off >= 2 and drained.handed_off >= 1
+    assert stats.router.drain_handoffs == drained.handed_off
+    assert stats.router.workers_drained == 1
+    assert stats.workers[victim].stats.draining and finals[0].worker_id != victim

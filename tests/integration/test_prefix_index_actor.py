@@ -117,8 +117,8 @@ def test_gap_resyncs_from_the_workers_snapshot_and_agrees_with_its_pool():
     assert ray.get(index.match.remote(chain)) == {"w0": 2}
 
     stats = ray.get(index.stats.remote())
-    assert stats["gaps_detected"] == 1 and stats["resyncs"] == 2
-    assert stats["registered_workers"] == ["w0"] and stats["snapshot_failures"] == 0
+    assert stats.gaps_detected == 1 and stats.resyncs == 2
+    assert stats.registered_workers == ("w0",) and stats.snapshot_failures == 0
 
 
 def test_restarted_worker_resyncs_and_a_dead_one_is_dropped():
@@ -147,7 +147,7 @@ def test_a_stuck_snapshot_hits_the_deadline_and_the_publish_returns():
     assert result == PublishResult(0, needs_resync=True, resynced=False)
     assert SNAPSHOT_TIMEOUT_S * 0.9 <= elapsed < 5 * SNAPSHOT_TIMEOUT_S
     stats = ray.get(index.stats.remote())
-    assert stats["snapshot_failures"] == 1 and stats["workers"] == {}
+    assert stats.snapshot_failures == 1 and stats.workers == {}
     # The index still serves everyone else meanwhile.
     assert ray.get(index.match.remote([b"x"]), timeout=5) == {}
 
@@ -156,4 +156,4 @@ def test_publish_from_an_unregistered_worker_is_not_indexed():
     index = _index("unregistered")
     result = ray.get(index.publish.remote("ghost", "e1", []))
     assert result == PublishResult(0, needs_resync=True, resynced=False)
-    assert ray.get(index.stats.remote())["workers"] == {}
+    assert ray.get(index.stats.remote()).workers == {}

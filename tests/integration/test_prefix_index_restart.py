@@ -49,7 +49,7 @@ def test_a_restarted_index_resyncs_from_every_worker_without_new_requests(ray_cl
         # No request from here on: only the restarted index's own resync can refill it.
         await wait_for(lambda: index_agrees(core), "the restarted index to resync")
         after = await core.index.stats.remote()
-        assert after["startup_resyncs"] == 2 and after["entries"] == before["entries"]
+        assert after.startup_resyncs == 2 and after.entries == before.entries
         hits = core.counters["routed.prefix_hit"]
         await run_request(core, prompts[0], greedy(4))
         assert core.counters["routed.prefix_hit"] == hits + 1

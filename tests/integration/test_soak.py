@@ -35,7 +35,7 @@ def test_soak_with_chaos(ray_cluster):
         references = reference_outputs(config.engine, report)
         print(f"references: {time.monotonic() - started:.1f} s")
         problems = await check_soak(core, report, references)
-        router = (await core.cluster_stats())["router"]
+        router = (await core.cluster_stats()).router
         await core.close()
         return report, problems, router
 
@@ -52,4 +52,4 @@ def test_soak_with_chaos(ray_cluster):
     assert statuses["finished"] > 200 and statuses["rejected"] > 0 and statuses["cancelled"] > 0
     assert statuses.get("refused", 0) > 0  # the burst met backpressure
     assert set(report.faults) == {"kill", "drop_events", "burst"}
-    assert router["migrations.move"] > 0  # the small pool preempted by moving to the peer
+    assert router.moves > 0  # the small pool preempted by moving to the peer

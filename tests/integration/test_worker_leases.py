@@ -12,6 +12,7 @@ import ray
 from pagedserve.workers.engine_config import EngineConfig
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.worker import Worker
+from pagedserve.workers.worker_types import WorkerRequest
 
 LEASE_S = 2.0
 DEADLINE_S = 120.0
@@ -55,8 +56,12 @@ def test_an_orphan_is_aborted_and_a_renewed_request_lives_on(worker):
     async def main():
         stop = asyncio.Event()
         renewing = asyncio.create_task(renew_like_a_router(stop))
-        orphan = worker.generate.remote("orphan", list(range(20)), PARAMS, owner_id="router-gone")
-        kept = worker.generate.remote("kept", list(range(30, 50)), PARAMS, owner_id="router-alive")
+        orphan = worker.generate.remote(
+            WorkerRequest.fresh("orphan", list(range(20)), PARAMS, owner_id="router-gone")
+        )
+        kept = worker.generate.remote(
+            WorkerRequest.fresh("kept", list(range(30, 50)), PARAMS, owner_id="router-alive")
+        )
         # Neither stream is read, so both pause; the orphan's owner never renews.
         await wait_for(lambda: _stat(worker, "lease_expired", 1), "the orphan's lease to expire")
         kept_deltas = await asyncio.wait_for(read(kept), DEADLINE_S)
@@ -69,10 +74,10 @@ def test_an_orphan_is_aborted_and_a_renewed_request_lives_on(worker):
     assert orphan[-1].finish_reason == "abort"
     assert kept[-1].finish_reason == "length"
     assert sum(len(d.token_ids) for d in kept) == PARAMS.max_tokens
-    assert pool == {"ok": True, "idle": True, "error": None}
+    assert pool.clean and pool.error is None
     stats = ray.get(worker.stats.remote())
-    assert stats["lease_expired"] == 1 and stats["num_streams"] == 0
+    assert stats.lease_expired == 1 and stats.num_streams == 0
 
 
 async def _stat(worker, key: str, value) -> bool:
-    return (await worker.stats.remote())[key] == value
+    return getattr(await worker.stats.remote(), key) == value

@@ -88,7 +88,7 @@ def assert_app_pools_clean(app: RunningApp, deadline_s: float = 30.0) -> None:
 
     def clean() -> bool:
         results = ray.get([w.check_pool.remote() for w in workers])
-        return all(r["ok"] and r["idle"] for r in results)
+        return all(r.clean for r in results)
 
     wait_until(clean, deadline_s, "every worker pool to be idle and clean")
 

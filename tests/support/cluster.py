@@ -67,7 +67,7 @@ async def assert_pools_clean(core: RouterCore, deadline_s: float = 10.0) -> None
             continue
         while True:
             result = await worker.handle.check_pool.remote()
-            if result["ok"] and result["idle"]:
+            if result.clean:
                 break
             assert time.monotonic() < end, f"{worker.worker_id} pool not clean: {result}"
             await asyncio.sleep(0.1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -18,6 +19,7 @@ from pagedserve.cluster.grpc_convert import (
     response_to_proto,
     stats_to_proto,
 )
+from pagedserve.cluster.index_stats import IndexStats
 from pagedserve.cluster.openai_api import (
     ChatChunks,
     CompletionChunks,
@@ -25,10 +27,18 @@ from pagedserve.cluster.openai_api import (
     render_chat,
 )
 from pagedserve.cluster.openai_models import ChatCompletionBody, CompletionBody, parse_body
+from pagedserve.cluster.router_types import (
+    BackpressureLimits,
+    ClusterStats,
+    RouterCounters,
+    WorkerView,
+)
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
+from pagedserve.workers.kv_cache_manager import KVUsage
 from pagedserve.workers.outputs import RequestMetrics
 from pagedserve.workers.stream import StreamDelta, Usage
 from pagedserve.workers.tokenizer import ByteTokenizer
+from pagedserve.workers.worker_types import WorkerStats
 
 
 # ----------------------------------------------------------------- gRPC in
@@ -111,23 +121,33 @@ def test_deltas_and_whole_responses():
     assert response.request_id == "r1" and response.metrics.ttft_s == 0.2
 
 
-def test_stats_sum_alive_workers_and_read_missing_numbers_as_zero():
-    kv = {"block_size": 8, "total_blocks": 10, "used_blocks": 4, "cached_free_blocks": 1}
-    stats = {
-        "workers": {
-            "w1": {"alive": True, "inflight": 1, "kv": {**kv, "prefix_queries_tokens": 10,
-                   "prefix_hits_tokens": 5}, "num_waiting": 2, "num_running": 1,
-                   "blocks_imported": 3},
-            "w0": {"alive": True, "inflight": 0, "kv": {**kv, "prefix_queries_tokens": 10}},
-            "w2": {"alive": False, "inflight": 0, "kv": kv},
+def kv_usage(**counts) -> KVUsage:
+    fields = {f.name: 0 for f in dataclasses.fields(KVUsage)}
+    return KVUsage(**{**fields, "block_size": 8, "total_blocks": 10, "used_blocks": 4, **counts})
+
+
+def worker_view(worker_id: str, alive: bool, inflight: int, kv: KVUsage, **counts) -> WorkerView:
+    stats = WorkerStats(worker_id=worker_id, epoch="e", kv=kv, **counts)
+    return WorkerView(worker_id, alive, inflight, None, stats)
+
+
+def test_stats_sum_alive_workers_and_leave_dead_ones_out():
+    stats = ClusterStats(
+        workers={
+            "w1": worker_view(
+                "w1", True, 1, kv_usage(prefix_queries_tokens=10, prefix_hits_tokens=5),
+                num_waiting=2, num_running=1, blocks_imported=3,
+            ),
+            "w0": worker_view("w0", True, 0, kv_usage(prefix_queries_tokens=10)),
+            "w2": worker_view("w2", False, 0, kv_usage()),
         },
-        "router": {
-            "migrations.pull": 2, "migrations.pull_blocks": 6, "migrations.push": 1,
-            "migrations.push_blocks": 4, "migrations.move": 5, "routed.kv_aware": 9,
-        },
-        "index": {"entries": 4, "workers": {"w0": 1, "w1": 3}, "stale_workers": []},
-        "policy": "kv_aware",
-    }  # fmt: skip
+        router=RouterCounters(
+            routed={"kv_aware": 9}, pulls=2, pull_blocks=6, pushes=1, push_blocks=4, moves=5
+        ),
+        limits=BackpressureLimits(None, None, 1.0),
+        index=IndexStats(entries=4, max_entries=100, workers={"w0": 1, "w1": 3}),
+        policy="kv_aware",
+    )  # fmt: skip
     message = stats_to_proto(stats)
     assert [w.worker_id for w in message.workers] == ["w0", "w1", "w2"]
     assert (message.kv.total_blocks, message.kv.used_blocks, message.kv.block_size) == (20, 8, 8)
@@ -321,7 +341,10 @@ def test_cli_reports_an_unreachable_cluster(capsys):
 
 
 def test_cli_status_json_round_trips():
-    message = stats_to_proto({"workers": {}, "router": {}, "policy": "kv_aware"})
+    empty = ClusterStats(
+        {}, RouterCounters(), BackpressureLimits(None, None, 1.0), None, "kv_aware"
+    )
+    message = stats_to_proto(empty)
     assert json.loads(client_cli._to_json(message))["routing_policy"] == "kv_aware"
 
 

@@ -3,6 +3,7 @@
 import pytest
 
 from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.router_types import BackpressureLimits
 from pagedserve.workers.engine_config import EngineConfig
 
 
@@ -10,8 +11,9 @@ def test_workers_get_the_cluster_queue_bound():
     config = ClusterConfig(engine=EngineConfig(block_size=8), max_waiting_per_worker=7)
     assert config.worker_engine.max_waiting == 7 and config.worker_engine.block_size == 8
     assert config.engine.max_waiting is None  # offline engines stay unbounded
-    limits = {"max_waiting_per_worker": 7, "max_inflight": 1024, "retry_after_s": 1.0}
-    assert config.limits == limits
+    assert config.limits == BackpressureLimits(
+        max_waiting_per_worker=7, max_inflight=1024, retry_after_s=1.0
+    )
 
 
 def test_limits_can_be_off_and_load_from_yaml_data():

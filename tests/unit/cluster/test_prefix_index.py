@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagedserve.cluster.index_stats import IndexStats
 from pagedserve.cluster.prefix_index import KVSnapshot, PrefixIndexState, PublishResult
 from pagedserve.workers.block import BlockKey
 from pagedserve.workers.block_hash import block_hash
@@ -65,7 +66,7 @@ def test_duplicate_batches_are_ignored_and_overlaps_apply_the_new_part():
     # seq 1 again, then new seq 2: only the removal applies.
     assert state.publish("w0", "e1", [stored(1, 2), removed(2, 2)]) == PublishResult(1, False)
     assert state.hashes_of("w0") == {h(1)}
-    assert state.stats()["duplicates_ignored"] == 3
+    assert state.stats().duplicates_ignored == 3
 
 
 def test_gap_refuses_the_batch_whole_keeps_entries_and_waits_for_a_snapshot():
@@ -83,7 +84,7 @@ def test_gap_refuses_the_batch_whole_keeps_entries_and_waits_for_a_snapshot():
     assert not state.is_stale("w0")
     assert state.publish("w0", "e1", [stored(3, 4), removed(5, 1)]) == PublishResult(1, False)
     assert state.hashes_of("w0") == {h(4), h(5)}
-    assert state.stats()["gaps_detected"] == 1
+    assert state.stats().gaps_detected == 1
 
 
 def test_a_hole_inside_a_batch_is_a_gap_and_nothing_of_it_applies():
@@ -91,7 +92,7 @@ def test_a_hole_inside_a_batch_is_a_gap_and_nothing_of_it_applies():
     joined(state, "w0")
     assert state.publish("w0", "e1", [stored(0, 1), stored(2, 2)]).needs_resync
     assert state.hashes_of("w0") == set()
-    assert state.stats()["events_applied"] == 0
+    assert state.stats().events_applied == 0
 
 
 def test_events_out_of_order_are_a_gap():
@@ -130,7 +131,7 @@ def test_new_epoch_drops_the_old_incarnation_at_once():
     assert state.publish("w0", "e2", [stored(0, 7)]) == PublishResult(1, False)
     # A late batch from the dead incarnation is not applied either.
     assert state.publish("w0", "e1", [stored(2, 3)]).needs_resync
-    assert state.stats()["restarts_detected"] == 2
+    assert state.stats().restarts_detected == 2
     state.check_invariants()
 
 
@@ -228,7 +229,7 @@ def test_lru_evicts_the_least_recently_used_entry():
     assert {b for b in map(h, range(5)) if state.holders(b)} == {h(2), h(3), h(4)}
     # Removing an evicted hash is harmless.
     assert state.publish("w0", "e1", [removed(1, 1), removed(2, 0)]).applied == 2
-    assert state.stats()["evictions"] == 2
+    assert state.stats().evictions == 2
     state.check_invariants()
 
 
@@ -253,18 +254,18 @@ def test_stats_counts_everything():
     state.publish("w0", "e1", [stored(0, 1), stored(1, 2), stored(2, 3)])  # 1 eviction
     state.publish("w0", "e1", [stored(2, 3)])  # duplicate
     state.publish("w0", "e1", [stored(5, 4)])  # gap
-    assert state.stats() == {
-        "entries": 2,
-        "max_entries": 2,
-        "workers": {"w0": 2},
-        "stale_workers": ["w0"],
-        "resyncs": 1,
-        "gaps_detected": 1,
-        "restarts_detected": 0,
-        "evictions": 1,
-        "events_applied": 3,
-        "duplicates_ignored": 1,
-    }
+    assert state.stats() == IndexStats(
+        entries=2,
+        max_entries=2,
+        workers={"w0": 2},
+        stale_workers=("w0",),
+        resyncs=1,
+        gaps_detected=1,
+        restarts_detected=0,
+        evictions=1,
+        events_applied=3,
+        duplicates_ignored=1,
+    )
 
 
 # ----------------------------------------------------------------- a real pool

@@ -20,10 +20,12 @@ from pagedserve.cluster.metrics import RouterMetrics
 from pagedserve.cluster.router import GenerateRequest
 from pagedserve.cluster.trace_view import find_trace, load_spans, render
 from pagedserve.cluster.tracing import RouterTrace, carrier_from_headers
+from pagedserve.workers.kv_cache_manager import KVUsage
 from pagedserve.workers.outputs import RequestMetrics
 from pagedserve.workers.stream import StreamDelta, Usage
 from pagedserve.workers.telemetry import NOOP, TelemetryConfig, Tracing, get_tracing
 from pagedserve.workers.worker_core import WorkerCore
+from pagedserve.workers.worker_types import WorkerStats
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -210,18 +212,23 @@ def test_trace_file_and_waterfall(loaded, tmp_path, capsys):
 
 # --------------------------------------------------------------- metrics
 def test_metrics_registry_counts_and_reads_worker_stats():
-    kv = {
-        "total_blocks": 10,
-        "used_blocks": 4,
-        "cached_free_blocks": 2,
-        "free_blocks": 3,
-        "reserve_blocks": 1,
-        "useful_tokens": 30,
-        "wasted_positions": 2,
-        "prefix_queries_tokens": 100,
-        "prefix_hits_tokens": 40,
-    }
-    stats = {"w0": (True, {"kv": kv, "num_running": 2, "num_waiting": 1}), "w1": (False, {})}
+    counts = {f.name: 0 for f in dataclasses.fields(KVUsage)}
+    kv = KVUsage(
+        **{
+            **counts,
+            "total_blocks": 10,
+            "used_blocks": 4,
+            "cached_free_blocks": 2,
+            "free_blocks": 3,
+            "reserve_blocks": 1,
+            "useful_tokens": 30,
+            "wasted_positions": 2,
+            "prefix_queries_tokens": 100,
+            "prefix_hits_tokens": 40,
+        }
+    )
+    w0 = WorkerStats(worker_id="w0", epoch="e", kv=kv, num_running=2, num_waiting=1)
+    stats = {"w0": (True, w0), "w1": (False, None)}
     metrics = RouterMetrics(True, lambda: stats)
     metrics.on_routed("kv_aware", "prefix_hit")
     metrics.on_migration("pull", 3)

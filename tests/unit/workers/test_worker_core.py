@@ -10,6 +10,7 @@ from pagedserve.workers.block_hash import hash_full_blocks
 from pagedserve.workers.engine import RequestRejected
 from pagedserve.workers.errors import Draining
 from pagedserve.workers.worker_core import WorkerCore
+from pagedserve.workers.worker_types import DrainResult, PoolCheck
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -173,9 +174,9 @@ def test_moved_request_continues_on_a_peer_without_gap_or_repeat(tiny_llama):
     assert sum(moves for _, moves in results) >= 1
     for prompt, (tokens, _) in zip(prompts, results, strict=True):
         assert tokens == reference.greedy(prompt, 24)
-    assert core_a.engine.num_handoffs >= 1 and core_b.check_pool()["ok"]
-    assert core_a.check_pool() == {"ok": True, "idle": True, "error": None}
-    assert core_b.check_pool()["idle"]
+    assert core_a.engine.num_handoffs >= 1 and core_b.check_pool().ok
+    assert core_a.check_pool() == PoolCheck(ok=True, idle=True)
+    assert core_b.check_pool().idle
 
 
 def test_offline_llm_refuses_move_mode(tiny_llama):
@@ -205,6 +206,6 @@ def test_drain_refuses_new_requests_finishes_short_ones_and_cuts_off_the_rest(ti
         return result, deltas, stats
 
     result, deltas, stats = asyncio.run(main())
-    assert result == {"finished": 1, "handed_off": 1}
-    assert deltas[-1].finish_reason == "length" and stats["draining"]
+    assert result == DrainResult(finished=1, handed_off=1)
+    assert deltas[-1].finish_reason == "length" and stats.draining
     finish_clean(llm)

@@ -12,6 +12,7 @@ from support.engine import finish_clean
 from pagedserve import LLM, SamplingParams
 from pagedserve.workers.lease import LeaseTable
 from pagedserve.workers.worker_core import WorkerCore
+from pagedserve.workers.worker_types import PoolCheck
 
 LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
 # Long enough that the housekeeping task never runs a check of its own during a test.
@@ -88,7 +89,7 @@ def test_an_owner_that_stops_renewing_loses_its_requests_the_others_go_on(tiny_l
         core.renew_lease("router-b")
         clock.now = 1.5 * TIMEOUT_S  # router-a: 1.5 leases since admission; router-b: 0.75
         assert await core.check_leases() == 1
-        assert core.stats()["lease_expired"] == 1
+        assert core.stats().lease_expired == 1
         results = [await asyncio.wait_for(read_all(s), DEADLINE_S) for s in (dead, alive, offline)]
         await core.close()
         return results
@@ -96,8 +97,8 @@ def test_an_owner_that_stops_renewing_loses_its_requests_the_others_go_on(tiny_l
     dead, alive, offline = asyncio.run(main())
     assert dead[-1].finish_reason == "abort"
     assert alive[-1].finish_reason == offline[-1].finish_reason == "length"
-    assert core.stats()["lease_owners"] == 0
-    assert core.check_pool() == {"ok": True, "idle": True, "error": None}
+    assert core.stats().lease_owners == 0
+    assert core.check_pool() == PoolCheck(ok=True, idle=True)
     finish_clean(llm)
 
 
@@ -115,7 +116,7 @@ def test_the_housekeeping_task_aborts_an_orphan_while_the_engine_is_idle(tiny_ll
         await wait_for(lambda: llm.engine.stats()["num_paused"] == 1, "the orphan to pause")
         assert not llm.engine.has_runnable_requests()
         clock.now = 1.0  # past the lease: the next housekeeping tick aborts it
-        await wait_for(lambda: core.stats()["lease_expired"] == 1, "the lease to expire")
+        await wait_for(lambda: core.stats().lease_expired == 1, "the lease to expire")
         rest = await asyncio.wait_for(read_all(stream), DEADLINE_S)
         await core.close()
         return rest

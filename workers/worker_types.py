@@ -1,0 +1,155 @@
+"""What crosses the boundary between a worker actor and its callers (router, peers, tests).
+
+Each message is a frozen dataclass, validated once where it is built, never a dict read back
+by string key:
+
+    router ── WorkerRequest ──────────────► Worker.generate / Worker.adopt
+    router ◄── StreamDelta | RequestMoved ── (the stream: data, or "continue on a peer")
+    router ── Worker.ready() / stats() ───► WorkerInfo / WorkerStats (holding KVUsage)
+
+`RequestMoved` is the control message that used to ride inside a data delta: a worker that
+must preempt a request in `move` mode ends that branch's stream with it, and the router
+continues the request on a peer from `handoff`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from pagedserve.workers.errors import RequestRejected
+from pagedserve.workers.handoff import RequestHandoff
+from pagedserve.workers.kv_cache_manager import KVUsage
+from pagedserve.workers.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What the router needs to hash and validate exactly as a worker does (`Worker.ready`)."""
+
+    worker_id: str
+    epoch: str  # one per incarnation: a restarted worker has a new one
+    model: str
+    block_size: int
+    vocab_size: int
+    max_model_len: int
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """A worker's load and KV breakdown (`Worker.stats`); counters count since it started."""
+
+    worker_id: str
+    epoch: str
+    kv: KVUsage
+    num_waiting: int = 0
+    num_running: int = 0
+    num_swapped: int = 0
+    num_paused: int = 0
+    num_steps: int = 0
+    num_handoffs: int = 0
+    num_streams: int = 0
+    events_published: int = 0
+    blocks_imported: int = 0
+    blocks_exported: int = 0
+    event_batches_dropped: int = 0
+    lease_expired: int = 0
+    lease_owners: int = 0
+    draining: bool = False
+    kv_cache_device_bytes: int = 0
+    kv_cache_swap_bytes: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        queries = self.kv.prefix_queries_tokens
+        return self.kv.prefix_hits_tokens / queries if queries else 0.0
+
+
+@dataclass(frozen=True)
+class WorkerRequest:
+    """One request as a worker takes it: a fresh prompt, or (`handoff`) a moved request.
+
+    Attributes:
+        request_id: the id the worker knows it by (the router's tenant-scoped id).
+        params: sampling parameters (validated by `SamplingParams` itself).
+        prompt: token ids, or text the worker tokenizes; empty when `handoff` is set.
+        handoff: a request a peer moved here, to continue where it stopped.
+        priority: lower runs first under the `priority` scheduling policy.
+        cache_salt: isolates this request's prefix cache entries (e.g. per tenant).
+        timeout_s: the request ends with finish reason `timeout` after this long.
+        trace_context: the W3C carrier of the caller's span, if traced.
+        owner_id: the router whose lease keeps this request alive (None: no lease).
+    """
+
+    request_id: str
+    params: SamplingParams
+    prompt: str | tuple[int, ...] = ()
+    handoff: RequestHandoff | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    timeout_s: float | None = None
+    trace_context: Mapping[str, str] | None = field(default=None, hash=False)
+    owner_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            raise RequestRejected("request_id is empty")
+        if not isinstance(self.prompt, str):
+            object.__setattr__(self, "prompt", tuple(self.prompt))
+        if (self.handoff is None) == (not self.prompt):
+            raise RequestRejected("give a prompt or a handoff, not both or neither")
+        if self.timeout_s is not None and not (
+            math.isfinite(self.timeout_s) and self.timeout_s > 0
+        ):
+            raise RequestRejected(f"timeout_s must be a finite number > 0, got {self.timeout_s}")
+
+    @classmethod
+    def fresh(
+        cls, request_id: str, prompt: str | Sequence[int], params: SamplingParams, **kwargs
+    ) -> WorkerRequest:
+        return cls(
+            request_id, params, prompt if isinstance(prompt, str) else tuple(prompt), **kwargs
+        )
+
+    @classmethod
+    def moved(cls, handoff: RequestHandoff, **kwargs) -> WorkerRequest:
+        return cls(handoff.request_id, handoff.params, handoff=handoff, **kwargs)
+
+    @property
+    def num_branches(self) -> int:
+        return 1 if self.handoff is not None else self.params.n
+
+
+@dataclass(frozen=True)
+class PoolCheck:
+    """`Worker.check_pool`: the pool's invariants hold (`ok`), and whether the worker is idle
+    (no request, no stream: then every block must be free or cached)."""
+
+    ok: bool
+    idle: bool
+    error: str | None = None
+
+    @property
+    def clean(self) -> bool:
+        return self.ok and self.idle
+
+
+@dataclass(frozen=True)
+class DrainResult:
+    """`Worker.drain`: streams that finished within the grace period, and those handed off."""
+
+    finished: int
+    handed_off: int
+
+
+@dataclass(frozen=True)
+class RequestMoved:
+    """A branch left this worker: continue it on a peer from `handoff` (never shown to the
+    client; the router follows it)."""
+
+    request_id: str
+    index: int
+    worker_id: str
+    handoff: RequestHandoff
