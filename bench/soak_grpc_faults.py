@@ -129,6 +129,14 @@ async def router_kill(
     """Kill the Router replica while `victims` stream; then orphans, restart, `probes`."""
     record = FaultRecord("router_kill", {"victims": len(victims)})
     tasks, started = await _start_victims(app, channel, victims, spec.hang_timeout_s)
+
+    async def moved() -> dict[str, int]:
+        counters = await router_counters(app.grpc_address)
+        return counters if counters.get("migrations.move", 0) else {}
+
+    # Kill mid-thrash: the victims outgrow the pool in pairs and move (bounded: if none moved,
+    # the kill still proves the rest, and the run's move count says so).
+    await wait_until(moved, spec.hang_timeout_s)
     pairs = zip(started, tasks, strict=True)
     record.facts["streaming_at_kill"] = sum(e.is_set() and not t.done() for e, t in pairs)
     record.facts["router_counters"] = await router_counters(app.grpc_address)
