@@ -1,12 +1,20 @@
 """`pagedserve bench soak`: a long chaotic run on a local cluster, then the soak checks.
 
-Starts a worker group on a local Ray, drives a `RouterCore` in this process with the soak load
-of `bench/soak_driver.py` (shared prefixes, n > 1, cancellations, short deadlines, bad inputs, a
-small pool that forces preemption and moves; a worker kill, a lost KV event batch and a burst
-past the router's limit), then runs every check of `bench/soak_checks.py`. Exits 1 when any
-check found a problem.
+Two front ends, the same load (`bench/soak_driver.py`: shared prefixes, n > 1, cancellations,
+short deadlines, bad inputs, a small pool that forces preemption and moves):
+
+- `--front-end core` (default): a worker group on a local Ray and a `RouterCore` in this
+  process; faults: a worker kill, a lost KV event batch, a burst past the router's limit; then
+  every check of `bench/soak_checks.py`.
+- `--front-end grpc`: Serve's gRPC proxy and the Router deployment on a local Ray, driven with
+  raw gRPC calls (`bench/soak_grpc.py`); faults: a burst past the router's and the workers'
+  limits, duplicate-id pairs, a Router replica kill and a prefix index kill; then the checks
+  of `bench/soak_grpc_checks.py` and `soak_checks.check_pools_and_index`.
+
+Exits 1 when any check found a problem.
 
     pagedserve bench soak --num-requests 2000 --json soak.json
+    pagedserve bench soak --front-end grpc --num-requests 1000 --json soak-grpc.json
 """
 
 from __future__ import annotations
@@ -36,17 +44,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--concurrency", type=int, default=d.concurrency, help="steady requests open at once")
     add("--burst-size", type=int, default=d.burst_size, help="requests the burst sends at once")
     add("--seed", type=int, default=d.seed, help="the workload's seed")
+    add("--front-end", choices=("core", "grpc"), default="core", help="what the load drives")
     add("--num-workers", type=int, default=2, help="worker actors")
-    add("--num-kv-blocks", type=int, default=24, help="KV blocks per worker (small: preempt)")
+    add("--num-kv-blocks", type=int, help="KV blocks per worker (core: 24, grpc: 64)")
     add("--block-size", type=int, default=8, help="tokens per KV block")
     add("--max-inflight", type=int, default=24, help="router: requests streamed at most")
-    add("--max-waiting", type=int, default=16, help="worker: new requests queued at most")
+    add("--max-waiting", type=int, help="worker: new requests queued at most (core: 16, grpc: 6)")
     add("--no-faults", action="store_true", help="no kill, event loss or burst")
     add("--json", default=None, help="write the summary and problems here")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.front_end == "grpc":
+        return _run_grpc(args)
 
     from pagedserve.bench.soak_driver import SoakSpec
     from pagedserve.cluster.config import ClusterConfig
@@ -64,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     config = ClusterConfig(
         engine=EngineConfig(
             block_size=args.block_size,
-            num_kv_blocks=args.num_kv_blocks,
+            num_kv_blocks=args.num_kv_blocks or 24,
             attention_backend="torch",
             max_num_seqs=8,
             preemption_mode="move",
@@ -74,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         name="pagedserve-soak",
         stats_interval_s=0.2,
         max_inflight=args.max_inflight,
-        max_waiting_per_worker=args.max_waiting,
+        max_waiting_per_worker=args.max_waiting or 16,
         retry_after_s=0.5,
     )
     ensure_ray()
@@ -124,3 +135,36 @@ async def _soak(config, spec) -> dict[str, Any]:
         "latency_s_max": round(max(o.latency_s for o in report.outcomes), 2),
     }
     return {"summary": summary, "problems": problems}
+
+
+def _run_grpc(args: argparse.Namespace) -> int:
+    import sys
+
+    from pagedserve.bench.soak_driver import SoakSpec
+    from pagedserve.bench.soak_grpc import GrpcSoakSpec, grpc_soak_config, soak_over_grpc
+
+    load = SoakSpec(
+        num_requests=args.num_requests,
+        concurrency=args.concurrency,
+        burst_size=args.burst_size,
+        seed=args.seed,
+        burst_at=None if args.no_faults else GrpcSoakSpec().load.burst_at,
+    )
+    faults = dict.fromkeys(("dup_at", "router_kill_at", "index_kill_at")) if args.no_faults else {}
+    spec = GrpcSoakSpec(load=load, **faults)
+    config = grpc_soak_config(
+        num_workers=args.num_workers,
+        num_kv_blocks=args.num_kv_blocks or 64,
+        block_size=args.block_size,
+        max_inflight=args.max_inflight,
+        max_waiting=args.max_waiting or 6,
+    )
+    command = "pagedserve " + " ".join(sys.argv[1:])
+    report, problems, summary = soak_over_grpc(config, spec, command, log=print)
+    print(json.dumps(summary, indent=2))
+    for problem in problems[:50]:
+        print("PROBLEM:", problem)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"summary": summary, "problems": problems}, f, indent=2, default=str)
+    return 1 if problems else 0

@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Iterable
 from typing import Any
 
-from pagedserve.bench.soak_driver import Outcome, SoakReport
+from pagedserve.bench.soak_driver import Outcome, SoakReport, SoakRequest
 from pagedserve.cluster.router import RouterCore
 from pagedserve.workers.engine_config import EngineConfig
+from pagedserve.workers.worker_types import PoolCheck
 
 # What each kind of request may end as; anything else is a problem.
 ALLOWED = {
@@ -23,6 +25,11 @@ ALLOWED = {
 
 
 def reference_outputs(engine: EngineConfig, report: SoakReport) -> dict[int, list[int]]:
+    """Each valid request that produced tokens, run alone offline (see `references_for`)."""
+    return references_for(engine, [o.request for o in report.outcomes if o.tokens])
+
+
+def references_for(engine: EngineConfig, requests: Iterable[SoakRequest]) -> dict[int, list[int]]:
     """Each valid request run alone, offline (greedy: every branch equals this one), by index.
 
     One engine in this process with the workers' config, one request at a time: no batching,
@@ -34,9 +41,8 @@ def reference_outputs(engine: EngineConfig, report: SoakReport) -> dict[int, lis
     options.update(max_waiting=None, preemption_mode="recompute")
     llm = LLM(options.pop("model"), **options)
     references = {}
-    for outcome in report.outcomes:
-        req = outcome.request
-        if req.kind == "bad" or not outcome.tokens:
+    for req in requests:
+        if req.kind == "bad":
             continue
         params = dataclasses.replace(req.params, n=1)
         (output,) = llm.generate([req.token_ids], params)
@@ -102,26 +108,51 @@ async def check_cluster(core: RouterCore, settle_s: float = 60.0) -> list[str]:
     if core.num_inflight or core._inflight_ids:
         held = list(core._inflight_ids)
         problems.append(f"router still holds {core.num_inflight} requests: {held}")
-    timeout = core.config.rpc_timeout_s
-    for worker in core.workers.values():
+    workers = {w.worker_id: w.handle for w in core.workers.values()}
+    left = max(end - time.monotonic(), 0.0)
+    problems += await check_pools_and_index(workers, core.index, core.config.rpc_timeout_s, left)
+    return problems
+
+
+async def check_pools_and_index(
+    workers: dict[str, Any], index: Any, rpc_timeout_s: float, settle_s: float
+) -> list[str]:
+    """Each worker idle with a clean pool (`check_pool`: no block held, invariants hold) and the
+    index's entries for it equal to its cached blocks, within `settle_s`.
+
+    Args:
+        workers: worker id → actor handle.
+        index: the prefix index actor.
+        rpc_timeout_s: deadline of each call.
+        settle_s: how long the cluster may take to get there.
+    """
+    end = time.monotonic() + settle_s
+    problems = []
+    for worker_id, handle in workers.items():
         last: Any = None
-        while time.monotonic() < end:
-            pool = await asyncio.wait_for(worker.handle.check_pool.remote(), timeout)
-            snapshot = await asyncio.wait_for(worker.handle.kv_snapshot.remote(), timeout)
-            held = await asyncio.wait_for(core.index.snapshot_of.remote(worker.worker_id), timeout)
+        while True:
+            pool = await asyncio.wait_for(handle.check_pool.remote(), rpc_timeout_s)
+            snapshot = await asyncio.wait_for(handle.kv_snapshot.remote(), rpc_timeout_s)
+            held = await asyncio.wait_for(index.snapshot_of.remote(worker_id), rpc_timeout_s)
             last = (pool, set(snapshot.block_hashes), held)
             if pool.clean and last[1] == held:
                 break
+            if time.monotonic() > end:
+                problems += _pool_problems(worker_id, *last)
+                break
             await asyncio.sleep(0.2)
-        else:
-            pool, cached, held = last
-            if not pool.clean:
-                problems.append(f"{worker.worker_id} pool not clean: {pool}")
-            if cached != held:
-                problems.append(
-                    f"index disagrees with {worker.worker_id}: {len(cached - held)} cached "
-                    f"blocks missing, {len(held - cached)} stale"
-                )
+    return problems
+
+
+def _pool_problems(worker_id: str, pool: PoolCheck, cached: set, held: set) -> list[str]:
+    problems = []
+    if not pool.clean:
+        problems.append(f"{worker_id} pool not clean: {pool}")
+    if cached != held:
+        problems.append(
+            f"index disagrees with {worker_id}: {len(cached - held)} cached "
+            f"blocks missing, {len(held - cached)} stale"
+        )
     return problems
 
 

@@ -1,0 +1,333 @@
+"""The soak through the real gRPC front end: Serve's gRPC proxy, the Router replica, workers.
+
+`pagedserve bench soak --front-end grpc` and `tests/integration/test_soak_grpc.py` run it. The
+steady load is the in-process soak's (`soak_driver.plan_requests`: shared prefixes, n > 1,
+cancellations, deadlines, malformed inputs; here also gRPC deadlines and requests that do not
+parse), sent with raw `GenerateStream` calls so that every status code, detail and trailing
+metadata entry is seen as a client sees it. Faults at fixed points of the steady requests:
+
+    burst_at        a burst past the router's max_inflight and the workers' queue bound,
+                    alongside the steady load: every refusal RESOURCE_EXHAUSTED + retry-after
+    dup_at          duplicate-id pairs                      } each on a quiet cluster: the
+    router_kill_at  Router replica killed mid-stream        } steady requests started so far
+    index_kill_at   prefix index killed and restarted       } end first (`soak_grpc_faults`)
+
+Then the checks: codes and details of every request (`soak_grpc_checks`), outputs against
+the request run alone, and every pool clean with the index equal to it (`soak_checks`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from pagedserve.bench.soak_checks import check_pools_and_index, references_for
+from pagedserve.bench.soak_driver import SoakRequest, SoakSpec, plan_requests
+from pagedserve.bench.soak_grpc_app import SoakApp, serving_app
+from pagedserve.bench.soak_grpc_calls import WIRE_BAD_INPUTS, GrpcOutcome, call_stream
+from pagedserve.bench.soak_grpc_checks import REFUSED, check_outcomes
+from pagedserve.bench.soak_grpc_faults import (
+    FaultRecord,
+    RouterKillSpec,
+    duplicate_pair,
+    index_kill,
+    router_counters,
+    router_kill,
+)
+from pagedserve.cluster.config import ClusterConfig
+from pagedserve.workers.engine_config import EngineConfig
+from pagedserve.workers.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class GrpcSoakSpec:
+    """The shape of one gRPC soak run.
+
+    Attributes:
+        load: the steady requests and the burst (`burst_at`, `burst_size`); its worker-kill
+            and event-loss points are the in-process soak's and are not used here.
+        dup_at, router_kill_at, index_kill_at: when each fault strikes, as a fraction of the
+            steady requests started (None: skipped).
+        dup_pairs: duplicate-id pairs sent at `dup_at`, one after the other.
+        kill_victims: streams open when the router is killed.
+        victim_tokens: max_tokens of each victim (long: still decoding at the kill).
+        probes: requests sent once the router is back.
+        lease_s: the router's lease on the workers the run asks for (`lease_options`) and
+            holds the cluster to: once it lapsed (+ `lease_margin_s`), a worker still running
+            a dead router's request runs an orphan.
+        lease_margin_s: slack past the lease for the abort to land (a poll, an engine step).
+        restart_timeout_s: how long Serve may take to bring the router back.
+        resync_timeout_s: how long the restarted index may take to hold every cached block.
+    """
+
+    load: SoakSpec = field(default_factory=lambda: SoakSpec(burst_at=0.3, burst_size=60))
+    dup_at: float | None = 0.45
+    router_kill_at: float | None = 0.6
+    index_kill_at: float | None = 0.8
+    dup_pairs: int = 3
+    kill_victims: int = 14
+    victim_tokens: int = 480
+    probes: int = 4
+    lease_s: float = 3.0
+    lease_margin_s: float = 3.0
+    restart_timeout_s: float = 90.0
+    resync_timeout_s: float = 20.0
+
+
+@dataclass
+class GrpcSoakReport:
+    outcomes: list[GrpcOutcome]
+    faults: dict[str, list[FaultRecord]]
+    duration_s: float
+    router_counters: Counter[str]
+
+    def fault_problems(self) -> list[str]:
+        return [p for records in self.faults.values() for r in records for p in r.problems]
+
+
+# -------------------------------------------------------------------- plan
+def plan_fault_requests(spec: GrpcSoakSpec, first_index: int) -> dict[str, list[SoakRequest]]:
+    """The requests the faults send: duplicate pairs, router-kill victims and probes."""
+    rng = random.Random(spec.load.seed + 1)
+    index = iter(range(first_index, first_index + 10_000))
+
+    def request(kind: str, max_tokens: int, prompt_len: int = 12) -> SoakRequest:
+        token_ids = [rng.randrange(1, spec.load.vocab_size) for _ in range(prompt_len)]
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        return SoakRequest(next(index), kind, params, token_ids)
+
+    return {
+        "dup": [request("dup", 24) for _ in range(2 * spec.dup_pairs)],
+        "victim": [request("victim", spec.victim_tokens, 8) for _ in range(spec.kill_victims)],
+        "probe": [request("probe", 8) for _ in range(spec.probes)],
+    }
+
+
+def grpc_deadlines(steady: list[SoakRequest], deadline_s: float) -> dict[int, float]:
+    """Half the `deadline` requests get a gRPC deadline instead of a worker-side timeout_s;
+    a third of the `bad` ones are sent as bytes that do not parse. Returns the deadlines."""
+    deadlines = {}
+    wire = sorted(WIRE_BAD_INPUTS)
+    for req in steady:
+        if req.kind == "deadline" and req.index % 2 == 0:
+            req.timeout_s = None
+            deadlines[req.index] = deadline_s
+        elif req.kind == "bad" and req.index % 3 == 0:
+            req.bad_input = wire[req.index % len(wire)]
+    return deadlines
+
+
+# --------------------------------------------------------------------- run
+async def run_grpc_soak(app: SoakApp, spec: GrpcSoakSpec, log: Any = None) -> GrpcSoakReport:
+    """Drive the load and strike the faults; every request ends in a `GrpcOutcome`."""
+    load = spec.load
+    steady, burst = plan_requests(load)
+    deadlines = grpc_deadlines(steady, load.deadline_s)
+    extra = plan_fault_requests(spec, load.num_requests + len(burst))
+    kill = RouterKillSpec(spec.lease_s, spec.lease_margin_s, spec.restart_timeout_s)
+    faults: dict[str, list[FaultRecord]] = {}
+    counters: Counter[str] = Counter()
+    strikes = {
+        name: int(at * load.num_requests)
+        for name, at in (
+            ("burst", load.burst_at),
+            ("duplicate_id", spec.dup_at),
+            ("router_kill", spec.router_kill_at),
+            ("index_kill", spec.index_kill_at),
+        )
+        if at is not None
+    }
+    tasks: list[asyncio.Task] = []
+    gate = asyncio.Semaphore(load.concurrency)
+    start = time.monotonic()
+    async with grpc.aio.insecure_channel(app.grpc_address) as channel:
+
+        def send(req: SoakRequest, gated: bool = True) -> None:
+            call = call_stream(
+                channel, req, load.hang_timeout_s, deadline_s=deadlines.get(req.index)
+            )
+            tasks.append(asyncio.create_task(_gated(gate, call) if gated else call))
+
+        async def strike(name: str) -> list[FaultRecord]:
+            if name == "burst":
+                for req in burst:
+                    send(req, gated=False)
+                return [FaultRecord("burst", {"requests": len(burst)})]
+            await asyncio.gather(*tasks)  # a quiet cluster: what the fault proves is exact
+            if name == "duplicate_id":
+                pairs = zip(extra["dup"][::2], extra["dup"][1::2], strict=True)
+                return [await duplicate_pair(channel, a, b, load.hang_timeout_s) for a, b in pairs]
+            if name == "router_kill":
+                record = await router_kill(app, channel, extra["victim"], extra["probe"], kill)
+                counters.update(record.facts["router_counters"])  # they died with the replica
+                return [record]
+            return [await index_kill(app, spec.resync_timeout_s)]
+
+        for i, req in enumerate(steady):
+            for name, at in strikes.items():
+                if i == at:
+                    faults[name] = await strike(name)
+                    if log:
+                        facts = [r.facts for r in faults[name]]
+                        log(f"[{time.monotonic() - start:6.1f}s] request {i}: {name} {facts}")
+            async with gate:  # keep the steady rate: start the next one when a slot frees
+                pass
+            send(req)
+            await asyncio.sleep(0)
+        outcomes = list(await asyncio.gather(*tasks))
+        counters.update(await router_counters(app.grpc_address))
+    for records in faults.values():
+        for record in records:
+            outcomes += record.outcomes
+    return GrpcSoakReport(outcomes, faults, time.monotonic() - start, counters)
+
+
+async def _gated(gate: asyncio.Semaphore, call: Any) -> GrpcOutcome:
+    async with gate:
+        return await call
+
+
+# ------------------------------------------------------------------ checks
+async def check_grpc_soak(
+    app: SoakApp, report: GrpcSoakReport, settle_s: float = 30.0, log: Any = None
+) -> list[str]:
+    """Every check of the run: faults, each request, then pools and index (which may take
+    `settle_s` to come to rest)."""
+    started = time.monotonic()
+    workers = await asyncio.to_thread(app.worker_handles)
+    index = await asyncio.to_thread(app.index_handle)
+    problems = await check_pools_and_index(workers, index, app.config.rpc_timeout_s, settle_s)
+    if log:
+        log(f"pools and index checked: {time.monotonic() - started:.1f} s")
+    requests = [_as_far_as_seen(o) for o in report.outcomes if any(o.tokens.values())]
+    references = await asyncio.to_thread(references_for, app.config.engine, requests)
+    problems = report.fault_problems() + check_outcomes(report.outcomes, references) + problems
+    if log:
+        log(f"checks: {time.monotonic() - started:.1f} s ({len(references)} references)")
+    return problems
+
+
+def _as_far_as_seen(outcome: GrpcOutcome) -> SoakRequest:
+    """The request to run alone for `outcome`: whole when it finished; else only as many
+    tokens as it streamed (greedy: a shorter run is a prefix of the longer one), which keeps
+    the long router-kill victims cheap to check."""
+    req = outcome.request
+    if outcome.finished:
+        return req
+    seen = max(len(tokens) for tokens in outcome.tokens.values())
+    return dataclasses.replace(req, params=dataclasses.replace(req.params, max_tokens=seen))
+
+
+def summarize(report: GrpcSoakReport, problems: list[str], command: str) -> dict[str, Any]:
+    """The figures a note quotes: codes, faults, hung, orphans, leaks, INTERNAL, refusals."""
+    codes = Counter(o.code for o in report.outcomes)
+    refusals = [o for o in report.outcomes if o.code == REFUSED]
+    latencies = sorted(o.latency_s * 1000 for o in refusals)
+    kill = report.faults.get("router_kill", [FaultRecord("router_kill")])[0]
+    return {
+        "command": command,
+        "requests": len(report.outcomes),
+        "duration_s": round(report.duration_s, 1),
+        "codes": dict(codes),
+        "kinds": dict(Counter(o.request.kind for o in report.outcomes)),
+        "internal": codes.get("INTERNAL", 0) + codes.get("UNKNOWN", 0),
+        "hung": codes.get("HUNG", 0),
+        "orphans": kill.facts.get("orphans"),
+        "leaks": sum("pool not clean" in p for p in problems),
+        "index_out_of_step": sum("index disagrees" in p for p in problems),
+        "refusals": {
+            "count": len(refusals),
+            "by_router": sum("router streams its limit" in o.details for o in refusals),
+            "by_worker": sum("queue is full" in o.details for o in refusals),
+            "with_retry_after": sum(o.retry_after is not None for o in refusals),
+            "latency_ms_median": round(statistics.median(latencies), 1) if latencies else None,
+            "latency_ms_p99": round(_p99(latencies), 1) if latencies else None,
+        },
+        "faults": {
+            name: [{**r.facts, "problems": len(r.problems)} for r in records]
+            for name, records in report.faults.items()
+        },
+        "router_counters": {
+            k: v for k, v in sorted(report.router_counters.items()) if k.startswith(("mig", "ref"))
+        },
+        "problems": len(problems),
+    }
+
+
+def _p99(values: list[float]) -> float:
+    return values[min(len(values) - 1, int(0.99 * len(values)))]
+
+
+def lease_options(lease_s: float) -> dict[str, float]:
+    """`lease_timeout_s` for the config when this `ClusterConfig` has it (the worker-side lease
+    that ends a dead router's requests); empty otherwise."""
+    names = {f.name for f in dataclasses.fields(ClusterConfig)}
+    return {"lease_timeout_s": lease_s} if "lease_timeout_s" in names else {}
+
+
+def grpc_soak_config(
+    name: str = "pagedserve-soak-grpc",
+    *,
+    num_workers: int = 2,
+    num_kv_blocks: int = 64,
+    block_size: int = 8,
+    max_inflight: int = 24,
+    max_waiting: int = 6,
+    lease_s: float = GrpcSoakSpec.lease_s,
+) -> ClusterConfig:
+    """The cluster the gRPC soak runs: a small pool, tight limits, the lease it holds workers to.
+
+    Sized so that every fault can show what it must (2 workers, defaults):
+    - two sequences per engine step (`max_num_seqs=2`) and 6 queued per worker: a worker takes
+      8 requests, the router 24, so the burst meets both limits;
+    - 63 usable blocks of 8 tokens: two router-kill victims of 8 + 480 tokens cannot both fit,
+      so each pair preempts and moves to the peer while the router lives; once it is dead, a
+      worker left with its 7 victims (2 running, 5 queued: ~3 x 480 decode steps) would decode
+      well past the lease, so an orphan cannot hide by finishing early.
+    """
+    return ClusterConfig(
+        engine=EngineConfig(
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            attention_backend="torch",
+            max_num_seqs=2,
+            preemption_mode="move",
+        ),
+        num_workers=num_workers,
+        worker_num_cpus=0.5,
+        name=name,
+        stats_interval_s=0.2,
+        max_inflight=max_inflight,
+        max_waiting_per_worker=max_waiting,
+        retry_after_s=0.5,
+        # A push publishes KV events on a quiet cluster, which would let a restarted index
+        # catch up by accident; the index-kill fault must see it resync with no event at all.
+        enable_push=False,
+        **lease_options(lease_s),
+    )
+
+
+def soak_over_grpc(
+    config: ClusterConfig, spec: GrpcSoakSpec, command: str, log: Any = None
+) -> tuple[GrpcSoakReport, list[str], dict[str, Any]]:
+    """Start the app, run the soak, check it, tear the app down.
+
+    Returns:
+        The report, every problem found (empty: the soak passed) and the summary.
+    """
+
+    async def main() -> tuple[GrpcSoakReport, list[str]]:
+        report = await run_grpc_soak(app, spec, log)
+        return report, await check_grpc_soak(app, report, log=log)
+
+    with serving_app(config) as app:
+        report, problems = asyncio.run(main())
+    return report, problems, summarize(report, problems, command)

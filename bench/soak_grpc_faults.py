@@ -1,0 +1,330 @@
+"""The faults the gRPC soak strikes at fixed points, each on a quiet cluster so that what it
+must prove can be seen exactly:
+
+- duplicate-id pairs: two concurrent `GenerateStream` calls with one `request_id`; exactly one
+  runs (to its normal end: its tokens are checked against the request run alone with the other
+  finished requests), the other gets INVALID_ARGUMENT before any delta.
+- router kill: the Router replica dies mid-stream (`ray.kill(..., no_restart=False)`); its
+  streams must end UNAVAILABLE, no worker may keep decoding them past the router's lease
+  (`orphans`), Serve must bring a replica back and new requests must succeed.
+- index kill: the prefix index actor dies and Ray restarts it; with no request sent, its entries
+  must equal the workers' cached blocks again within a bounded time.
+
+(The burst past the limits runs alongside the steady load; see `soak_grpc.py`.)
+
+Each fault returns a `FaultRecord`: what it saw (for the summary), the problems it found, and
+the outcomes of the requests it sent (checked with all the others).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import ray
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pagedserve.bench.soak_driver import SoakRequest
+from pagedserve.bench.soak_grpc_app import SERVE_NAMESPACE, SoakApp
+from pagedserve.bench.soak_grpc_calls import GrpcOutcome, call_stream
+from pagedserve.cluster.client import AsyncClient
+from pagedserve.workers.worker_types import WorkerStats
+
+POLL_S = 0.2  # how often a bounded wait looks again
+
+
+@dataclass
+class FaultRecord:
+    """One fault: what it observed, what was wrong, and the requests it sent."""
+
+    name: str
+    facts: dict[str, Any] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    outcomes: list[GrpcOutcome] = field(default_factory=list)
+
+
+async def wait_until(condition: Callable[[], Awaitable[Any]], timeout_s: float) -> tuple[bool, Any]:
+    """Poll the async `condition` until it returns something truthy, at most `timeout_s`.
+
+    Returns:
+        (whether it held, its last value). A condition that raises counts as not holding.
+    """
+    end = time.monotonic() + timeout_s
+    last: Any = None
+    while True:
+        try:
+            last = await condition()
+        except (ray.exceptions.RayError, TimeoutError) as error:
+            last = error
+        else:
+            if last:
+                return True, last
+        if time.monotonic() > end:
+            return False, last
+        await asyncio.sleep(POLL_S)
+
+
+# ---------------------------------------------------------------- duplicate id
+async def duplicate_pair(
+    channel: grpc.aio.Channel, first: SoakRequest, second: SoakRequest, hang_timeout_s: float
+) -> FaultRecord:
+    """Two concurrent streams with one request_id (and different prompts, so cross-talk shows)."""
+    request_id = f"soak-dup-{first.index}"
+    record = FaultRecord("duplicate_id", {"request_id": request_id})
+    outcomes = await asyncio.gather(
+        call_stream(channel, first, hang_timeout_s, request_id=request_id),
+        call_stream(channel, second, hang_timeout_s, request_id=request_id),
+    )
+    record.outcomes = list(outcomes)
+    codes = sorted(o.code for o in outcomes)
+    record.facts["codes"] = codes
+    where = f"duplicate-id pair {request_id} (requests {first.index}, {second.index})"
+    if codes != ["INVALID_ARGUMENT", "OK"]:
+        record.problems.append(
+            f"{where}: want one OK and one INVALID_ARGUMENT, got {_describe(outcomes)}"
+        )
+        return record
+    ran = next(o for o in outcomes if o.code == "OK")
+    refused = next(o for o in outcomes if o.code == "INVALID_ARGUMENT")
+    if not ran.finished:
+        record.problems.append(f"{where}: the one that ran was cut off: {ran.finish_reasons}")
+    if refused.num_deltas:
+        record.problems.append(
+            f"{where}: the refused one streamed {refused.num_deltas} deltas before its error"
+        )
+    return record
+
+
+# ----------------------------------------------------------------- router kill
+@dataclass(frozen=True)
+class RouterKillSpec:
+    """Bounds of the router-kill fault.
+
+    Attributes:
+        lease_s: the router's lease on the workers (workers abort a dead router's requests
+            once it lapses).
+        margin_s: slack past the lease for the abort to land (a poll, an engine step).
+        restart_timeout_s: how long Serve may take to bring a Router replica back.
+        hang_timeout_s: a victim stream still open after this long is hung.
+    """
+
+    lease_s: float
+    margin_s: float = 3.0
+    restart_timeout_s: float = 90.0
+    hang_timeout_s: float = 30.0
+
+
+async def router_kill(
+    app: SoakApp,
+    channel: grpc.aio.Channel,
+    victims: list[SoakRequest],
+    probes: list[SoakRequest],
+    spec: RouterKillSpec,
+) -> FaultRecord:
+    """Kill the Router replica while `victims` stream; then orphans, restart, `probes`."""
+    record = FaultRecord("router_kill", {"victims": len(victims)})
+    tasks, started = await _start_victims(app, channel, victims, spec.hang_timeout_s)
+
+    async def moved() -> dict[str, int]:
+        counters = await router_counters(app.grpc_address)
+        return counters if counters.get("migrations.move", 0) else {}
+
+    # Kill mid-thrash: the victims outgrow the pool in pairs and move (bounded: if none moved,
+    # the kill still proves the rest, and the run's move count says so).
+    await wait_until(moved, spec.hang_timeout_s)
+    pairs = zip(started, tasks, strict=True)
+    record.facts["streaming_at_kill"] = sum(e.is_set() and not t.done() for e, t in pairs)
+    record.facts["router_counters"] = await router_counters(app.grpc_address)
+    replicas = await asyncio.to_thread(app.router_replicas)
+    record.facts["killed"] = replicas
+    if not replicas:
+        record.problems.append("router kill: no Router replica actor found to kill")
+    for name in replicas:
+        handle = await asyncio.to_thread(ray.get_actor, name, SERVE_NAMESPACE)
+        await asyncio.to_thread(ray.kill, handle, no_restart=False)
+    killed_at = time.monotonic()
+    record.outcomes = list(await asyncio.gather(*tasks))
+    record.facts["victim_codes"] = dict(Counter(o.code for o in record.outcomes))
+    await _check_orphans(app, victims, killed_at, spec, record)
+    await _check_restart(app, channel, replicas, killed_at, spec, record)
+    probe_outcomes = await asyncio.gather(
+        *(call_stream(channel, p, spec.hang_timeout_s) for p in probes)
+    )
+    record.outcomes += probe_outcomes
+    record.facts["probe_codes"] = dict(Counter(o.code for o in probe_outcomes))
+    return record
+
+
+async def _start_victims(
+    app: SoakApp, channel: grpc.aio.Channel, victims: list[SoakRequest], timeout_s: float
+) -> tuple[list[asyncio.Task], list[asyncio.Event]]:
+    """Start the victims one at a time, each once the workers hold every one before it (running
+    or queued), so that no worker's waiting queue overflows: a refused victim proves nothing.
+    Returns the calls and, for each, an event set once it streamed."""
+    workers = await asyncio.to_thread(app.worker_handles)
+    tasks, started = [], []
+    for victim in victims:
+        event = asyncio.Event()
+        tasks.append(
+            asyncio.create_task(call_stream(channel, victim, timeout_s, first_delta=event))
+        )
+        started.append(event)
+
+        async def held() -> bool:
+            stats = await asyncio.gather(*(w.stats.remote() for w in workers.values()))
+            open_calls = sum(not t.done() for t in tasks)  # a refused victim is done
+            return sum(s.num_streams for s in stats) >= open_calls
+
+        await wait_until(held, timeout_s)
+    return tasks, started
+
+
+async def router_counters(address: str) -> dict[str, int]:
+    """The Router replica's counters (each replica keeps its own; they die with it)."""
+    async with AsyncClient(address, timeout=30) as client:
+        stats = await client.stats()
+    return dict(stats.router_counters)
+
+
+async def _check_orphans(
+    app: SoakApp,
+    victims: list[SoakRequest],
+    killed_at: float,
+    spec: RouterKillSpec,
+    record: FaultRecord,
+) -> None:
+    """No worker may still run a dead router's request once its lease lapsed (+ margin).
+
+    Nothing else is sent meanwhile, so every request a worker holds then is an orphan. Past
+    the bound the soak aborts each victim by id on every worker, so that the rest of the run
+    starts clean.
+    """
+    workers = await asyncio.to_thread(app.worker_handles)
+    bound = spec.lease_s + spec.margin_s
+
+    async def all_idle() -> bool:
+        pools = await asyncio.gather(*(w.check_pool.remote() for w in workers.values()))
+        return all(p.idle for p in pools)
+
+    idle, _ = await wait_until(all_idle, max(killed_at + bound - time.monotonic(), 0.0))
+    record.facts["idle_after_kill_s"] = round(time.monotonic() - killed_at, 1) if idle else None
+    held = {wid: _held(await w.stats.remote()) for wid, w in workers.items()}
+    record.facts["orphans"] = sum(held.values())
+    if not idle:
+        record.problems.append(
+            f"router kill: {sum(held.values())} orphans: {bound:.0f} s after the kill (lease "
+            f"{spec.lease_s} s + {spec.margin_s} s) the workers still ran the dead router's "
+            f"requests: {held}"
+        )
+    aborted = 0
+    for victim in victims:
+        for worker in workers.values():
+            aborted += bool(await worker.abort.remote(f"soak-{victim.index}"))
+    record.facts["aborted_by_soak"] = aborted
+    cleaned, _ = await wait_until(all_idle, spec.hang_timeout_s)
+    if not cleaned:
+        held = {wid: _held(await w.stats.remote()) for wid, w in workers.items()}
+        record.problems.append(
+            f"router kill: workers stayed busy after the soak aborted the victims: {held}"
+        )
+
+
+def _held(stats: WorkerStats) -> int:
+    """Requests a worker holds: open streams, or engine requests when a stream is gone."""
+    engine = stats.num_running + stats.num_waiting + stats.num_swapped
+    return max(stats.num_streams, engine)
+
+
+async def _check_restart(
+    app: SoakApp,
+    channel: grpc.aio.Channel,
+    killed: list[str],
+    killed_at: float,
+    spec: RouterKillSpec,
+    record: FaultRecord,
+) -> None:
+    """Serve brings a Router replica back and it answers SERVING through the gRPC proxy."""
+    health = health_pb2_grpc.HealthStub(channel)
+
+    async def serving() -> bool:
+        replicas = await asyncio.to_thread(app.router_replicas)
+        if not replicas:
+            return False
+        try:
+            reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    back, _ = await wait_until(serving, spec.restart_timeout_s)
+    record.facts["restarted_after_s"] = round(time.monotonic() - killed_at, 1) if back else None
+    record.facts["replicas_after"] = await asyncio.to_thread(app.router_replicas)
+    if not back:
+        record.problems.append(
+            f"router kill: no Router replica served {spec.restart_timeout_s} s after killing "
+            f"{killed}"
+        )
+
+
+# ------------------------------------------------------------------ index kill
+def _pid(_actor: Any) -> int:
+    """Run inside an actor by `__ray_call__`: which process serves it now."""
+    return os.getpid()
+
+
+async def index_kill(app: SoakApp, resync_timeout_s: float = 20.0) -> FaultRecord:
+    """Kill the prefix index (Ray restarts it empty); with no request sent, it must hold every
+    worker's cached blocks again within `resync_timeout_s`."""
+    record = FaultRecord("index_kill")
+    index = await asyncio.to_thread(app.index_handle)
+    workers = await asyncio.to_thread(app.worker_handles)
+    cached = await _cached_blocks(workers)
+    record.facts["cached_blocks"] = sum(len(c) for c in cached.values())
+    if not record.facts["cached_blocks"]:
+        record.problems.append("index kill: the workers cached nothing, so the kill proves nothing")
+    pid = await index.__ray_call__.remote(_pid)
+    await asyncio.to_thread(ray.kill, index, no_restart=False)
+    killed_at = time.monotonic()
+
+    async def restarted() -> bool:
+        return await index.__ray_call__.remote(_pid) != pid
+
+    back, _ = await wait_until(restarted, resync_timeout_s)
+    if not back:
+        record.problems.append(f"index kill: the index did not come back in {resync_timeout_s} s")
+        return record
+    record.facts["back_after_s"] = round(time.monotonic() - killed_at, 1)
+
+    async def in_step() -> bool:
+        now = await _cached_blocks(workers)
+        held = {wid: await index.snapshot_of.remote(wid) for wid in workers}
+        record.facts["index_blocks"] = sum(len(h) for h in held.values())
+        return all(held[wid] == now[wid] for wid in workers)
+
+    synced, _ = await wait_until(in_step, resync_timeout_s)
+    record.facts["resynced_after_s"] = round(time.monotonic() - killed_at, 1) if synced else None
+    if not synced:
+        record.problems.append(
+            f"index kill: {resync_timeout_s} s after its restart, with no new request, the "
+            f"index holds {record.facts['index_blocks']} blocks, the workers cache "
+            f"{record.facts['cached_blocks']}: it never resynced"
+        )
+    return record
+
+
+async def _cached_blocks(workers: dict[str, Any]) -> dict[str, set[bytes]]:
+    snapshots = await asyncio.gather(*(w.kv_snapshot.remote() for w in workers.values()))
+    return {wid: set(s.block_hashes) for wid, s in zip(workers, snapshots, strict=True)}
+
+
+def _describe(outcomes: list[GrpcOutcome]) -> str:
+    return "; ".join(
+        f"request {o.request.index}: {o.code} {o.details[:120]!r} after {o.num_deltas} deltas"
+        for o in outcomes
+    )

@@ -1,0 +1,117 @@
+"""The CI soak through the real gRPC front end (Serve's gRPC proxy, the Router replica, two
+workers): ~250 requests of the soak load (shared prefixes, n > 1, cancellations, gRPC and
+worker deadlines, malformed inputs) with a burst past the router's and the workers' limits,
+duplicate-id pairs, a Router replica kill and a prefix index kill (`bench/soak_grpc.py`).
+
+Each check fails on its own with examples, so a red run says which defect is back:
+codes and details of every request, every refusal RESOURCE_EXHAUSTED with retry-after, the
+duplicate-id pairs, no orphan after the router kill, the index resynced after its kill, outputs
+as if run alone, no hung request, every pool clean and the index equal to it.
+
+Own module: it starts (and stops) its own local Ray, Serve and app.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.bench.soak_driver import SoakSpec
+from pagedserve.bench.soak_grpc import GrpcSoakSpec, grpc_soak_config, soak_over_grpc
+
+LOAD = SoakSpec(num_requests=200, concurrency=12, burst_at=0.3, burst_size=60, hang_timeout_s=60)
+SPEC = GrpcSoakSpec(load=LOAD, dup_pairs=3, kill_victims=14, probes=4)
+COMMAND = "pytest tests/integration/test_soak_grpc.py"
+
+
+@pytest.fixture(scope="module")
+def soak():
+    report, problems, summary = soak_over_grpc(
+        grpc_soak_config("t-soak-grpc"), SPEC, COMMAND, log=print
+    )
+    print(summary)
+    return report, problems, summary
+
+
+def problems_about(problems: list[str], *needles: str) -> list[str]:
+    return [p for p in problems if any(n in p for n in needles)]
+
+
+def failing(what: str, found: list[str]) -> str:
+    return f"{what}: {len(found)} problems, e.g.\n" + "\n".join(found[:8])
+
+
+@pytest.mark.slow
+def test_no_internal_unknown_or_unexpected_status(soak):
+    _, problems, summary = soak
+    found = [p for p in problems_about(problems, " ended ") if "ended OK with" not in p]
+    assert not found, failing(f"unexpected status codes (codes: {summary['codes']})", found)
+    assert summary["internal"] == 0 and summary["hung"] == 0
+
+
+@pytest.mark.slow
+def test_status_details_leak_no_internals(soak):
+    _, problems, _ = soak
+    found = problems_about(problems, "details show")
+    assert not found, failing("status details with tracebacks, pids, addresses, actor ids", found)
+
+
+@pytest.mark.slow
+def test_burst_refusals_are_resource_exhausted_with_retry_after(soak):
+    _, problems, summary = soak
+    found = problems_about(problems, "without retry-after")
+    assert not found, failing("refusals without a retry-after trailing entry", found)
+    refusals = summary["refusals"]
+    assert refusals["by_router"] > 0 and refusals["by_worker"] > 0, (
+        f"the burst did not meet both limits as RESOURCE_EXHAUSTED: {refusals}; "
+        f"codes {summary['faults'].get('burst')} {summary['codes']}"
+    )
+
+
+@pytest.mark.slow
+def test_duplicate_ids_one_runs_the_other_is_invalid(soak):
+    _, problems, summary = soak
+    found = problems_about(problems, "duplicate-id pair")
+    assert not found, failing("duplicate-id pairs", found)
+    assert len(summary["faults"]["duplicate_id"]) == SPEC.dup_pairs
+
+
+@pytest.mark.slow
+def test_router_kill_ends_streams_unavailable_and_leaves_no_orphan(soak):
+    _, problems, summary = soak
+    (kill,) = summary["faults"]["router_kill"]
+    found = problems_about(problems, "router kill")
+    assert not found, failing(f"router kill ({kill})", found)
+    assert kill["victim_codes"] == {"UNAVAILABLE": SPEC.kill_victims}, kill
+    assert kill["orphans"] == 0 and kill["probe_codes"] == {"OK": SPEC.probes}, kill
+
+
+@pytest.mark.slow
+def test_index_kill_resyncs_without_new_requests(soak):
+    _, problems, summary = soak
+    found = problems_about(problems, "index kill")
+    assert not found, failing(f"index kill ({summary['faults']['index_kill']})", found)
+
+
+@pytest.mark.slow
+def test_outputs_equal_the_request_run_alone(soak):
+    _, problems, _ = soak
+    found = problems_about(problems, "differs from the request run alone", "ended OK with")
+    assert not found, failing("outputs", found)
+
+
+@pytest.mark.slow
+def test_no_leak_and_index_in_step_after_the_run(soak):
+    _, problems, summary = soak
+    found = problems_about(problems, "pool not clean", "index disagrees")
+    assert not found, failing("pools and index after the run", found)
+    assert summary["leaks"] == 0
+
+
+@pytest.mark.slow
+def test_the_soak_ran_its_whole_load(soak):
+    report, problems, summary = soak
+    assert summary["requests"] >= LOAD.num_requests + LOAD.burst_size
+    assert set(report.faults) == {"burst", "duplicate_id", "router_kill", "index_kill"}
+    assert summary["codes"].get("OK", 0) > LOAD.num_requests // 2, summary["codes"]
+    assert summary["router_counters"].get("migrations.move", 0) > 0, summary["router_counters"]
+    assert not problems, failing("all problems", problems)
