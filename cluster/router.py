@@ -1,7 +1,9 @@
 """The router: validate, tokenize, hash, consult the prefix index, pick a worker, stream back.
 
 `RouterCore` holds the logic and runs wherever an event loop does (tests drive it directly);
-`Router` in `cluster/app.py` is the Ray Serve deployment around it.
+`Router` in `cluster/app.py` is the Ray Serve deployment around it. It keeps route, generate,
+replay and abort; the watch over workers (ready, polled, leased, dropped) is
+`cluster/worker_liveness.py`, and KV migration (pull, push, move) is `cluster/migration.py`.
 
 Load is counted here as well as reported by workers: every request sent to a worker counts in
 its `inflight` until its stream ends, so the policy sees a burst before any report shows it.
@@ -30,10 +32,9 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.metrics import RouterMetrics
+from pagedserve.cluster.migration import Migrations
 from pagedserve.cluster.router_types import (
     ClusterStats,
     GenerateRequest,
@@ -44,6 +45,7 @@ from pagedserve.cluster.router_types import (
 )
 from pagedserve.cluster.routing import make_policy
 from pagedserve.cluster.tracing import RouterTrace, migration_span, record_decision
+from pagedserve.cluster.worker_liveness import WORKER_LOST_ERRORS, WorkerLiveness
 from pagedserve.cluster.worker_state import WorkerState
 from pagedserve.workers.block_hash import hash_full_blocks
 from pagedserve.workers.errors import Draining, HandedOff, Overloaded, RequestRejected
@@ -56,11 +58,9 @@ from pagedserve.workers.worker_types import (
     DrainResult,
     RequestMoved,
     WorkerRequest,
-    WorkerStats,
 )
 
 logger = logging.getLogger(__name__)
-WORKER_LOST_ERRORS = (RayActorError, ActorDiedError, ActorUnavailableError)
 
 
 @dataclasses.dataclass
@@ -114,13 +114,20 @@ class RouterCore:
         # request is admitted, released when its stream ends: the one owner of id uniqueness.
         self._inflight_ids: dict[str, WorkerState | None] = {}
         self.num_inflight = 0  # requests between admission and their stream's end
-        # A pull has its own deadline inside the worker; this one covers a stuck worker.
-        self._pull_deadline_s = config.pull_timeout_s + config.rpc_timeout_s
         self._started: asyncio.Task | None = None
-        self._poller: asyncio.Task | None = None
-        self._renewer: asyncio.Task | None = None
         self.metrics = RouterMetrics(
             metrics, lambda: {w.worker_id: (w.alive, w.stats) for w in self.workers.values()}
+        )
+        self.migrations = Migrations(
+            config, index, self.workers, tracing, self.counters, self.metrics
+        )
+        self.liveness = WorkerLiveness(
+            config,
+            index,
+            self.workers,
+            self.router_id,
+            self.counters,
+            on_polled=self.migrations.push_if_under_pressure,
         )
 
     # ------------------------------------------------------------ lifecycle
@@ -131,117 +138,18 @@ class RouterCore:
         await asyncio.shield(self._started)
 
     async def _start(self) -> None:
-        timeout = self.config.startup_timeout_s
-        await asyncio.gather(*(self._revive(w, timeout) for w in self.workers.values()))
-        alive = [w for w in self.workers.values() if w.alive]
-        if not alive:
+        try:
+            alive = await self.liveness.start()
+        except NoWorkerAvailable:
             self._started = None  # let the next request try again
-            raise NoWorkerAvailable(f"no worker became ready within {timeout} s")
+            raise
         self.model_name = alive[0].info.model
         self.block_size = alive[0].info.block_size
-        loop = asyncio.get_running_loop()
-        self._poller = loop.create_task(self._poll_loop())
-        self._renewer = loop.create_task(self._renew_loop())
 
     async def close(self) -> None:
-        for task in (self._poller, self._renewer, self._started):
-            if task is not None:
-                task.cancel()
-
-    async def _revive(self, worker: WorkerState, timeout_s: float | None = None) -> None:
-        timeout_s = timeout_s or self.config.rpc_timeout_s
-        try:
-            info = await asyncio.wait_for(worker.handle.ready.remote(), timeout_s)
-        except (*WORKER_LOST_ERRORS, TimeoutError) as error:
-            logger.warning("worker %s is not ready: %s", worker.worker_id, error)
-            return
-        if worker.info is not None and info.epoch != worker.info.epoch:
-            self.counters.workers_restarted += 1
-        worker.mark_alive(info)
-
-    async def _renew_loop(self) -> None:
-        """Renew this router's lease on every worker each stats interval, without waiting for
-        any answer: a slow worker, poll or push must never let the others' leases lapse (a
-        lapsed lease aborts every request this router streams from that worker)."""
-        while True:
-            for worker in self.workers.values():
-                worker.handle.renew_lease.remote(self.router_id)
-            await asyncio.sleep(self.config.stats_interval_s)
-
-    async def _poll_loop(self) -> None:
-        while True:
-            await asyncio.gather(*(self._poll(w) for w in self.workers.values()))
-            await asyncio.sleep(self.config.stats_interval_s)
-
-    async def _poll(self, worker: WorkerState) -> None:
-        try:
-            stats = await asyncio.wait_for(
-                worker.handle.stats.remote(self.router_id), self.config.rpc_timeout_s
-            )
-        except (*WORKER_LOST_ERRORS, TimeoutError):
-            await self._drop(worker)
-            return
-        if not worker.alive or worker.info is None or stats.epoch != worker.info.epoch:
-            await self._revive(worker)  # restarted by Ray: start its loop, rejoin the index
-        worker.stats = stats
-        if self.config.enable_push and worker.alive and self._under_pressure(stats):
-            await self._push(worker)
-
-    def _under_pressure(self, stats: WorkerStats) -> bool:
-        kv = stats.kv
-        low_water = self.config.push_free_fraction * kv.total_blocks
-        return kv.free_blocks < low_water and kv.cached_free_blocks > 0
-
-    async def _push(self, source: WorkerState) -> None:
-        """Hand the cached prefixes `source` is about to evict, and no one else holds, to the
-        alive worker with the most free blocks; the receiver's events put it in the index."""
-        targets = [w for w in self.workers.values() if w.routable and w is not source]
-        if not targets:
-            return
-        target = max(targets, key=lambda w: (w.load().free_blocks, w.worker_id))
-        timeout = self.config.rpc_timeout_s
-        try:
-            chains = await asyncio.wait_for(
-                source.handle.push_candidates.remote(self.config.push_max_chains), timeout
-            )
-            for chain in chains:
-                matches = await asyncio.wait_for(self.index.match.remote(chain), timeout)
-                if any(n == len(chain) for wid, n in matches.items() if wid != source.worker_id):
-                    continue  # someone else holds it already
-                span = migration_span(self.tracing, None, "push", source.worker_id, target)
-                try:
-                    pushed = await asyncio.wait_for(
-                        target.handle.pull_prefix.remote(
-                            source.handle,
-                            chain,
-                            self.config.pull_timeout_s,
-                            self.tracing.inject(span),
-                        ),
-                        self._pull_deadline_s,
-                    )
-                    span.set_attribute("pagedserve.migration.blocks", pushed)
-                finally:
-                    span.end()
-                self.counters.pushes += 1 if pushed else 0
-                self.counters.push_blocks += pushed
-                if pushed:
-                    self.metrics.on_migration("push", pushed)
-        except (*WORKER_LOST_ERRORS, TimeoutError):
-            logger.warning("push from %s failed", source.worker_id, exc_info=True)
-
-    async def _drop(self, worker: WorkerState) -> None:
-        """Take a dead worker out of routing and its entries out of the index at once."""
-        if not worker.alive:
-            return
-        worker.alive = False
-        self.counters.workers_lost += 1
-        logger.warning("worker %s lost; dropped from routing and the index", worker.worker_id)
-        try:
-            await asyncio.wait_for(
-                self.index.remove_worker.remote(worker.worker_id), self.config.rpc_timeout_s
-            )
-        except (*WORKER_LOST_ERRORS, TimeoutError):
-            logger.exception("could not drop %s from the index", worker.worker_id)
+        self.liveness.close()
+        if self._started is not None:
+            self._started.cancel()
 
     # -------------------------------------------------------------- routing
     async def _tokenize(self, request: GenerateRequest) -> list[int]:
@@ -301,43 +209,8 @@ class RouterCore:
         if span is not None:
             record_decision(span, decision, len(hashes), matched)
         if self.config.enable_pull:
-            matched = await self._maybe_pull(chosen, hashes, matches, matched, span)
+            matched = await self.migrations.maybe_pull(chosen, hashes, matches, matched, span)
         return chosen, matched
-
-    async def _maybe_pull(
-        self, chosen: WorkerState, hashes, matches, matched: int, parent: Any = None
-    ) -> int:
-        holders = [
-            (n, wid)
-            for wid, n in matches.items()
-            if wid != chosen.worker_id and self.workers[wid].alive
-        ]
-        if not holders:
-            return matched
-        best, holder_id = max(holders)
-        if best - matched < self.config.pull_min_blocks:
-            return matched
-        span = migration_span(self.tracing, parent, "pull", holder_id, chosen)
-        try:
-            pulled = await asyncio.wait_for(
-                chosen.handle.pull_prefix.remote(
-                    self.workers[holder_id].handle,
-                    hashes[:best],
-                    self.config.pull_timeout_s,
-                    self.tracing.inject(span),
-                ),
-                self._pull_deadline_s,
-            )
-        except (*WORKER_LOST_ERRORS, TimeoutError):
-            span.end()
-            return matched
-        span.set_attribute("pagedserve.migration.blocks", pulled)
-        span.end()
-        self.counters.pulls += 1 if pulled else 0
-        self.counters.pull_blocks += pulled
-        if pulled:
-            self.metrics.on_migration("pull", pulled)
-        return max(matched, best) if pulled else matched
 
     # ------------------------------------------------------------ requests
     async def generate(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
@@ -405,8 +278,7 @@ class RouterCore:
                         plan.append(
                             _Attempt(delta.index, handoff=delta.handoff, source=delta.worker_id)
                         )
-                        self.counters.moves += 1
-                        self.metrics.on_migration("move")
+                        self.migrations.on_moved()
                         continue
                     emitted[delta.index].extend(delta.token_ids)
                     if delta.finish_reason is not None:
@@ -423,7 +295,7 @@ class RouterCore:
     ) -> AsyncIterator[StreamDelta | RequestMoved]:
         params = attempt.params
         if attempt.handoff is not None:
-            worker = self._peer_for(attempt.source)
+            worker = self.migrations.move_target(attempt.source)
             tokens = len(attempt.handoff.all_token_ids)
             span = migration_span(self.tracing, trace.root, "move", attempt.source, worker, tokens)
             worker_request = WorkerRequest.moved(
@@ -458,14 +330,6 @@ class RouterCore:
         finally:
             span.end()
 
-    def _peer_for(self, source: str | None) -> WorkerState:
-        """Where a moved request goes: the least loaded alive worker other than its source."""
-        alive = [w for w in self.workers.values() if w.routable]
-        if not alive:
-            raise NoWorkerAvailable("no worker is alive to continue a moved request")
-        others = [w for w in alive if w.worker_id != source] or alive
-        return min(others, key=lambda w: (w.load().num_requests, w.load().used_blocks, w.worker_id))
-
     def _replay_plan(self, request, token_ids, emitted, finished) -> list[_Attempt]:
         if self.config.on_worker_failure == "fail":
             raise NoWorkerAvailable("the worker serving this request died")
@@ -498,7 +362,7 @@ class RouterCore:
                 yield delta
         except WORKER_LOST_ERRORS as error:
             logger.warning("worker %s lost mid-stream: %s", worker.worker_id, error)
-            await self._drop(worker)
+            await self.liveness.drop(worker)
             raise WorkerLost(f"worker {worker.worker_id} was lost") from error
         except Draining as error:  # cut off (a handoff) or refused by a draining worker: replay
             worker.draining = True
@@ -544,7 +408,7 @@ class RouterCore:
     # ---------------------------------------------------------------- state
     async def cluster_stats(self) -> ClusterStats:
         await self.start()
-        await asyncio.gather(*(self._poll(w) for w in self.workers.values()))
+        await self.liveness.poll_all()
         workers = {
             w.worker_id: WorkerView(w.worker_id, w.alive, w.inflight, w.info, w.stats)
             for w in self.workers.values()

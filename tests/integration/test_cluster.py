@@ -100,9 +100,9 @@ def test_lost_event_batch_is_detected_and_resynced(shared_router):
             assert time.monotonic() < deadline, "index never agreed with the pools"
             await asyncio.sleep(0.2)
         stats = await core.index.stats.remote()
-        dropped = (await worker.handle.stats.remote())["event_batches_dropped"]
+        dropped = (await worker.handle.stats.remote()).event_batches_dropped
         return stats, dropped
 
     stats, dropped = run(main())
     assert dropped == 1
-    assert stats["gaps_detected"] + stats["resyncs"] >= 1
+    assert stats.gaps_detected + stats.resyncs >= 1

@@ -1,0 +1,186 @@
+"""KV migration between workers: pull, push and move. This docstring is the map of all three.
+
+Every KV transfer runs through one routine, `Migrations.transfer`: the target worker fetches
+blocks from the source (`Worker.pull_prefix` → source `Worker.export_prefix` → target
+`WorkerCore.import_prefix`, which reserves with `PrefixTransfer.reserve_for_import` and
+commits with `commit_import` only once the KV has arrived), under one deadline and one
+`migration.<kind>` span. Nothing is held while bytes are in flight, so a missed deadline
+leaves both pools as they were; the receiver's KV events put the blocks in the index.
+
+- **pull** (on the request path, `RouterCore.route` → `Migrations.maybe_pull`): the worker
+  chosen for a request fetches the prefix a peer holds when the peer holds at least
+  `pull_min_blocks` more of it than the chosen one (below that, prefill is cheaper).
+- **push** (off the request path, after each stats poll: `WorkerLiveness.poll` →
+  `Migrations.push_if_under_pressure`): a worker short of free blocks whose cached prefixes are
+  about to be evicted (`Worker.push_candidates`: whole chains ending in the next evictions)
+  hands those no one else holds (`PrefixIndex.match`) to the worker with the most free blocks.
+- **move** (a preemption that keeps the work): the scheduler picks a victim as usual
+  (`Scheduler._preempt`, mode `move`); the engine packs its tokens, sampler state and computed
+  KV into a `RequestHandoff` and frees its blocks (`Engine._hand_off`); the worker ends that
+  branch's stream with `RequestMoved` (`workers/worker.py`); the router sends
+  `WorkerRequest.moved(handoff)` to `Migrations.move_target(source)`, whose engine adopts it
+  (`Engine.adopt`, `handoff.adopt_kv`: cached prefix blocks reused, the rest imported, or
+  recomputed when there is no room) and streams on from where the request stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.metrics import RouterMetrics
+from pagedserve.cluster.router_types import NoWorkerAvailable, RouterCounters
+from pagedserve.cluster.tracing import migration_span
+from pagedserve.cluster.worker_liveness import WORKER_LOST_ERRORS
+from pagedserve.cluster.worker_state import WorkerState
+from pagedserve.workers.telemetry import Tracing
+
+logger = logging.getLogger(__name__)
+
+
+class Migrations:
+    """Decides and runs the router's side of pull, push and move.
+
+    Args:
+        config: the cluster config (thresholds and deadlines).
+        index: the prefix index actor (who else holds a chain).
+        workers: the router's `WorkerState`s, by id (shared with the router).
+        tracing: where migration spans go.
+        counters: where migrations are counted.
+        metrics: where migrations are recorded for Prometheus.
+    """
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        index: Any,
+        workers: dict[str, WorkerState],
+        tracing: Tracing,
+        counters: RouterCounters,
+        metrics: RouterMetrics,
+    ) -> None:
+        self.config = config
+        self.index = index
+        self.workers = workers
+        self.tracing = tracing
+        self.counters = counters
+        self.metrics = metrics
+        # A transfer has its own deadline inside the target; this one covers a stuck target.
+        self.deadline_s = config.pull_timeout_s + config.rpc_timeout_s
+
+    async def transfer(
+        self,
+        kind: str,
+        source: WorkerState,
+        target: WorkerState,
+        block_hashes: Sequence[bytes],
+        parent: Any = None,
+    ) -> int:
+        """Copy the cached prefix `block_hashes` from `source` into `target`'s cache.
+
+        Returns the blocks `target` took (0 when it timed out, had no room or a worker was
+        lost); counts and traces the transfer as `kind` (`pull` or `push`).
+        """
+        span = migration_span(self.tracing, parent, kind, source.worker_id, target)
+        moved = 0
+        try:
+            moved = await asyncio.wait_for(
+                target.handle.pull_prefix.remote(
+                    source.handle,
+                    list(block_hashes),
+                    self.config.pull_timeout_s,
+                    self.tracing.inject(span),
+                ),
+                self.deadline_s,
+            )
+        except (*WORKER_LOST_ERRORS, TimeoutError):
+            logger.warning("%s %s → %s failed", kind, source.worker_id, target.worker_id)
+        finally:
+            span.set_attribute("pagedserve.migration.blocks", moved)
+            span.end()
+        self._count(kind, moved)
+        return moved
+
+    # ------------------------------------------------------------------ pull
+    async def maybe_pull(
+        self,
+        chosen: WorkerState,
+        block_hashes: Sequence[bytes],
+        matches: dict[str, int],
+        matched: int,
+        parent: Any = None,
+    ) -> int:
+        """Pull the prompt's prefix into `chosen` from the alive peer holding most of it, when
+        that peer holds `pull_min_blocks` more. Returns the blocks `chosen` now holds."""
+        holders = [
+            (n, wid)
+            for wid, n in matches.items()
+            if wid != chosen.worker_id and self.workers[wid].alive
+        ]
+        if not holders:
+            return matched
+        best, holder_id = max(holders)
+        if best - matched < self.config.pull_min_blocks:
+            return matched
+        holder = self.workers[holder_id]
+        pulled = await self.transfer("pull", holder, chosen, block_hashes[:best], parent)
+        return max(matched, best) if pulled else matched
+
+    # ------------------------------------------------------------------ push
+    def under_pressure(self, worker: WorkerState) -> bool:
+        """Few uncached free blocks left, and cached ones next in line for eviction."""
+        if worker.stats is None:
+            return False
+        kv = worker.stats.kv
+        low_water = self.config.push_free_fraction * kv.total_blocks
+        return kv.free_blocks < low_water and kv.cached_free_blocks > 0
+
+    async def push_if_under_pressure(self, source: WorkerState) -> None:
+        """Hand the cached prefixes `source` is about to evict, and no one else holds, to the
+        routable worker with the most free blocks."""
+        if not (self.config.enable_push and self.under_pressure(source)):
+            return
+        targets = [w for w in self.workers.values() if w.routable and w is not source]
+        if not targets:
+            return
+        target = max(targets, key=lambda w: (w.load().free_blocks, w.worker_id))
+        timeout = self.config.rpc_timeout_s
+        try:
+            chains = await asyncio.wait_for(
+                source.handle.push_candidates.remote(self.config.push_max_chains), timeout
+            )
+            for chain in chains:
+                matches = await asyncio.wait_for(self.index.match.remote(chain), timeout)
+                if any(n == len(chain) for wid, n in matches.items() if wid != source.worker_id):
+                    continue  # someone else holds it already
+                await self.transfer("push", source, target, chain)
+        except (*WORKER_LOST_ERRORS, TimeoutError):
+            logger.warning("push from %s failed", source.worker_id, exc_info=True)
+
+    # ------------------------------------------------------------------ move
+    def move_target(self, source_id: str | None) -> WorkerState:
+        """Where a moved request goes: the least loaded routable worker other than its source
+        (the source itself only when it is the one left)."""
+        alive = [w for w in self.workers.values() if w.routable]
+        if not alive:
+            raise NoWorkerAvailable("no worker is alive to continue a moved request")
+        others = [w for w in alive if w.worker_id != source_id] or alive
+        return min(others, key=lambda w: (w.load().num_requests, w.load().used_blocks, w.worker_id))
+
+    def on_moved(self) -> None:
+        self.counters.moves += 1
+        self.metrics.on_migration("move")
+
+    def _count(self, kind: str, blocks: int) -> None:
+        if not blocks:
+            return
+        if kind == "pull":
+            self.counters.pulls += 1
+            self.counters.pull_blocks += blocks
+        else:
+            self.counters.pushes += 1
+            self.counters.push_blocks += blocks
+        self.metrics.on_migration(kind, blocks)

@@ -1,0 +1,130 @@
+"""The router's watch over its workers: ready at start, polled for load, renewed, dropped.
+
+`WorkerLiveness` keeps each `WorkerState` true: `start` waits for every worker's `ready()`;
+then a poll loop refreshes each worker's `WorkerStats` every `stats_interval_s` (a worker
+that stops answering is dropped from routing and from the index at once; one that answers
+with a new epoch was restarted by Ray and is revived: its loop started, the index rejoined),
+and a lease loop renews this router's lease on every worker (a worker aborts the requests of
+a router whose lease lapsed, so a dead router leaves no orphan).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.router_types import NoWorkerAvailable, RouterCounters
+from pagedserve.cluster.worker_state import WorkerState
+
+logger = logging.getLogger(__name__)
+WORKER_LOST_ERRORS = (RayActorError, ActorDiedError, ActorUnavailableError)
+PolledHook = Callable[[WorkerState], Awaitable[None]]
+
+
+class WorkerLiveness:
+    """Owns the poll and lease loops over a router's workers and their liveness transitions.
+
+    Args:
+        config: the cluster config (intervals and deadlines).
+        index: the prefix index actor (a dropped worker's entries leave it at once).
+        workers: worker id → the router's `WorkerState` of it (shared with the router).
+        router_id: whose lease the loops renew.
+        counters: where lost and restarted workers are counted.
+        on_polled: awaited after each successful poll of an alive worker (push pressure).
+    """
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        index: Any,
+        workers: dict[str, WorkerState],
+        router_id: str,
+        counters: RouterCounters,
+        on_polled: PolledHook | None = None,
+    ) -> None:
+        self.config = config
+        self.index = index
+        self.workers = workers
+        self.router_id = router_id
+        self.counters = counters
+        self.on_polled = on_polled
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> list[WorkerState]:
+        """Wait (up to `startup_timeout_s`) for every worker's `ready()`, then start the poll
+        and lease loops. Returns the alive workers; raises `NoWorkerAvailable` if none is."""
+        timeout = self.config.startup_timeout_s
+        await asyncio.gather(*(self.revive(w, timeout) for w in self.workers.values()))
+        alive = [w for w in self.workers.values() if w.alive]
+        if not alive:
+            raise NoWorkerAvailable(f"no worker became ready within {timeout} s")
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._poll_loop()), loop.create_task(self._renew_loop())]
+        return alive
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+
+    async def revive(self, worker: WorkerState, timeout_s: float | None = None) -> None:
+        """`ready()` the worker (starting its loop, rejoining the index) and mark it alive."""
+        timeout_s = timeout_s or self.config.rpc_timeout_s
+        try:
+            info = await asyncio.wait_for(worker.handle.ready.remote(), timeout_s)
+        except (*WORKER_LOST_ERRORS, TimeoutError) as error:
+            logger.warning("worker %s is not ready: %s", worker.worker_id, error)
+            return
+        if worker.info is not None and info.epoch != worker.info.epoch:
+            self.counters.workers_restarted += 1
+        worker.mark_alive(info)
+
+    async def poll_all(self) -> None:
+        await asyncio.gather(*(self.poll(w) for w in self.workers.values()))
+
+    async def poll(self, worker: WorkerState) -> None:
+        """Refresh one worker's stats (renewing our lease there); drop or revive it."""
+        try:
+            stats = await asyncio.wait_for(
+                worker.handle.stats.remote(self.router_id), self.config.rpc_timeout_s
+            )
+        except (*WORKER_LOST_ERRORS, TimeoutError):
+            await self.drop(worker)
+            return
+        if not worker.alive or worker.info is None or stats.epoch != worker.info.epoch:
+            await self.revive(worker)  # restarted by Ray: start its loop, rejoin the index
+        worker.stats = stats
+        if worker.alive and self.on_polled is not None:
+            await self.on_polled(worker)
+
+    async def drop(self, worker: WorkerState) -> None:
+        """Take a dead worker out of routing and its entries out of the index at once."""
+        if not worker.alive:
+            return
+        worker.alive = False
+        self.counters.workers_lost += 1
+        logger.warning("worker %s lost; dropped from routing and the index", worker.worker_id)
+        try:
+            await asyncio.wait_for(
+                self.index.remove_worker.remote(worker.worker_id), self.config.rpc_timeout_s
+            )
+        except (*WORKER_LOST_ERRORS, TimeoutError):
+            logger.exception("could not drop %s from the index", worker.worker_id)
+
+    async def _poll_loop(self) -> None:
+        while True:
+            await self.poll_all()
+            await asyncio.sleep(self.config.stats_interval_s)
+
+    async def _renew_loop(self) -> None:
+        """Renew this router's lease on every worker each stats interval, without waiting for
+        any answer: a slow worker, poll or push must never let the others' leases lapse (a
+        lapsed lease aborts every request this router streams from that worker)."""
+        while True:
+            for worker in self.workers.values():
+                worker.handle.renew_lease.remote(self.router_id)
+            await asyncio.sleep(self.config.stats_interval_s)
