@@ -66,7 +66,7 @@ def test_pulled_prefix_gives_the_recomputed_output(shared_router):
         # Make the holder look busy so the router picks the other worker and pulls.
         holder.begin(10_000_000)
         try:
-            before = core.counters["migrations.pull"]
+            before = core.counters.pulls
             tokens_there, final2 = await run_request(core, system + suffix, greedy(10))
         finally:
             holder.end(10_000_000)
@@ -75,7 +75,7 @@ def test_pulled_prefix_gives_the_recomputed_output(shared_router):
 
     here, there, final2, other_id, pulls_before = run(main())
     assert final2.worker_id == other_id
-    assert core.counters["migrations.pull"] == pulls_before + 1
+    assert core.counters.pulls == pulls_before + 1
     assert final2.usage.cached_tokens >= 72
     assert there == here
 

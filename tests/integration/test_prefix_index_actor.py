@@ -134,7 +134,7 @@ def test_restarted_worker_resyncs_and_a_dead_one_is_dropped():
     assert ray.get(index.snapshot_of.remote("w0")) == set(chain)
     assert ray.get(index.remove_worker.remote("w0")) == 1
     assert ray.get(index.match.remote(chain)) == {}
-    assert ray.get(index.stats.remote())["registered_workers"] == []
+    assert ray.get(index.stats.remote()).registered_workers == ()
 
 
 def test_a_stuck_snapshot_hits_the_deadline_and_the_publish_returns():

@@ -50,9 +50,9 @@ def test_a_restarted_index_resyncs_from_every_worker_without_new_requests(ray_cl
         await wait_for(lambda: index_agrees(core), "the restarted index to resync")
         after = await core.index.stats.remote()
         assert after.startup_resyncs == 2 and after.entries == before.entries
-        hits = core.counters["routed.prefix_hit"]
+        hits = core.counters.prefix_hits
         await run_request(core, prompts[0], greedy(4))
-        assert core.counters["routed.prefix_hit"] == hits + 1
+        assert core.counters.prefix_hits == hits + 1
         await assert_pools_clean(core)
         await core.close()
 
