@@ -32,6 +32,8 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from ray.actor import ActorHandle
+
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.metrics import RouterMetrics
 from pagedserve.cluster.migration import Migrations
@@ -92,8 +94,8 @@ class RouterCore:
     def __init__(
         self,
         config: ClusterConfig,
-        index: Any,
-        workers: dict[str, Any],
+        index: ActorHandle,
+        workers: dict[str, ActorHandle],
         tracing: Tracing = NOOP,
         metrics: bool = False,
     ) -> None:

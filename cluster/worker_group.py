@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import ray
+from ray.actor import ActorHandle
 
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.prefix_index import get_or_create_prefix_index
@@ -20,7 +20,7 @@ WORKER_MAX_CONCURRENCY = 4096
 
 def start_worker_group(
     config: ClusterConfig, telemetry: TelemetryConfig | None = None
-) -> tuple[Any, dict[str, Any]]:
+) -> tuple[ActorHandle, dict[str, ActorHandle]]:
     """Get or create the index and every worker; returns (index, {worker_id: handle}).
 
     Actors are detached and named, so router replicas share them and they outlive a router
@@ -56,7 +56,7 @@ def start_worker_group(
             config.worker_engine,
             config.index_name,
             config.namespace,
-            telemetry.to_dict(),
+            telemetry,
             lease_timeout_s=config.lease_timeout_s,
             max_buffered_deltas=config.max_buffered_deltas,
         )

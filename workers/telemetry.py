@@ -170,9 +170,9 @@ def get_tracing(config: TelemetryConfig | None, service: str, **resource: str) -
         return _PROCESS[key]
 
 
-def worker_tracing(telemetry: dict[str, Any] | None, worker_id: str) -> Tracing:
-    """A worker actor's tracing from the `TelemetryConfig` data it was created with."""
-    return get_tracing(TelemetryConfig.from_dict(telemetry), WORKER_SERVICE, worker_id=worker_id)
+def worker_tracing(telemetry: TelemetryConfig | None, worker_id: str) -> Tracing:
+    """A worker actor's tracing from the `TelemetryConfig` it was created with."""
+    return get_tracing(telemetry or TelemetryConfig(), WORKER_SERVICE, worker_id=worker_id)
 
 
 def _build(config: TelemetryConfig, service: str, resource: dict[str, str]) -> Tracing:

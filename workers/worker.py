@@ -22,7 +22,7 @@ from pagedserve.workers.lease import DEFAULT_LEASE_TIMEOUT_S
 from pagedserve.workers.request_trace import migration_span
 from pagedserve.workers.stop_checker import FinishReason
 from pagedserve.workers.stream import DEFAULT_MAX_BUFFERED_DELTAS, StreamDelta
-from pagedserve.workers.telemetry import worker_tracing
+from pagedserve.workers.telemetry import TelemetryConfig, worker_tracing
 from pagedserve.workers.worker_core import WorkerCore
 from pagedserve.workers.worker_types import (
     DrainResult,
@@ -56,7 +56,7 @@ class Worker:
             name (not passed as a handle) so that Ray can restart this actor after its creator
             is gone.
         namespace: the Ray namespace of the index.
-        telemetry: `TelemetryConfig` data (tracing is off without it).
+        telemetry: tracing settings (tracing is off without them).
         lease_timeout_s: how long an owner's requests live without a renewal (see
             `workers/lease.py`).
         max_buffered_deltas: deltas a stream buffers before its request is paused.
@@ -68,7 +68,7 @@ class Worker:
         config: EngineConfig,
         index_name: str | None = None,
         namespace: str | None = None,
-        telemetry: dict[str, Any] | None = None,
+        telemetry: TelemetryConfig | None = None,
         *,
         lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
         max_buffered_deltas: int = DEFAULT_MAX_BUFFERED_DELTAS,
