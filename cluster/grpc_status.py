@@ -30,6 +30,7 @@ import ipaddress
 import logging
 import os
 import re
+import urllib.parse
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -66,17 +67,22 @@ def proxy_env_vars(host: str, max_request_bytes: int) -> dict[str, str]:
 
 
 def is_loopback(host: str) -> bool:
+    """`localhost`, 127.0.0.0/8, ::1, and IPv4 loopback mapped into IPv6 (`::ffff:127.0.0.1`,
+    how a socket bound to `[::]` sees an IPv4 client)."""
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        address = ipaddress.ip_address(host.strip("[]"))
     except ValueError:
         return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def peer_is_loopback(peer: str) -> bool:
-    """For a grpc peer string (`ipv4:127.0.0.1:5000`, `ipv6:[::1]:5000`, `unix:...`)."""
-    kind, _, address = peer.partition(":")
+    """For a grpc peer string: `ipv4:127.0.0.1:5000`, `ipv6:[::1]:5000` (gRPC percent-encodes
+    the brackets: `ipv6:%5B::1%5D:5000`), `unix:...`."""
+    kind, _, address = urllib.parse.unquote(peer).partition(":")
     if kind == "unix":
         return True
     host = address.rsplit(":", 1)[0]

@@ -267,3 +267,14 @@ def test_a_tenant_aborts_its_own_request(app):
 
     aborted, finals = asyncio.run(main())
     assert aborted is True and finals == ["abort"]
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "[::1]"])
+def test_a_loopback_host_serves_every_local_address(app, host):
+    """The app serves on loopback only (`--host 127.0.0.1`): calls from this machine, over
+    IPv4, IPv6 or IPv4 mapped into IPv6, are all local and served."""
+    channel = grpc.insecure_channel(f"{host}:{app.grpc_port}")
+    stub = serving_pb2_grpc.GenerationStub(channel)
+    response = stub.Generate(greedy_request("local", 3), metadata=auth(), timeout=60)
+    assert len(response.completions[0].token_ids) == 3
+    channel.close()
