@@ -36,7 +36,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.metrics import RouterMetrics
 from pagedserve.cluster.router_types import GenerateRequest, NoWorkerAvailable, WorkerLost
-from pagedserve.cluster.routing import WorkerLoad, make_policy
+from pagedserve.cluster.routing import make_policy
 from pagedserve.cluster.tracing import RouterTrace, migration_span, record_decision
 from pagedserve.cluster.worker_state import WorkerState
 from pagedserve.workers.block_hash import hash_full_blocks
@@ -527,9 +527,6 @@ class RouterCore:
         )
 
     # ---------------------------------------------------------------- state
-    def loads(self) -> list[WorkerLoad]:
-        return [w.load() for w in self.workers.values() if w.alive]
-
     async def cluster_stats(self) -> dict[str, Any]:
         await self.start()
         await asyncio.gather(*(self._poll(w) for w in self.workers.values()))

@@ -1,21 +1,14 @@
-"""`pagedserve generate`: run prompts through the offline engine in this process."""
+"""The offline engine behind `pagedserve generate --offline`: its flags and its run.
+
+`pagedserve.cluster.client_cli` registers the `generate` command and calls `run` here for
+`--offline`, so prompts and sampling flags are shared between the cluster and offline paths.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """`pagedserve generate` as the offline engine alone (the CLI wires the cluster's
-    `pagedserve.cluster.client_cli` instead, which runs this with `--offline`)."""
-    parser = subparsers.add_parser(
-        "generate", help="generate text offline with one engine (no cluster)"
-    )
-    add_sampling_arguments(parser)
-    add_engine_arguments(parser)
-    parser.set_defaults(func=run)
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:

@@ -138,9 +138,6 @@ class Scheduler:
         limit = self.config.max_waiting
         return limit is not None and len(self.waiting) >= limit
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
-
     @property
     def num_active(self) -> int:
         """Running sequences that take part in batches (paused ones do not)."""

@@ -179,9 +179,6 @@ class Worker:
     async def renew_lease(self, owner_id: str) -> None:
         self.core.renew_lease(owner_id)
 
-    async def health(self) -> bool:
-        return True
-
     async def kv_snapshot(self) -> KVSnapshot:
         return self.core.kv_snapshot()
 
