@@ -185,7 +185,7 @@ def core_error_reason(error: BaseException) -> str:
 
 def _core_sender(core):
     async def send(planned: PlannedRequest):
-        from pagedserve.cluster.router import GenerateRequest
+        from pagedserve.cluster.router_types import GenerateRequest
         from pagedserve.workers.sampling_params import SamplingParams
 
         params = SamplingParams(max_tokens=planned.max_tokens, temperature=0.0, ignore_eos=True)

@@ -33,7 +33,8 @@ from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.grpc_api import SERVING, GrpcFrontend
 from pagedserve.cluster.metrics import CONTENT_TYPE
 from pagedserve.cluster.openai_api import OpenAIFrontend, error_response
-from pagedserve.cluster.router import GenerateRequest, RouterCore
+from pagedserve.cluster.router import RouterCore
+from pagedserve.cluster.router_types import GenerateRequest
 from pagedserve.cluster.serve_options import ROUTER_ENV_VARS
 from pagedserve.cluster.worker_group import start_worker_group
 from pagedserve.workers.stream import StreamDelta

@@ -7,7 +7,7 @@ from typing import Any
 
 from pagedserve.cluster.api_common import CompletionCollector, sampling_params
 from pagedserve.cluster.api_errors import ApiError
-from pagedserve.cluster.router import GenerateRequest
+from pagedserve.cluster.router_types import GenerateRequest
 from pagedserve.cluster.worker_state import WorkerState
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
 from pagedserve.workers.outputs import RequestMetrics
