@@ -27,13 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as error:
-            if error.name != module_name:
-                raise
-            continue  # a part that is not built yet
-        module.register(subparsers)
+        # Every listed module is part of the package: a missing one is a broken install and
+        # must fail here, not vanish from --help.
+        importlib.import_module(module_name).register(subparsers)
     return parser
 
 
