@@ -3,10 +3,18 @@
 Pool layout per layer: `key_cache`, `value_cache` of shape
 `[num_blocks, block_size, num_kv_heads, head_dim]`, contiguous. Pick a backend with
 `get_kernel_ops(backend, device)`; the `_ref` functions are the torch references.
+
+The Triton kernels are imported on first use (`pagedserve.kernels.write_kv`, or
+`get_kernel_ops("triton")`), never by importing this package: the torch backend, and every
+process that only names `KernelOps`, runs without Triton (or with a broken one), and Triton
+decides compile vs interpret (`TRITON_INTERPRET`) when a kernel module is first imported.
 """
 
-from pagedserve.kernels.block_ops import copy_blocks, gather_blocks, scatter_blocks
-from pagedserve.kernels.decode import paged_decode_attention
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from pagedserve.kernels.dispatch import (
     BACKENDS,
     TORCH_OPS,
@@ -14,9 +22,7 @@ from pagedserve.kernels.dispatch import (
     get_kernel_ops,
     triton_interpreter_active,
 )
-from pagedserve.kernels.kv_write import write_kv
 from pagedserve.kernels.launch import CopyLaunch, DecodeLaunch, PrefillLaunch
-from pagedserve.kernels.prefill import paged_prefill_attention
 from pagedserve.kernels.reference import (
     copy_blocks_ref,
     gather_blocks_ref,
@@ -25,6 +31,36 @@ from pagedserve.kernels.reference import (
     scatter_blocks_ref,
     write_kv_ref,
 )
+
+if TYPE_CHECKING:
+    from pagedserve.kernels.block_ops import copy_blocks, gather_blocks, scatter_blocks
+    from pagedserve.kernels.decode import paged_decode_attention
+    from pagedserve.kernels.kv_write import write_kv
+    from pagedserve.kernels.prefill import paged_prefill_attention
+
+# Triton-backed names → the module defining them, imported by `__getattr__` on first access.
+_TRITON_NAMES = {
+    "copy_blocks": "block_ops",
+    "gather_blocks": "block_ops",
+    "scatter_blocks": "block_ops",
+    "paged_decode_attention": "decode",
+    "write_kv": "kv_write",
+    "paged_prefill_attention": "prefill",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _TRITON_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_TRITON_NAMES))
+
 
 __all__ = [
     "BACKENDS",
