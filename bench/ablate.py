@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.bench.bench_io import ensure_ray, write_json, write_text
+from pagedserve.bench.extras import require_bench_extra
 from pagedserve.bench.serve_metrics import Delta, kv_sample_from_dict, record_dict, summarize
 from pagedserve.bench.serve_runner import RunResult, run_workload
 from pagedserve.bench.serve_workload import PlannedRequest
@@ -317,6 +318,7 @@ def run(args: argparse.Namespace) -> int:
     from pagedserve.bench.serve_report import plot_ablation_bars, plot_kv_usage, plot_latency_cdfs
     from pagedserve.bench.serve_workload import make_workload
 
+    require_bench_extra("tqdm", *(["matplotlib"] if args.plot_prefix else []))
     workload_cfg = workload_config(args)
     workload = make_workload(workload_cfg)
     device = args.device
