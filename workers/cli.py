@@ -10,6 +10,9 @@ import argparse
 import json
 import sys
 
+from pagedserve.workers.config_flags import add_config_flags, config_flags_set
+from pagedserve.workers.engine_config import EngineConfig
+
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     """The prompts and sampling flags, shared with the cluster's `pagedserve generate`."""
@@ -23,13 +26,14 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of the engine built in this process."""
-    parser.add_argument("--model", default=None, help="tiny-llama (default) or a local HF dir")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    parser.add_argument("--dtype", default="float32")
+# `--seed` is the sampling seed of `add_sampling_arguments`; `max_waiting` bounds a queue that
+# offline generation never has.
+ENGINE_FIELDS_WITHOUT_FLAGS = ("seed", "max_waiting")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """The flags of the engine built in this process: `EngineConfig`'s fields."""
+    add_config_flags(parser, EngineConfig, exclude=ENGINE_FIELDS_WITHOUT_FLAGS)
 
 
 DEFAULT_PROMPTS = ["Paged attention stores the KV cache in blocks", "Hello, world"]
@@ -49,13 +53,7 @@ def run(args: argparse.Namespace) -> int:
             top_k=args.top_k,
             seed=args.seed,
         )
-        llm = LLM(
-            args.model,
-            block_size=args.block_size,
-            num_kv_blocks=args.num_kv_blocks,
-            attention_backend=args.attention_backend,
-            dtype=args.dtype,
-        )
+        llm = LLM(**config_flags_set(args, EngineConfig))
     except ValueError as error:
         print(f"pagedserve generate: error: {error}", file=sys.stderr)
         return 2
