@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.bench.bench_io import ensure_ray, write_json, write_text
+from pagedserve.bench.extras import require_bench_extra
 from pagedserve.bench.serve_metrics import Delta, kv_sample_from_cluster, record_dict, summarize
 from pagedserve.bench.serve_runner import RunResult, run_workload
 from pagedserve.bench.serve_workload import PlannedRequest
@@ -186,7 +187,7 @@ def core_error_reason(error: BaseException) -> str:
 
 def _core_sender(core):
     async def send(planned: PlannedRequest):
-        from pagedserve.cluster.router import GenerateRequest
+        from pagedserve.cluster.router_types import GenerateRequest
         from pagedserve.workers.sampling_params import SamplingParams
 
         params = SamplingParams(max_tokens=planned.max_tokens, temperature=0.0, ignore_eos=True)
@@ -320,6 +321,7 @@ def run(args: argparse.Namespace) -> int:
     from pagedserve.bench.serve_report import plot_ablation_bars, plot_kv_usage, plot_latency_cdfs
     from pagedserve.bench.serve_workload import make_workload
 
+    require_bench_extra("tqdm", *(["matplotlib"] if args.plot_prefix else []))
     workload_cfg = workload_config(args)
     workload = make_workload(workload_cfg)
     device = args.device

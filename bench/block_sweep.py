@@ -27,6 +27,7 @@ from dataclasses import asdict
 from typing import Any
 
 from pagedserve.bench.bench_io import write_json, write_text
+from pagedserve.bench.extras import require_bench_extra
 from pagedserve.bench.serve_workload import PlannedRequest, WorkloadConfig, make_workload
 from pagedserve.workers.kv_memory import paged_usage, reserve_max_usage
 
@@ -226,6 +227,8 @@ def run(args: argparse.Namespace) -> int:
             length_file=args.length_file,
         )
         workload = make_workload(config)
+        if args.plot:
+            require_bench_extra("matplotlib")
     except (OSError, ValueError) as error:
         print(f"pagedserve bench block-sweep: error: {error}")
         return 2

@@ -21,11 +21,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("bench", help="benchmarks and microbenchmarks")
     bench_subparsers = parser.add_subparsers(dest="bench_command", metavar="BENCH")
     for module_name in BENCH_MODULES:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as error:
-            if error.name != module_name:
-                raise
-            continue
-        module.register(bench_subparsers)
+        # A missing module is a broken install: fail, never drop the command silently.
+        importlib.import_module(module_name).register(bench_subparsers)
     parser.set_defaults(func=lambda args: parser.print_help() or 2)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.bench.bench_io import positive_int
+from pagedserve.bench.extras import require_bench_extra
 from pagedserve.workers.kv_memory import (
     LayoutUsage,
     check_lengths,
@@ -412,6 +413,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     layouts = compute_layouts(inputs)
     if args.plot is not None:
+        require_bench_extra("matplotlib")
         from pagedserve.bench.kv_plot import write_plot  # matplotlib only when plotting
 
         try:

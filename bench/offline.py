@@ -53,6 +53,7 @@ from pagedserve.bench.offline_workload import (
     make_output_lens,
     make_prompts,
 )
+from pagedserve.kernels.backends import BACKENDS
 from pagedserve.workers.kv_cache_manager import ALLOCATION_MODES
 
 if TYPE_CHECKING:
@@ -282,7 +283,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--num-kv-blocks", type=positive_int, default=None, help="default: enough for the batch")
     add("--max-num-seqs", type=positive_int, default=64)
     add("--max-num-batched-tokens", type=positive_int, default=2048)
-    add("--attention-backend", choices=("auto", "torch", "triton"), default="auto")
+    add("--attention-backend", choices=BACKENDS, default="auto")
     add("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     add("--kv-allocation", choices=ALLOCATION_MODES, default="paged")
     add("--hf-batch-size", type=positive_int, default=16)

@@ -151,7 +151,7 @@ async def _send(
     core, planned: PlannedRequest, t0: float, ideal: int, max_tokens: int
 ) -> RequestRecord:
     """Send one request at its arrival time and time its stream."""
-    from pagedserve.cluster.router import GenerateRequest
+    from pagedserve.cluster.router_types import GenerateRequest
     from pagedserve.workers.sampling_params import SamplingParams
 
     loop = asyncio.get_running_loop()

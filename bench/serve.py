@@ -35,6 +35,7 @@ from pagedserve.bench.serve_workload import (
     WorkloadConfig,
     make_workload,
 )
+from pagedserve.cluster.routing import RoutingPolicy
 
 LOCAL_ENGINE = {"model": "tiny-llama", "attention_backend": "torch", "block_size": 16}
 
@@ -255,7 +256,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--num-kv-blocks", type=int, default=None, help="local app: KV blocks per worker")
     add(
         "--routing-policy",
-        choices=("kv_aware", "least_loaded", "round_robin"),
+        choices=tuple(RoutingPolicy.registry),
         default="kv_aware",
         help="local app: routing policy",
     )

@@ -24,7 +24,8 @@ from typing import Any
 
 import ray
 
-from pagedserve.cluster.router import GenerateRequest, NoWorkerAvailable, RouterCore, WorkerLost
+from pagedserve.cluster.router import RouterCore
+from pagedserve.cluster.router_types import GenerateRequest, NoWorkerAvailable, WorkerLost
 from pagedserve.workers.errors import Overloaded, RequestRejected
 from pagedserve.workers.sampling_params import SamplingParams
 

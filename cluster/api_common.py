@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.cluster.api_errors import ApiError
-from pagedserve.cluster.router import GenerateRequest, RouterCore
+from pagedserve.cluster.router import RouterCore
+from pagedserve.cluster.router_types import GenerateRequest
 from pagedserve.workers.outputs import RequestMetrics
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.stream import StreamDelta, Usage

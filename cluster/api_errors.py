@@ -34,7 +34,7 @@ from enum import StrEnum
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from pagedserve.cluster.router import NoWorkerAvailable, WorkerLost
+from pagedserve.cluster.router_types import NoWorkerAvailable, WorkerLost
 from pagedserve.workers.errors import Overloaded, RequestRejected, RequestTooLarge
 
 logger = logging.getLogger(__name__)

@@ -9,70 +9,70 @@ import sys
 import threading
 from typing import Any
 
+# Engine fields the cluster sets itself: each worker's queue bound is `max_waiting_per_worker`.
+ENGINE_FIELDS_SET_BY_THE_CLUSTER = ("max_waiting",)
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    # Light imports only (no torch, no ray): this runs for every `pagedserve` command.
+    from pagedserve.cluster.config import ClusterConfig
+    from pagedserve.workers.config_flags import add_config_flags
+    from pagedserve.workers.engine_config import EngineConfig
+    from pagedserve.workers.telemetry import EXPORTERS
+
     parser = subparsers.add_parser(
-        "serve", help="start the serving cluster (router + worker actors) on Ray"
+        "serve",
+        help="start the serving cluster (router + worker actors) on Ray",
+        description="Start the serving cluster. Settings come from --config FILE (YAML: the "
+        "fields of ClusterConfig, with `engine:` holding EngineConfig's), then from the flags "
+        "given, which override the file.",
     )
     parser.add_argument("--config", help="YAML file with a cluster config (flags override it)")
     parser.add_argument(
         "--address", help="join this Ray cluster ('auto': the local one) instead of starting one"
     )
-    parser.add_argument("--model", help="tiny-llama (default) or a local HF checkpoint directory")
-    parser.add_argument("--num-workers", type=int, help="worker actors (default: GPUs, or 2)")
-    parser.add_argument("--routing-policy", choices=["kv_aware", "least_loaded", "round_robin"])
-    parser.add_argument("--block-size", type=int)
-    parser.add_argument("--num-kv-blocks", type=int)
-    parser.add_argument("--kv-cache-bytes", type=int)
-    parser.add_argument("--dtype")
-    parser.add_argument("--on-worker-failure", choices=["replay", "fail"])
-    parser.add_argument(
+    api = parser.add_argument_group("API")
+    api.add_argument(
         "--auth-tokens-file",
         help="require `authorization: Bearer <token>` with a token from this file (one a line)",
     )
-    parser.add_argument("--served-model-name", help="model id of the OpenAI API")
-    parser.add_argument(
+    api.add_argument("--served-model-name", help="model id of the OpenAI API")
+    api.add_argument(
         "--trace-exporter",
-        choices=["otlp", "console", "file", "none"],
+        choices=EXPORTERS,
         help="where spans go (default none; otlp honours OTEL_EXPORTER_OTLP_ENDPOINT)",
     )
-    parser.add_argument(
+    api.add_argument(
         "--trace-file", help="write spans as JSON lines here (see `pagedserve trace show`)"
     )
-    parser.add_argument("--http-port", type=int, default=8000)
-    parser.add_argument("--grpc-port", type=int, default=9000)
-    parser.add_argument(
+    api.add_argument("--http-port", type=int, default=8000, help="(default: 8000)")
+    api.add_argument("--grpc-port", type=int, default=9000, help="(default: 9000)")
+    api.add_argument(
         "--host",
         default="127.0.0.1",
         help="interface to serve on (default: this machine only; 0.0.0.0: every interface). "
         "The gRPC port takes calls from this machine only when the host is a loopback one",
+    )
+    add_config_flags(parser.add_argument_group("cluster (ClusterConfig)"), ClusterConfig)
+    add_config_flags(
+        parser.add_argument_group("engine of every worker (EngineConfig)"),
+        EngineConfig,
+        exclude=ENGINE_FIELDS_SET_BY_THE_CLUSTER,
     )
     parser.set_defaults(func=run)
 
 
 def cluster_config_from_args(args: argparse.Namespace, num_gpus: int) -> dict[str, Any]:
     """Merge the YAML file, then flags, then machine defaults into plain config data."""
-    data: dict[str, Any] = {}
-    if args.config:
-        import yaml
+    from pagedserve.cluster.config import ClusterConfig
+    from pagedserve.workers.config_flags import config_flags_set
+    from pagedserve.workers.engine_config import EngineConfig
 
-        with open(args.config, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"{args.config}: expected a mapping at the top level")
-    engine = dict(data.pop("engine", {}) or {})
-    for flag, key in (
-        ("model", "model"),
-        ("block_size", "block_size"),
-        ("num_kv_blocks", "num_kv_blocks"),
-        ("kv_cache_bytes", "kv_cache_bytes"),
-        ("dtype", "dtype"),
-    ):
-        if getattr(args, flag) is not None:
-            engine[key] = getattr(args, flag)
-    for flag in ("num_workers", "routing_policy", "on_worker_failure", "served_model_name"):
-        if getattr(args, flag) is not None:
-            data[flag] = getattr(args, flag)
+    data = _read_config_file(args.config) if args.config else {}
+    engine = {**(data.pop("engine", {}) or {}), **config_flags_set(args, EngineConfig)}
+    data.update(config_flags_set(args, ClusterConfig))
+    if args.served_model_name is not None:
+        data["served_model_name"] = args.served_model_name
     if args.auth_tokens_file is not None:
         data["auth"] = {**(data.get("auth") or {}), "tokens_file": args.auth_tokens_file}
     telemetry = dict(data.get("telemetry") or {})
@@ -90,6 +90,16 @@ def cluster_config_from_args(args: argparse.Namespace, num_gpus: int) -> dict[st
         engine.setdefault("device", "cuda")
     data.setdefault("num_workers", 2)
     data["engine"] = engine
+    return data
+
+
+def _read_config_file(path: str) -> dict[str, Any]:
+    import yaml
+
+    with open(path, encoding="utf-8") as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level")
     return data
 
 

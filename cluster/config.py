@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from pagedserve.cluster.router_types import BackpressureLimits
+from pagedserve.cluster.routing import DEFAULT_POLICY, RoutingPolicy
 from pagedserve.workers.engine_config import EngineConfig
 
 FAILURE_MODES = ("replay", "fail")
@@ -23,7 +24,7 @@ class ClusterConfig:
         worker_num_gpus: GPUs per worker actor (1 on GPU machines, 0 on CPU).
         worker_num_cpus: CPUs per worker actor.
         worker_resources: custom Ray resources per worker actor (to pin workers to nodes).
-        routing_policy: `kv_aware`, `least_loaded` or `round_robin`.
+        routing_policy: a registered routing policy (`cluster/routing.py`).
         routing_options: keyword options of the policy (e.g. `prefill_weight`).
         on_worker_failure: `replay` a dead worker's requests on a peer from their tokens, or
             `fail` them with UNAVAILABLE.
@@ -65,9 +66,11 @@ class ClusterConfig:
     worker_num_gpus: float = 0.0
     worker_num_cpus: float = 1.0
     worker_resources: dict[str, float] = field(default_factory=dict)
-    routing_policy: str = "kv_aware"
+    routing_policy: str = field(
+        default=DEFAULT_POLICY, metadata={"choices": RoutingPolicy.registry}
+    )
     routing_options: dict[str, Any] = field(default_factory=dict)
-    on_worker_failure: str = "replay"
+    on_worker_failure: str = field(default="replay", metadata={"choices": FAILURE_MODES})
     enable_pull: bool = True
     pull_min_blocks: int = 8
     pull_timeout_s: float = 5.0

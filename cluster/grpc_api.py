@@ -33,13 +33,8 @@ from pagedserve.cluster.grpc_convert import (
 )
 from pagedserve.cluster.grpc_status import RETRY_AFTER_KEY, with_retry_hint
 from pagedserve.cluster.grpc_wire import SERVICE, MalformedRequest, StreamFailed
-from pagedserve.cluster.router import (
-    WORKER_LOST_ERRORS,
-    GenerateRequest,
-    NoWorkerAvailable,
-    RouterCore,
-    scoped_request_id,
-)
+from pagedserve.cluster.router import WORKER_LOST_ERRORS, RouterCore, scoped_request_id
+from pagedserve.cluster.router_types import GenerateRequest, NoWorkerAvailable
 from pagedserve.cluster.tracing import tag_ingress
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
 

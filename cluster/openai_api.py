@@ -35,7 +35,8 @@ from pagedserve.cluster.openai_models import (
     CompletionBody,
     parse_body,
 )
-from pagedserve.cluster.router import GenerateRequest, RouterCore
+from pagedserve.cluster.router import RouterCore
+from pagedserve.cluster.router_types import GenerateRequest
 from pagedserve.cluster.tracing import tag_ingress
 from pagedserve.workers.stream import StreamDelta, Usage
 

@@ -1,5 +1,6 @@
 """What the router takes, reports and raises, apart from `RouterCore` so that light modules (API
-errors, clients, benches) can name them; `cluster/router.py` re-exports them."""
+errors, clients, benches) can name them. Import them from here, never from `cluster/router.py`
+(which only uses them)."""
 
 from __future__ import annotations
 

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.kernels import reference
-
-BACKENDS = ("auto", "triton", "torch")
+from pagedserve.kernels.backends import BACKENDS
 
 
 @dataclass(frozen=True)

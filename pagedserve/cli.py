@@ -11,6 +11,8 @@ import argparse
 import importlib
 import sys
 
+from pagedserve.bench.extras import is_missing_bench_extra, missing_extra_message
+
 COMMAND_MODULES: tuple[str, ...] = (
     "pagedserve.bench.kv_calc",
     "pagedserve.bench.cli",
@@ -27,13 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as error:
-            if error.name != module_name:
-                raise
-            continue  # a part that is not built yet
-        module.register(subparsers)
+        # Every listed module is part of the package: a missing one is a broken install and
+        # must fail here, not vanish from --help.
+        importlib.import_module(module_name).register(subparsers)
     return parser
 
 
@@ -43,7 +41,13 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except ModuleNotFoundError as error:
+        if not is_missing_bench_extra(error):
+            raise
+        print(f"pagedserve: error: {missing_extra_message(error)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

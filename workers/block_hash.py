@@ -3,12 +3,20 @@
 A block's hash covers its parent's hash, its token ids and extra keys (model id, cache salt), so
 equal hashes mean equal prefixes up to and including the block. SHA-256 over a canonical binary
 encoding makes the value identical across processes and machines (Python's `hash` is salted).
+
+The encoding, in order (integers little-endian; a change of it must change `_DOMAIN`):
+
+    b"pagedserve.block.v1"
+    parent: 32 zero bytes for the first block, else b"\x01" + the parent's 32-byte digest
+    u32 number of tokens, then each token id as i64
+    u32 number of extra keys, then per key: u32 byte length + its UTF-8 bytes
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
+import sys
 from array import array
 from collections.abc import Sequence
 
@@ -43,6 +51,8 @@ def block_hash(
     digest = hashlib.sha256(_DOMAIN)
     digest.update(_NO_PARENT if parent is None else b"\x01" + parent)
     tokens = array("q", token_ids)
+    if sys.byteorder == "big":
+        tokens.byteswap()  # the encoding is little-endian on every machine
     digest.update(struct.pack("<I", len(tokens)))
     digest.update(tokens.tobytes())
     digest.update(_encode_extra_keys(extra_keys))

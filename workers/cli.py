@@ -1,4 +1,8 @@
-"""`pagedserve generate`: run prompts through the offline engine in this process."""
+"""The offline engine behind `pagedserve generate --offline`: its flags and its run.
+
+`pagedserve.cluster.client_cli` registers the `generate` command and calls `run` here for
+`--offline`, so prompts and sampling flags are shared between the cluster and offline paths.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +10,8 @@ import argparse
 import json
 import sys
 
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """`pagedserve generate` as the offline engine alone (the CLI wires the cluster's
-    `pagedserve.cluster.client_cli` instead, which runs this with `--offline`)."""
-    parser = subparsers.add_parser(
-        "generate", help="generate text offline with one engine (no cluster)"
-    )
-    add_sampling_arguments(parser)
-    add_engine_arguments(parser)
-    parser.set_defaults(func=run)
+from pagedserve.workers.config_flags import add_config_flags, config_flags_set
+from pagedserve.workers.engine_config import EngineConfig
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,13 +26,14 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of the engine built in this process."""
-    parser.add_argument("--model", default=None, help="tiny-llama (default) or a local HF dir")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    parser.add_argument("--dtype", default="float32")
+# `--seed` is the sampling seed of `add_sampling_arguments`; `max_waiting` bounds a queue that
+# offline generation never has.
+ENGINE_FIELDS_WITHOUT_FLAGS = ("seed", "max_waiting")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """The flags of the engine built in this process: `EngineConfig`'s fields."""
+    add_config_flags(parser, EngineConfig, exclude=ENGINE_FIELDS_WITHOUT_FLAGS)
 
 
 DEFAULT_PROMPTS = ["Paged attention stores the KV cache in blocks", "Hello, world"]
@@ -56,13 +53,7 @@ def run(args: argparse.Namespace) -> int:
             top_k=args.top_k,
             seed=args.seed,
         )
-        llm = LLM(
-            args.model,
-            block_size=args.block_size,
-            num_kv_blocks=args.num_kv_blocks,
-            attention_backend=args.attention_backend,
-            dtype=args.dtype,
-        )
+        llm = LLM(**config_flags_set(args, EngineConfig))
     except ValueError as error:
         print(f"pagedserve generate: error: {error}", file=sys.stderr)
         return 2

@@ -259,10 +259,6 @@ class Engine:
         deadlines = (self._groups[r].deadline for r in self._paused)
         return any(d is not None and now >= d for d in deadlines)
 
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._groups)
-
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
         """Run one scheduling + forward + sampling step; outputs of requests it touched."""

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from pagedserve.kernels.backends import BACKENDS
 from pagedserve.workers.kv_cache_manager import ALLOCATION_MODES
+from pagedserve.workers.scheduling_policy import PREEMPTION_MODES, SchedulingPolicy
 
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024 * 1024
 CUDA_KV_MEMORY_FRACTION = 0.8
@@ -14,10 +16,36 @@ CUDA_KV_MEMORY_FRACTION = 0.8
 class EngineConfig:
     """Everything one worker's engine is built from.
 
-    `max_waiting` bounds the waiting queue: past it `add_request` raises `Overloaded` at once
-    (None: unbounded, as offline use wants). `num_kv_blocks` wins over `kv_cache_bytes`; with
-    neither, the pool takes 256 MiB on the CPU or 80% of free device memory on CUDA.
-    `max_model_len` defaults to the model's context.
+    Attributes:
+        model: `tiny-llama` (None: the built-in model) or a local HF checkpoint directory.
+        dtype: weights and KV dtype: `float32`, `float16`, `bfloat16` (or `fp32`/`fp16`/
+            `bf16`/`half`), or `auto` for the checkpoint's own.
+        device: `cpu` or `cuda` (a worker on a GPU machine gets `cuda`).
+        seed: weight seed of `tiny-llama` and of the sampler's unseeded requests.
+        block_size: tokens per KV block.
+        num_kv_blocks: KV blocks in the pool; wins over `kv_cache_bytes`.
+        kv_cache_bytes: KV pool size in bytes. With neither, the pool takes 256 MiB on the CPU
+            or 80% of free device memory on CUDA.
+        num_swap_blocks: CPU swap slots for preempted requests (None: as many as KV blocks with
+            `swap` preemption, else none).
+        attention_backend: `auto` (Triton on CUDA, torch elsewhere), `triton` or `torch`.
+        enable_prefix_caching: reuse cached KV blocks of equal prefixes.
+        kv_allocation: `paged` (blocks as tokens arrive) or `reserve-max` (a whole context per
+            request, the baseline paging is measured against).
+        watermark: fraction of blocks kept free when admitting a new request, so running ones
+            can grow.
+        max_model_len: longest sequence, prompt plus output (None: the model's context).
+        max_num_seqs: sequences running at once.
+        max_num_batched_tokens: tokens per step (the scheduler's budget).
+        enable_chunked_prefill: split long prompts into chunks that share steps with decodes.
+        scheduling_policy: `fcfs` or `priority` (lower values first).
+        preemption_mode: how a sequence yields its blocks when the pool runs short:
+            `recompute`, `swap` (to the CPU swap area) or `move` (to a peer; cluster only).
+        max_waiting: new requests queued at most; past it `add_request` raises `Overloaded` at
+            once (None: unbounded, as offline use wants).
+        split_decodes: Triton: decodes of a mixed prefill+decode batch through the split
+            decode kernel (a second launch), so a long decode among prefills is spread over
+            many programs.
     """
 
     model: str | None = None
@@ -28,19 +56,17 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_bytes: int | None = None
     num_swap_blocks: int | None = None
-    attention_backend: str = "auto"
+    attention_backend: str = field(default="auto", metadata={"choices": BACKENDS})
     enable_prefix_caching: bool = True
-    kv_allocation: str = "paged"
+    kv_allocation: str = field(default="paged", metadata={"choices": ALLOCATION_MODES})
     watermark: float = 0.01
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
-    scheduling_policy: str = "fcfs"
-    preemption_mode: str = "recompute"
-    max_waiting: int | None = None  # new requests queued at most (Overloaded past it)
-    # Triton: decodes of a mixed prefill+decode batch through the split decode kernel (a
-    # second launch), so a long decode among prefills is spread over many programs.
+    scheduling_policy: str = field(default="fcfs", metadata={"choices": SchedulingPolicy.registry})
+    preemption_mode: str = field(default="recompute", metadata={"choices": PREEMPTION_MODES})
+    max_waiting: int | None = None
     split_decodes: bool = False
 
     def __post_init__(self) -> None:

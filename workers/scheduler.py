@@ -13,18 +13,13 @@ one sequence that loses no progress to waiting.
 
 from __future__ import annotations
 
-import abc
 import bisect
 import time
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 from pagedserve.workers.kv_cache_manager import KVCacheManager
 from pagedserve.workers.request import Request, RequestStatus
-
-# `move` hands the victim to a peer worker with its KV (see workers/handoff.py); only a worker
-# in a cluster can use it, and a victim that cannot move (n > 1) is recomputed instead.
-PREEMPTION_MODES = ("recompute", "swap", "move")
+from pagedserve.workers.scheduling_policy import PREEMPTION_MODES, SchedulingPolicy
 
 
 @dataclass(frozen=True)
@@ -51,36 +46,6 @@ class SchedulerConfig:
             raise ValueError(
                 f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
             )
-
-
-class SchedulingPolicy(abc.ABC):
-    """Orders sequences: lower keys run first and are preempted last."""
-
-    registry: ClassVar[dict[str, type[SchedulingPolicy]]] = {}
-    name: ClassVar[str]
-
-    def __init_subclass__(cls) -> None:
-        SchedulingPolicy.registry[cls.name] = cls
-
-    @abc.abstractmethod
-    def key(self, request: Request) -> tuple[int, ...]:
-        """The sort key of `request` under this policy."""
-
-
-class FCFSPolicy(SchedulingPolicy):
-    name = "fcfs"
-
-    def key(self, request: Request) -> tuple[int, ...]:
-        return (request.arrival_order,)
-
-
-class PriorityPolicy(SchedulingPolicy):
-    """Lower `priority` values first (as in vLLM); arrival order breaks ties."""
-
-    name = "priority"
-
-    def key(self, request: Request) -> tuple[int, ...]:
-        return (request.priority, request.arrival_order)
 
 
 @dataclass
@@ -137,9 +102,6 @@ class Scheduler:
         regardless: they are in flight already, and refusing them would lose their work."""
         limit = self.config.max_waiting
         return limit is not None and len(self.waiting) >= limit
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
 
     @property
     def num_active(self) -> int:

@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import threading
-import time
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -250,11 +249,6 @@ def span_to_dict(span: Any) -> dict[str, Any]:
         ],
         "status": span.status.status_code.name,
     }
-
-
-def wall_ns(monotonic_s: float) -> int:
-    """A `time.monotonic()` reading (the engine's clock) as wall-clock ns (the span clock)."""
-    return time.time_ns() - int((time.monotonic() - monotonic_s) * 1e9)
 
 
 def _clean(attributes: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -12,7 +12,7 @@ import pytest
 import ray
 from support.cluster import assert_pools_clean, cluster_config, greedy, run_request, start_router
 
-from pagedserve.cluster.router import GenerateRequest, NoWorkerAvailable
+from pagedserve.cluster.router_types import GenerateRequest, NoWorkerAvailable
 from pagedserve.cluster.worker_group import stop_worker_group
 
 

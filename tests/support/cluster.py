@@ -6,7 +6,8 @@ import asyncio
 import time
 
 from pagedserve.cluster.config import ClusterConfig
-from pagedserve.cluster.router import GenerateRequest, RouterCore
+from pagedserve.cluster.router import RouterCore
+from pagedserve.cluster.router_types import GenerateRequest
 from pagedserve.cluster.worker_group import start_worker_group
 from pagedserve.workers.engine_config import EngineConfig
 from pagedserve.workers.sampling_params import SamplingParams

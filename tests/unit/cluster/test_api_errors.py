@@ -16,7 +16,7 @@ from pagedserve.cluster.api_errors import (
 )
 from pagedserve.cluster.app import build_app
 from pagedserve.cluster.auth import TokenAuth, read_tokens_file
-from pagedserve.cluster.router import NoWorkerAvailable
+from pagedserve.cluster.router_types import NoWorkerAvailable
 from pagedserve.workers.errors import Overloaded, RequestRejected, RequestTooLarge
 
 

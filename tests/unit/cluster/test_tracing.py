@@ -17,7 +17,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.cli import main as cli_main
 from pagedserve.cluster.api_config import split_app_args
 from pagedserve.cluster.metrics import RouterMetrics
-from pagedserve.cluster.router import GenerateRequest
+from pagedserve.cluster.router_types import GenerateRequest
 from pagedserve.cluster.trace_view import find_trace, load_spans, render
 from pagedserve.cluster.tracing import RouterTrace, carrier_from_headers
 from pagedserve.workers.kv_cache_manager import KVUsage

@@ -1,0 +1,92 @@
+"""`pagedserve serve` flags come from ClusterConfig and EngineConfig: names, choices, help."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pagedserve.cli import build_parser
+from pagedserve.cluster.cli import ENGINE_FIELDS_SET_BY_THE_CLUSTER, cluster_config_from_args
+from pagedserve.cluster.config import FAILURE_MODES, ClusterConfig
+from pagedserve.cluster.routing import RoutingPolicy
+from pagedserve.kernels.backends import BACKENDS
+from pagedserve.workers.config_flags import attribute_docs
+from pagedserve.workers.engine_config import EngineConfig
+from pagedserve.workers.kv_cache_manager import ALLOCATION_MODES
+from pagedserve.workers.scheduling_policy import PREEMPTION_MODES, SchedulingPolicy
+
+
+def _serve_args(*argv: str):
+    return build_parser().parse_args(["serve", *argv])
+
+
+def _serve_actions() -> dict[str, object]:
+    parser = build_parser()
+    serve = parser._subparsers._group_actions[0].choices["serve"]
+    return {action.dest: action for action in serve._actions}
+
+
+@pytest.mark.parametrize("config_class", [ClusterConfig, EngineConfig])
+def test_every_config_field_has_help(config_class):
+    docs = attribute_docs(config_class)
+    assert [f.name for f in dataclasses.fields(config_class) if not docs.get(f.name)] == []
+
+
+def test_the_flags_users_know_keep_their_names():
+    args = _serve_args(
+        "--model", "m", "--num-workers", "3", "--routing-policy", "round_robin",
+        "--block-size", "8", "--num-kv-blocks", "64", "--kv-cache-bytes", "1024",
+        "--dtype", "float16", "--on-worker-failure", "fail",
+    )  # fmt: skip
+    data = cluster_config_from_args(args, num_gpus=0)
+    assert data["engine"] == {
+        "model": "m",
+        "block_size": 8,
+        "num_kv_blocks": 64,
+        "kv_cache_bytes": 1024,
+        "dtype": "float16",
+    }
+    assert (data["num_workers"], data["routing_policy"], data["on_worker_failure"]) == (
+        3,
+        "round_robin",
+        "fail",
+    )
+
+
+def test_choices_come_from_the_registries_and_tuples():
+    actions = _serve_actions()
+    assert actions["routing_policy"].choices == tuple(RoutingPolicy.registry)
+    assert actions["on_worker_failure"].choices == FAILURE_MODES
+    assert actions["attention_backend"].choices == BACKENDS
+    assert actions["kv_allocation"].choices == ALLOCATION_MODES
+    assert actions["scheduling_policy"].choices == tuple(SchedulingPolicy.registry)
+    assert actions["preemption_mode"].choices == PREEMPTION_MODES
+    assert not set(ENGINE_FIELDS_SET_BY_THE_CLUSTER) & set(actions)
+
+
+def test_flags_override_the_file_and_only_where_given(tmp_path):
+    path = tmp_path / "cluster.yaml"
+    path.write_text(
+        "num_workers: 4\nmax_inflight: 7\nengine:\n  block_size: 32\n  max_num_seqs: 5\n",
+        encoding="utf-8",
+    )
+    args = _serve_args("--config", str(path), "--block-size", "8", "--no-enable-pull")
+    data = cluster_config_from_args(args, num_gpus=0)
+    assert data["engine"] == {"block_size": 8, "max_num_seqs": 5}
+    assert (data["num_workers"], data["max_inflight"], data["enable_pull"]) == (4, 7, False)
+    config = ClusterConfig.from_dict(data)
+    assert config.engine.block_size == 8 and config.stats_interval_s == 0.25
+
+
+def test_machine_defaults_yield_to_flags():
+    data = cluster_config_from_args(_serve_args(), num_gpus=2)
+    assert (data["num_workers"], data["engine"]["device"]) == (2, "cuda")
+    data = cluster_config_from_args(_serve_args("--num-workers", "1", "--device", "cpu"), 2)
+    assert (data["num_workers"], data["engine"]["device"]) == (1, "cpu")
+
+
+def test_a_bad_choice_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit):
+        _serve_args("--routing-policy", "random")
+    assert "--routing-policy" in capsys.readouterr().err

@@ -1,0 +1,47 @@
+"""Scheduling policies (which sequence runs first and is preempted last) and preemption modes.
+
+Apart from `scheduler.py` so that configs and command lines can name the choices without
+importing the scheduler (and torch with it).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from pagedserve.workers.request import Request
+
+# `move` hands the victim to a peer worker with its KV (see workers/handoff.py); only a worker
+# in a cluster can use it, and a victim that cannot move (n > 1) is recomputed instead.
+PREEMPTION_MODES = ("recompute", "swap", "move")
+
+
+class SchedulingPolicy(abc.ABC):
+    """Orders sequences: lower keys run first and are preempted last."""
+
+    registry: ClassVar[dict[str, type[SchedulingPolicy]]] = {}
+    name: ClassVar[str]
+
+    def __init_subclass__(cls) -> None:
+        SchedulingPolicy.registry[cls.name] = cls
+
+    @abc.abstractmethod
+    def key(self, request: Request) -> tuple[int, ...]:
+        """The sort key of `request` under this policy."""
+
+
+class FCFSPolicy(SchedulingPolicy):
+    name = "fcfs"
+
+    def key(self, request: Request) -> tuple[int, ...]:
+        return (request.arrival_order,)
+
+
+class PriorityPolicy(SchedulingPolicy):
+    """Lower `priority` values first (as in vLLM); arrival order breaks ties."""
+
+    name = "priority"
+
+    def key(self, request: Request) -> tuple[int, ...]:
+        return (request.priority, request.arrival_order)
