@@ -67,6 +67,7 @@ class IncrementalDetokenizer:
         self._emitted: list[str] = []
         self._num_emitted = 0
         self._held = ""
+        self._skip = 0  # characters to emit silently: another detokenizer emitted them
         self._stopped_by: str | None = None
 
     @property
@@ -121,10 +122,13 @@ class IncrementalDetokenizer:
         Later calls return only the rest, including text the other one still held back."""
         self.append(token_ids)
         text = self.text
-        num_emitted_chars = min(num_emitted_chars, len(text))
-        self._emitted = [text[:num_emitted_chars]]
-        self._num_emitted = num_emitted_chars
-        self._held = text[num_emitted_chars:]
+        # All at once, the text may be committed less far than token by token (a window ending
+        # mid-character waits): what is not committed yet is skipped when it comes.
+        num_here = min(num_emitted_chars, len(text))
+        self._emitted = [text[:num_here]]
+        self._num_emitted = num_here
+        self._held = text[num_here:]
+        self._skip = num_emitted_chars - num_here
 
     def _decode_new(self, final: bool = False) -> str:
         """Text the window adds since the last commit; "" while it ends mid-character."""
@@ -192,6 +196,10 @@ class IncrementalDetokenizer:
         if delta:
             self._emitted.append(delta)
             self._num_emitted += len(delta)
+        if self._skip:
+            skipped = min(self._skip, len(delta))
+            self._skip -= skipped
+            delta = delta[skipped:]
         return delta
 
     def _stop_prefix_len(self) -> int:
