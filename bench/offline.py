@@ -132,9 +132,10 @@ def run_engine(
         step_outputs = engine.step()
         step_s = time.perf_counter() - step_started
         elapsed += step_s
-        for output in step_outputs:
-            if output.finished:
-                outputs[output.request_id] = list(output.outputs[0].token_ids)
+        for delta in step_outputs:  # each step reports only new tokens: add them up
+            for completion in delta.completions:
+                if completion.index == 0:
+                    outputs.setdefault(delta.request_id, []).extend(completion.token_ids)
         if recorder is not None:
             recorder.sample(engine, step_s)
     ordered = [outputs[f"offline-{i}"] for i in range(len(prompts))]

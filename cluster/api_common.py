@@ -1,5 +1,9 @@
 """What both front ends do the same way: build sampling params, check text, collect completions.
 
+`CompletionCollector` is the one collector of a request's stream, for gRPC and HTTP alike: it
+puts whole completions together (when a response needs them) and, through `Usage.of_request`,
+owns the request's usage; `Usage.total` adds up several prompts'.
+
 Validation is the router's and the worker's (`SamplingParams`, `RouterCore`, `Engine` raise with
 messages that name the field); this module only turns their errors into `ApiError`s and checks
 what they cannot see on the wire (malformed UTF-8).
@@ -16,9 +20,9 @@ from typing import Any
 from pagedserve.cluster.api_errors import ApiError
 from pagedserve.cluster.router import RouterCore
 from pagedserve.cluster.router_types import GenerateRequest
-from pagedserve.workers.outputs import RequestMetrics
+from pagedserve.workers.outputs import RequestMetrics, Usage
 from pagedserve.workers.sampling_params import SamplingParams
-from pagedserve.workers.stream import StreamDelta, Usage
+from pagedserve.workers.stream import StreamDelta
 
 
 def sampling_params(**kwargs: Any) -> SamplingParams:
@@ -61,10 +65,11 @@ def find_malformed_text(value: Any, path: str) -> str | None:
 
 @dataclass
 class CompletionResult:
-    """One completion (branch) put together from its deltas."""
+    """One completion (branch) put together from its deltas; its text is kept as pieces and
+    joined when read, so adding a delta never copies the text so far."""
 
     index: int
-    text: str = ""
+    text_pieces: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -72,21 +77,32 @@ class CompletionResult:
     metrics: RequestMetrics | None = None
     error: str | None = None
 
+    @property
+    def text(self) -> str:
+        return "".join(self.text_pieces)
+
 
 @dataclass
 class CompletionCollector:
-    """Collects a request's stream into whole completions and totals."""
+    """Collects one request's stream: each branch's end (finish, usage, metrics, error), and its
+    text and token ids unless `keep_output` is off (a stream that only needs the totals).
+
+    Args:
+        keep_output: put whole completions together (a unary response needs them).
+    """
 
     request_id: str = ""
     worker_id: str = ""
     results: dict[int, CompletionResult] = field(default_factory=dict)
+    keep_output: bool = True
 
     def add(self, delta: StreamDelta) -> None:
         self.request_id = delta.request_id or self.request_id
         self.worker_id = delta.worker_id or self.worker_id
         result = self.results.setdefault(delta.index, CompletionResult(delta.index))
-        result.text += delta.text
-        result.token_ids.extend(delta.token_ids)
+        if self.keep_output:
+            result.text_pieces.append(delta.text)
+            result.token_ids.extend(delta.token_ids)
         if delta.finish_reason is not None:
             result.finish_reason = delta.finish_reason
             result.stop_reason = delta.stop_reason
@@ -99,16 +115,9 @@ class CompletionCollector:
         return [self.results[i] for i in sorted(self.results)]
 
     def usage(self) -> Usage:
-        """Prompt and cached tokens once, completion tokens summed over the completions."""
-        return total_usage(self.completions)
-
-
-def total_usage(completions: Sequence[CompletionResult]) -> Usage:
-    usages = [c.usage for c in completions if c.usage is not None]
-    if not usages:
-        return Usage(0, 0, 0)
-    completion_tokens = sum(u.completion_tokens for u in usages)
-    return Usage(usages[0].prompt_tokens, completion_tokens, usages[0].cached_tokens)
+        """The request's usage: prompt and cached tokens once, completion tokens summed over
+        the branches that finished."""
+        return Usage.of_request(c.usage for c in self.completions if c.usage is not None)
 
 
 async def collect(core: RouterCore, request: GenerateRequest) -> CompletionCollector:

@@ -99,7 +99,7 @@ class RouterMetrics:
 
     def on_finished(self, delta: Any) -> None:
         """A branch's last delta: its usage and the request's timings."""
-        if not self.enabled or delta.finish_reason in (None, "moved"):
+        if not self.enabled or delta.finish_reason is None:
             return
         worker = delta.worker_id or "unknown"
         self.requests.labels(worker, delta.finish_reason).inc()

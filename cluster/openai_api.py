@@ -25,7 +25,6 @@ from pagedserve.cluster.api_common import (
     merge_streams,
     new_request_id,
     sampling_params,
-    total_usage,
 )
 from pagedserve.cluster.api_errors import ApiError, ErrorCode, engine_failure, to_api_error
 from pagedserve.cluster.auth import TokenAuth
@@ -38,7 +37,8 @@ from pagedserve.cluster.openai_models import (
 from pagedserve.cluster.router import RouterCore
 from pagedserve.cluster.router_types import GenerateRequest
 from pagedserve.cluster.tracing import tag_ingress
-from pagedserve.workers.stream import StreamDelta, Usage
+from pagedserve.workers.outputs import Usage
+from pagedserve.workers.stream import StreamDelta
 
 logger = logging.getLogger(__name__)
 OWNER = "pagedserve"
@@ -201,7 +201,7 @@ class CompletionChunks:
             for i, collector in enumerate(collectors)
             for c in collector.completions
         ]
-        usage = sum_usage([total_usage(collector.completions) for collector in collectors])
+        usage = Usage.total(collector.usage() for collector in collectors)
         return {**self.head, "model": self.model, "choices": choices, "usage": usage_json(usage)}
 
     def content(self, text: str) -> dict[str, Any]:
@@ -249,12 +249,11 @@ async def _sse(
     include_usage: bool,
 ) -> AsyncIterator[str]:
     """Server-sent events: the chunks, then usage if asked for, then `[DONE]`."""
-    usages: dict[tuple[int, int], Usage] = {}
+    totals: dict[int, CompletionCollector] = {}  # per prompt, for the usage chunk
     extra = {"usage": None} if include_usage else {}
 
     def event(i: int, delta: StreamDelta) -> str:
-        if delta.usage is not None:
-            usages[(i, delta.index)] = delta.usage
+        totals.setdefault(i, CompletionCollector(keep_output=False)).add(delta)
         if not delta.text and delta.finish_reason is None:
             return ""  # tokens whose text is not complete yet (a split UTF-8 character)
         return _data({**chunks.chunk(chunks.choice_index(i, delta.index), delta), **extra})
@@ -273,8 +272,8 @@ async def _sse(
         yield _data(error_json(to_api_error(error)))
     else:
         if include_usage:
-            per_prompt = _usage_per_prompt(usages)
-            yield _data(chunks.usage_chunk(sum_usage(per_prompt)))
+            usage = Usage.total(totals[i].usage() for i in sorted(totals))
+            yield _data(chunks.usage_chunk(usage))
     yield "data: [DONE]\n\n"
 
 
@@ -296,25 +295,6 @@ def usage_json(usage: Usage) -> dict[str, Any]:
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
-
-
-def sum_usage(usages: list[Usage]) -> Usage:
-    return Usage(
-        sum(u.prompt_tokens for u in usages),
-        sum(u.completion_tokens for u in usages),
-        sum(u.cached_tokens for u in usages),
-    )
-
-
-def _usage_per_prompt(usages: dict[tuple[int, int], Usage]) -> list[Usage]:
-    """Per prompt: prompt tokens once, completion tokens over its branches."""
-    prompts: dict[int, list[Usage]] = {}
-    for (i, _), usage in sorted(usages.items()):
-        prompts.setdefault(i, []).append(usage)
-    return [
-        Usage(u[0].prompt_tokens, sum(x.completion_tokens for x in u), u[0].cached_tokens)
-        for u in prompts.values()
-    ]
 
 
 def error_json(error: ApiError) -> dict[str, Any]:

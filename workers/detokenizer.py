@@ -62,20 +62,24 @@ class IncrementalDetokenizer:
         self._token_ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
-        self._text = ""
+        # Emitted text is kept as pieces, never rebuilt: a step touches only `_held`, the
+        # committed text not yet emitted (with stop strings, shorter than the longest one).
+        self._emitted: list[str] = []
         self._num_emitted = 0
+        self._held = ""
+        self._skip = 0  # characters to emit silently: another detokenizer emitted them
         self._stopped_by: str | None = None
 
     @property
     def text(self) -> str:
         """Text so far (truncated at the stop string when stopped); excludes an unfinished
-        UTF-8 character until ``flush``."""
-        return self._text
+        UTF-8 character until ``flush``. Joined on each call: not for every step."""
+        return "".join(self._emitted) + self._held
 
     @property
-    def emitted_text(self) -> str:
-        """The part of ``text`` already returned by ``append``/``flush``: safe to show."""
-        return self._text[: self._num_emitted]
+    def num_emitted_chars(self) -> int:
+        """How much of ``text`` ``append``/``flush`` have returned so far."""
+        return self._num_emitted
 
     @property
     def stopped_by(self) -> str | None:
@@ -112,6 +116,20 @@ class IncrementalDetokenizer:
             self._add_text(self._decode_new(final=True))
         return self._emit(final=True)
 
+    def resume(self, token_ids: Sequence[int], num_emitted_chars: int) -> None:
+        """Take over an output another detokenizer streamed (a request moved here): its tokens,
+        of whose text the first ``num_emitted_chars`` characters were already emitted there.
+        Later calls return only the rest, including text the other one still held back."""
+        self.append(token_ids)
+        text = self.text
+        # All at once, the text may be committed less far than token by token (a window ending
+        # mid-character waits): what is not committed yet is skipped when it comes.
+        num_here = min(num_emitted_chars, len(text))
+        self._emitted = [text[:num_here]]
+        self._num_emitted = num_here
+        self._held = text[num_here:]
+        self._skip = num_emitted_chars - num_here
+
     def _decode_new(self, final: bool = False) -> str:
         """Text the window adds since the last commit; "" while it ends mid-character."""
         ids = self._token_ids
@@ -137,26 +155,31 @@ class IncrementalDetokenizer:
         return ""
 
     def _add_text(self, new_text: str) -> None:
-        """Append committed text and stop at the first stop string it completes."""
+        """Append committed text and stop at the first stop string it completes.
+
+        A stop string that the new text completes starts in `_held`, never in emitted text:
+        its start was a possible stop prefix, and `_emit` holds every such tail back.
+        """
         if not new_text:
             return
-        old_len = len(self._text)
-        self._text += new_text
+        old_len = len(self._held)
+        self._held += new_text
         match = self._find_stop(old_len)
         if match is not None:
             start, stop = match
             self._stopped_by = stop
-            self._text = self._text[: start + len(stop) if self._include_stop else start]
+            self._held = self._held[: start + len(stop) if self._include_stop else start]
 
     def _find_stop(self, old_len: int) -> tuple[int, str] | None:
-        """The stop string match that ends first among those ending in the new text.
+        """The stop string match (in `_held`) that ends first among those ending in the new
+        text.
 
         Earliest end (ties: longest) is what a token-by-token stream would see first, so the
         result does not depend on how many tokens each ``append`` brought.
         """
         best: tuple[int, int, str] | None = None
         for stop in self._stop:
-            start = self._text.find(stop, max(0, old_len - len(stop) + 1))
+            start = self._held.find(stop, max(0, old_len - len(stop) + 1))
             if start < 0:
                 continue
             key = (start + len(stop), start, stop)
@@ -166,20 +189,26 @@ class IncrementalDetokenizer:
 
     def _emit(self, final: bool) -> str:
         """The not yet emitted text, less a tail that may still become a stop string."""
-        end = len(self._text)
+        end = len(self._held)
         if not final and self._stopped_by is None:
             end -= self._stop_prefix_len()
-        end = max(end, self._num_emitted)
-        delta = self._text[self._num_emitted : end]
-        self._num_emitted = end
+        delta, self._held = self._held[:end], self._held[end:]
+        if delta:
+            self._emitted.append(delta)
+            self._num_emitted += len(delta)
+        if self._skip:
+            skipped = min(self._skip, len(delta))
+            self._skip -= skipped
+            delta = delta[skipped:]
         return delta
 
     def _stop_prefix_len(self) -> int:
-        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
+        """Length of the longest suffix of the held text that is a proper prefix of a stop
+        string (such a suffix never reaches into emitted text: it would have been held)."""
         longest = 0
         for stop in self._stop:
-            for size in range(min(len(stop) - 1, len(self._text)), longest, -1):
-                if self._text.endswith(stop[:size]):
+            for size in range(min(len(stop) - 1, len(self._held)), longest, -1):
+                if self._held.endswith(stop[:size]):
                     longest = size
                     break
         return longest

@@ -1,8 +1,12 @@
-"""The single-worker engine: add requests, step, get outputs. Synchronous, no Ray.
+"""The single-worker engine: add requests, step, get deltas. Synchronous, no Ray.
 
 One `step()` plans a batch (Scheduler), moves blocks (swap, copy-on-write), runs the packed
 forward (ModelRunner), samples one token per finished row (Sampler), and retires sequences that
 stopped. Finished, aborted and timed-out sequences free their blocks in the same step.
+
+A step returns deltas (`RequestDelta`, see `outputs.py`): per request it touched, only the new
+tokens and final text of each branch. Each `Request` keeps what it has not yet reported, so a
+step costs O(new tokens), never a copy of the whole output.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from pagedserve.workers.kv_cache import KVCache
 from pagedserve.workers.kv_cache_manager import KVCacheManager, KVUsage
 from pagedserve.workers.model_loader import LoadedModel, load_model
 from pagedserve.workers.model_runner import ModelRunner
-from pagedserve.workers.outputs import CompletionOutput, RequestOutput
+from pagedserve.workers.outputs import RequestDelta
 from pagedserve.workers.request import Request, RequestGroup, RequestStatus
 from pagedserve.workers.sampler import Sampler, make_generator, suppress_stop_tokens
 from pagedserve.workers.sampling_params import SamplingParams
@@ -222,13 +226,19 @@ class Engine:
             )
         return request
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """End a request now and free its blocks. None when it is unknown or already done."""
+    def abort(
+        self, request_id: str, reason: FinishReason = FinishReason.ABORT
+    ) -> RequestDelta | None:
+        """End a request now (finish reason `reason`) and free its blocks.
+
+        Returns:
+            Its last delta, or None when it is unknown or already done.
+        """
         group = self._groups.get(request_id)
         if group is None:
             return None
-        self._end_group(group, FinishReason.ABORT)
-        return self._pop_output(group)
+        self._end_group(group, reason)
+        return self._delta_for(group)
 
     def pause(self, request_id: str) -> bool:
         """Stop scheduling a request (its reader fell behind). It keeps its blocks and stays
@@ -260,8 +270,8 @@ class Engine:
         return any(d is not None and now >= d for d in deadlines)
 
     # ------------------------------------------------------------------ step
-    def step(self) -> list[RequestOutput]:
-        """Run one scheduling + forward + sampling step; outputs of requests it touched."""
+    def step(self) -> list[RequestDelta]:
+        """Run one scheduling + forward + sampling step; the deltas of requests it touched."""
         touched: dict[str, RequestGroup] = {}
         self._expire_deadlines(touched)
         plan = self.scheduler.schedule()
@@ -273,7 +283,7 @@ class Engine:
             self.num_steps += 1
             self._move_blocks(plan)
             self._run(plan, touched)
-        return [self._output_for(group) for group in touched.values()]
+        return [self._delta_for(group) for group in touched.values()]
 
     def _expire_deadlines(self, touched: dict[str, RequestGroup]) -> None:
         now = time.monotonic()
@@ -333,7 +343,13 @@ class Engine:
             generator_state=None if victim.generator is None else victim.generator.get_state(),
             num_preemptions=victim.timings.num_preemptions,
             deadline_remaining_s=None if group.deadline is None else group.deadline - now,
-            emitted_text_chars=len(victim.detokenizer.emitted_text) if victim.detokenizer else 0,
+            # What the client has: every token (each step reports its own, so none waits
+            # here) and the text reported so far; the peer's detokenizer goes on from there.
+            emitted_text_chars=(
+                victim.detokenizer.num_emitted_chars - len(victim.unreported_text)
+                if victim.detokenizer
+                else 0
+            ),
         )
         victim.finish_reason = FinishReason.MOVED
         victim.timings.finished = now
@@ -365,8 +381,10 @@ class Engine:
         request.timings.num_preemptions = handoff.num_preemptions
         if request.generator is not None and handoff.generator_state is not None:
             request.generator.set_state(handoff.generator_state)
+        # The peer streamed these tokens and part of their text: report only what follows.
+        request.num_reported_tokens = len(handoff.output_token_ids)
         if request.detokenizer is not None:
-            request.detokenizer.append(handoff.output_token_ids)
+            request.detokenizer.resume(handoff.output_token_ids, handoff.emitted_text_chars)
         deadline = None
         if handoff.deadline_remaining_s is not None:
             deadline = now + handoff.deadline_remaining_s
@@ -397,11 +415,12 @@ class Engine:
         request.timings.on_token(now)
         stop_hit = False
         if request.detokenizer is not None:
-            request.detokenizer.append([token])
+            request.unreported_text += request.detokenizer.append([token])
             stop_hit = request.detokenizer.stopped_by is not None
         reason = check_stop(
             request.params,
-            request.output_token_ids,
+            request.num_output_tokens,
+            token,
             self.loaded.eos_token_ids,
             stop_hit,
             max_model_len_hit=len(request.all_token_ids) >= self.max_model_len,
@@ -416,49 +435,19 @@ class Engine:
         request.finish_reason = reason
         request.timings.finished = time.monotonic()
         if request.detokenizer is not None:
-            request.detokenizer.flush()
+            request.unreported_text += request.detokenizer.flush()
 
     def _end_group(self, group: RequestGroup, reason: FinishReason) -> None:
         for branch in group.branches:
             self._finish(branch, reason)
 
-    # --------------------------------------------------------------- outputs
-    def _output_for(self, group: RequestGroup) -> RequestOutput:
+    # ---------------------------------------------------------------- deltas
+    def _delta_for(self, group: RequestGroup) -> RequestDelta:
+        """What `group` has not reported yet; a finished group leaves the engine here."""
         if group.finished:
-            return self._pop_output(group)
-        return self._make_output(group)
-
-    def _pop_output(self, group: RequestGroup) -> RequestOutput:
-        self._groups.pop(group.request_id, None)
-        self._paused.discard(group.request_id)
-        return self._make_output(group)
-
-    def _make_output(self, group: RequestGroup) -> RequestOutput:
-        outputs = []
-        for branch in group.branches:
-            # Only emitted text: a tail that may still become a stop string is held back.
-            text = branch.detokenizer.emitted_text if branch.detokenizer is not None else ""
-            reason = branch.finish_reason
-            outputs.append(
-                CompletionOutput(
-                    index=branch.branch_index,
-                    text=text,
-                    token_ids=list(branch.output_token_ids),
-                    finish_reason=None if reason is None else str(reason),
-                    stop_reason=branch.detokenizer.stopped_by if branch.detokenizer else None,
-                )
-            )
-        first = group.branches[0]
-        return RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids,
-            outputs=outputs,
-            finished=group.finished,
-            num_cached_tokens=first.num_cached_tokens,
-            metrics=group.metrics(),
-            handoff=group.handoff,
-        )
+            self._groups.pop(group.request_id, None)
+            self._paused.discard(group.request_id)
+        return group.take_delta()
 
     # ----------------------------------------------------------------- stats
     def usage(self) -> KVUsage:

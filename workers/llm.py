@@ -9,7 +9,7 @@ from pagedserve.workers.engine import Engine, RequestRejected
 from pagedserve.workers.engine_config import EngineConfig
 from pagedserve.workers.kv_cache_manager import KVUsage
 from pagedserve.workers.model_loader import LoadedModel
-from pagedserve.workers.outputs import RequestOutput
+from pagedserve.workers.outputs import OutputBuilder, RequestOutput
 from pagedserve.workers.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -59,6 +59,7 @@ class LLM:
         params = _per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params")
         priorities = _per_prompt(priority, len(prompts), "priority")
         results: dict[str, RequestOutput] = {}
+        builders: dict[str, OutputBuilder] = {}
         order: list[str] = []
         for prompt, param, prio in zip(prompts, params, priorities, strict=True):
             request_id = str(next(self._ids))
@@ -72,12 +73,18 @@ class LLM:
                     cache_salt=cache_salt,
                     timeout_s=timeout_s,
                 )
+                builders[request_id] = OutputBuilder(request_id)
             except RequestRejected as error:
                 results[request_id] = _rejected(request_id, prompt, str(error))
+        # The engine reports deltas; this is the one place offline that adds them up.
         while self.engine.has_unfinished_requests():
-            for output in self.engine.step():
-                if output.finished:
-                    results[output.request_id] = output
+            for delta in self.engine.step():
+                builder = builders.get(delta.request_id)
+                if builder is None:  # not one of ours (someone else shares the engine)
+                    continue
+                builder.add(delta)
+                if delta.finished:
+                    results[delta.request_id] = builders.pop(delta.request_id).build()
         return [results[request_id] for request_id in order]
 
     def stats(self) -> KVUsage:

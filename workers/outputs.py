@@ -1,9 +1,27 @@
-"""What the engine hands back: per-request outputs in the shape vLLM users know."""
+"""What the engine hands back, in two shapes.
+
+``Engine.step()`` returns deltas, as vLLM's delta outputs do: per request it touched, per branch,
+only what is new since the last step. Only the outermost layer that needs a whole answer adds
+them up::
+
+    Engine.step() ─► RequestDelta ─┬─► WorkerCore: StreamDelta per branch ─► router ─► API collector
+                                   └─► LLM.generate: OutputBuilder ─► RequestOutput (whole)
+
+- `CompletionDelta` / `RequestDelta`: one step's news. A branch's last delta carries its finish
+  reason, stop reason, usage and metrics; no delta repeats a token or a character.
+- `CompletionOutput` / `RequestOutput`: a whole request, as `LLM.generate` returns it.
+- `Usage`: the token counts of one branch, and (`Usage.of_request`, `Usage.total`) of a request
+  and of several — the one place that says how usage adds up.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedserve.workers.handoff import RequestHandoff
 
 
 @dataclass
@@ -18,9 +36,78 @@ class RequestMetrics:
     num_preemptions: int = 0
 
 
+@dataclass(frozen=True)
+class Usage:
+    """Token counts: of one branch (prompt and cached tokens are the request's, completion
+    tokens the branch's own), or added up with `of_request` / `total`."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    @staticmethod
+    def of_request(branches: Iterable[Usage]) -> Usage:
+        """One request's usage from its branches': prompt and cached tokens once (the branches
+        share the prompt), completion tokens summed."""
+        branches = list(branches)
+        if not branches:
+            return Usage(0, 0, 0)
+        first = branches[0]
+        completion = sum(u.completion_tokens for u in branches)
+        return Usage(first.prompt_tokens, completion, first.cached_tokens)
+
+    @staticmethod
+    def total(requests: Iterable[Usage]) -> Usage:
+        """Several requests' usage (e.g. a batch of prompts): every count summed."""
+        requests = list(requests)
+        return Usage(
+            sum(u.prompt_tokens for u in requests),
+            sum(u.completion_tokens for u in requests),
+            sum(u.cached_tokens for u in requests),
+        )
+
+
+@dataclass(frozen=True)
+class CompletionDelta:
+    """What one branch (index < n) produced since its last delta.
+
+    `text` is only final text: the detokenizer holds back a tail that may still become a stop
+    string or finish a split UTF-8 character, so `token_ids` may arrive before their text. The
+    branch's last delta has `finish_reason` set and carries `usage` and `metrics`.
+    """
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    usage: Usage | None = None
+    metrics: RequestMetrics | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class RequestDelta:
+    """One request's news from one step: the branches that changed.
+
+    `prompt` and `prompt_token_ids` are the engine's own (shared, never copied per step; do not
+    change them). `handoff` is set when the request moved to a peer (finish reason `moved`).
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    completions: list[CompletionDelta]
+    finished: bool
+    handoff: RequestHandoff | None = None
+
+
 @dataclass
 class CompletionOutput:
-    """One branch of a request (index < n): text and token ids so far."""
+    """One whole branch of a request (index < n): its text and token ids."""
 
     index: int
     text: str
@@ -35,7 +122,7 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """A request's state after a step: every branch's output so far (cumulative)."""
+    """A whole request, as the offline API returns it: every branch's output."""
 
     request_id: str
     prompt: str | None
@@ -45,4 +132,56 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     error: str | None = None
-    handoff: Any = None  # a RequestHandoff when the request moved to a peer
+    handoff: RequestHandoff | None = None  # set when the request moved to a peer
+
+
+class OutputBuilder:
+    """Adds one request's deltas up into a whole `RequestOutput` (the offline API's shape).
+
+    Owns the branches' token ids and text pieces so far; text is joined once, in `build`.
+    """
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._tokens: dict[int, list[int]] = {}
+        self._texts: dict[int, list[str]] = {}
+        self._ends: dict[int, CompletionDelta] = {}
+        self._metrics: RequestMetrics | None = None
+        self._last: RequestDelta | None = None
+
+    def add(self, delta: RequestDelta) -> None:
+        self._last = delta
+        for completion in delta.completions:
+            index = completion.index
+            self._tokens.setdefault(index, []).extend(completion.token_ids)
+            self._texts.setdefault(index, []).append(completion.text)
+            if completion.finished:
+                self._ends[index] = completion
+                # The last branch to finish saw the whole request's metrics (e2e set).
+                self._metrics = completion.metrics or self._metrics
+
+    def build(self) -> RequestOutput:
+        """The request as the deltas so far tell it (whole once its last delta was added)."""
+        last = self._last
+        assert last is not None, "no delta was added"
+        outputs = [
+            CompletionOutput(
+                index,
+                "".join(self._texts[index]),
+                self._tokens[index],
+                None if (end := self._ends.get(index)) is None else end.finish_reason,
+                None if end is None else end.stop_reason,
+            )
+            for index in sorted(self._tokens)
+        ]
+        usage = next((e.usage for e in self._ends.values() if e.usage is not None), None)
+        return RequestOutput(
+            request_id=last.request_id,
+            prompt=last.prompt,
+            prompt_token_ids=last.prompt_token_ids,
+            outputs=outputs,
+            finished=last.finished,
+            num_cached_tokens=0 if usage is None else usage.cached_tokens,
+            metrics=self._metrics or RequestMetrics(),
+            handoff=last.handoff,
+        )

@@ -1,4 +1,5 @@
-"""One sequence the engine generates: its tokens, progress, sampling state and timings.
+"""One sequence the engine generates: its tokens, progress, sampling state and timings, and
+what it has not yet reported in a delta.
 
 A user request with `n > 1` becomes `n` sequences (branches) that share the prompt's blocks;
 `RequestGroup` holds them together with what the request reports as a whole.
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 
 from pagedserve.workers.detokenizer import IncrementalDetokenizer
-from pagedserve.workers.outputs import RequestMetrics
+from pagedserve.workers.outputs import CompletionDelta, RequestDelta, RequestMetrics, Usage
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.stop_checker import FinishReason
 
@@ -76,9 +77,14 @@ class Request:
     movable: bool = False
     # Paused while its stream's reader lags: never scheduled, keeps its blocks, preemptible.
     paused: bool = False
+    # What the engine has not yet put in a delta (`Engine._branch_delta` takes it).
+    num_reported_tokens: int = 0  # output tokens already reported
+    unreported_text: str = ""  # final text produced since the last delta
+    reported_finish: bool = False  # the branch's last delta went out
 
     @property
     def output_token_ids(self) -> list[int]:
+        """The output so far (a copy: not for every step)."""
         return self.all_token_ids[self.prompt_len :]
 
     @property
@@ -97,6 +103,35 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    @property
+    def ends_unreported(self) -> bool:
+        """It ended, and its last delta has not gone out yet."""
+        return self.finish_reason is not None and not self.reported_finish
+
+    def take_delta(
+        self, prompt_tokens: int, cached_tokens: int, metrics: RequestMetrics | None
+    ) -> CompletionDelta | None:
+        """The new tokens and text since the last delta (and, once, how the sequence ended),
+        now counted as reported; None when there is nothing to report."""
+        new_ids = self.all_token_ids[self.prompt_len + self.num_reported_tokens :]
+        text, ends = self.unreported_text, self.ends_unreported
+        if not new_ids and not text and not ends:
+            return None
+        self.num_reported_tokens += len(new_ids)
+        self.unreported_text = ""
+        if not ends:
+            return CompletionDelta(self.branch_index, new_ids, text)
+        self.reported_finish = True
+        return CompletionDelta(
+            self.branch_index,
+            new_ids,
+            text,
+            finish_reason=str(self.finish_reason),
+            stop_reason=self.detokenizer.stopped_by if self.detokenizer else None,
+            usage=Usage(prompt_tokens, self.num_output_tokens, cached_tokens),
+            metrics=metrics,
+        )
+
 
 @dataclass
 class RequestGroup:
@@ -113,6 +148,27 @@ class RequestGroup:
     @property
     def finished(self) -> bool:
         return all(branch.is_finished for branch in self.branches)
+
+    def take_delta(self) -> RequestDelta:
+        """Every branch's news since the last delta (see `Request.take_delta`)."""
+        # Measured only when a branch ends: never a per-step copy of the latencies.
+        ending = any(branch.ends_unreported for branch in self.branches)
+        metrics = self.metrics() if ending else None
+        prompt_tokens = len(self.prompt_token_ids)
+        cached = self.branches[0].num_cached_tokens
+        completions = [
+            delta
+            for branch in self.branches
+            if (delta := branch.take_delta(prompt_tokens, cached, metrics)) is not None
+        ]
+        return RequestDelta(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            completions,
+            self.finished,
+            self.handoff,
+        )
 
     def metrics(self) -> RequestMetrics:
         """The request's latencies so far, from its first branch (e2e once all finished)."""

@@ -25,6 +25,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.stream import StreamDelta
 from pagedserve.workers.telemetry import NOOP, Tracing
+from pagedserve.workers.worker_types import RequestMoved
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +66,16 @@ class RequestTrace:
         self._phases_drawn = False
         self.prefill_chunks: list[tuple[int, int, int]] = []  # (start ns, end ns, tokens)
 
-    def on_delta(self, delta: StreamDelta) -> None:
-        if delta.finish_reason is None or self.tracing is NOOP:
+    def on_delta(self, delta: StreamDelta | RequestMoved) -> None:
+        if self.tracing is NOOP:
+            return
+        if isinstance(delta, RequestMoved):
+            self.span.add_event(
+                "migration.move.out",
+                {"pagedserve.worker_id": delta.worker_id, "pagedserve.branch": delta.index},
+            )
+            return
+        if delta.finish_reason is None:
             return
         try:
             self._on_finish(delta)
@@ -89,8 +98,6 @@ class RequestTrace:
         if usage is not None:
             self.span.set_attribute("gen_ai.usage.input_tokens", usage.prompt_tokens)
             self.span.set_attribute("pagedserve.cached_tokens", usage.cached_tokens)
-        if delta.finish_reason == "moved":
-            self.span.add_event("migration.move.out", {"pagedserve.worker_id": delta.worker_id})
         if delta.error:
             self.span.set_status(Status(StatusCode.ERROR, delta.error))
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from enum import StrEnum
 
 from pagedserve.workers.sampling_params import SamplingParams
@@ -21,7 +21,8 @@ class FinishReason(StrEnum):
 
 def check_stop(
     params: SamplingParams,
-    output_token_ids: Sequence[int],
+    num_output_tokens: int,
+    last_token: int | None,
     eos_token_ids: Collection[int],
     stop_string_hit: bool,
     max_model_len_hit: bool = False,
@@ -33,7 +34,9 @@ def check_stop(
 
     Args:
         params: the sequence's (branch's) parameters.
-        output_token_ids: every token generated so far, the newest last.
+        num_output_tokens: how many tokens the sequence generated so far.
+        last_token: the newest of them (None before the first). Only these two are read, so
+            a step never copies the whole output to check it.
         eos_token_ids: the model's end-of-sequence ids.
         stop_string_hit: the detokenizer matched a stop string (never held back by
             ``min_tokens``: its text is already cut).
@@ -42,14 +45,13 @@ def check_stop(
     Returns:
         ``FinishReason.STOP`` or ``FinishReason.LENGTH``, or ``None`` to go on.
     """
-    num_tokens = len(output_token_ids)
+    num_tokens = num_output_tokens
     if stop_string_hit:
         return FinishReason.STOP
-    if num_tokens > 0 and num_tokens >= params.min_tokens:
-        last = output_token_ids[-1]
-        if not params.ignore_eos and last in eos_token_ids:
+    if last_token is not None and num_tokens > 0 and num_tokens >= params.min_tokens:
+        if not params.ignore_eos and last_token in eos_token_ids:
             return FinishReason.STOP
-        if last in params.stop_token_ids:
+        if last_token in params.stop_token_ids:
             return FinishReason.STOP
     if num_tokens >= params.max_tokens or max_model_len_hit:
         return FinishReason.LENGTH

@@ -5,17 +5,11 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-from pagedserve.workers.outputs import RequestMetrics, RequestOutput
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
+from pagedserve.workers.outputs import RequestDelta, RequestMetrics, Usage
+from pagedserve.workers.stop_checker import FinishReason
+from pagedserve.workers.worker_types import RequestMoved
 
 
 @dataclass
@@ -32,46 +26,31 @@ class StreamDelta:
     metrics: RequestMetrics | None = None
     worker_id: str | None = None
     error: str | None = None
-    handoff: Any = None  # with finish_reason "moved": the package a peer continues from
 
 
-@dataclass
-class DeltaTracker:
-    """Turns an engine's cumulative outputs into deltas, per branch."""
-
-    sent_tokens: dict[int, int] = field(default_factory=dict)
-    sent_text: dict[int, int] = field(default_factory=dict)
-    finished: set[int] = field(default_factory=set)
-
-    def deltas(self, output: RequestOutput, worker_id: str | None = None) -> list[StreamDelta]:
-        deltas = []
-        for completion in output.outputs:
-            index = completion.index
-            if index in self.finished:
-                continue
-            n_tokens = self.sent_tokens.get(index, 0)
-            n_text = self.sent_text.get(index, 0)
-            new_ids = completion.token_ids[n_tokens:]
-            new_text = completion.text[n_text:]
-            if not new_ids and not new_text and completion.finish_reason is None:
-                continue
-            self.sent_tokens[index] = len(completion.token_ids)
-            self.sent_text[index] = len(completion.text)
-            delta = StreamDelta(output.request_id, index, new_ids, new_text, worker_id=worker_id)
-            if completion.finish_reason is not None:
-                self.finished.add(index)
-                delta.finish_reason = completion.finish_reason
-                delta.stop_reason = completion.stop_reason
-                delta.usage = Usage(
-                    len(output.prompt_token_ids),
-                    len(completion.token_ids),
-                    output.num_cached_tokens,
-                )
-                delta.metrics = output.metrics
-                delta.error = output.error
-                delta.handoff = output.handoff
-            deltas.append(delta)
-        return deltas
+def stream_deltas(
+    delta: RequestDelta, worker_id: str = "", error: str | None = None
+) -> list[StreamDelta | RequestMoved]:
+    """One engine delta as stream messages, one per branch it touched (no accumulation: the
+    engine already reports only what is new). `error` goes on each branch's last delta; a
+    branch that moved to a peer ends with the control message `RequestMoved` instead."""
+    return [
+        RequestMoved(delta.request_id, c.index, worker_id, delta.handoff)
+        if c.finish_reason == FinishReason.MOVED
+        else StreamDelta(
+            delta.request_id,
+            c.index,
+            c.token_ids,
+            c.text,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+            usage=c.usage,
+            metrics=c.metrics,
+            worker_id=worker_id or None,
+            error=error if c.finished else None,
+        )
+        for c in delta.completions
+    ]
 
 
 DEFAULT_MAX_BUFFERED_DELTAS = 64

@@ -20,7 +20,6 @@ from pagedserve.workers.engine_config import EngineConfig
 from pagedserve.workers.kv_events import KVEvent, KVSnapshot
 from pagedserve.workers.lease import DEFAULT_LEASE_TIMEOUT_S
 from pagedserve.workers.request_trace import migration_span
-from pagedserve.workers.stop_checker import FinishReason
 from pagedserve.workers.stream import DEFAULT_MAX_BUFFERED_DELTAS, StreamDelta
 from pagedserve.workers.telemetry import TelemetryConfig, worker_tracing
 from pagedserve.workers.worker_core import WorkerCore
@@ -151,7 +150,7 @@ class Worker:
                 owner_id=request.owner_id,
             )
         async for delta in deltas:
-            yield moved_or_delta(delta, self.core.worker_id)
+            yield delta
 
     async def abort(self, request_id: str) -> bool:
         return await self.core.abort(request_id)
@@ -216,10 +215,3 @@ class Worker:
             span.set_attribute("pagedserve.migration.blocks", imported)
             span.end()
         return imported
-
-
-def moved_or_delta(delta: StreamDelta, worker_id: str) -> StreamDelta | RequestMoved:
-    """A branch's `moved` end becomes the typed control message the router follows."""
-    if delta.finish_reason != FinishReason.MOVED.value:
-        return delta
-    return RequestMoved(delta.request_id, delta.index, worker_id, delta.handoff)

@@ -35,16 +35,18 @@ from pagedserve.workers.kv_cache_manager import PrefixTransfer
 from pagedserve.workers.kv_checks import KVInvariantError, assert_no_leaks, check_invariants
 from pagedserve.workers.kv_events import KVEvent, KVSnapshot
 from pagedserve.workers.lease import DEFAULT_LEASE_TIMEOUT_S, LeaseTable
+from pagedserve.workers.outputs import RequestDelta
 from pagedserve.workers.request_trace import RequestTrace, RequestTraces
 from pagedserve.workers.sampling_params import SamplingParams
+from pagedserve.workers.stop_checker import FinishReason
 from pagedserve.workers.stream import (
     DEFAULT_MAX_BUFFERED_DELTAS,
     DeltaBuffer,
-    DeltaTracker,
     StreamDelta,
+    stream_deltas,
 )
 from pagedserve.workers.telemetry import NOOP, Tracing
-from pagedserve.workers.worker_types import DrainResult, PoolCheck, WorkerStats
+from pagedserve.workers.worker_types import DrainResult, PoolCheck, RequestMoved, WorkerStats
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -87,7 +89,7 @@ class WorkerCore:
         self.transfer = PrefixTransfer(engine.kv)
         self.leases = LeaseTable(lease_timeout_s, clock)
         self.max_buffered_deltas = max_buffered_deltas
-        self._streams: dict[str, tuple[DeltaBuffer, DeltaTracker]] = {}
+        self._streams: dict[str, DeltaBuffer] = {}
         self._pending: list[tuple[Callable[[], Any], asyncio.Future | None]] = []
         self._stepping = False
         self._wakeup = asyncio.Event()
@@ -133,30 +135,25 @@ class WorkerCore:
                 continue
             self._stepping = True
             prefilling, start_ns = self.traces.before_step(self.engine.scheduler), time.time_ns()
+            failure = None
             try:
-                outputs = await asyncio.to_thread(self.engine.step)
+                deltas = await asyncio.to_thread(self.engine.step)
                 self.traces.after_step(prefilling, start_ns)
             except Exception as error:
                 logger.exception("engine step failed; ending every request in flight")
-                outputs = self._fail_all(error)
+                deltas, failure = self._fail_all(), f"engine step failed: {error}"
             finally:
                 self._stepping = False
                 self._run_pending()
-            for output in outputs:
-                self._dispatch(output)
+            for delta in deltas:
+                self._dispatch(delta, failure)
             self._publish_events()
 
-    def _fail_all(self, error: Exception) -> list:
-        """A failed step must not leave streams hanging: end them all, free their blocks."""
-        outputs = []
-        for request_id in list(self._streams):
-            output = self.engine.abort(request_id)
-            if output is not None:
-                for completion in output.outputs:
-                    completion.finish_reason = "error"
-                output.error = f"engine step failed: {error}"
-                outputs.append(output)
-        return outputs
+    def _fail_all(self) -> list[RequestDelta]:
+        """A failed step must not leave streams hanging: end them all (finish reason `error`),
+        free their blocks."""
+        deltas = (self.engine.abort(r, FinishReason.ERROR) for r in list(self._streams))
+        return [delta for delta in deltas if delta is not None]
 
     async def _on_engine(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the engine once no step is in flight."""
@@ -187,17 +184,17 @@ class WorkerCore:
                 if future is not None and not future.done():
                     future.set_result(result)
 
-    def _dispatch(self, output) -> None:
-        stream = self._streams.get(output.request_id)
-        if stream is None:
+    def _dispatch(self, delta: RequestDelta, error: str | None = None) -> None:
+        """Hand an engine delta to its stream's buffer, one `StreamDelta` per branch."""
+        buffer = self._streams.get(delta.request_id)
+        if buffer is None:
             return
-        buffer, tracker = stream
-        for delta in tracker.deltas(output, self.worker_id):
-            buffer.put(delta)
-        if not output.finished and not buffer.paused and buffer.full():
+        for branch_delta in stream_deltas(delta, self.worker_id, error):
+            buffer.put(branch_delta)
+        if not delta.finished and not buffer.paused and buffer.full():
             # The reader lags: stop decoding for it (blocks kept) until it has read half.
             buffer.paused = True
-            self._on_engine_soon(functools.partial(self.engine.pause, output.request_id))
+            self._on_engine_soon(functools.partial(self.engine.pause, delta.request_id))
 
     def _publish_events(self) -> None:
         events = self.engine.kv.pool.take_events()
@@ -240,7 +237,7 @@ class WorkerCore:
             timeout_s=timeout_s,
         )
         trace = self.traces.open(request_id, trace_context, params)
-        async for delta in self._stream(request_id, params.n, add, DeltaTracker(), trace, owner_id):
+        async for delta in self._stream(request_id, params.n, add, trace, owner_id):
             yield delta
 
     async def adopt(
@@ -249,17 +246,12 @@ class WorkerCore:
         trace_context: dict[str, str] | None = None,
         owner_id: str | None = None,
     ) -> AsyncIterator[StreamDelta]:
-        """Continue a request a peer handed off; streams only the tokens it generates here.
+        """Continue a request a peer handed off; streams only the tokens it generates here (and
+        text the peer held back): the engine counts the handoff's output as reported.
         `owner_id` as in `generate`."""
-        already_sent = DeltaTracker(
-            sent_tokens={0: len(handoff.output_token_ids)},
-            sent_text={0: handoff.emitted_text_chars},
-        )
         trace = self.traces.open(handoff.request_id, trace_context, handoff.params, "worker.adopt")
         start = functools.partial(self.engine.adopt, handoff)
-        async for delta in self._stream(
-            handoff.request_id, 1, start, already_sent, trace, owner_id
-        ):
+        async for delta in self._stream(handoff.request_id, 1, start, trace, owner_id):
             yield delta
 
     async def _stream(
@@ -267,7 +259,6 @@ class WorkerCore:
         request_id: str,
         num_branches: int,
         add: Callable[[], None],
-        tracker: DeltaTracker,
         trace: RequestTrace,
         owner_id: str | None,
     ) -> AsyncIterator[StreamDelta]:
@@ -277,7 +268,7 @@ class WorkerCore:
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already streaming on this worker")
         buffer = DeltaBuffer(self.max_buffered_deltas)
-        self._streams[request_id] = (buffer, tracker)
+        self._streams[request_id] = buffer
         remaining = num_branches
         try:
             await self._on_engine(add)
@@ -287,7 +278,7 @@ class WorkerCore:
                 delta = await buffer.get()
                 if delta is None:  # `drain` ran out of grace: the router replays the rest
                     raise HandedOff(f"worker {self.worker_id} drained before this request ended")
-                if delta.finish_reason is not None:
+                if isinstance(delta, RequestMoved) or delta.finish_reason is not None:
                     remaining -= 1
                 elif buffer.drained():
                     await self._resume(request_id, buffer)
@@ -311,10 +302,10 @@ class WorkerCore:
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request; its stream ends with finish_reason "abort". False if unknown."""
-        output = await self._on_engine(lambda: self.engine.abort(request_id))
-        if output is None:
+        delta = await self._on_engine(lambda: self.engine.abort(request_id))
+        if delta is None:
             return False
-        self._dispatch(output)
+        self._dispatch(delta)
         self._publish_events()
         return True
 
@@ -331,7 +322,7 @@ class WorkerCore:
         while self._streams and time.monotonic() < end:
             await asyncio.sleep(0.02)
         handed_off = list(self._streams)
-        for buffer, _ in self._streams.values():
+        for buffer in self._streams.values():
             buffer.put(None)
         end = time.monotonic() + 5.0  # a deadline here too: a stuck stream must not hang us
         while self._streams and time.monotonic() < end:  # each one's `finally` aborts it

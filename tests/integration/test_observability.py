@@ -267,7 +267,7 @@ def test_a_moved_request_traces_its_migration(app, receiver):
             target.end(10_000_000)
         await assert_pools_clean(core)
         await core.close()
-        return dict(core.counters), ids
+        return core.counters, ids
 
     def moved_trace():
         for request_id in ids:
@@ -278,7 +278,7 @@ def test_a_moved_request_traces_its_migration(app, receiver):
 
     try:
         counters, ids = asyncio.run(main())
-        assert counters.get("migrations.move", 0) >= 1
+        assert counters.moves >= 1
         tracing.flush()
         # Before the workers go: a killed actor drops the spans it has not exported yet.
         spans = wait_until(moved_trace, 20, "a trace with a move")

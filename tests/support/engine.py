@@ -7,9 +7,11 @@ import copy
 import torch
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
+from pagedserve.workers.engine import Engine
 from pagedserve.workers.kv_checks import assert_no_leaks
 from pagedserve.workers.llm import LLM
 from pagedserve.workers.model_loader import LoadedModel, load_model
+from pagedserve.workers.outputs import OutputBuilder, RequestDelta, RequestOutput
 
 
 class ReferenceModel:
@@ -62,3 +64,30 @@ def finish_clean(llm: LLM) -> None:
     """Every test that runs requests ends here: nothing in flight, no block leaked."""
     assert not llm.engine.has_unfinished_requests()
     assert_no_leaks(llm.engine.kv)
+
+
+class Stepper:
+    """Steps an engine by hand and adds its deltas up (as `LLM.generate` does) into whole
+    outputs: `outputs[request_id]` once a request finished."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.outputs: dict[str, RequestOutput] = {}
+        self._builders: dict[str, OutputBuilder] = {}
+
+    def step(self) -> list[RequestDelta]:
+        deltas = self.engine.step()
+        self.add(deltas)
+        return deltas
+
+    def add(self, deltas: list[RequestDelta]) -> None:
+        for delta in deltas:
+            builder = self._builders.setdefault(delta.request_id, OutputBuilder(delta.request_id))
+            builder.add(delta)
+            if delta.finished:
+                self.outputs[delta.request_id] = self._builders.pop(delta.request_id).build()
+
+    def run_to_end(self) -> dict[str, RequestOutput]:
+        while self.engine.has_unfinished_requests():
+            self.step()
+        return self.outputs

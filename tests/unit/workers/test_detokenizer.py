@@ -189,3 +189,15 @@ def test_stop_strings_match_a_reference(
     expected, stopped_by = _reference_stop(text, stops, include)
     assert emitted == detok.text == expected
     assert detok.stopped_by == stopped_by
+
+
+def test_resume_reports_only_what_the_other_one_had_not_emitted() -> None:
+    text = "ab€ cST!OP tail"
+    ids = ids_of(text)
+    for cut in range(1, len(ids)):
+        first = IncrementalDetokenizer(ByteTok(), stop=["STOP"])
+        sent = "".join(first.append([i]) for i in ids[:cut])
+        second = IncrementalDetokenizer(ByteTok(), stop=["STOP"])
+        second.resume(ids[:cut], first.num_emitted_chars)
+        rest = "".join(stream(second, ids[cut:]))
+        assert sent + rest == text == second.text, cut

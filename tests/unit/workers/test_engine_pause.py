@@ -2,7 +2,7 @@
 (first in line when blocks run short), and once resumed it generates what it would have."""
 
 import pytest
-from support.engine import finish_clean
+from support.engine import Stepper, finish_clean
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.workers.request import RequestStatus
@@ -20,33 +20,30 @@ def tokens_of(engine, request_id: str) -> list[int]:
     return list(engine._groups[request_id].branches[0].output_token_ids)
 
 
-def run_to_end(engine) -> dict[str, list[int]]:
-    finished = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = output.outputs[0].token_ids
-    return finished
+def run_to_end(stepper: Stepper) -> dict[str, list[int]]:
+    """Every finished request's tokens, from the first step `stepper` took."""
+    return {rid: out.outputs[0].token_ids for rid, out in stepper.run_to_end().items()}
 
 
 def test_a_paused_request_is_not_scheduled_keeps_its_blocks_and_resumes(tiny_llama):
     llm = make_llm(tiny_llama)
     engine = llm.engine
+    stepper = Stepper(engine)
     prompts = {"p": list(range(20)), "q": list(range(30, 50))}
     for request_id, prompt in prompts.items():
         engine.add_request(request_id, prompt, LONG)
-    engine.step()
-    engine.step()
+    stepper.step()
+    stepper.step()
     assert engine.pause("p") and not engine.pause("nobody")
     blocks = engine.kv.get_block_ids("p#0")
     frozen = tokens_of(engine, "p")
     for _ in range(5):
-        touched = {o.request_id for o in engine.step()}
+        touched = {o.request_id for o in stepper.step()}
         assert touched == {"q"}
     assert tokens_of(engine, "p") == frozen and engine.kv.get_block_ids("p#0") == blocks
     assert engine.stats()["num_paused"] == 1 and engine.has_runnable_requests()
     assert engine.resume("p")
-    finished = run_to_end(engine)
+    finished = run_to_end(stepper)
     expected = llm.generate(list(prompts.values()), LONG)
     assert finished == {
         "p": expected[0].outputs[0].token_ids,
@@ -59,14 +56,15 @@ def test_a_paused_request_is_not_scheduled_keeps_its_blocks_and_resumes(tiny_lla
 def test_with_every_request_paused_the_engine_has_nothing_to_run(tiny_llama):
     llm = make_llm(tiny_llama)
     engine = llm.engine
+    stepper = Stepper(engine)
     engine.add_request("p", list(range(20)), LONG)
-    engine.step()
+    stepper.step()
     engine.pause("p")
     assert engine.has_unfinished_requests() and not engine.has_runnable_requests()
     steps = engine.num_steps
-    assert engine.step() == [] and engine.num_steps == steps
+    assert stepper.step() == [] and engine.num_steps == steps
     aborted = engine.abort("p")  # a paused request can still be aborted (lease, cancel)
-    assert aborted.outputs[0].finish_reason == "abort" and engine.stats()["num_paused"] == 0
+    assert aborted.completions[0].finish_reason == "abort" and engine.stats()["num_paused"] == 0
     finish_clean(llm)
 
 
@@ -75,20 +73,21 @@ def test_a_paused_request_is_the_first_victim_and_its_output_is_unchanged(tiny_l
     # 10 blocks of 8 tokens: two requests of 20 prompt + 40 output tokens cannot both fit.
     llm = make_llm(tiny_llama, num_kv_blocks=10, preemption_mode=mode)
     engine = llm.engine
+    stepper = Stepper(engine)
     # "p" arrived first, so without the pause it would be the last one preempted.
     engine.add_request("p", list(range(20)), LONG)
     engine.add_request("q", list(range(30, 50)), LONG)
-    engine.step()
+    stepper.step()
     engine.pause("p")
     paused = engine._groups["p"].branches[0]
     while paused.timings.num_preemptions == 0 and engine.has_runnable_requests():
-        engine.step()
+        stepper.step()
     assert paused.timings.num_preemptions == 1 and paused.paused
     expected_status = RequestStatus.SWAPPED if mode == "swap" else RequestStatus.WAITING
     assert paused.status is expected_status
     assert engine._groups["q"].branches[0].timings.num_preemptions == 0
     engine.resume("p")
-    finished = run_to_end(engine)
+    finished = run_to_end(stepper)
     assert len(finished["p"]) == len(finished["q"]) == 40
     if mode == "recompute":
         # Not compared under swap: a swapped-out sequence comes back with different tokens
@@ -104,18 +103,19 @@ def test_a_paused_request_is_the_first_victim_and_its_output_is_unchanged(tiny_l
 def test_a_waiting_request_takes_the_blocks_of_a_paused_one(tiny_llama):
     llm = make_llm(tiny_llama, num_kv_blocks=12)
     engine = llm.engine
+    stepper = Stepper(engine)
     engine.add_request("p", list(range(40)), LONG)
     for _ in range(3):
-        engine.step()
+        stepper.step()
     engine.pause("p")  # holds 6 of the 12 blocks; "w" needs 8
     engine.add_request("w", list(range(100, 160)), SamplingParams(max_tokens=4, temperature=0.0))
     finished = {}
     while "w" not in finished:
-        finished.update({o.request_id: o for o in engine.step() if o.finished})
+        finished.update({o.request_id: o for o in stepper.step() if o.finished})
     assert engine._groups["p"].branches[0].timings.num_preemptions == 1
     assert not engine.kv.has_request("p#0")
     engine.resume("p")
-    finished = run_to_end(engine)
+    finished = run_to_end(stepper)
     (expected,) = llm.generate([list(range(40))], LONG)
     assert finished["p"] == expected.outputs[0].token_ids
     finish_clean(llm)
@@ -124,12 +124,13 @@ def test_a_waiting_request_takes_the_blocks_of_a_paused_one(tiny_llama):
 def test_paused_requests_do_not_count_against_max_num_seqs(tiny_llama):
     llm = make_llm(tiny_llama, max_num_seqs=1)
     engine = llm.engine
+    stepper = Stepper(engine)
     engine.add_request("p", list(range(10)), LONG)
-    engine.step()
+    stepper.step()
     engine.pause("p")
     engine.add_request("n", list(range(40, 50)), SamplingParams(max_tokens=3, temperature=0.0))
-    outputs = engine.step()
+    outputs = stepper.step()
     assert [o.request_id for o in outputs] == ["n"]
     engine.resume("p")
-    run_to_end(engine)
+    run_to_end(stepper)
     finish_clean(llm)

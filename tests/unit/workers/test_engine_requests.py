@@ -3,7 +3,7 @@
 import time
 
 import pytest
-from support.engine import finish_clean
+from support.engine import Stepper, finish_clean
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.workers.engine import RequestRejected
@@ -29,16 +29,18 @@ def test_abort_frees_blocks_at_once_and_others_continue(llm):
     engine = llm.engine
     engine.add_request("a", list(range(20)), LONG)
     engine.add_request("b", list(range(30, 50)), LONG)
-    engine.step()
+    stepper = Stepper(engine)
+    stepper.step()
     used_before = engine.usage().used_blocks
     aborted = engine.abort("a")
-    assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+    stepper.add([aborted])
+    assert aborted.finished and aborted.completions[0].finish_reason == "abort"
     assert engine.usage().used_blocks < used_before
     assert not engine.kv.has_request("a#0")
     assert engine.abort("a") is None
-    while engine.has_unfinished_requests():
-        outputs = engine.step()
-    assert outputs[0].request_id == "b" and len(outputs[0].outputs[0].token_ids) == 40
+    outputs = stepper.run_to_end()
+    assert len(outputs["a"].outputs[0].token_ids) == 1  # what it made before the abort
+    assert len(outputs["b"].outputs[0].token_ids) == 40
     finish_clean(llm)
 
 
@@ -49,7 +51,7 @@ def test_timeout_frees_blocks_in_the_next_step(llm):
     assert engine.kv.has_request("slow#0")
     time.sleep(0.06)
     (output,) = [o for o in engine.step() if o.request_id == "slow"]
-    assert output.finished and output.outputs[0].finish_reason == "timeout"
+    assert output.finished and output.completions[0].finish_reason == "timeout"
     finish_clean(llm)
 
 

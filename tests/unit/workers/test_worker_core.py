@@ -10,7 +10,7 @@ from pagedserve.workers.block_hash import hash_full_blocks
 from pagedserve.workers.engine import RequestRejected
 from pagedserve.workers.errors import Draining
 from pagedserve.workers.worker_core import WorkerCore
-from pagedserve.workers.worker_types import DrainResult, PoolCheck
+from pagedserve.workers.worker_types import DrainResult, PoolCheck, RequestMoved
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -131,12 +131,11 @@ def test_prefix_transfer_gives_hits_and_same_output(tiny_llama):
     finish_clean(llm_b)
 
 
-def test_moved_request_continues_on_a_peer_without_gap_or_repeat(tiny_llama):
-    """A pool too small for the batch, in move mode: victims continue on a peer."""
+def move_cores(loaded):
+    """A pool too small for a batch of four, in move mode ("a"), and a roomy peer ("b")."""
     from pagedserve.workers.engine import Engine
     from pagedserve.workers.engine_config import EngineConfig
 
-    loaded, reference = tiny_llama
     small = EngineConfig(
         block_size=8,
         num_kv_blocks=14,
@@ -145,38 +144,80 @@ def test_moved_request_continues_on_a_peer_without_gap_or_repeat(tiny_llama):
         watermark=0.0,
         enable_prefix_caching=False,
     )
-    core_a = WorkerCore(Engine(small, loaded=loaded), "a")
     roomy = EngineConfig(block_size=8, num_kv_blocks=64, attention_backend="torch")
-    core_b = WorkerCore(Engine(roomy, loaded=loaded), "b")
-    prompts = [list(range(i * 7, i * 7 + 20)) for i in range(4)]
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    return WorkerCore(Engine(small, loaded=loaded), "a"), WorkerCore(
+        Engine(roomy, loaded=loaded), "b"
+    )
 
-    async def follow(request_id, prompt):
-        tokens, moves = [], 0
-        stream = core_a.generate(request_id, prompt, params)
-        while True:
-            async for delta in stream:
-                if delta.finish_reason == "moved":
-                    stream = core_b.adopt(delta.handoff)
-                    moves += 1
-                    break
-                tokens.extend(delta.token_ids)
-            else:
-                return tokens, moves
+
+async def follow_moves(core_a, core_b, request_id, prompt, params):
+    """Stream a request as the router does, following it to the peer when it moves.
+
+    Returns:
+        Its tokens, its text, its last delta, and the handoffs it went through.
+    """
+    tokens, text, handoffs = [], [], []
+    stream = core_a.generate(request_id, prompt, params)
+    while True:
+        async for delta in stream:
+            if isinstance(delta, RequestMoved):
+                handoffs.append(delta.handoff)
+                stream = core_b.adopt(delta.handoff)
+                break
+            tokens.extend(delta.token_ids)
+            text.append(delta.text)
+        else:
+            return tokens, "".join(text), delta, handoffs
+
+
+def run_moves(tiny_llama, prompts, params):
+    loaded, _ = tiny_llama
+    core_a, core_b = move_cores(loaded)
 
     async def main():
-        results = await asyncio.gather(*(follow(f"r{i}", p) for i, p in enumerate(prompts)))
+        follows = (follow_moves(core_a, core_b, f"r{i}", p, params) for i, p in enumerate(prompts))
+        results = await asyncio.gather(*follows)
         await core_a.close()
         await core_b.close()
         return results
 
     results = asyncio.run(main())
-    assert sum(moves for _, moves in results) >= 1
-    for prompt, (tokens, _) in zip(prompts, results, strict=True):
-        assert tokens == reference.greedy(prompt, 24)
     assert core_a.engine.num_handoffs >= 1 and core_b.check_pool().ok
     assert core_a.check_pool() == PoolCheck(ok=True, idle=True)
     assert core_b.check_pool().idle
+    return results
+
+
+def test_moved_request_continues_on_a_peer_without_gap_or_repeat(tiny_llama):
+    _, reference = tiny_llama
+    prompts = [list(range(i * 7, i * 7 + 20)) for i in range(4)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    results = run_moves(tiny_llama, prompts, params)
+    assert sum(len(handoffs) for *_, handoffs in results) >= 1
+    for prompt, (tokens, _, last, _) in zip(prompts, results, strict=True):
+        assert tokens == reference.greedy(prompt, 24)
+        assert last.usage.completion_tokens == 24  # counted over both workers
+
+
+def test_moved_request_streams_the_text_held_back_at_the_move_once(tiny_llama):
+    """Text the source held back (a possible stop string, a split character) when the request
+    moved is streamed by the peer, and nothing the source streamed is streamed again."""
+    loaded, _ = tiny_llama
+    prompts = [list(range(i * 7, i * 7 + 20)) for i in range(4)]
+    # Random bytes decode to runs of U+FFFD: any such tail may still grow into this stop.
+    stop = "\ufffd" * 6 + "Z"
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop])
+    results = run_moves(tiny_llama, prompts, params)
+    offline = LLM(loaded_model=loaded, block_size=8, num_kv_blocks=64, attention_backend="torch")
+    expected = offline.generate(prompts, params)
+    held_at_move = 0
+    for want, (tokens, text, _, handoffs) in zip(expected, results, strict=True):
+        assert (tokens, text) == (want.outputs[0].token_ids, want.outputs[0].text)
+        for handoff in handoffs:
+            whole = loaded.tokenizer.decode(handoff.output_token_ids)
+            held_at_move += len(whole) > handoff.emitted_text_chars
+    assert held_at_move >= 1, "no move happened while text was held back"
+    finish_clean(offline)
 
 
 def test_offline_llm_refuses_move_mode(tiny_llama):

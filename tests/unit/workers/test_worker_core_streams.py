@@ -145,7 +145,7 @@ def test_an_unread_stream_pauses_at_its_bound_and_resumes_unchanged(tiny_llama, 
         stream = core.generate("r", prompt, params)
         deltas = [await anext(stream)]
         await wait_for(lambda: llm.engine.stats()["num_paused"] == 1, "the request to pause")
-        buffer, _ = core._streams["r"]
+        buffer = core._streams["r"]
         (group,) = llm.engine._groups.values()
         generated = [b.num_output_tokens for b in group.branches]
         # One delta per branch per step, the reader took one: decoding stopped at the bound.
