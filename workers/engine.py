@@ -12,6 +12,7 @@ step costs O(new tokens), never a copy of the whole output.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Sequence
 
@@ -139,6 +140,8 @@ class Engine:
     ) -> None:
         """Queue a request. Raises `RequestRejected` naming the problem if it can never run."""
         params = params or SamplingParams()
+        if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
+            raise RequestRejected(f"timeout_s must be a finite number > 0, got {timeout_s}")
         if request_id in self._groups:
             raise RequestRejected(f"request_id {request_id!r} is already in flight")
         if self.scheduler.waiting_full():

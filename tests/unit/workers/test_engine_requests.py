@@ -162,3 +162,12 @@ def test_a_full_waiting_queue_refuses_new_requests_at_once(tiny_llama):
 def test_max_waiting_must_be_positive():
     with pytest.raises(ValueError, match="max_waiting must be >= 1"):
         SchedulerConfig(max_waiting=0)
+
+
+@pytest.mark.parametrize("timeout_s", [float("nan"), float("inf"), 0.0, -1.0])
+def test_a_timeout_that_is_not_a_finite_positive_number_is_refused(tiny_llama, timeout_s):
+    loaded, _ = tiny_llama
+    llm = LLM(loaded_model=loaded, block_size=8, num_kv_blocks=16, attention_backend="torch")
+    with pytest.raises(RequestRejected, match="timeout_s"):
+        llm.engine.add_request("t", [1, 2, 3], SamplingParams(max_tokens=2), timeout_s=timeout_s)
+    finish_clean(llm)
