@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -35,7 +36,9 @@ from pagedserve.bench.serve_workload import (
     WorkloadConfig,
     make_workload,
 )
+from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.routing import RoutingPolicy
+from pagedserve.workers.config_flags import add_config_flags, config_flags_set
 
 LOCAL_ENGINE = {"model": "tiny-llama", "attention_backend": "torch", "block_size": 16}
 
@@ -176,6 +179,11 @@ def _wait_serving(address: str, timeout_s: float) -> None:
             time.sleep(0.2)
 
 
+# Of the cluster's fields, `bench serve` takes only the backpressure limits as flags.
+_LIMITS = ("max_inflight", "max_waiting_per_worker", "retry_after_s")
+_NOT_LIMITS = tuple(f.name for f in dataclasses.fields(ClusterConfig) if f.name not in _LIMITS)
+
+
 def local_cluster_data(args: argparse.Namespace) -> dict[str, Any]:
     engine = {**LOCAL_ENGINE, "block_size": args.block_size}
     if args.num_kv_blocks:
@@ -186,6 +194,7 @@ def local_cluster_data(args: argparse.Namespace) -> dict[str, Any]:
         "routing_policy": args.routing_policy,
         "stats_interval_s": 0.1,
         "name": "bench-serve",
+        **config_flags_set(args, ClusterConfig),
     }
 
 
@@ -260,6 +269,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="kv_aware",
         help="local app: routing policy",
     )
+    limits = parser.add_argument_group("local app: backpressure limits (ClusterConfig)")
+    add_config_flags(
+        limits, ClusterConfig, exclude=_NOT_LIMITS
+    )  # --max-inflight, --max-waiting-per-worker, --retry-after-s
     add_workload_args(parser)
     parser.set_defaults(func=run)
 

@@ -25,6 +25,7 @@ import numpy as np
 from pagedserve.cluster.router_types import ClusterStats
 
 OK_FINISH = ("stop", "length")
+REFUSED_PREFIX = "RESOURCE_EXHAUSTED"  # how `bench serve` names a load refusal's error
 LATENCIES = ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_time_s")
 
 
@@ -66,6 +67,12 @@ class RequestRecord:
     worker_id: str | None = None
     finish_reason: str | None = None
     error: str | None = None
+    failed_after_s: float | None = None  # sent → the error that ended it (a refusal: at once)
+
+    @property
+    def refused(self) -> bool:
+        """Refused for load (RESOURCE_EXHAUSTED with a retry hint), as opposed to failed."""
+        return self.error is not None and self.error.startswith(REFUSED_PREFIX)
 
     @property
     def ok(self) -> bool:
@@ -98,6 +105,7 @@ async def measure(
                 _finish(record, delta, now - start)
     except Exception as error:  # kept as the record's reason; one failure never ends a run
         record.error = error_reason(error)
+        record.failed_after_s = time.monotonic() - start
         record.finish_reason = record.finish_reason or "error"
     if record.error is None and record.finish_reason is None:
         record.error = "stream ended without a finish reason"
@@ -176,6 +184,9 @@ def summarize(
         "prefix_hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
         "preemptions": sum(r.preemptions or 0 for r in ok),
         **{name: distribution(values) for name, values in latencies.items()},
+        # How long a refused request waited for its refusal: router work only, or a queue.
+        "refused": sum(r.refused for r in records),
+        "refusal_s": distribution([r.failed_after_s for r in records if r.refused]),
     }
 
 

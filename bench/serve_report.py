@@ -48,10 +48,22 @@ def format_serve_markdown(data: dict[str, Any]) -> str:
         f"- prefix hit rate {s['prefix_hit_rate']:.1%}, preemptions {s['preemptions']}, "
         f"peak KV blocks used {peak} of {total}",
         "- per-request migrations: not exposed by the API (null in the JSON)",
+        _refusal_line(s),
         "",
         *latency_table(s),
     ]
     return "\n".join(lines)
+
+
+def _refusal_line(s: dict[str, Any]) -> str:
+    """How fast a refusal came (time from sending to RESOURCE_EXHAUSTED): router work only."""
+    refusal = s.get("refusal_s") or {}
+    if not s.get("refused"):
+        return "- refused for load: none"
+    return (
+        f"- refused for load: {s['refused']}, answered after median "
+        f"{refusal['median'] * 1e3:.1f} ms, p99 {refusal['p99'] * 1e3:.1f} ms"
+    )
 
 
 def write_serve_outputs(
