@@ -108,6 +108,13 @@ class BlockPool:
         self.cached[block_hash] = block
         self._emit(BlockStored(self._take_seq(), block_hash, key.parent_hash, block.block_id))
 
+    def uncache_block(self, block: Block) -> None:
+        """Forget the hash of a block whose KV will not be written after all (its slots were
+        allocated for a step that did not compute them), so no lookup can ever hit it."""
+        if block.block_hash is not None and self.cached.get(block.block_hash) is not block:
+            raise ValueError(f"block {block.block_id} is not the cached block of its hash")
+        self._evict(block)
+
     def _evict(self, block: Block) -> None:
         if block.block_hash is None:
             return

@@ -282,9 +282,12 @@ class Engine:
             self.kv_cache.swap_out(plan.swap_out)
         for victim, block_ids in plan.moved:  # before anything writes into their blocks
             self._hand_off(victim, block_ids, touched)
+        # Even in a step that runs no forward: a sequence swapped in now is running from here
+        # on, and the next step reads its blocks as holding its KV. (When its swap-in was the
+        # step's only work, skipping this left it reading whatever those blocks held before.)
+        self._move_blocks(plan)
         if plan.scheduled:
             self.num_steps += 1
-            self._move_blocks(plan)
             self._run(plan, touched)
         return [self._delta_for(group) for group in touched.values()]
 

@@ -5,7 +5,9 @@
     slot of token p  block_table[p // B] * B + p % B
 
 `allocate_slots` either succeeds whole or changes nothing. Full blocks are hashed and cached as
-soon as they are allocated for computation, so a later request with the same prefix reuses them.
+soon as they are allocated for computation, so a later request with the same prefix reuses them;
+when the step that would compute them drops the request (it was preempted after being
+scheduled), `rollback_slots` takes the hashes and positions back.
 """
 
 from __future__ import annotations
@@ -270,6 +272,42 @@ class KVCacheManager:
             digest = block_hash(parent, key.token_ids, extra)
             state.block_hashes.append(digest)
             self.pool.cache_full_block(state.blocks[index], digest, key)
+
+    def rollback_slots(self, request_id: str, num_computed_tokens: int) -> None:
+        """Take a request's table back to its first `num_computed_tokens` tokens.
+
+        For slots allocated but never computed: the scheduler allocates a sequence's slots for
+        a step before it knows that a later allocation in the same step will preempt it, and
+        the preempted sequence is then dropped from the forward. Two things `allocate_slots`
+        did must not outlive that step:
+
+        - `num_tokens` counted the uncomputed positions, so the next allocation after a swap
+          would start past the sequence's real end;
+        - a block that those positions filled was hashed and cached already, although the
+          slot holding its last token is never written: a later prefix hit would read it.
+
+        Blocks stay in the table (in `reserve-max` they are the reservation); their slots
+        past `num_computed_tokens` are simply unwritten again.
+
+        Args:
+            request_id: a request holding device blocks.
+            num_computed_tokens: positions whose KV is in the pool (at most `num_tokens`).
+        """
+        state = self._requests[request_id]
+        if not 0 <= num_computed_tokens <= state.num_tokens or state.swap_slots:
+            raise ValueError(
+                f"request {request_id}: cannot roll back to {num_computed_tokens} of "
+                f"{state.num_tokens} tokens (swapped out: {bool(state.swap_slots)})"
+            )
+        num_full = num_computed_tokens // self.block_size
+        for index in range(num_full, len(state.block_hashes)):
+            block = state.blocks[index]
+            # Only the block this request registered; a block that is another copy of the
+            # same content stayed unhashed (see `BlockPool.cache_full_block`).
+            if block.block_hash == state.block_hashes[index]:
+                self.pool.uncache_block(block)
+        del state.block_hashes[num_full:]
+        state.num_tokens = num_computed_tokens
 
     # ------------------------------------------------------------- releasing
     def free(self, request_id: str) -> bool:

@@ -156,8 +156,9 @@ class Scheduler:
 
     def _preempt(self, victim: Request, step: SchedulerOutput) -> None:
         self.running.remove(victim)
-        step.budget += step.scheduled.pop(victim, 0)
-        step.copies.pop(victim, None)
+        # Its KV as of the start of this step is all that exists: a sequence scheduled earlier
+        # in this step (decodes go first, so a low-ranked one can be) leaves the forward.
+        unwritten = self._unschedule(victim, step)
         step.preempted.append(victim)
         victim.timings.num_preemptions += 1
         if self.config.preemption_mode == "move" and victim.movable:
@@ -165,6 +166,7 @@ class Scheduler:
             # forward can write into them.
             num_blocks = -(-victim.num_computed_tokens // self.kv.block_size)
             block_ids = self.kv.get_block_ids(victim.request_id)[:num_blocks]
+            block_ids = [unwritten.get(block_id, block_id) for block_id in block_ids]
             self.kv.free(victim.request_id)
             victim.status = RequestStatus.FINISHED
             step.moved.append((victim, block_ids))
@@ -172,7 +174,7 @@ class Scheduler:
         if self.config.preemption_mode == "swap":
             moves = self.kv.swap_out(victim.request_id)
             if moves is not None:
-                step.swap_out.extend(moves)
+                step.swap_out.extend((unwritten.get(block, block), slot) for block, slot in moves)
                 victim.status = RequestStatus.SWAPPED
                 self._insert(self.swapped, victim)
                 return
@@ -180,6 +182,23 @@ class Scheduler:
         self.kv.free(victim.request_id)
         victim.num_computed_tokens = 0
         self.add(victim)
+
+    def _unschedule(self, victim: Request, step: SchedulerOutput) -> dict[int, int]:
+        """Undo the victim's place in this step's plan, if it had one.
+
+        Returns:
+            {private copy: shared source} for the victim's copy-on-write copies that the plan
+            no longer performs. The private block holds nothing yet, so whoever saves the
+            victim's KV (swap-out, hand-off) must read the source instead. That is safe: the
+            engine saves KV before any copy, swap-in or forward of this step writes a block.
+        """
+        num_scheduled = step.scheduled.pop(victim, 0)
+        copies = step.copies.pop(victim, ())
+        if not num_scheduled:
+            return {}
+        step.budget += num_scheduled
+        self.kv.rollback_slots(victim.request_id, victim.num_computed_tokens)
+        return {dst: src for src, dst in copies}
 
     def _swap_in(self, step: SchedulerOutput) -> None:
         while self.num_active < self.config.max_num_seqs:

@@ -169,6 +169,34 @@ class KVManagerMachine(RuleBasedStateMachine):
         for slot, block_id in self.manager.swap_in(request) or ():
             self.shadow[block_id] = self.swap_shadow.pop(slot)
 
+    @precondition(lambda self: self._running())
+    @rule(data=st.data(), chunk=st.integers(1, 8), token=st.integers(0, 50), swap=st.booleans())
+    def preempt_after_allocate(self, data, chunk, token, swap):
+        """Scheduled for a step, then preempted by a later allocation of the same step, so
+        the forward never writes its slots: they are rolled back, then it is swapped out or
+        freed. (`swap_out` above only ever swaps a sequence whose slots are all written.)"""
+        self._step()
+        request = self.requests[data.draw(st.sampled_from(self._running()))]
+        start = request.num_computed
+        if start == len(request.all_token_ids):
+            if start >= self.manager.max_model_len:
+                return
+            request.all_token_ids.append(token)  # sampled last step; the sequence keeps it
+        num_new = min(chunk, len(request.all_token_ids) - start)
+        alloc = self.manager.allocate_slots(request, num_new)
+        unwritten = {}
+        if alloc is not None:
+            self.manager.rollback_slots(request.request_id, start)
+            # As the scheduler does: a planned copy-on-write never ran, read its source.
+            unwritten = {dst: src for src, dst in alloc.copies}
+        moves = self.manager.swap_out(request.request_id) if swap else None
+        if moves is None:  # recompute (or no swap room): drop the KV, the request ends here
+            self.manager.free(request.request_id)
+            del self.requests[request.request_id]
+            return
+        for block_id, slot in moves:
+            self.swap_shadow[slot] = list(self.shadow[unwritten.get(block_id, block_id)])
+
     @rule()
     def reset_prefix_cache(self):
         self._step()
@@ -238,4 +266,12 @@ def test_state_machine_catches_a_skipped_ref_decrement(monkeypatch):
 
     monkeypatch.setattr(BlockPool, "free_blocks", free_but_forget_one)
     with pytest.raises(KVInvariantError, match="ref_cnt"):
+        run_machine(examples=50)
+
+
+def test_state_machine_catches_a_preemption_that_keeps_unwritten_slots(monkeypatch):
+    """Without the rollback a preempted sequence's uncomputed block stays cached (or, after a
+    swap, its next allocation overruns its tokens): the machine must notice."""
+    monkeypatch.setattr(KVCacheManager, "rollback_slots", lambda self, request_id, n: None)
+    with pytest.raises((AssertionError, ValueError)):
         run_machine(examples=50)
