@@ -2,7 +2,7 @@
 outputs equal HF's own, with prefix caching, a swap area too small, and n > 1 branches."""
 
 import pytest
-from support.engine import finish_clean
+from support.engine import Stepper, finish_clean
 
 from pagedserve import LLM, SamplingParams
 
@@ -49,13 +49,10 @@ def record_victims(engine) -> list[tuple[str, bool, tuple[tuple[int, int], ...]]
     return seen
 
 
-def run_to_end(engine) -> dict[str, list[list[int]]]:
-    finished = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = [c.token_ids for c in output.outputs]
-    return finished
+def run_to_end(stepper: Stepper) -> dict[str, list[list[int]]]:
+    """Every branch's token ids per request, over the whole run of `stepper`."""
+    outputs = stepper.run_to_end()
+    return {rid: [c.token_ids for c in output.outputs] for rid, output in outputs.items()}
 
 
 @pytest.mark.parametrize("caching", [True, False])
@@ -69,14 +66,13 @@ def test_a_sequence_swapped_in_when_nothing_else_runs_gets_its_kv_back(tiny_llam
     prompts = {"p": list(range(20)), "q": list(range(30, 50))}
     for request_id, prompt in prompts.items():
         engine.add_request(request_id, prompt, greedy(40))
-    finished, swapped_in_alone = {}, False
+    stepper, swapped_in_alone = Stepper(engine), False
     while engine.has_unfinished_requests():
         swapped = {r.request_id for r in engine.scheduler.swapped}
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = output.outputs[0].token_ids
+        stepper.step()
         running = {r.request_id for r in engine.scheduler.running}
         swapped_in_alone |= bool(running) and running <= swapped
+    finished = {rid: out.outputs[0].token_ids for rid, out in stepper.outputs.items()}
     assert swaps == {"swapped": 1, "refused": 0} and swapped_in_alone
     assert finished == {rid: reference.greedy(prompt, 40) for rid, prompt in prompts.items()}
     finish_clean(llm)
@@ -134,12 +130,13 @@ def test_a_victim_scheduled_earlier_in_its_step_keeps_its_tokens(tiny_llama, mod
     )
     engine = llm.engine
     victims = record_victims(engine)
+    stepper = Stepper(engine)
     prompt_b, prompt_a = list(range(20)), list(range(100, 150))
     engine.add_request("b", prompt_b, greedy(40), priority=1)
     for _ in range(10):
-        engine.step()
+        stepper.step()
     engine.add_request("a", prompt_a, greedy(8), priority=0)
-    finished = run_to_end(engine)
+    finished = run_to_end(stepper)
     assert ("b#0", True, ()) in victims
     assert finished["b"] == [reference.greedy(prompt_b, 40)]
     assert finished["a"] == [reference.greedy(prompt_a, 8)]
@@ -160,11 +157,12 @@ def test_n_branches_one_swapped_after_its_copy_on_write(tiny_llama):
     )
     engine = llm.engine
     victims = record_victims(engine)
+    stepper = Stepper(engine)
     prompt_l, prompt_h = list(range(1, 21)), list(range(100, 140))
     engine.add_request("l", prompt_l, greedy(12, n=3), priority=1)
-    engine.step()
+    stepper.step()
     engine.add_request("h", prompt_h, greedy(4), priority=0)
-    finished = run_to_end(engine)
+    finished = run_to_end(stepper)
     assert [(rid, bool(copies)) for rid, scheduled, copies in victims if scheduled][:2] == [
         ("l#2", False),
         ("l#1", True),
