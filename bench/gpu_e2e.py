@@ -30,8 +30,7 @@ import time
 
 import torch
 
-from pagedserve.bench.gpu_rows import RowLog, timer_name
-from pagedserve.kernels import triton_interpreter_active
+from pagedserve.bench.gpu_rows import RowLog, device_refusal, timer_name
 from pagedserve.kernels.testing import compiled_variants
 
 ONE_B = dict(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, vocab=32000)
@@ -152,12 +151,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.dry_run and not triton_interpreter_active():
-        print("--dry-run needs TRITON_INTERPRET=1 set before Python starts", file=sys.stderr)
-        return 2
-    if not args.dry_run and not torch.cuda.is_available():
-        print("pagedserve.bench.gpu_e2e: no CUDA device here; nothing to measure.")
-        return 0
+    if (refused := device_refusal(args.dry_run, "gpu_e2e")) is not None:
+        return refused
     rows_path = args.out_dir / "bench_rows.jsonl" if args.out_dir else None
     log = RowLog(rows_path, "e2e")
     loaded = build_model(args.shape, args.dtype, args.device, seed=0)

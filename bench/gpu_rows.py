@@ -103,6 +103,23 @@ def copy_bandwidth_gbps(device: torch.device, mib: int = 2048) -> float:
     return 2 * (mib << 20) / (ms * 1e-3) / 1e9
 
 
+def device_refusal(dry_run: bool, name: str) -> int | None:
+    """The exit code a GPU benchmark stops with here, or None to go on: a dry run needs the
+    Triton interpreter on from the start (2); a real one without CUDA has nothing to measure
+    (0, saying so)."""
+    import sys
+
+    from pagedserve.kernels import triton_interpreter_active
+
+    if dry_run and not triton_interpreter_active():
+        print("--dry-run needs TRITON_INTERPRET=1 set before Python starts", file=sys.stderr)
+        return 2
+    if not dry_run and not torch.cuda.is_available():
+        print(f"pagedserve.bench.{name}: no CUDA device here; nothing to measure.")
+        return 0
+    return None
+
+
 def timer_name(device: torch.device) -> str:
     return "cuda-events" if device.type == "cuda" else "host"
 

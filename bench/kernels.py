@@ -42,6 +42,7 @@ from pagedserve.bench import gpu_sweep
 from pagedserve.bench.gpu_rows import (
     RowLog,
     copy_bandwidth_gbps,
+    device_refusal,
     graph_time_ms,
     read_rows,
     render_markdown,
@@ -53,7 +54,6 @@ from pagedserve.kernels import (
     paged_decode_attention,
     paged_prefill_attention,
     paged_prefill_attention_ref,
-    triton_interpreter_active,
 )
 from pagedserve.kernels.decode import choose_num_splits
 from pagedserve.kernels.testing import compiled_variants
@@ -381,12 +381,8 @@ def _shrink_for_dry_run(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.dry_run and not triton_interpreter_active():
-        print("--dry-run needs TRITON_INTERPRET=1 set before Python starts", file=sys.stderr)
-        return 2
-    if not args.dry_run and not torch.cuda.is_available():
-        print("pagedserve.bench.kernels: no CUDA device here; nothing to benchmark.")
-        return 0
+    if (refused := device_refusal(args.dry_run, "kernels")) is not None:
+        return refused
     device = torch.device(args.device)
     s = Shapes(
         args.heads, args.kv_heads, args.head_dim, args.block_size, DTYPES[args.dtype], device
