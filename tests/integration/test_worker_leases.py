@@ -14,7 +14,7 @@ from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.worker import Worker
 from pagedserve.workers.worker_types import WorkerRequest
 
-LEASE_S = 2.0
+LEASE_S = 10.0  # generous: renewals on a loaded machine must never lapse it
 DEADLINE_S = 120.0
 PARAMS = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
 

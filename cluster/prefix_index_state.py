@@ -1,0 +1,280 @@
+"""The prefix index's state without Ray: which workers hold which cached KV blocks.
+
+`PrefixIndexState` owns the whole mirror: the `block hash → workers` map in LRU order and, per
+worker, the incarnation (`epoch`) and event sequence number it has applied up to. Every rule is
+unit-tested here alone; `cluster/prefix_index.py` (the actor) and its docstring say how the
+state is fed and resynced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pagedserve.cluster.index_stats import IndexStats
+from pagedserve.workers.block import BlockHash
+from pagedserve.workers.kv_events import (
+    AllCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVSnapshot,
+)
+
+DEFAULT_MAX_ENTRIES = 1_000_000
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    """What one `publish` did.
+
+    Attributes:
+        applied: events of the batch applied to the index.
+        needs_resync: the index was out of step with the worker (unknown worker, new epoch,
+            gap); from the state this means the batch was not applied.
+        resynced: (actor only) a snapshot of the worker was then fetched and applied, so the
+            index is back in step. `needs_resync and not resynced` from the actor means the
+            worker is not in the index: it is not registered (the index may have restarted:
+            register again) or its snapshot failed; the next publish retries.
+    """
+
+    applied: int
+    needs_resync: bool
+    resynced: bool = False
+
+
+@dataclass
+class _WorkerView:
+    """What the index believes about one worker's pool."""
+
+    epoch: str
+    next_seq: int
+    # The inverse of the entry map for this worker, so that `remove_worker` and `AllCleared`
+    # cost O(worker's entries) rather than a scan of the whole index.
+    hashes: set[BlockHash] = field(default_factory=set)
+    stale: bool = False
+
+
+@dataclass
+class _Counters:
+    """The counters of `IndexStats` that the state keeps (same names)."""
+
+    resyncs: int = 0
+    gaps_detected: int = 0
+    restarts_detected: int = 0
+    evictions: int = 0
+    events_applied: int = 0
+    duplicates_ignored: int = 0
+
+
+class PrefixIndexState:
+    """The `block hash → workers` map with per-worker event bookkeeping; no Ray.
+
+    Owns the entries (in LRU order), the per-worker views and the counters. Not thread-safe:
+    the actor calls it from one event loop.
+
+    Args:
+        max_entries: most hash entries kept; beyond it the least recently used is evicted.
+    """
+
+    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+        self.max_entries = max_entries
+        # Oldest first; `move_to_end` marks an entry most recently used.
+        self._entries: OrderedDict[BlockHash, set[str]] = OrderedDict()
+        self._views: dict[str, _WorkerView] = {}
+        self._counters = _Counters()
+
+    # ----------------------------------------------------------------- updates
+    def publish(
+        self,
+        worker_id: str,
+        epoch: str,
+        events: Sequence[KVEvent],
+        next_seq: int | None = None,
+    ) -> PublishResult:
+        """Apply a worker's batch of events if it continues exactly where the index is.
+
+        Args:
+            worker_id: the publishing worker.
+            epoch: the worker's incarnation (new for each process start).
+            events: the batch, in `seq` order.
+            next_seq: optional, the seq the worker's next event will carry. Without it a lost
+                batch is only noticed when a later event arrives; with it, an empty batch is a
+                heartbeat that also catches a lost last batch.
+
+        Returns:
+            How many events were applied and whether a snapshot is needed. A batch that needs
+            a resync is not applied at all.
+        """
+        view = self._views.get(worker_id)
+        if view is None:
+            return PublishResult(applied=0, needs_resync=True)
+        if view.epoch != epoch:
+            # A new incarnation starts with an empty pool: the old entries are all wrong.
+            self._counters.restarts_detected += 1
+            self.remove_worker(worker_id)
+            return PublishResult(applied=0, needs_resync=True)
+        if view.stale:
+            return PublishResult(applied=0, needs_resync=True)
+        fresh = [event for event in events if event.seq >= view.next_seq]
+        if not _continues(view.next_seq, fresh, next_seq):
+            self._counters.gaps_detected += 1
+            view.stale = True
+            return PublishResult(applied=0, needs_resync=True)
+        for event in fresh:
+            self._apply(worker_id, view, event)
+        view.next_seq += len(fresh)
+        self._counters.events_applied += len(fresh)
+        self._counters.duplicates_ignored += len(events) - len(fresh)
+        return PublishResult(applied=len(fresh), needs_resync=False)
+
+    def apply_snapshot(self, snapshot: KVSnapshot) -> bool:
+        """Replace everything known about `snapshot.worker_id` with the snapshot.
+
+        A snapshot of the same epoch that is older than what the index already applied (a late
+        reply) is ignored: applying it would roll the worker back.
+
+        Returns:
+            Whether the snapshot was applied.
+        """
+        if snapshot.next_seq < 0:
+            raise ValueError(f"snapshot next_seq must be >= 0, got {snapshot.next_seq}")
+        view = self._views.get(snapshot.worker_id)
+        if view is not None and view.epoch == snapshot.epoch and snapshot.next_seq < view.next_seq:
+            return False
+        self.remove_worker(snapshot.worker_id)
+        view = _WorkerView(epoch=snapshot.epoch, next_seq=snapshot.next_seq)
+        self._views[snapshot.worker_id] = view
+        for block_hash in snapshot.block_hashes:
+            self._store(snapshot.worker_id, view, block_hash)
+        self._counters.resyncs += 1
+        return True
+
+    def remove_worker(self, worker_id: str) -> int:
+        """Forget a worker and drop all its entries at once.
+
+        Returns:
+            How many entries it held.
+        """
+        view = self._views.pop(worker_id, None)
+        if view is None:
+            return 0
+        for block_hash in view.hashes:
+            self._unlink(worker_id, block_hash)
+        return len(view.hashes)
+
+    # ----------------------------------------------------------------- queries
+    def match(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
+        """Per worker, how many leading `block_hashes` it holds (its cached prefix, in blocks).
+
+        A hash a worker lacks ends that worker's prefix even if it holds later ones. Workers with
+        no leading block are omitted. Matched entries become most recently used. Costs
+        O(len(block_hashes) × holders) and stops as soon as no worker is still matching.
+        """
+        matched: dict[str, int] = {}
+        still_matching: set[str] | None = None
+        for depth, block_hash in enumerate(block_hashes):
+            holders = self._entries.get(block_hash)
+            if not holders:
+                break
+            survivors = set(holders) if still_matching is None else still_matching & holders
+            if not survivors:
+                break
+            self._entries.move_to_end(block_hash)
+            for worker_id in survivors:
+                matched[worker_id] = depth + 1
+            still_matching = survivors
+        return matched
+
+    def workers(self) -> list[str]:
+        """Workers the index has a view of (stale ones included), sorted."""
+        return sorted(self._views)
+
+    def num_entries(self) -> int:
+        return len(self._entries)
+
+    def holders(self, block_hash: BlockHash) -> set[str]:
+        """Workers holding `block_hash` (a copy; does not refresh recency)."""
+        return set(self._entries.get(block_hash, ()))
+
+    def hashes_of(self, worker_id: str) -> set[BlockHash]:
+        """Hashes the index believes `worker_id` holds (a copy)."""
+        view = self._views.get(worker_id)
+        return set(view.hashes) if view is not None else set()
+
+    def is_stale(self, worker_id: str) -> bool:
+        view = self._views.get(worker_id)
+        return view is not None and view.stale
+
+    def stats(self) -> IndexStats:
+        """Entry and worker counts plus the counters since construction."""
+        counters = self._counters
+        return IndexStats(
+            entries=len(self._entries),
+            max_entries=self.max_entries,
+            workers={w: len(view.hashes) for w, view in sorted(self._views.items())},
+            stale_workers=tuple(sorted(w for w, view in self._views.items() if view.stale)),
+            **dataclasses.asdict(counters),
+        )
+
+    def check_invariants(self) -> None:
+        """Assert the entry map and the per-worker views mirror each other exactly."""
+        assert len(self._entries) <= self.max_entries
+        links = {(w, h) for h, holders in self._entries.items() for w in holders}
+        assert all(holders for holders in self._entries.values()), "empty entry kept"
+        assert links == {(w, h) for w, view in self._views.items() for h in view.hashes}
+
+    # ----------------------------------------------------------------- internals
+    def _apply(self, worker_id: str, view: _WorkerView, event: KVEvent) -> None:
+        if isinstance(event, BlockStored):
+            self._store(worker_id, view, event.block_hash)
+        elif isinstance(event, BlockRemoved):
+            view.hashes.discard(event.block_hash)
+            self._unlink(worker_id, event.block_hash)
+        elif isinstance(event, AllCleared):
+            for block_hash in view.hashes:
+                self._unlink(worker_id, block_hash)
+            view.hashes.clear()
+        else:
+            raise TypeError(f"not a KV event: {event!r}")
+
+    def _store(self, worker_id: str, view: _WorkerView, block_hash: BlockHash) -> None:
+        holders = self._entries.get(block_hash)
+        if holders is None:
+            holders = self._entries[block_hash] = set()
+        else:
+            self._entries.move_to_end(block_hash)
+        holders.add(worker_id)
+        view.hashes.add(block_hash)
+        self._evict_over_bound()
+
+    def _unlink(self, worker_id: str, block_hash: BlockHash) -> None:
+        """Remove `worker_id` from the entry's holders (the caller updates the view)."""
+        holders = self._entries.get(block_hash)
+        if holders is None:  # already evicted by the LRU bound
+            return
+        holders.discard(worker_id)
+        if not holders:
+            del self._entries[block_hash]
+
+    def _evict_over_bound(self) -> None:
+        while len(self._entries) > self.max_entries:
+            block_hash, holders = self._entries.popitem(last=False)
+            for worker_id in holders:
+                self._views[worker_id].hashes.discard(block_hash)
+            self._counters.evictions += 1
+
+
+def _continues(expected: int, fresh: Sequence[KVEvent], next_seq: int | None) -> bool:
+    """Whether `fresh` runs consecutively from `expected` and ends where `next_seq` says."""
+    if any(event.seq != expected + i for i, event in enumerate(fresh)):
+        return False
+    if next_seq is None:
+        return True
+    end = expected + len(fresh)
+    # An old, wholly duplicate batch may carry an older next_seq; that is no gap.
+    return next_seq == end if fresh else next_seq <= end
