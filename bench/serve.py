@@ -10,7 +10,9 @@ status and message — kept, never dropped. Migrations are not exposed per reque
 (recorded as null; the cluster-wide `GetStats.migrations` before and after is in the JSON).
 
 With no `--address` (or `--start-local`) it starts a local app first (Ray, Serve, the Router
-and `--num-workers` CPU workers of tiny-llama), waits until it serves, and tears it down after.
+and `--num-workers` CPU workers of `--model`, SmolLM2-135M by default), waits until it serves,
+and tears it down after. Prompts are random token ids below 256 (text for tiny-llama, arbitrary
+tokens for a real model: the figures are about speed, not answers).
 
     $ pagedserve bench serve --workload shared-prefix --request-rate 4 --json serve.json
 """
@@ -35,8 +37,9 @@ from pagedserve.bench.serve_workload import (
     WorkloadConfig,
     make_workload,
 )
+from pagedserve.workers.model_registry import DEFAULT_MODEL
 
-LOCAL_ENGINE = {"model": "tiny-llama", "attention_backend": "torch", "block_size": 16}
+LOCAL_ENGINE = {"attention_backend": "torch", "block_size": 16}
 
 
 # --- the gRPC front end --------------------------------------------------------------------
@@ -176,7 +179,7 @@ def _wait_serving(address: str, timeout_s: float) -> None:
 
 
 def local_cluster_data(args: argparse.Namespace) -> dict[str, Any]:
-    engine = {**LOCAL_ENGINE, "block_size": args.block_size}
+    engine = {**LOCAL_ENGINE, "model": args.model, "block_size": args.block_size}
     if args.num_kv_blocks:
         engine["num_kv_blocks"] = args.num_kv_blocks
     return {
@@ -251,6 +254,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--poll-interval", type=float, default=0.25, help="seconds between GetStats samples")
     add("--no-progress", action="store_true", help="no progress bar")
     add("--num-workers", type=int, default=2, help="local app: CPU workers")
+    add("--model", default=DEFAULT_MODEL, help="local app: built-in name, checkpoint dir, .gguf")
     add("--block-size", type=int, default=16, help="local app: tokens per KV block")
     add("--num-kv-blocks", type=int, default=None, help="local app: KV blocks per worker")
     add(

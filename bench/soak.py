@@ -62,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     )
     config = ClusterConfig(
         engine=EngineConfig(
+            model="tiny-llama",
             block_size=args.block_size,
             num_kv_blocks=args.num_kv_blocks,
             attention_backend="torch",

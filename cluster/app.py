@@ -35,6 +35,7 @@ from pagedserve.cluster.metrics import CONTENT_TYPE
 from pagedserve.cluster.openai_api import OpenAIFrontend, error_response
 from pagedserve.cluster.router import GenerateRequest, RouterCore
 from pagedserve.cluster.worker_group import start_worker_group
+from pagedserve.workers.model_registry import DEFAULT_MODEL
 from pagedserve.workers.stream import StreamDelta
 from pagedserve.workers.telemetry import ROUTER_SERVICE, get_tracing
 
@@ -46,7 +47,7 @@ http_app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None)
 # Defined before `Router`: Serve pickles the class (by value) as soon as it is decorated.
 def served_model_name(config: ClusterConfig, api: ApiConfig) -> str:
     """The model id of the OpenAI API: the configured name, else the engine's model."""
-    return api.served_model_name or config.engine.model or "tiny-llama"
+    return api.served_model_name or config.engine.model or DEFAULT_MODEL
 
 
 @serve.deployment(name="Router", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})

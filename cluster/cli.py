@@ -18,7 +18,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--address", help="join this Ray cluster ('auto': the local one) instead of starting one"
     )
-    parser.add_argument("--model", help="tiny-llama (default) or a local HF checkpoint directory")
+    parser.add_argument(
+        "--model", help="smollm2-135m (default), tiny-llama, an HF checkpoint dir or a .gguf file"
+    )
     parser.add_argument("--num-workers", type=int, help="worker actors (default: GPUs, or 2)")
     parser.add_argument("--routing-policy", choices=["kv_aware", "least_loaded", "round_robin"])
     parser.add_argument("--block-size", type=int)
@@ -102,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
     from pagedserve.cluster.config import ClusterConfig
     from pagedserve.cluster.grpc_status import proxy_env_vars
     from pagedserve.cluster.serve_options import grpc_options, http_options
+    from pagedserve.workers.model_cli import prepare_in_subprocess
 
     # 'local' starts a fresh cluster even when another one runs on this machine; join an
     # existing one with --address auto (or its address).
@@ -110,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         data = cluster_config_from_args(args, num_gpus)
         build_app(data)  # validate the cluster and API config before starting anything
+        prepare_in_subprocess(data["engine"].get("model"))  # a GGUF model: convert it once here
     except (OSError, ValueError, TypeError) as error:
         print(f"pagedserve serve: error: {error}", file=sys.stderr)
         return 2

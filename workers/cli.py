@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+MODEL_HELP = "smollm2-135m (default), tiny-llama, a local HF checkpoint dir or a .gguf file"
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """`pagedserve generate` as the offline engine alone (the CLI wires the cluster's
@@ -32,7 +34,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of the engine built in this process."""
-    parser.add_argument("--model", default=None, help="tiny-llama (default) or a local HF dir")
+    parser.add_argument("--model", default=None, help=MODEL_HELP)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])

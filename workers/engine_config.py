@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedserve.workers.kv_cache_manager import ALLOCATION_MODES
+from pagedserve.workers.model_registry import DEFAULT_MODEL
 
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024 * 1024
 CUDA_KV_MEMORY_FRACTION = 0.8
@@ -17,10 +18,12 @@ class EngineConfig:
     `max_waiting` bounds the waiting queue: past it `add_request` raises `Overloaded` at once
     (None: unbounded, as offline use wants). `num_kv_blocks` wins over `kv_cache_bytes`; with
     neither, the pool takes 256 MiB on the CPU or 80% of free device memory on CUDA.
-    `max_model_len` defaults to the model's context.
+    `max_model_len` defaults to the model's context. `model` is a built-in name
+    (`smollm2-135m`, the default, or `tiny-llama`), a checkpoint directory or a `.gguf` file
+    (see `model_registry`); None means the default.
     """
 
-    model: str | None = None
+    model: str | None = DEFAULT_MODEL
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0

@@ -141,7 +141,7 @@ def test_local_checkpoint_directory_with_text_prompts(tmp_path):
 
     save_tiny_llama(str(tmp_path / "tiny"), seed=0)
     from_dir = LLM(str(tmp_path / "tiny"), num_kv_blocks=64, attention_backend="torch")
-    builtin = LLM(None, num_kv_blocks=64, attention_backend="torch")
+    builtin = LLM("tiny-llama", num_kv_blocks=64, attention_backend="torch")
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     a = from_dir.generate(["Paged attention"], params)[0].outputs[0]
     b = builtin.generate(["Paged attention"], params)[0].outputs[0]
