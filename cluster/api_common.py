@@ -15,9 +15,11 @@ from typing import Any
 
 from pagedserve.cluster.api_errors import ApiError
 from pagedserve.cluster.router import GenerateRequest, RouterCore
+from pagedserve.workers.errors import RequestRejected
 from pagedserve.workers.outputs import RequestMetrics
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.stream import StreamDelta, Usage
+from pagedserve.workers.tokenizer import render_chat
 
 
 def sampling_params(**kwargs: Any) -> SamplingParams:
@@ -26,6 +28,15 @@ def sampling_params(**kwargs: Any) -> SamplingParams:
         return SamplingParams(**kwargs)
     except (TypeError, ValueError) as error:
         raise ApiError.invalid(str(error)) from None
+
+
+def chat_prompt(messages: Sequence[Mapping[str, str]], tokenizer: Any) -> str:
+    """The prompt text of a chat by the model's chat template; INVALID_ARGUMENT (param
+    `messages`) when the model has none or a message is malformed."""
+    try:
+        return render_chat(tokenizer, messages)
+    except RequestRejected as error:
+        raise ApiError.invalid(str(error), "messages") from None
 
 
 def new_request_id(prefix: str = "") -> str:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pagedserve.cluster.api_common import CompletionCollector, sampling_params
+from pagedserve.cluster.api_common import CompletionCollector, chat_prompt, sampling_params
 from pagedserve.cluster.api_errors import ApiError
 from pagedserve.cluster.router import GenerateRequest
 from pagedserve.cluster.worker_state import WorkerState
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
 from pagedserve.workers.outputs import RequestMetrics
 from pagedserve.workers.stream import StreamDelta, Usage
+from pagedserve.workers.tokenizer import Tokenizer
 
 # Sampling fields declared `optional`: unset means the SamplingParams default, not zero.
 _OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n")
@@ -19,17 +20,28 @@ _KV_FIELDS = tuple(f.name for f in pb.KVUsage.DESCRIPTOR.fields)
 
 
 # ------------------------------------------------------------------ requests
-def request_from_proto(message: pb.GenerateRequest, tenant: str = "") -> GenerateRequest:
-    """The router's request for a `GenerateRequest`; raises `ApiError` naming a bad field."""
+def request_from_proto(
+    message: pb.GenerateRequest, tenant: str = "", tokenizer: Tokenizer | None = None
+) -> GenerateRequest:
+    """The router's request for a `GenerateRequest`; raises `ApiError` naming a bad field.
+
+    A chat (`messages`) becomes its prompt text by the chat template of `tokenizer`.
+    """
     if message.prompt and message.prompt_token_ids:
         raise ApiError.invalid("prompt: set prompt or prompt_token_ids, not both", "prompt")
-    if not message.prompt and not message.prompt_token_ids:
-        raise ApiError.invalid("prompt is empty: set prompt or prompt_token_ids", "prompt")
+    if message.messages and (message.prompt or message.prompt_token_ids):
+        raise ApiError.invalid("messages: set messages or a prompt, not both", "messages")
+    if not message.prompt and not message.prompt_token_ids and not message.messages:
+        raise ApiError.invalid("prompt is empty: set prompt, prompt_token_ids or messages")
     if not (math.isfinite(message.timeout_s) and message.timeout_s >= 0):  # NaN too
         raise ApiError.invalid(f"timeout_s must be a finite number >= 0, got {message.timeout_s}")
+    prompt = message.prompt or None
+    if message.messages:
+        turns = [{"role": m.role, "content": m.content} for m in message.messages]
+        prompt = chat_prompt(turns, tokenizer)
     return GenerateRequest(
         params=params_from_proto(message.sampling),
-        prompt=message.prompt or None,
+        prompt=prompt,
         prompt_token_ids=list(message.prompt_token_ids) or None,
         request_id=message.request_id or None,
         priority=message.priority,

@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pagedserve.cluster.api_common import (
     CompletionCollector,
+    chat_prompt,
     find_malformed_text,
     merge_streams,
     new_request_id,
@@ -287,13 +288,9 @@ async def _sse(
 
 # ------------------------------------------------------------------ helpers
 def render_chat(messages: list[ChatMessage], tokenizer: Any) -> str:
-    """The prompt for a chat: the model's chat template when it has one, else a plain one
-    (`<|role|>` lines, then `<|assistant|>`), which is what the byte-level tiny-llama gets."""
-    hf = getattr(tokenizer, "hf_tokenizer", None)
-    turns = [{"role": m.role, "content": m.text()} for m in messages]
-    if hf is not None and getattr(hf, "chat_template", None):
-        return hf.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-    return "".join(f"<|{t['role']}|>\n{t['content']}\n" for t in turns) + "<|assistant|>\n"
+    """The prompt for a chat by the model's chat template (tiny-llama's is `<|role|>` lines,
+    then `<|assistant|>`); a model without one gets INVALID_ARGUMENT."""
+    return chat_prompt([{"role": m.role, "content": m.text()} for m in messages], tokenizer)
 
 
 def usage_json(usage: Usage) -> dict[str, Any]:

@@ -137,7 +137,7 @@ class HFTokenizer:
             NoChatTemplate: the tokenizer has none.
         """
         if not self.has_chat_template:
-            raise NoChatTemplate("messages: this model's tokenizer has no chat template")
+            raise NoChatTemplate("messages: this model has no chat template")
         turns = [dict(m) for m in messages]
         return self._tokenizer.apply_chat_template(
             turns, tokenize=False, add_generation_prompt=True

@@ -230,6 +230,51 @@ def test_chat_without_a_template_uses_role_markers():
     assert prompt == "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"
 
 
+class _NoTemplate:
+    """An HF-style tokenizer wrapper whose model has no chat template."""
+
+    has_chat_template = False
+
+    def apply_chat_template(self, messages):
+        raise AssertionError("never called without a template")
+
+
+@pytest.mark.parametrize("tokenizer", [None, _NoTemplate()])
+def test_chat_for_a_model_without_a_template_is_invalid_argument(tokenizer):
+    body = parse_body(ChatCompletionBody, {**MODEL, "messages": [{"role": "user", "content": "x"}]})
+    with pytest.raises(ApiError, match="messages: this model has no chat template") as caught:
+        render_chat(body.messages, tokenizer)
+    assert caught.value.code is ErrorCode.INVALID_ARGUMENT and caught.value.param == "messages"
+    message = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="x")])
+    with pytest.raises(ApiError, match="no chat template") as caught:
+        request_from_proto(message, tokenizer=tokenizer)
+    assert caught.value.param == "messages"
+
+
+def test_grpc_chat_is_rendered_by_the_router_s_tokenizer():
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    message = build_request(messages=turns, max_tokens=3)
+    request = request_from_proto(message, tokenizer=ByteTokenizer())
+    assert request.prompt == "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"
+    assert request.prompt_token_ids is None and request.params.max_tokens == 3
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ({"prompt": "a"}, "set messages or a prompt, not both"),
+        ({"prompt_token_ids": [1]}, "set messages or a prompt, not both"),
+        ({"role": "wizard"}, r"messages\[0\].role must be one of"),
+    ],
+)
+def test_bad_grpc_chats_name_the_field(fields, match):
+    role = fields.pop("role", "user")
+    message = pb.GenerateRequest(messages=[pb.ChatMessage(role=role, content="x")], **fields)
+    with pytest.raises(ApiError, match=match) as caught:
+        request_from_proto(message, tokenizer=ByteTokenizer())
+    assert caught.value.code is ErrorCode.INVALID_ARGUMENT
+
+
 # -------------------------------------------------------------- OpenAI out
 def test_completion_and_chat_bodies():
     collectors = [CompletionCollector(), CompletionCollector()]

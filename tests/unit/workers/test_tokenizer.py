@@ -117,8 +117,10 @@ def test_chat_without_a_template_or_with_bad_messages_is_refused(tmp_path) -> No
     tok = load_tokenizer(str(tmp_path))
     assert isinstance(tok, HFTokenizer) and not tok.has_chat_template
     user = [{"role": "user", "content": "hi"}]
-    with pytest.raises(NoChatTemplate, match="messages: this model's tokenizer has no chat"):
+    with pytest.raises(NoChatTemplate, match="messages: this model has no chat template"):
         render_chat(tok, user)
+    with pytest.raises(NoChatTemplate, match="messages: this model has no chat template"):
+        tok.apply_chat_template(user)
     with pytest.raises(NoChatTemplate, match="messages: this model has no chat template"):
         render_chat(None, user)
     assert render_chat(ByteTokenizer(), user) == "<|user|>\nhi\n<|assistant|>\n"
