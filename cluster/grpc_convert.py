@@ -15,7 +15,10 @@ from pagedserve.workers.stream import StreamDelta, Usage
 from pagedserve.workers.tokenizer import Tokenizer
 
 # Sampling fields declared `optional`: unset means the SamplingParams default, not zero.
-_OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n")
+_OPTIONAL_SAMPLING = (
+    *("max_tokens", "temperature", "top_p", "top_k", "seed", "n"),
+    *("presence_penalty", "frequency_penalty", "repetition_penalty"),
+)
 _KV_FIELDS = tuple(f.name for f in pb.KVUsage.DESCRIPTOR.fields)
 
 

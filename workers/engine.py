@@ -30,7 +30,12 @@ from pagedserve.workers.model_loader import LoadedModel, load_model
 from pagedserve.workers.model_runner import ModelRunner
 from pagedserve.workers.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedserve.workers.request import Request, RequestStatus
-from pagedserve.workers.sampler import Sampler, make_generator, suppress_stop_tokens
+from pagedserve.workers.sampler import (
+    Sampler,
+    apply_penalties,
+    make_generator,
+    suppress_stop_tokens,
+)
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedserve.workers.stop_checker import FinishReason, check_stop
@@ -299,6 +304,9 @@ class Engine:
         params = [r.params for r in rows]
         suppress_stop_tokens(
             logits, params, [r.num_output_tokens for r in rows], self.loaded.eos_token_ids
+        )
+        apply_penalties(
+            logits, params, [r.all_token_ids for r in rows], [r.prompt_len for r in rows]
         )
         tokens = self.sampler.sample(logits, params, [r.generator for r in rows]).tolist()
         now = time.monotonic()

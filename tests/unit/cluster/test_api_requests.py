@@ -9,7 +9,12 @@ import json
 import pytest
 
 from pagedserve.cluster import client_cli
-from pagedserve.cluster.api_common import CompletionCollector, find_malformed_text, merge_streams
+from pagedserve.cluster.api_common import (
+    CompletionCollector,
+    find_malformed_text,
+    merge_streams,
+    sampling_params,
+)
 from pagedserve.cluster.api_errors import ApiError, ErrorCode
 from pagedserve.cluster.client import build_request
 from pagedserve.cluster.grpc_convert import (
@@ -43,6 +48,7 @@ def test_every_field_reaches_the_router():
     sampling = pb.SamplingParams(
         max_tokens=5, temperature=0.0, top_p=0.5, top_k=3, seed=7, stop=["x"], n=2,
         ignore_eos=True, stop_token_ids=[9], min_tokens=1, include_stop_str_in_output=True,
+        presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.1,
     )  # fmt: skip
     message = pb.GenerateRequest(
         prompt_token_ids=[1, 2], sampling=sampling, priority=-1, cache_salt="tenant",
@@ -55,6 +61,13 @@ def test_every_field_reaches_the_router():
     assert (params.seed, params.stop, params.n, params.ignore_eos) == (7, ["x"], 2, True)
     assert (params.stop_token_ids, params.min_tokens) == ([9], 1)
     assert params.include_stop_str_in_output
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (
+        0.5,
+        -1.0,
+        1.1,
+    )
+    unset = request_from_proto(pb.GenerateRequest(prompt="a")).params
+    assert (unset.presence_penalty, unset.frequency_penalty, unset.repetition_penalty) == (0, 0, 1)
     assert (request.priority, request.cache_salt, request.request_id) == (-1, "tenant", "r1")
     assert request.timeout_s == 2.5
 
@@ -73,6 +86,10 @@ def test_every_field_reaches_the_router():
         (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(top_k=-2)), "top_k"),
         (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(stop=[""])), "stop[0]"),
         (pb.GenerateRequest(prompt="a", timeout_s=-1), "timeout_s"),
+        (
+            pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(repetition_penalty=0)),
+            "repetition_penalty",
+        ),
     ],
 )
 def test_bad_fields_are_invalid_argument_naming_the_field(message, field):
@@ -164,7 +181,7 @@ def bad_body(model, data) -> ApiError:
         ({**MODEL, "prompt": "a", "n": True}, "n"),
         ({**MODEL, "prompt": {"text": "a"}}, "prompt"),
         ({**MODEL, "prompt": "a", "echo": True}, "echo"),
-        ({**MODEL, "prompt": "a", "presence_penalty": 0.5}, "presence_penalty"),
+        ({**MODEL, "prompt": "a", "repetition_penalty": "high"}, "repetition_penalty"),
         ({"prompt": "a"}, "model"),
         ({**MODEL}, "prompt"),
     ],
@@ -185,6 +202,21 @@ def test_completion_bodies_name_the_bad_field(data, param):
 )
 def test_chat_bodies_name_the_bad_field(data, param):
     assert bad_body(ChatCompletionBody, data).param == param
+
+
+def test_penalties_reach_the_sampling_params():
+    body = parse_body(
+        ChatCompletionBody,
+        {**MODEL, "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5,
+         "frequency_penalty": -0.25, "repetition_penalty": 1.2},
+    )  # fmt: skip
+    params = sampling_params(max_tokens=4, **body.sampling_kwargs())
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -0.25)
+    assert params.repetition_penalty == 1.2
+    body = parse_body(CompletionBody, {**MODEL, "prompt": "a", "frequency_penalty": 2.5})
+    with pytest.raises(ApiError, match=r"frequency_penalty must be in \[-2, 2\]") as raised:
+        sampling_params(max_tokens=4, **body.sampling_kwargs())
+    assert raised.value.param == "frequency_penalty"
 
 
 def test_prompts_of_a_completion():
