@@ -265,9 +265,11 @@ class Engine:
             self.kv_cache.swap_out(plan.swap_out)
         for victim, block_ids in plan.moved:  # before anything writes into their blocks
             self._hand_off(victim, block_ids, touched)
+        # Swap-ins land even in a step that schedules nothing (a request swapped in is first
+        # scheduled in the next step, which would otherwise read blocks never filled).
+        self._move_blocks(plan)
         if plan.scheduled:
             self.num_steps += 1
-            self._move_blocks(plan)
             self._run(plan, touched)
         return [self._output_for(group) for group in touched.values()]
 
