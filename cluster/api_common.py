@@ -16,6 +16,7 @@ from typing import Any
 from pagedserve.cluster.api_errors import ApiError
 from pagedserve.cluster.router import GenerateRequest, RouterCore
 from pagedserve.workers.errors import RequestRejected
+from pagedserve.workers.logprobs import TokenLogprob
 from pagedserve.workers.outputs import RequestMetrics
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.stream import StreamDelta, Usage
@@ -81,6 +82,8 @@ class CompletionResult:
     usage: Usage | None = None
     metrics: RequestMetrics | None = None
     error: str | None = None
+    logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -97,6 +100,11 @@ class CompletionCollector:
         result = self.results.setdefault(delta.index, CompletionResult(delta.index))
         result.text += delta.text
         result.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            result.logprobs = result.logprobs or []
+            result.logprobs.extend(delta.logprobs)
+        if delta.prompt_logprobs is not None and result.prompt_logprobs is None:
+            result.prompt_logprobs = list(delta.prompt_logprobs)
         if delta.finish_reason is not None:
             result.finish_reason = delta.finish_reason
             result.stop_reason = delta.stop_reason

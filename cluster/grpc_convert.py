@@ -10,6 +10,7 @@ from pagedserve.cluster.api_errors import ApiError
 from pagedserve.cluster.router import GenerateRequest
 from pagedserve.cluster.worker_state import WorkerState
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
+from pagedserve.workers.logprobs import TokenLogprob
 from pagedserve.workers.outputs import RequestMetrics
 from pagedserve.workers.stream import StreamDelta, Usage
 from pagedserve.workers.tokenizer import Tokenizer
@@ -18,6 +19,7 @@ from pagedserve.workers.tokenizer import Tokenizer
 _OPTIONAL_SAMPLING = (
     *("max_tokens", "temperature", "top_p", "top_k", "seed", "n"),
     *("presence_penalty", "frequency_penalty", "repetition_penalty"),
+    *("logprobs", "prompt_logprobs"),
 )
 _KV_FIELDS = tuple(f.name for f in pb.KVUsage.DESCRIPTOR.fields)
 
@@ -83,6 +85,8 @@ def delta_to_proto(delta: StreamDelta) -> pb.GenerateStreamResponse:
         message.usage.CopyFrom(usage_to_proto(delta.usage))
     if delta.metrics is not None:
         message.metrics.CopyFrom(metrics_to_proto(delta.metrics))
+    message.logprobs.extend(logprobs_to_proto(delta.logprobs))
+    message.prompt_logprobs.extend(logprobs_to_proto(delta.prompt_logprobs))
     return message
 
 
@@ -102,10 +106,34 @@ def response_to_proto(collector: CompletionCollector) -> pb.GenerateResponse:
         _set_stop_reason(completion, result.stop_reason)
         if result.usage is not None:
             completion.usage.CopyFrom(usage_to_proto(result.usage))
+        completion.logprobs.extend(logprobs_to_proto(result.logprobs))
+        completion.prompt_logprobs.extend(logprobs_to_proto(result.prompt_logprobs))
     first = collector.completions[0].metrics if collector.results else None
     if first is not None:
         message.metrics.CopyFrom(metrics_to_proto(first))
     return message
+
+
+def logprobs_to_proto(items: list[TokenLogprob | None] | None) -> list[pb.TokenLogprob]:
+    """Log-probabilities as messages; a missing one (the first prompt token) has no logprob."""
+    messages = []
+    for item in items or ():
+        if item is None:
+            messages.append(pb.TokenLogprob())
+            continue
+        top = [
+            pb.TopLogprob(token_id=t.token_id, token=t.token, logprob=t.logprob) for t in item.top
+        ]
+        messages.append(
+            pb.TokenLogprob(
+                token_id=item.token_id,
+                token=item.token,
+                logprob=item.logprob,
+                rank=item.rank,
+                top=top,
+            )
+        )
+    return messages
 
 
 def usage_to_proto(usage: Usage) -> pb.Usage:

@@ -80,8 +80,20 @@ class CompletionBody(_SamplingFields):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
-    echo: Literal[False] = False
-    logprobs: None = None
+    echo: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM extra; `echo` + `logprobs` implies it
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """With `echo` and `logprobs`, the prompt's log-probabilities too (loglikelihood)."""
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo and self.logprobs is not None:
+            prompt_logprobs = self.logprobs
+        return {
+            **super().sampling_kwargs(),
+            "logprobs": self.logprobs,
+            "prompt_logprobs": prompt_logprobs,
+        }
 
     def prompts(self) -> list[str | list[int]]:
         """The batch: each item a text or a token-id list."""
@@ -117,7 +129,15 @@ class ChatCompletionBody(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: Literal[False] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """`logprobs: true` with `top_logprobs` alternatives (0 when unset)."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError.invalid("top_logprobs: needs logprobs: true", "top_logprobs")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return {**super().sampling_kwargs(), "logprobs": logprobs}
 
     def max_output_tokens(self) -> int | None:
         return (

@@ -26,6 +26,13 @@ from pagedserve.workers.errors import Overloaded, RequestRejected, RequestTooLar
 from pagedserve.workers.handoff import RequestHandoff, adopt_kv
 from pagedserve.workers.kv_cache import KVCache
 from pagedserve.workers.kv_cache_manager import KVCacheManager, KVUsage
+from pagedserve.workers.logprobs import (
+    completion_logprobs,
+    raw_logits,
+    record_sample_logprobs,
+    request_prompt_logprobs,
+    take_prompt_logprobs,
+)
 from pagedserve.workers.model_loader import LoadedModel, load_model
 from pagedserve.workers.model_runner import ModelRunner
 from pagedserve.workers.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -170,7 +177,7 @@ class Engine:
         ]
         first, *others = branches
         first.pending_branches = others
-        first.movable = params.n == 1
+        first.movable = params.n == 1 and params.prompt_logprobs is None  # scored here
         self._groups[request_id] = _RequestGroup(
             request_id, prompt_text, list(token_ids), branches, now, deadline
         )
@@ -293,6 +300,7 @@ class Engine:
         logits = self.runner.execute(
             batch.input_ids, batch.positions, batch.metadata, batch.logits_indices
         )
+        logits = take_prompt_logprobs(batch, logits, self.tokenizer)
         for request, num_new in plan.scheduled.items():
             request.num_computed_tokens += num_new
         rows = list(batch.sampled)
@@ -304,6 +312,7 @@ class Engine:
         if len(rows) > len(batch.sampled):
             logits = logits[torch.tensor(row_logits, device=logits.device)]
         params = [r.params for r in rows]
+        raw = raw_logits(logits, params)  # log-probabilities are of the model's own logits
         suppress_stop_tokens(
             logits, params, [r.num_output_tokens for r in rows], self.loaded.eos_token_ids
         )
@@ -311,6 +320,7 @@ class Engine:
             logits, params, [r.all_token_ids for r in rows], [r.prompt_len for r in rows]
         )
         tokens = self.sampler.sample(logits, params, [r.generator for r in rows]).tolist()
+        record_sample_logprobs(rows, raw, tokens, self.tokenizer)
         now = time.monotonic()
         for request, token in zip(rows, tokens, strict=True):
             self._append_token(request, token, now)
@@ -446,6 +456,7 @@ class Engine:
                     token_ids=list(branch.output_token_ids),
                     finish_reason=None if reason is None else str(reason),
                     stop_reason=branch.detokenizer.stopped_by if branch.detokenizer else None,
+                    logprobs=completion_logprobs(branch),
                 )
             )
         first = group.branches[0]
@@ -458,6 +469,7 @@ class Engine:
             num_cached_tokens=first.num_cached_tokens,
             metrics=_metrics(group),
             handoff=group.handoff,
+            prompt_logprobs=request_prompt_logprobs(first),
         )
 
     # ----------------------------------------------------------------- stats

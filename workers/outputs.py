@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.workers.logprobs import TokenLogprob
+
 
 @dataclass
 class RequestMetrics:
@@ -27,6 +29,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    # One per token of `token_ids` when `SamplingParams.logprobs` asked for them.
+    logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -46,3 +50,5 @@ class RequestOutput:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     error: str | None = None
     handoff: Any = None  # a RequestHandoff when the request moved to a peer
+    # One per prompt token (the first None) when `SamplingParams.prompt_logprobs` asked.
+    prompt_logprobs: list[TokenLogprob | None] | None = None

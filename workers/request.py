@@ -12,6 +12,7 @@ from enum import Enum
 import torch
 
 from pagedserve.workers.detokenizer import IncrementalDetokenizer
+from pagedserve.workers.logprobs import TokenLogprob
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.stop_checker import FinishReason
 
@@ -71,6 +72,11 @@ class Request:
     pending_branches: list[Request] = field(default_factory=list)
     # Whether preemption may hand this sequence to a peer (single-branch requests only).
     movable: bool = False
+    # Log-probabilities, when `params.logprobs` / `params.prompt_logprobs` ask for them: one per
+    # output token sampled here, and one per prompt token from the second on (collected by the
+    # branch that computes the prompt).
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -91,3 +97,15 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt log-probabilities asked for and not all collected yet (by branch 0, which
+        computes the prompt; the other branches fork its blocks)."""
+        wanted = self.params.prompt_logprobs is not None and self.branch_index == 0
+        return wanted and len(self.prompt_logprobs) < self.prompt_len - 1
+
+    @property
+    def skip_prefix_cache(self) -> bool:
+        """A cached prompt position is never computed, so it would have no logits to score."""
+        return self.wants_prompt_logprobs

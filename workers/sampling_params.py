@@ -18,6 +18,7 @@ MAX_N = 64
 GREEDY_TEMPERATURE = 1e-5
 # OpenAI's range for presence_penalty and frequency_penalty (vLLM checks the same).
 MAX_ABS_PENALTY = 2.0
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit (vLLM's default max_logprobs too)
 
 
 @dataclass
@@ -41,6 +42,10 @@ class SamplingParams:
         frequency_penalty: subtracted once per occurrence in the output, in [-2, 2].
         repetition_penalty: tokens in the prompt or the output get their logit divided by it
             when positive, multiplied by it when negative; > 0, 1 is off (vLLM, HF).
+        logprobs: report the log-probability of every generated token with this many most
+            likely alternatives (0..20); ``None``: none.
+        prompt_logprobs: the same for every prompt token but the first (what evaluation
+            harnesses score); ``None``: none. Such a request never reuses cached prefix blocks.
     """
 
     n: int = 1
@@ -57,6 +62,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.stop = _as_list("stop", self.stop)
@@ -93,6 +100,12 @@ class SamplingParams:
         _check_bool("ignore_eos", self.ignore_eos)
         _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         self._validate_penalties()
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value)
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
 
     def _validate_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

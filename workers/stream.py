@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.workers.logprobs import TokenLogprob
 from pagedserve.workers.outputs import RequestMetrics, RequestOutput
 
 
@@ -30,6 +31,10 @@ class StreamDelta:
     worker_id: str | None = None
     error: str | None = None
     handoff: Any = None  # with finish_reason "moved": the package a peer continues from
+    # With SamplingParams.logprobs: one per token of `token_ids`. With prompt_logprobs: one per
+    # prompt token (the first None), on the branch's first delta.
+    logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -55,6 +60,10 @@ class DeltaTracker:
             self.sent_tokens[index] = len(completion.token_ids)
             self.sent_text[index] = len(completion.text)
             delta = StreamDelta(output.request_id, index, new_ids, new_text, worker_id=worker_id)
+            if completion.logprobs is not None:
+                delta.logprobs = completion.logprobs[n_tokens : len(completion.token_ids)]
+            if n_tokens == 0 and n_text == 0:
+                delta.prompt_logprobs = output.prompt_logprobs
             if completion.finish_reason is not None:
                 self.finished.add(index)
                 delta.finish_reason = completion.finish_reason

@@ -78,6 +78,13 @@ class ByteTokenizer:
                 data.append(token_id)
         return data.decode("utf-8", errors="replace")
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text: its byte (U+FFFD when not valid UTF-8 alone), or a special's name."""
+        for name, special_id in self.special_tokens.items():
+            if token_id == special_id:
+                return name
+        return self.decode([token_id])
+
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
         """tiny-llama's chat format: a ``<|role|>`` line before each turn, then
         ``<|assistant|>`` (plain bytes: the model has no special tokens for them)."""
@@ -124,6 +131,11 @@ class HFTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of ``token_ids`` with special tokens skipped."""
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, decoded alone (special tokens by name; U+FFFD for part of a
+        character), as vLLM shows it beside a log-probability."""
+        return self._tokenizer.decode([int(token_id)], skip_special_tokens=False)
 
     @property
     def has_chat_template(self) -> bool:

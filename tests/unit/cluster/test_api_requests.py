@@ -29,8 +29,10 @@ from pagedserve.cluster.openai_api import (
     error_json,
     render_chat,
 )
+from pagedserve.cluster.openai_logprobs import CompletionExtras, echoed_prompts
 from pagedserve.cluster.openai_models import ChatCompletionBody, CompletionBody, parse_body
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
+from pagedserve.workers.logprobs import TokenLogprob, TopLogprob
 from pagedserve.workers.outputs import RequestMetrics
 from pagedserve.workers.stream import StreamDelta, Usage
 from pagedserve.workers.tokenizer import ByteTokenizer
@@ -180,7 +182,8 @@ def bad_body(model, data) -> ApiError:
         ({**MODEL, "prompt": "a", "temperature": "hot"}, "temperature"),
         ({**MODEL, "prompt": "a", "n": True}, "n"),
         ({**MODEL, "prompt": {"text": "a"}}, "prompt"),
-        ({**MODEL, "prompt": "a", "echo": True}, "echo"),
+        ({**MODEL, "prompt": "a", "echo": "yes"}, "echo"),
+        ({**MODEL, "prompt": "a", "logprobs": True}, "logprobs"),
         ({**MODEL, "prompt": "a", "repetition_penalty": "high"}, "repetition_penalty"),
         ({"prompt": "a"}, "model"),
         ({**MODEL}, "prompt"),
@@ -197,7 +200,8 @@ def test_completion_bodies_name_the_bad_field(data, param):
         ({**MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
         ({**MODEL, "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         ({**MODEL, "messages": [{"role": "user", "content": "a", "x": 1}]}, "messages[0].x"),
-        ({**MODEL, "messages": [{"role": "user"}], "logprobs": True}, "logprobs"),
+        ({**MODEL, "messages": [{"role": "user"}], "logprobs": 5}, "logprobs"),
+        ({**MODEL, "messages": [{"role": "user"}], "top_logprobs": "2"}, "top_logprobs"),
     ],
 )
 def test_chat_bodies_name_the_bad_field(data, param):
@@ -415,3 +419,91 @@ def test_serve_flags_turn_auth_and_the_model_name_on(tmp_path):
     data = cluster_config_from_args(args, num_gpus=0)
     assert data["auth"] == {"tokens_file": str(tokens)} and data["served_model_name"] == "tiny"
     assert build_app(data) is not None
+
+
+# ------------------------------------------------------------- log-probabilities
+def lp(token_id: int, logprob: float, *top: tuple[int, float]) -> TokenLogprob:
+    text = ByteTokenizer().token_text
+    alternatives = tuple(TopLogprob(t, v, text(t)) for t, v in top)
+    return TokenLogprob(token_id, logprob, 1, text(token_id), alternatives)
+
+
+def test_logprob_fields_reach_the_sampling_params():
+    completion = parse_body(CompletionBody, {**MODEL, "prompt": "a", "logprobs": 2, "echo": True})
+    assert completion.sampling_kwargs()["logprobs"] == 2
+    assert completion.sampling_kwargs()["prompt_logprobs"] == 2  # echo + logprobs: the prompt's
+    plain = parse_body(CompletionBody, {**MODEL, "prompt": "a", "logprobs": 0})
+    assert plain.sampling_kwargs()["prompt_logprobs"] is None
+    chat = {**MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    kwargs = parse_body(ChatCompletionBody, {**chat, "logprobs": True, "top_logprobs": 3})
+    assert kwargs.sampling_kwargs()["logprobs"] == 3
+    assert (
+        parse_body(ChatCompletionBody, {**chat, "logprobs": True}).sampling_kwargs()["logprobs"]
+        == 0
+    )
+    assert parse_body(ChatCompletionBody, chat).sampling_kwargs()["logprobs"] is None
+    with pytest.raises(ApiError, match="top_logprobs: needs logprobs: true"):
+        parse_body(ChatCompletionBody, {**chat, "top_logprobs": 3}).sampling_kwargs()
+    with pytest.raises(ApiError, match=r"logprobs must be in \[0, 20\]"):
+        sampling_params(
+            max_tokens=1,
+            **parse_body(
+                CompletionBody, {**MODEL, "prompt": "a", "logprobs": 21}
+            ).sampling_kwargs(),
+        )
+
+
+def test_completion_logprobs_and_echo_in_the_legacy_shape():
+    """One request scores a text: echo + logprobs gives the prompt's log-probabilities too."""
+    chunks = CompletionChunks("cmpl-1", 7, "tiny-llama", n=1)
+    chunks.extras = CompletionExtras(echoed_prompts(["hi"], ByteTokenizer()), logprobs=True)
+    delta = final_delta(0, "!", [33], logprobs=[lp(33, -0.5, (33, -0.5), (63, -1.5))])
+    delta.prompt_logprobs = [None, lp(105, -2.0, (101, -1.0))]
+    collector = CompletionCollector()
+    collector.add(delta)
+    (choice,) = chunks.whole([collector])["choices"]
+    assert choice["text"] == "hi!"
+    assert choice["logprobs"] == {
+        "tokens": ["h", "i", "!"],
+        "token_logprobs": [None, -2.0, -0.5],
+        "top_logprobs": [None, {"e": -1.0}, {"!": -0.5, "?": -1.5}],
+        "text_offset": [0, 1, 2],
+    }
+    streamed = CompletionChunks("cmpl-1", 7, "tiny-llama", n=1)
+    streamed.extras = CompletionExtras(echoed_prompts([[104, 105]], ByteTokenizer()), False)
+    first = streamed.chunk(0, StreamDelta("r1", 0, [33], "!"))
+    later = streamed.chunk(0, StreamDelta("r1", 0, [33], "!"))
+    assert first["choices"][0]["text"] == "hi!" and later["choices"][0]["text"] == "!"
+    assert first["choices"][0]["logprobs"] is None
+
+
+def test_chat_logprobs_in_the_chat_shape():
+    chat = ChatChunks("chatcmpl-1", 7, "tiny-llama", n=1)
+    delta = final_delta(0, "é", [195, 169], logprobs=[lp(195, -0.1, (195, -0.1)), lp(169, -0.2)])
+    chunk = chat.chunk(0, delta)
+    content = chunk["choices"][0]["logprobs"]["content"]
+    assert [c["logprob"] for c in content] == [-0.1, -0.2]
+    assert content[0]["top_logprobs"] == [
+        {"token": "\ufffd", "logprob": -0.1, "bytes": [239, 191, 189]}
+    ]
+    assert chat.chunk(0, final_delta(0, "z", [122]))["choices"][0]["logprobs"] is None
+
+
+def test_grpc_carries_logprobs_and_prompt_logprobs():
+    delta = final_delta(0, "!", [33], logprobs=[lp(33, -0.5, (33, -0.5))])
+    delta.prompt_logprobs = [None, lp(105, -2.0)]
+    message = delta_to_proto(delta)
+    (item,) = message.logprobs
+    assert (item.token_id, item.token, item.logprob, item.rank) == (33, "!", -0.5, 1)
+    assert [(t.token_id, t.token, t.logprob) for t in item.top] == [(33, "!", -0.5)]
+    first, second = message.prompt_logprobs
+    assert not first.HasField("logprob") and second.logprob == -2.0
+    collector = CompletionCollector()
+    collector.add(delta)
+    (completion,) = response_to_proto(collector).completions
+    assert len(completion.logprobs) == 1 and len(completion.prompt_logprobs) == 2
+    sampling = pb.SamplingParams(logprobs=3, prompt_logprobs=0)
+    params = request_from_proto(pb.GenerateRequest(prompt="a", sampling=sampling)).params
+    assert (params.logprobs, params.prompt_logprobs) == (3, 0)
+    unset = request_from_proto(pb.GenerateRequest(prompt="a")).params
+    assert (unset.logprobs, unset.prompt_logprobs) == (None, None)
