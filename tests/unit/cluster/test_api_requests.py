@@ -392,6 +392,19 @@ def test_cli_generate_talks_to_the_cluster_by_default():
     assert status.func is client_cli.run_status and status.address == "h:1" and status.json
 
 
+def test_cli_chat_sends_a_user_turn_or_renders_it_offline(capsys):
+    from pagedserve.cli import main
+
+    assert client_cli._request_of("Hi", chat=True) == {
+        "messages": [{"role": "user", "content": "Hi"}]
+    }
+    assert client_cli._request_of("Hi", chat=False) == {"prompt": "Hi"}
+    argv = ["generate", "Hi", "--chat", "--offline", "--model", "tiny-llama", "--max-tokens", "3"]
+    assert main([*argv, "--num-kv-blocks", "16", "--json"]) == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert json.loads(line)["prompt"] == "<|user|>\nHi\n<|assistant|>\n"  # the template's
+
+
 def test_cli_reports_an_unreachable_cluster(capsys):
     from pagedserve.cli import main
 
