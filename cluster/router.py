@@ -450,6 +450,7 @@ class RouterCore:
                 params,
                 max_tokens=params.max_tokens - len(done),
                 min_tokens=max(0, params.min_tokens - len(done)),
+                prompt_logprobs=None,  # sent with the first delta; this prompt is longer
             )
             plan.append(_Attempt(j, token_ids + done, params))
         return plan
