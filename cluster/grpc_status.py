@@ -30,6 +30,7 @@ import ipaddress
 import logging
 import os
 import re
+import urllib.parse
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -69,9 +70,12 @@ def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        address = ipaddress.ip_address(host.strip("[]"))
     except ValueError:
         return False
+    # ::ffff:127.0.0.1 (an IPv4 client of a dual-stack socket) is loopback too; Python 3.11's
+    # is_loopback says no to mapped addresses.
+    return (getattr(address, "ipv4_mapped", None) or address).is_loopback
 
 
 def peer_is_loopback(peer: str) -> bool:
@@ -79,7 +83,9 @@ def peer_is_loopback(peer: str) -> bool:
     kind, _, address = peer.partition(":")
     if kind == "unix":
         return True
-    host = address.rsplit(":", 1)[0]
+    # grpc percent-encodes an IPv6 peer's brackets (`ipv6:%5B::1%5D:5000`): `localhost`
+    # resolving to ::1 first must not read as a remote caller.
+    host = urllib.parse.unquote(address).rsplit(":", 1)[0]
     return is_loopback(host)
 
 
