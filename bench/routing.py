@@ -5,7 +5,7 @@ request i picks one of them uniformly and appends U random tokens of its own; ar
 Poisson process at `--request-rate` (exponential gaps). Every request is greedy and produces
 exactly `--max-tokens` tokens (`ignore_eos`).
 
-Each policy runs in turn on a fresh worker group (prefix index + N CPU workers of tiny-llama)
+Each policy runs in turn on a fresh worker group (prefix index + N CPU workers of `--model`)
 with a `RouterCore` in this process. By default only kv_aware runs with the cluster's KV
 migrations (pull when routing, push under eviction pressure); the others run plain (`--pull`,
 `--push`). Every worker first serves one short warm-up request of its own (random tokens no
