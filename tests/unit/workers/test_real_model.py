@@ -36,6 +36,19 @@ def expected(reference, prompts: list[list[int]], max_tokens: int = MAX_TOKENS):
     return [reference.greedy(p, max_tokens) for p in prompts]
 
 
+def test_smollm2_loads_with_its_tokenizer_template_eos_and_context(smollm2):
+    loaded, _ = smollm2
+    assert loaded.name == "smollm2-135m" and loaded.dtype == torch.float32
+    shape = (loaded.num_layers, loaded.num_heads, loaded.num_kv_heads, loaded.head_dim)
+    assert shape == (30, 9, 3, 64) and loaded.vocab_size == 49152
+    assert loaded.max_model_len == 8192 and loaded.eos_token_ids == frozenset({2})
+    assert loaded.tokenizer.has_chat_template and not loaded.tokenizer.add_bos
+    tied = (
+        loaded.model.lm_head.weight.data_ptr() == loaded.model.model.embed_tokens.weight.data_ptr()
+    )
+    assert tied
+
+
 @pytest.mark.slow
 def test_greedy_equals_hf_with_prefix_sharing_and_chunked_prefill(smollm2, prompts):
     loaded, reference = smollm2
