@@ -142,8 +142,10 @@ def local_app(cluster: dict[str, Any], *, num_cpus: int | None = None) -> Iterat
     from pagedserve.cluster.config import ClusterConfig
     from pagedserve.cluster.serve_options import grpc_options
     from pagedserve.cluster.worker_group import stop_worker_group
+    from pagedserve.workers.model_cli import prepare_in_subprocess
 
     config = ClusterConfig.from_dict(cluster)
+    prepare_in_subprocess(config.engine.model)  # a GGUF model: converted once, before workers
     cpus = num_cpus or math.ceil(config.num_workers * config.worker_num_cpus) + 1
     started_ray = ensure_ray(num_cpus=cpus)
     grpc_port = free_port()
