@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     )
     config = ClusterConfig(
         engine=EngineConfig(
+            model="tiny-llama",
             block_size=args.block_size,
             num_kv_blocks=args.num_kv_blocks or 24,
             attention_backend="torch",

@@ -20,9 +20,12 @@ from typing import Any
 from pagedserve.cluster.api_errors import ApiError
 from pagedserve.cluster.router import RouterCore
 from pagedserve.cluster.router_types import GenerateRequest
+from pagedserve.workers.errors import RequestRejected
+from pagedserve.workers.logprobs import TokenLogprob
 from pagedserve.workers.outputs import RequestMetrics, Usage
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.stream import StreamDelta
+from pagedserve.workers.tokenizer import render_chat
 
 
 def sampling_params(**kwargs: Any) -> SamplingParams:
@@ -31,6 +34,15 @@ def sampling_params(**kwargs: Any) -> SamplingParams:
         return SamplingParams(**kwargs)
     except (TypeError, ValueError) as error:
         raise ApiError.invalid(str(error)) from None
+
+
+def chat_prompt(messages: Sequence[Mapping[str, str]], tokenizer: Any) -> str:
+    """The prompt text of a chat by the model's chat template; INVALID_ARGUMENT (param
+    `messages`) when the model has none or a message is malformed."""
+    try:
+        return render_chat(tokenizer, messages)
+    except RequestRejected as error:
+        raise ApiError.invalid(str(error), "messages") from None
 
 
 def new_request_id(prefix: str = "") -> str:
@@ -76,6 +88,8 @@ class CompletionResult:
     usage: Usage | None = None
     metrics: RequestMetrics | None = None
     error: str | None = None
+    logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def text(self) -> str:
@@ -103,6 +117,11 @@ class CompletionCollector:
         if self.keep_output:
             result.text_pieces.append(delta.text)
             result.token_ids.extend(delta.token_ids)
+            if delta.logprobs is not None:
+                result.logprobs = result.logprobs or []
+                result.logprobs.extend(delta.logprobs)
+            if delta.prompt_logprobs is not None and result.prompt_logprobs is None:
+                result.prompt_logprobs = list(delta.prompt_logprobs)
         if delta.finish_reason is not None:
             result.finish_reason = delta.finish_reason
             result.stop_reason = delta.stop_reason

@@ -37,6 +37,7 @@ from pagedserve.cluster.router import RouterCore
 from pagedserve.cluster.router_types import ClusterStats, GenerateRequest
 from pagedserve.cluster.serve_options import ROUTER_ENV_VARS
 from pagedserve.cluster.worker_group import start_worker_group
+from pagedserve.workers.model_registry import DEFAULT_MODEL
 from pagedserve.workers.stream import StreamDelta
 from pagedserve.workers.telemetry import ROUTER_SERVICE, get_tracing
 
@@ -48,7 +49,7 @@ http_app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None)
 # Defined before `Router`: Serve pickles the class (by value) as soon as it is decorated.
 def served_model_name(config: ClusterConfig, api: ApiConfig) -> str:
     """The model id of the OpenAI API: the configured name, else the engine's model."""
-    return api.served_model_name or config.engine.model or "tiny-llama"
+    return api.served_model_name or config.engine.model or DEFAULT_MODEL
 
 
 # The Router's code runs on Serve's own event loop (ROUTER_ENV_VARS): only there does a client

@@ -112,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
     from pagedserve.cluster.config import ClusterConfig
     from pagedserve.cluster.grpc_status import proxy_env_vars
     from pagedserve.cluster.serve_options import grpc_options, http_options
+    from pagedserve.workers.model_cli import prepare_in_subprocess
 
     # 'local' starts a fresh cluster even when another one runs on this machine; join an
     # existing one with --address auto (or its address).
@@ -120,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         data = cluster_config_from_args(args, num_gpus)
         build_app(data)  # validate the cluster and API config before starting anything
+        prepare_in_subprocess(data["engine"].get("model"))  # a GGUF model: convert it once here
     except (OSError, ValueError, TypeError) as error:
         print(f"pagedserve serve: error: {error}", file=sys.stderr)
         return 2

@@ -77,10 +77,11 @@ def run_generate(args: argparse.Namespace) -> int:
     try:
         with Client(args.address, token=args.token, timeout=args.timeout) as client:
             for prompt in prompts:
+                request = _request_of(prompt, args.chat)
                 if args.stream:
-                    _stream_one(client, prompt, sampling, args.json)
+                    _stream_one(client, request, sampling, args.json)
                 else:
-                    _generate_one(client, prompt, sampling, args.json)
+                    _generate_one(client, request, sampling, args.json)
     except grpc.RpcError as error:
         return _report_rpc_error("generate", args.address, error)
     except KeyboardInterrupt:  # the stream's call was cancelled on the way out
@@ -88,11 +89,19 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate_one(client: Any, prompt: str, sampling: dict[str, Any], as_json: bool) -> None:
-    response = client.generate(prompt, **sampling)
+def _request_of(prompt: str, chat: bool) -> dict[str, Any]:
+    """The prompt, or with `--chat` a one-turn chat the server renders by its chat template."""
+    return {"messages": offline_cli.chat_turns(prompt)} if chat else {"prompt": prompt}
+
+
+def _generate_one(
+    client: Any, request: dict[str, Any], sampling: dict[str, Any], as_json: bool
+) -> None:
+    response = client.generate(**request, **sampling)
     if as_json:
         print(_to_json(response))
         return
+    prompt = request.get("prompt") or request["messages"][-1]["content"]
     print(f"prompt: {prompt!r}")
     for completion in response.completions:
         print(
@@ -102,11 +111,13 @@ def _generate_one(client: Any, prompt: str, sampling: dict[str, Any], as_json: b
     print(f"  {_usage_line(response.usage, response.metrics, response.worker_id)}")
 
 
-def _stream_one(client: Any, prompt: str, sampling: dict[str, Any], as_json: bool) -> None:
+def _stream_one(
+    client: Any, request: dict[str, Any], sampling: dict[str, Any], as_json: bool
+) -> None:
     """Text to stdout as it arrives (branches marked `[j]` when n > 1); the summary to stderr."""
     multi = sampling["n"] > 1
     current = None
-    for delta in client.generate_stream(prompt, **sampling):
+    for delta in client.generate_stream(**request, **sampling):
         if as_json:
             print(_to_json(delta), flush=True)
             continue

@@ -63,7 +63,7 @@ class GrpcFrontend:
     async def generate(self, request: Any, context: Any) -> pb.GenerateResponse:
         try:
             tenant = self._admit(request, context)
-            collector = await collect(self.core, _traced(request, context, tenant))
+            collector = await collect(self.core, _traced(request, context, tenant, self.core))
             _raise_on_engine_error(collector.completions)
             return response_to_proto(collector)
         except Exception as error:
@@ -74,7 +74,7 @@ class GrpcFrontend:
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
         try:
             tenant = self._admit(request, context)
-            async for delta in self.core.generate(_traced(request, context, tenant)):
+            async for delta in self.core.generate(_traced(request, context, tenant, self.core)):
                 yield delta_to_proto(delta)
                 if delta.error:
                     raise engine_failure(delta.error)
@@ -188,8 +188,9 @@ def _raise_on_engine_error(completions: list) -> None:
             raise engine_failure(completion.error)
 
 
-def _traced(message: Any, context: Any, tenant: str) -> GenerateRequest:
-    """The router request of a gRPC message, continuing the trace its metadata names."""
-    request = request_from_proto(message, tenant)
+def _traced(message: Any, context: Any, tenant: str, core: Any = None) -> GenerateRequest:
+    """The router request of a gRPC message, continuing the trace its metadata names (a chat
+    rendered by the router's tokenizer)."""
+    request = request_from_proto(message, tenant, getattr(core, "tokenizer", None))
     tag_ingress([request], context.invocation_metadata(), "grpc")
     return request

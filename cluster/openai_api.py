@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pagedserve.cluster.api_common import (
     CompletionCollector,
+    chat_prompt,
     find_malformed_text,
     merge_streams,
     new_request_id,
@@ -28,6 +29,7 @@ from pagedserve.cluster.api_common import (
 )
 from pagedserve.cluster.api_errors import ApiError, ErrorCode, engine_failure, to_api_error
 from pagedserve.cluster.auth import TokenAuth
+from pagedserve.cluster.openai_logprobs import CompletionExtras, chat_logprobs, echoed_prompts
 from pagedserve.cluster.openai_models import (
     ChatCompletionBody,
     ChatMessage,
@@ -84,6 +86,11 @@ class OpenAIFrontend:
             return _error_or_raise(error)
         tag_ingress(requests, request.headers.items(), "http")
         chunks = CompletionChunks(base_id, self.created, self.model_name, body.n)
+        try:
+            echo = echoed_prompts(prompts, self.core.tokenizer) if body.echo else None
+        except Exception as error:
+            return _error_or_raise(error)
+        chunks.extras = CompletionExtras(echo, logprobs=body.logprobs is not None)
         return await self._respond(requests, body.stream, body.include_usage, chunks)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -179,6 +186,7 @@ class CompletionChunks:
         self.head = {"id": request_id, "object": self.object_name, "created": created}
         self.model = model
         self.n = n
+        self.extras = CompletionExtras()  # echo and log-probabilities, when asked for
 
     def choice_index(self, prompt_index: int, branch: int) -> int:
         return prompt_index * self.n + branch
@@ -187,20 +195,30 @@ class CompletionChunks:
         return []
 
     def chunk(self, index: int, delta: StreamDelta) -> dict[str, Any]:
-        choice = {"index": index, "text": delta.text, "logprobs": None}
+        text, logprobs = self.text_and_logprobs(index, delta)
+        choice = {"index": index, "text": text, "logprobs": logprobs}
         return self._wrap([{**choice, "finish_reason": delta.finish_reason}])
 
+    def text_and_logprobs(self, index: int, part: Any) -> tuple[str, dict[str, Any] | None]:
+        """A delta's (or a whole completion's) text and `logprobs`, with `echo` applied."""
+        return self.extras.piece(
+            index, index // self.n, part.text, part.logprobs, part.prompt_logprobs
+        )
+
     def whole(self, collectors: list[CompletionCollector]) -> dict[str, Any]:
-        choices = [
-            {
-                "index": self.choice_index(i, c.index),
-                **self.content(c.text),
-                "logprobs": None,
-                "finish_reason": c.finish_reason,
-            }
-            for i, collector in enumerate(collectors)
-            for c in collector.completions
-        ]
+        choices = []
+        for i, collector in enumerate(collectors):
+            for c in collector.completions:
+                index = self.choice_index(i, c.index)
+                text, logprobs = self.text_and_logprobs(index, c)
+                choices.append(
+                    {
+                        "index": index,
+                        **self.content(text),
+                        "logprobs": logprobs,
+                        "finish_reason": c.finish_reason,
+                    }
+                )
         usage = Usage.total(collector.usage() for collector in collectors)
         return {**self.head, "model": self.model, "choices": choices, "usage": usage_json(usage)}
 
@@ -232,8 +250,11 @@ class ChatChunks(CompletionChunks):
 
     def chunk(self, index: int, delta: StreamDelta) -> dict[str, Any]:
         content = {"content": delta.text} if delta.text else {}
-        choice = {"index": index, "delta": content, "logprobs": None}
+        choice = {"index": index, "delta": content, "logprobs": chat_logprobs(delta.logprobs)}
         return self._wrap([{**choice, "finish_reason": delta.finish_reason}])
+
+    def text_and_logprobs(self, index: int, part: Any) -> tuple[str, dict[str, Any] | None]:
+        return part.text, chat_logprobs(part.logprobs)
 
     def content(self, text: str) -> dict[str, Any]:
         return {"message": {"role": "assistant", "content": text}}
@@ -254,7 +275,7 @@ async def _sse(
 
     def event(i: int, delta: StreamDelta) -> str:
         totals.setdefault(i, CompletionCollector(keep_output=False)).add(delta)
-        if not delta.text and delta.finish_reason is None:
+        if not delta.text and delta.finish_reason is None and not delta.logprobs:
             return ""  # tokens whose text is not complete yet (a split UTF-8 character)
         return _data({**chunks.chunk(chunks.choice_index(i, delta.index), delta), **extra})
 
@@ -279,13 +300,9 @@ async def _sse(
 
 # ------------------------------------------------------------------ helpers
 def render_chat(messages: list[ChatMessage], tokenizer: Any) -> str:
-    """The prompt for a chat: the model's chat template when it has one, else a plain one
-    (`<|role|>` lines, then `<|assistant|>`), which is what the byte-level tiny-llama gets."""
-    hf = getattr(tokenizer, "hf_tokenizer", None)
-    turns = [{"role": m.role, "content": m.text()} for m in messages]
-    if hf is not None and getattr(hf, "chat_template", None):
-        return hf.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-    return "".join(f"<|{t['role']}|>\n{t['content']}\n" for t in turns) + "<|assistant|>\n"
+    """The prompt for a chat by the model's chat template (tiny-llama's is `<|role|>` lines,
+    then `<|assistant|>`); a model without one gets INVALID_ARGUMENT."""
+    return chat_prompt([{"role": m.role, "content": m.text()} for m in messages], tokenizer)
 
 
 def usage_json(usage: Usage) -> dict[str, Any]:

@@ -52,6 +52,7 @@ from pagedserve.cluster.worker_state import WorkerState
 from pagedserve.workers.block_hash import hash_full_blocks
 from pagedserve.workers.errors import Draining, HandedOff, Overloaded, RequestRejected
 from pagedserve.workers.handoff import RequestHandoff
+from pagedserve.workers.model_registry import DEFAULT_MODEL
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.stream import StreamDelta
 from pagedserve.workers.telemetry import NOOP, Tracing
@@ -108,7 +109,7 @@ class RouterCore:
         if config.routing_policy == "kv_aware":  # it converts router token counts to blocks
             options.setdefault("block_size", config.engine.block_size)
         self.policy = make_policy(config.routing_policy, **options)
-        self.tokenizer = load_tokenizer(config.engine.model or "tiny-llama")
+        self.tokenizer = load_tokenizer(config.engine.model or DEFAULT_MODEL)
         self.model_name = ""
         self.block_size = config.engine.block_size
         self.counters = RouterCounters()
@@ -344,6 +345,7 @@ class RouterCore:
                 params,
                 max_tokens=params.max_tokens - len(done),
                 min_tokens=max(0, params.min_tokens - len(done)),
+                prompt_logprobs=None,  # sent with the first delta; this prompt is longer
             )
             plan.append(_Attempt(j, token_ids + done, params))
         return plan

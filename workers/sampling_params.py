@@ -16,6 +16,9 @@ MAX_N = 64
 
 # Temperatures this small would overflow ``logits / temperature``; they mean "greedy" anyway.
 GREEDY_TEMPERATURE = 1e-5
+# OpenAI's range for presence_penalty and frequency_penalty (vLLM checks the same).
+MAX_ABS_PENALTY = 2.0
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit (vLLM's default max_logprobs too)
 
 
 @dataclass
@@ -34,6 +37,15 @@ class SamplingParams:
         ignore_eos: keep generating past EOS.
         min_tokens: no EOS or ``stop_token_ids`` stop before this many output tokens.
         include_stop_str_in_output: keep the matched stop string at the end of the text.
+        presence_penalty: subtracted from the logit of every token already in the output,
+            in [-2, 2] (as vLLM and OpenAI define it).
+        frequency_penalty: subtracted once per occurrence in the output, in [-2, 2].
+        repetition_penalty: tokens in the prompt or the output get their logit divided by it
+            when positive, multiplied by it when negative; > 0, 1 is off (vLLM, HF).
+        logprobs: report the log-probability of every generated token with this many most
+            likely alternatives (0..20); ``None``: none.
+        prompt_logprobs: the same for every prompt token but the first (what evaluation
+            harnesses score); ``None``: none. Such a request never reuses cached prefix blocks.
     """
 
     n: int = 1
@@ -47,6 +59,11 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.stop = _as_list("stop", self.stop)
@@ -82,6 +99,23 @@ class SamplingParams:
             _check_int("seed", self.seed)
         _check_bool("ignore_eos", self.ignore_eos)
         _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        self._validate_penalties()
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value)
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+
+    def _validate_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_float(name, value)
+            if not -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        _check_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
 
     def _validate_stops(self) -> None:
         for i, stop in enumerate(self.stop):
@@ -93,6 +127,15 @@ class SamplingParams:
             _check_int(f"stop_token_ids[{i}]", token_id)
             if token_id < 0:
                 raise ValueError(f"stop_token_ids[{i}] must be >= 0, got {token_id}")
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any penalty changes the logits (all off by default)."""
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
 
     @property
     def is_greedy(self) -> bool:

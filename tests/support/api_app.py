@@ -60,6 +60,8 @@ def running_app(name: str, **args: Any) -> Iterator[RunningApp]:
     ray.init(address="local", num_cpus=4, include_dashboard=False)
     defaults = {"engine": ENGINE, "num_workers": 2, "name": name, "stats_interval_s": 0.1}
     app_args = {**defaults, **args}
+    # The default model is the real (slower) SmolLM2: tests name tiny-llama unless they say.
+    app_args["engine"] = {"model": "tiny-llama", **app_args["engine"]}
     config = ClusterConfig.from_dict(split_app_args(app_args)[0])
     app = RunningApp(name, free_port(), free_port(), config)
     try:

@@ -13,12 +13,14 @@ from pagedserve.workers.engine_config import EngineConfig
 from pagedserve.workers.sampling_params import SamplingParams
 
 WORKER_RESOURCE = "pagedserve_test_worker"
+TEST_MODEL = "tiny-llama"
 
 
 def cluster_config(
     name: str, num_workers: int = 2, engine: dict | None = None, **overrides
 ) -> ClusterConfig:
     engine_options = {
+        "model": TEST_MODEL,  # explicit: the default model is the real (slower) SmolLM2
         "block_size": 8,
         "num_kv_blocks": 192,
         "attention_backend": "torch",

@@ -35,7 +35,7 @@ TRACEPARENT = f"00-{TRACE_ID}-{PARENT_ID}-01"
 
 @pytest.fixture(scope="module")
 def loaded():
-    return load(None)
+    return load("tiny-llama")
 
 
 @pytest.fixture()

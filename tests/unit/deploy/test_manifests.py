@@ -21,6 +21,9 @@ from unit.deploy.manifests import (
     serve_config,
 )
 
+from pagedserve.cluster.config import ClusterConfig
+from pagedserve.workers.model_registry import DEFAULT_MODEL
+
 OVERLAYS = ("cpu-demo", "gpu")
 ALL = ("base", *OVERLAYS)
 PROJECT_VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
@@ -190,6 +193,14 @@ def test_cpu_demo_has_no_gpus_and_room_for_its_actors(rendered):
     worker_cpus = float(group["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"])
     # The worker actors plus the prefix index (1 CPU to schedule) fit the minimum group.
     assert args["num_workers"] * args["worker_num_cpus"] + 1 <= worker_cpus * group["minReplicas"]
+
+
+@pytest.mark.parametrize("name", ["base", "cpu-demo"])
+def test_base_and_cpu_demo_serve_the_default_model(rendered, name):
+    """The built-in real model, named (never null: that would silently follow the default)."""
+    engine = serve_config(rendered[name])["applications"][0]["args"]["engine"]
+    assert engine["model"] == DEFAULT_MODEL == "smollm2-135m"
+    assert ClusterConfig.from_dict({"engine": engine}).engine.model == DEFAULT_MODEL
 
 
 @pytest.mark.parametrize("name", ALL)
