@@ -7,6 +7,7 @@ from typing import Any
 
 from pagedserve.cluster.api_common import CompletionCollector, chat_prompt, sampling_params
 from pagedserve.cluster.api_errors import ApiError
+from pagedserve.cluster.auth import ANONYMOUS, Caller
 from pagedserve.cluster.router_types import ClusterStats, GenerateRequest, WorkerView
 from pagedserve.cluster.worker_state import WorkerState
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
@@ -36,7 +37,7 @@ _WORKER_COUNTS = (
 
 # ------------------------------------------------------------------ requests
 def request_from_proto(
-    message: pb.GenerateRequest, tenant: str = "", tokenizer: Tokenizer | None = None
+    message: pb.GenerateRequest, caller: Caller = ANONYMOUS, tokenizer: Tokenizer | None = None
 ) -> GenerateRequest:
     """The router's request for a `GenerateRequest`; raises `ApiError` naming a bad field.
 
@@ -62,7 +63,8 @@ def request_from_proto(
         priority=message.priority,
         cache_salt=message.cache_salt or None,
         timeout_s=message.timeout_s or None,
-        tenant=tenant,
+        tenant=caller.tenant,
+        cache_scope=caller.cache_scope,
     )
 
 

@@ -28,7 +28,7 @@ from pagedserve.cluster.api_common import (
     sampling_params,
 )
 from pagedserve.cluster.api_errors import ApiError, ErrorCode, engine_failure, to_api_error
-from pagedserve.cluster.auth import TokenAuth
+from pagedserve.cluster.auth import Caller, TokenAuth
 from pagedserve.cluster.openai_logprobs import CompletionExtras, chat_logprobs, echoed_prompts
 from pagedserve.cluster.openai_models import (
     ChatCompletionBody,
@@ -73,12 +73,12 @@ class OpenAIFrontend:
 
     async def completions(self, request: Request) -> Response:
         try:
-            body, tenant = await self._read(request, CompletionBody)
+            body, caller = await self._read(request, CompletionBody)
             prompts = body.prompts()
             base_id = body.request_id or new_request_id("cmpl-")
             requests = [
                 await self._request(
-                    body, prompt, body.max_tokens, _batch_id(base_id, i, prompts), tenant
+                    body, prompt, body.max_tokens, _batch_id(base_id, i, prompts), caller
                 )
                 for i, prompt in enumerate(prompts)
             ]
@@ -95,11 +95,11 @@ class OpenAIFrontend:
 
     async def chat_completions(self, request: Request) -> Response:
         try:
-            body, tenant = await self._read(request, ChatCompletionBody)
+            body, caller = await self._read(request, ChatCompletionBody)
             prompt = render_chat(body.messages, self.core.tokenizer)
             base_id = body.request_id or new_request_id("chatcmpl-")
             max_tokens = body.max_output_tokens()
-            requests = [await self._request(body, prompt, max_tokens, base_id, tenant)]
+            requests = [await self._request(body, prompt, max_tokens, base_id, caller)]
         except Exception as error:
             return _error_or_raise(error)
         tag_ingress(requests, request.headers.items(), "http")
@@ -107,10 +107,10 @@ class OpenAIFrontend:
         return await self._respond(requests, body.stream, body.include_usage, chunks)
 
     # -------------------------------------------------------------- plumbing
-    async def _read(self, request: Request, model: type) -> tuple[Any, str]:
+    async def _read(self, request: Request, model: type) -> tuple[Any, Caller]:
         """Auth, then the body: bounded size, JSON of bounded depth, valid text, known fields,
-        the served model. Returns the body and the caller's tenant."""
-        tenant = self.auth.check(request.headers.get("authorization"))
+        the served model. Returns the body and the caller."""
+        caller = self.auth.check(request.headers.get("authorization"))
         raw = await read_body(request, self.core.config.max_request_bytes)
         data = parse_json(raw)
         bad = find_malformed_text(data, "")
@@ -123,7 +123,7 @@ class OpenAIFrontend:
                 f"model: {body.model!r} is not served here (GET /v1/models: {self.model_name!r})",
                 "model",
             )
-        return body, tenant
+        return body, caller
 
     async def _request(
         self,
@@ -131,7 +131,7 @@ class OpenAIFrontend:
         prompt: str | list[int],
         max_tokens: int | None,
         request_id: str,
-        tenant: str,
+        caller: Caller,
     ) -> GenerateRequest:
         if max_tokens is None:
             max_tokens = await self._room_for(prompt)
@@ -142,7 +142,8 @@ class OpenAIFrontend:
             request_id=request_id,
             priority=body.priority,
             cache_salt=body.cache_salt,
-            tenant=tenant,
+            tenant=caller.tenant,
+            cache_scope=caller.cache_scope,
         )
 
     async def _room_for(self, prompt: str | list[int]) -> int:

@@ -308,7 +308,7 @@ class RouterCore:
         else:
             route_span = trace.child("route")
             try:
-                worker, matched = await self.route(attempt.prompt, request.cache_salt, route_span)
+                worker, matched = await self.route(attempt.prompt, request.prefix_salt, route_span)
             finally:
                 route_span.end()
             span = trace.child("worker.call", **{"pagedserve.worker_id": worker.worker_id})
@@ -317,7 +317,7 @@ class RouterCore:
                 attempt.prompt,
                 params,
                 priority=request.priority,
-                cache_salt=request.cache_salt,
+                cache_salt=request.prefix_salt,
                 timeout_s=request.timeout_s,
                 trace_context=trace.carrier(span),
                 owner_id=self.router_id,

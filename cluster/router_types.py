@@ -36,12 +36,21 @@ class GenerateRequest:
     trace_context: dict[str, str] | None = None  # the client's W3C traceparent, if any
     ingress: str = "python"  # grpc, http or python: names the front end on the trace
     tenant: str = ""  # who sent it (with auth on): request ids are unique per tenant
+    # Whose prefix cache it may share (with auth on: its tenant's, or its tokens' cache group).
+    cache_scope: str = ""
 
     def __post_init__(self) -> None:
         if self.timeout_s is not None and not (
             math.isfinite(self.timeout_s) and self.timeout_s > 0
         ):
             raise RequestRejected(f"timeout_s must be a finite number > 0, got {self.timeout_s}")
+
+    @property
+    def prefix_salt(self) -> str | None:
+        """What its prefix blocks are hashed with: the cache scope, then the client's own
+        `cache_salt`. A client can narrow sharing within its scope, never reach past it."""
+        parts = [part for part in (self.cache_scope, self.cache_salt) if part]
+        return "/".join(parts) or None
 
 
 @dataclass
