@@ -57,6 +57,10 @@ class ClusterConfig:
             cannot end live requests.
         max_buffered_deltas: deltas a worker buffers per stream; past it the request is
             paused (it keeps its blocks) until the reader catches up.
+        stall_timeout_s: a worker that has runnable requests but takes no engine step for
+            this long is stalled: out of routing, and the router's streams on it end as if it
+            were lost (replayed on a peer, or UNAVAILABLE), so no stream waits on it forever.
+            It rejoins routing once it steps again. Longer than any one step may take.
         namespace: Ray namespace of the named actors (index, workers).
         name: prefix of the actors' names, so two apps can share a Ray cluster.
     """
@@ -87,6 +91,7 @@ class ClusterConfig:
     retry_after_s: float = 1.0
     lease_timeout_s: float = 10.0
     max_buffered_deltas: int = 64
+    stall_timeout_s: float = 60.0
     namespace: str = "pagedserve"
     name: str = "pagedserve"
 
@@ -103,7 +108,7 @@ class ClusterConfig:
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {getattr(self, name)}")
         timeouts = ("pull_timeout_s", "stats_interval_s", "rpc_timeout_s", "startup_timeout_s")
-        for name in (*timeouts, "retry_after_s", "push_free_fraction"):
+        for name in (*timeouts, "retry_after_s", "push_free_fraction", "stall_timeout_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):  # NaN fails every comparison
                 raise ValueError(f"{name} must be a finite number > 0, got {value}")

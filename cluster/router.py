@@ -28,6 +28,7 @@ import asyncio
 import copy
 import dataclasses
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -359,7 +360,11 @@ class RouterCore:
         stream = worker.handle.generate.remote(request)
         remaining = request.num_branches
         try:
-            async for ref in stream:
+            while True:
+                try:
+                    ref = await self._next_from(worker, stream)
+                except StopAsyncIteration:
+                    break
                 delta = await ref
                 if isinstance(delta, RequestMoved) or delta.finish_reason is not None:
                     remaining -= 1
@@ -380,6 +385,20 @@ class RouterCore:
             worker.end(demand)
             if remaining:  # cancelled or failed: the worker must free the blocks now
                 self._cancel(stream, worker, request_id)
+
+    async def _next_from(self, worker: WorkerState, stream: Any) -> Any:
+        """The stream's next delta ref; `WorkerLost` once the worker stalls or dies while we
+        wait (a worker alive but stuck must not hang its streams: the liveness poll judges
+        it every stats interval, and this wait looks at that judgement as often)."""
+        next_ref = asyncio.ensure_future(stream.__anext__())
+        while True:
+            done, _ = await asyncio.wait((next_ref,), timeout=self.config.stats_interval_s)
+            if done:
+                return next_ref.result()
+            if worker.hung(time.monotonic(), self.config.stall_timeout_s):
+                next_ref.cancel()
+                state = "stalled" if worker.stalled else "unanswering"
+                raise WorkerLost(f"worker {worker.worker_id} {state} mid-stream")
 
     def _cancel(self, stream, worker: WorkerState, request_id: str) -> None:
         import ray

@@ -71,6 +71,7 @@ class RouterCounters:
     push_blocks: int = 0
     replays: int = 0
     workers_lost: int = 0
+    workers_stalled: int = 0
     workers_restarted: int = 0
     workers_drained: int = 0
     drain_handoffs: int = 0  # streams a draining worker cut off (replayed on a peer)
@@ -100,6 +101,7 @@ _FLAT_NAMES = {
     "push_blocks": "migrations.push_blocks",
     "replays": "replays",
     "workers_lost": "workers_lost",
+    "workers_stalled": "workers_stalled",
     "workers_restarted": "workers_restarted",
     "workers_drained": "workers_drained",
     "drain_handoffs": "drain_handoffs",
