@@ -90,7 +90,6 @@ def test_app_args_split_telemetry_from_the_cluster_config():
     cluster, api = split_app_args({"num_workers": 1, "telemetry": {"exporter": "console"}})
     assert cluster == {"num_workers": 1}
     assert api.telemetry.exporter == "console"
-    assert api.to_dict()["telemetry"]["exporter"] == "console"
 
 
 # ----------------------------------------------------------------- no-op
