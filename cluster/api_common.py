@@ -15,7 +15,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedserve.cluster.api_errors import ApiError
 from pagedserve.cluster.router import RouterCore
@@ -23,12 +23,15 @@ from pagedserve.cluster.router_types import GenerateRequest
 from pagedserve.workers.errors import RequestRejected
 from pagedserve.workers.logprobs import TokenLogprob
 from pagedserve.workers.outputs import RequestMetrics, Usage
-from pagedserve.workers.sampling_params import SamplingParams
+from pagedserve.workers.sampling_params import SamplingKwargs, SamplingParams
 from pagedserve.workers.stream import StreamDelta
 from pagedserve.workers.tokenizer import render_chat
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack from Python 3.12
 
-def sampling_params(**kwargs: Any) -> SamplingParams:
+
+def sampling_params(**kwargs: Unpack[SamplingKwargs]) -> SamplingParams:
     """`SamplingParams(**kwargs)`, with its ValueError (which names the field) as an ApiError."""
     try:
         return SamplingParams(**kwargs)

@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from pagedserve.workers.telemetry import TelemetryConfig
@@ -62,9 +62,6 @@ class ApiConfig:
     auth: AuthConfig = field(default_factory=AuthConfig)
     served_model_name: str | None = None
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ApiConfig:

@@ -64,13 +64,13 @@ class Router:
     """Ingress: takes requests, routes them to workers, streams deltas back.
 
     Args:
-        config: `ClusterConfig` data.
-        api: `ApiConfig` data (auth, served model name, telemetry).
+        config: the cluster's config.
+        api: the front ends' config (auth, served model name, telemetry).
     """
 
-    def __init__(self, config: dict[str, Any], api: dict[str, Any] | None = None) -> None:
-        self.config = ClusterConfig.from_dict(config)
-        api_config = ApiConfig.from_dict(api or {})
+    def __init__(self, config: ClusterConfig, api: ApiConfig | None = None) -> None:
+        self.config = config
+        api_config = api or ApiConfig()
         telemetry = api_config.telemetry
         index, workers = start_worker_group(self.config, telemetry)
         tracing = get_tracing(telemetry, ROUTER_SERVICE)
@@ -153,11 +153,12 @@ class Router:
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
-    """Bind the router with its config (plain data: from YAML, flags or serveConfigV2).
+    """Bind the router with its config, validated here from the user's plain data.
 
     Args:
-        args: `ClusterConfig` data plus the API's keys (`auth`, `served_model_name`; see
-            `api_config`).
+        args: the config as the user wrote it (YAML, flags or serveConfigV2 `args`):
+            `ClusterConfig` data plus the API's keys (`auth`, `served_model_name`,
+            `telemetry`; see `api_config`).
 
     Raises:
         ValueError: a key or value is wrong (named), or the auth tokens file is unreadable.
@@ -167,7 +168,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     TokenAuth.from_config(api.auth)  # fail here, not in every replica, on a bad tokens file
     ongoing = max_ongoing_requests(config)
     router = Router.options(max_ongoing_requests=ongoing, max_queued_requests=ongoing)
-    return router.bind(config.to_dict(), api.to_dict())
+    return router.bind(config, api)  # frozen dataclasses: Serve pickles them to each replica
 
 
 def max_ongoing_requests(config: ClusterConfig) -> int:

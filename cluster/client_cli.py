@@ -14,11 +14,19 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
+from typing import Any, TypedDict
 
 from pagedserve.workers import cli as offline_cli
+from pagedserve.workers.sampling_params import SamplingKwargs
 
 TOKEN_ENV = "PAGEDSERVE_TOKEN"
+
+
+class PromptKwargs(TypedDict, total=False):
+    """The prompt of a `Client.generate` call: one of the two keys."""
+
+    prompt: str
+    messages: list[dict[str, str]]  # a chat the server renders by its chat template
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -63,16 +71,16 @@ def run_generate(args: argparse.Namespace) -> int:
 
     from pagedserve.cluster.client import Client
 
-    sampling = {
-        "max_tokens": args.max_tokens,
-        "temperature": args.temperature,
-        "top_p": args.top_p,
-        "top_k": args.top_k,
-        "seed": args.seed,
-        "n": args.n,
-        "stop": args.stop,
-        "ignore_eos": args.ignore_eos,
-    }
+    sampling = SamplingKwargs(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        n=args.n,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
     prompts = args.prompts or offline_cli.DEFAULT_PROMPTS
     try:
         with Client(args.address, token=args.token, timeout=args.timeout) as client:
@@ -89,13 +97,15 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _request_of(prompt: str, chat: bool) -> dict[str, Any]:
+def _request_of(prompt: str, chat: bool) -> PromptKwargs:
     """The prompt, or with `--chat` a one-turn chat the server renders by its chat template."""
-    return {"messages": offline_cli.chat_turns(prompt)} if chat else {"prompt": prompt}
+    if chat:
+        return PromptKwargs(messages=offline_cli.chat_turns(prompt))
+    return PromptKwargs(prompt=prompt)
 
 
 def _generate_one(
-    client: Any, request: dict[str, Any], sampling: dict[str, Any], as_json: bool
+    client: Any, request: PromptKwargs, sampling: SamplingKwargs, as_json: bool
 ) -> None:
     response = client.generate(**request, **sampling)
     if as_json:
@@ -112,7 +122,7 @@ def _generate_one(
 
 
 def _stream_one(
-    client: Any, request: dict[str, Any], sampling: dict[str, Any], as_json: bool
+    client: Any, request: PromptKwargs, sampling: SamplingKwargs, as_json: bool
 ) -> None:
     """Text to stdout as it arrives (branches marked `[j]` when n > 1); the summary to stderr."""
     multi = sampling["n"] > 1

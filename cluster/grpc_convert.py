@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal, get_args
 
 from pagedserve.cluster.api_common import CompletionCollector, chat_prompt, sampling_params
 from pagedserve.cluster.api_errors import ApiError
@@ -13,15 +13,17 @@ from pagedserve.cluster.worker_state import WorkerState
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
 from pagedserve.workers.logprobs import TokenLogprob
 from pagedserve.workers.outputs import RequestMetrics
+from pagedserve.workers.sampling_params import SamplingKwargs, SamplingParams
 from pagedserve.workers.stream import StreamDelta, Usage
 from pagedserve.workers.tokenizer import Tokenizer
 
 # Sampling fields declared `optional`: unset means the SamplingParams default, not zero.
-_OPTIONAL_SAMPLING = (
-    *("max_tokens", "temperature", "top_p", "top_k", "seed", "n"),
-    *("presence_penalty", "frequency_penalty", "repetition_penalty"),
-    *("logprobs", "prompt_logprobs"),
-)
+_OptionalSampling = Literal[
+    "max_tokens", "temperature", "top_p", "top_k", "seed", "n",
+    "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "logprobs", "prompt_logprobs",
+]  # fmt: skip
+_OPTIONAL_SAMPLING: tuple[_OptionalSampling, ...] = get_args(_OptionalSampling)
 _KV_FIELDS = tuple(f.name for f in pb.KVUsage.DESCRIPTOR.fields)
 # `WorkerStats` counts the proto carries as they are.
 _WORKER_COUNTS = (
@@ -68,18 +70,18 @@ def request_from_proto(
     )
 
 
-def params_from_proto(message: pb.SamplingParams) -> Any:
-    kwargs: dict[str, Any] = {
-        name: getattr(message, name) for name in _OPTIONAL_SAMPLING if message.HasField(name)
-    }
-    return sampling_params(
-        **kwargs,
+def params_from_proto(message: pb.SamplingParams) -> SamplingParams:
+    kwargs = SamplingKwargs(
         stop=list(message.stop),
         stop_token_ids=list(message.stop_token_ids),
         ignore_eos=message.ignore_eos,
         min_tokens=message.min_tokens,
         include_stop_str_in_output=message.include_stop_str_in_output,
     )
+    for name in _OPTIONAL_SAMPLING:
+        if message.HasField(name):
+            kwargs[name] = getattr(message, name)
+    return sampling_params(**kwargs)
 
 
 # ----------------------------------------------------------------- responses

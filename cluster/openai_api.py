@@ -6,6 +6,9 @@ the gRPC rules (see `api_errors`) as OpenAI-style JSON: `{"error": {"message", "
 request and waits for its first delta before sending the 200, so a bad request still gets its
 status; a failure after that arrives as an `{"error": ...}` event before `[DONE]`. A client that
 disconnects cancels the request, which frees its blocks on the worker.
+
+Requests are parsed into `openai_models`; every answer, chunk and error is an `openai_responses`
+model, built here by `CompletionChunks` / `ChatChunks` and turned into JSON at the last moment.
 """
 
 from __future__ import annotations
@@ -13,14 +16,17 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from collections.abc import Set as AbstractSet
 from typing import Any
 
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pagedserve.cluster.api_common import (
     CompletionCollector,
+    CompletionResult,
     chat_prompt,
     find_malformed_text,
     merge_streams,
@@ -35,6 +41,23 @@ from pagedserve.cluster.openai_models import (
     ChatMessage,
     CompletionBody,
     parse_body,
+)
+from pagedserve.cluster.openai_responses import (
+    STREAM_WITHOUT_USAGE,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    Completion,
+    CompletionChoice,
+    CompletionChunk,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    UsageInfo,
 )
 from pagedserve.cluster.router import RouterCore
 from pagedserve.cluster.router_types import GenerateRequest
@@ -68,8 +91,8 @@ class OpenAIFrontend:
             self.auth.check(request.headers.get("authorization"))
         except ApiError as error:
             return error_response(error)
-        card = {"id": self.model_name, "object": "model", "created": self.created}
-        return JSONResponse({"object": "list", "data": [{**card, "owned_by": OWNER}]})
+        card = ModelCard(id=self.model_name, created=self.created, owned_by=OWNER)
+        return JSONResponse(ModelList(data=[card]).model_dump())
 
     async def completions(self, request: Request) -> Response:
         try:
@@ -157,7 +180,11 @@ class OpenAIFrontend:
         return max(1, min(capacities, default=1) - prompt_len)
 
     async def _respond(
-        self, requests: list[GenerateRequest], stream: bool, include_usage: bool, chunks: Any
+        self,
+        requests: list[GenerateRequest],
+        stream: bool,
+        include_usage: bool,
+        chunks: ResponseBuilder,
     ) -> Response:
         merged = merge_streams([self.core.generate(r) for r in requests])
         try:
@@ -172,116 +199,156 @@ class OpenAIFrontend:
                     collectors[i].add(delta)
             except Exception as error:
                 return _error_or_raise(error)
-            return JSONResponse(chunks.whole(collectors))
+            return JSONResponse(chunks.whole(collectors).model_dump())
         events = _sse(first, merged, chunks, include_usage)
         return StreamingResponse(events, media_type="text/event-stream")
 
 
 # ------------------------------------------------------------------- chunks
-class CompletionChunks:
-    """Builds `text_completion` bodies and stream chunks; choice = prompt index * n + branch."""
-
-    object_name = "text_completion"
+class _ChoiceBuilder:
+    """What both response builders share: the response's id, time and model, and choice
+    numbering (choice = prompt index * n + branch)."""
 
     def __init__(self, request_id: str, created: int, model: str, n: int) -> None:
-        self.head = {"id": request_id, "object": self.object_name, "created": created}
+        self.request_id = request_id
+        self.created = created
         self.model = model
         self.n = n
-        self.extras = CompletionExtras()  # echo and log-probabilities, when asked for
 
     def choice_index(self, prompt_index: int, branch: int) -> int:
         return prompt_index * self.n + branch
 
-    def start(self) -> list[dict[str, Any]]:
-        return []
-
-    def chunk(self, index: int, delta: StreamDelta) -> dict[str, Any]:
-        text, logprobs = self.text_and_logprobs(index, delta)
-        choice = {"index": index, "text": text, "logprobs": logprobs}
-        return self._wrap([{**choice, "finish_reason": delta.finish_reason}])
-
-    def text_and_logprobs(self, index: int, part: Any) -> tuple[str, dict[str, Any] | None]:
-        """A delta's (or a whole completion's) text and `logprobs`, with `echo` applied."""
-        return self.extras.piece(
-            index, index // self.n, part.text, part.logprobs, part.prompt_logprobs
-        )
-
-    def whole(self, collectors: list[CompletionCollector]) -> dict[str, Any]:
-        choices = []
+    def results(
+        self, collectors: list[CompletionCollector]
+    ) -> Iterator[tuple[int, CompletionResult]]:
+        """Every finished branch of every prompt, with its choice index, in choice order."""
         for i, collector in enumerate(collectors):
-            for c in collector.completions:
-                index = self.choice_index(i, c.index)
-                text, logprobs = self.text_and_logprobs(index, c)
-                choices.append(
-                    {
-                        "index": index,
-                        **self.content(text),
-                        "logprobs": logprobs,
-                        "finish_reason": c.finish_reason,
-                    }
-                )
-        usage = Usage.total(collector.usage() for collector in collectors)
-        return {**self.head, "model": self.model, "choices": choices, "usage": usage_json(usage)}
-
-    def content(self, text: str) -> dict[str, Any]:
-        return {"text": text}
-
-    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
-        return {**self._wrap([]), "usage": usage_json(usage)}
-
-    def _wrap(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {**self.head, "model": self.model, "choices": choices}
+            for result in collector.completions:
+                yield self.choice_index(i, result.index), result
 
 
-class ChatChunks(CompletionChunks):
-    """Builds `chat.completion` bodies and `chat.completion.chunk` stream chunks."""
-
-    object_name = "chat.completion"
+class CompletionChunks(_ChoiceBuilder):
+    """Builds `text_completion` bodies and stream chunks."""
 
     def __init__(self, request_id: str, created: int, model: str, n: int) -> None:
         super().__init__(request_id, created, model, n)
-        self.chunk_head = {**self.head, "object": "chat.completion.chunk"}
+        self.extras = CompletionExtras()  # echo and log-probabilities, when asked for
 
-    def start(self) -> list[dict[str, Any]]:
-        role = {"role": "assistant", "content": ""}
+    def start(self) -> list[CompletionChunk]:
+        return []
+
+    def chunk(self, index: int, delta: StreamDelta) -> CompletionChunk:
+        return self._chunk([self._choice(index, delta, delta.finish_reason)])
+
+    def whole(self, collectors: list[CompletionCollector]) -> Completion:
+        return Completion(
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=[self._choice(i, c, c.finish_reason) for i, c in self.results(collectors)],
+            usage=UsageInfo.of(Usage.total(c.usage() for c in collectors)),
+        )
+
+    def usage_chunk(self, usage: Usage) -> CompletionChunk:
+        return self._chunk([], UsageInfo.of(usage))
+
+    def _choice(
+        self, index: int, part: StreamDelta | CompletionResult, finish_reason: str | None
+    ) -> CompletionChoice:
+        """A delta's (or a whole completion's) choice, with `echo` and `logprobs` applied."""
+        text, logprobs = self.extras.piece(
+            index, index // self.n, part.text, part.logprobs, part.prompt_logprobs
+        )
+        return CompletionChoice(
+            index=index, text=text, logprobs=logprobs, finish_reason=finish_reason
+        )
+
+    def _chunk(
+        self, choices: list[CompletionChoice], usage: UsageInfo | None = None
+    ) -> CompletionChunk:
+        return CompletionChunk(
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage,
+        )
+
+
+class ChatChunks(_ChoiceBuilder):
+    """Builds `chat.completion` bodies and `chat.completion.chunk` stream chunks."""
+
+    def start(self) -> list[ChatCompletionChunk]:
+        """One chunk per branch naming the assistant's role, before any text (as OpenAI)."""
+        role = ChatDelta(role="assistant", content="")
         return [
-            self._wrap([{"index": j, "delta": role, "logprobs": None, "finish_reason": None}])
+            self._chunk([ChatChunkChoice(index=j, delta=role, logprobs=None, finish_reason=None)])
             for j in range(self.n)
         ]
 
-    def chunk(self, index: int, delta: StreamDelta) -> dict[str, Any]:
-        content = {"content": delta.text} if delta.text else {}
-        choice = {"index": index, "delta": content, "logprobs": chat_logprobs(delta.logprobs)}
-        return self._wrap([{**choice, "finish_reason": delta.finish_reason}])
+    def chunk(self, index: int, delta: StreamDelta) -> ChatCompletionChunk:
+        choice = ChatChunkChoice(
+            index=index,
+            delta=ChatDelta(content=delta.text or None),
+            logprobs=chat_logprobs(delta.logprobs),
+            finish_reason=delta.finish_reason,
+        )
+        return self._chunk([choice])
 
-    def text_and_logprobs(self, index: int, part: Any) -> tuple[str, dict[str, Any] | None]:
-        return part.text, chat_logprobs(part.logprobs)
+    def whole(self, collectors: list[CompletionCollector]) -> ChatCompletion:
+        choices = [
+            ChatChoice(
+                index=index,
+                message=AssistantMessage(content=c.text),
+                logprobs=chat_logprobs(c.logprobs),
+                finish_reason=c.finish_reason,
+            )
+            for index, c in self.results(collectors)
+        ]
+        return ChatCompletion(
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=UsageInfo.of(Usage.total(c.usage() for c in collectors)),
+        )
 
-    def content(self, text: str) -> dict[str, Any]:
-        return {"message": {"role": "assistant", "content": text}}
+    def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
+        return self._chunk([], UsageInfo.of(usage))
 
-    def _wrap(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {**self.chunk_head, "model": self.model, "choices": choices}
+    def _chunk(
+        self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None
+    ) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage,
+        )
+
+
+ResponseBuilder = CompletionChunks | ChatChunks
 
 
 async def _sse(
     first: tuple[int, StreamDelta],
     rest: AsyncIterator[tuple[int, StreamDelta]],
-    chunks: CompletionChunks,
+    chunks: ResponseBuilder,
     include_usage: bool,
 ) -> AsyncIterator[str]:
     """Server-sent events: the chunks, then usage if asked for, then `[DONE]`."""
     totals: dict[int, CompletionCollector] = {}  # per prompt, for the usage chunk
-    extra = {"usage": None} if include_usage else {}
+    exclude = None if include_usage else STREAM_WITHOUT_USAGE
 
     def event(i: int, delta: StreamDelta) -> str:
         totals.setdefault(i, CompletionCollector(keep_output=False)).add(delta)
         if not delta.text and delta.finish_reason is None and not delta.logprobs:
             return ""  # tokens whose text is not complete yet (a split UTF-8 character)
-        return _data({**chunks.chunk(chunks.choice_index(i, delta.index), delta), **extra})
+        return _data(chunks.chunk(chunks.choice_index(i, delta.index), delta), exclude)
 
     for start in chunks.start():
-        yield _data({**start, **extra})
+        yield _data(start, exclude)
     if text := event(*first):
         yield text
     try:
@@ -306,32 +373,20 @@ def render_chat(messages: list[ChatMessage], tokenizer: Any) -> str:
     return chat_prompt([{"role": m.role, "content": m.text()} for m in messages], tokenizer)
 
 
-def usage_json(usage: Usage) -> dict[str, Any]:
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-    }
-
-
-def error_json(error: ApiError) -> dict[str, Any]:
+def error_json(error: ApiError) -> ErrorResponse:
     param = "prompt" if error.param == "prompt_token_ids" else error.param
-    return {
-        "error": {
-            "message": error.message,
-            "type": error.openai_type,
-            "param": param,
-            "code": error.code.value.lower(),
-        }
-    }
+    info = ErrorInfo(
+        message=error.message, type=error.openai_type, param=param, code=error.code.value.lower()
+    )
+    return ErrorResponse(error=info)
 
 
 def error_response(error: ApiError) -> JSONResponse:
     headers = {"www-authenticate": "Bearer"} if error.code is ErrorCode.UNAUTHENTICATED else {}
     if retry_after := error.retry_after_header():
         headers["retry-after"] = retry_after
-    return JSONResponse(error_json(error), status_code=error.http_status, headers=headers or None)
+    body = error_json(error).model_dump()
+    return JSONResponse(body, status_code=error.http_status, headers=headers or None)
 
 
 def _error_or_raise(error: Exception) -> JSONResponse:
@@ -343,8 +398,10 @@ def _batch_id(base: str, i: int, prompts: list) -> str:
     return base if len(prompts) == 1 else f"{base}-{i}"
 
 
-def _data(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+def _data(payload: BaseModel, exclude: AbstractSet[str] | None = None) -> str:
+    """One server-sent event. `json.dumps` of `model_dump()`, not `model_dump_json()`: its
+    `", "` separators and float spelling are what clients have always been sent."""
+    return f"data: {json.dumps(payload.model_dump(exclude=exclude), ensure_ascii=False)}\n\n"
 
 
 async def read_body(request: Request, limit: int) -> bytes:

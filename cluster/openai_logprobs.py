@@ -22,6 +22,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.cluster.api_errors import ApiError
+from pagedserve.cluster.openai_responses import (
+    ChatLogprob,
+    ChatLogprobEntry,
+    ChatLogprobs,
+    CompletionLogprobs,
+)
 from pagedserve.workers.logprobs import TokenLogprob
 
 
@@ -54,7 +60,7 @@ class CompletionExtras:
         text: str,
         logprobs: Sequence[TokenLogprob | None] | None,
         prompt_logprobs: Sequence[TokenLogprob | None] | None,
-    ) -> tuple[str, dict[str, Any] | None]:
+    ) -> tuple[str, CompletionLogprobs | None]:
         """The text and `logprobs` object of a choice's next chunk (or of the whole choice)."""
         first = choice not in self._offsets
         items: list[TokenLogprob | None] = []
@@ -74,9 +80,12 @@ class CompletionExtras:
 
 def legacy_logprobs(
     items: Sequence[TokenLogprob | None], offset: int = 0, missing_token: str = ""
-) -> dict[str, Any]:
+) -> CompletionLogprobs:
     """The completions `logprobs` object; an entry without a log-probability shows as null."""
-    tokens, values, tops, offsets = [], [], [], []
+    tokens: list[str] = []
+    values: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
     for item in items:
         offsets.append(offset)
         token = missing_token if item is None else item.token
@@ -84,29 +93,28 @@ def legacy_logprobs(
         values.append(None if item is None else item.logprob)
         tops.append(None if item is None else {t.token: t.logprob for t in item.top})
         offset += len(token)
-    return {
-        "tokens": tokens,
-        "token_logprobs": values,
-        "top_logprobs": tops,
-        "text_offset": offsets,
-    }
+    return CompletionLogprobs(
+        tokens=tokens, token_logprobs=values, top_logprobs=tops, text_offset=offsets
+    )
 
 
-def chat_logprobs(items: Sequence[TokenLogprob | None] | None) -> dict[str, Any] | None:
+def chat_logprobs(items: Sequence[TokenLogprob | None] | None) -> ChatLogprobs | None:
     """The chat `logprobs` object of some tokens (None when none were asked for)."""
     if items is None:
         return None
-    return {"content": [_chat_entry(item) for item in items if item is not None]}
+    return ChatLogprobs(content=[_chat_entry(item) for item in items if item is not None])
 
 
-def _chat_entry(item: TokenLogprob) -> dict[str, Any]:
-    top = [_token_json(t.token, t.logprob) for t in item.top]
-    return {**_token_json(item.token, item.logprob), "top_logprobs": top}
+def _chat_entry(item: TokenLogprob) -> ChatLogprobEntry:
+    top = [ChatLogprob(token=t.token, logprob=t.logprob, bytes=_utf8(t.token)) for t in item.top]
+    return ChatLogprobEntry(
+        token=item.token, logprob=item.logprob, bytes=_utf8(item.token), top_logprobs=top
+    )
 
 
-def _token_json(token: str, logprob: float) -> dict[str, Any]:
+def _utf8(token: str) -> list[int]:
     # `bytes` as vLLM fills it: the UTF-8 of the token's text.
-    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+    return list(token.encode("utf-8"))
 
 
 def echoed_prompts(prompts: Sequence[str | list[int]], tokenizer: Any) -> list[EchoedPrompt]:

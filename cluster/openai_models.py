@@ -15,6 +15,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pagedserve.cluster.api_errors import ApiError
+from pagedserve.workers.sampling_params import SamplingKwargs
 
 
 class _Body(BaseModel):
@@ -51,23 +52,26 @@ class _SamplingFields(_Body):
     cache_salt: str | None = None
     request_id: str | None = None
 
-    def sampling_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for `SamplingParams` (None means "its default")."""
-        kwargs: dict[str, Any] = {
-            "n": self.n,
-            "stop": self.stop,
-            "seed": self.seed,
-            "min_tokens": self.min_tokens,
-            "ignore_eos": self.ignore_eos,
-            "stop_token_ids": self.stop_token_ids,
-            "include_stop_str_in_output": self.include_stop_str_in_output,
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "repetition_penalty": self.repetition_penalty,
-        }
-        for name in ("temperature", "top_p", "top_k"):
-            if getattr(self, name) is not None:
-                kwargs[name] = getattr(self, name)
+    def sampling_kwargs(self) -> SamplingKwargs:
+        """Keyword arguments for `SamplingParams` (a field left None takes its default)."""
+        kwargs = SamplingKwargs(
+            n=self.n,
+            stop=self.stop,
+            seed=self.seed,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+            stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+        )
+        if self.temperature is not None:
+            kwargs["temperature"] = self.temperature
+        if self.top_p is not None:
+            kwargs["top_p"] = self.top_p
+        if self.top_k is not None:
+            kwargs["top_k"] = self.top_k
         return kwargs
 
     @property
@@ -84,16 +88,15 @@ class CompletionBody(_SamplingFields):
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # vLLM extra; `echo` + `logprobs` implies it
 
-    def sampling_kwargs(self) -> dict[str, Any]:
+    def sampling_kwargs(self) -> SamplingKwargs:
         """With `echo` and `logprobs`, the prompt's log-probabilities too (loglikelihood)."""
         prompt_logprobs = self.prompt_logprobs
         if prompt_logprobs is None and self.echo and self.logprobs is not None:
             prompt_logprobs = self.logprobs
-        return {
-            **super().sampling_kwargs(),
-            "logprobs": self.logprobs,
-            "prompt_logprobs": prompt_logprobs,
-        }
+        kwargs = super().sampling_kwargs()
+        kwargs["logprobs"] = self.logprobs
+        kwargs["prompt_logprobs"] = prompt_logprobs
+        return kwargs
 
     def prompts(self) -> list[str | list[int]]:
         """The batch: each item a text or a token-id list."""
@@ -132,12 +135,13 @@ class ChatCompletionBody(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
 
-    def sampling_kwargs(self) -> dict[str, Any]:
+    def sampling_kwargs(self) -> SamplingKwargs:
         """`logprobs: true` with `top_logprobs` alternatives (0 when unset)."""
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError.invalid("top_logprobs: needs logprobs: true", "top_logprobs")
-        logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return {**super().sampling_kwargs(), "logprobs": logprobs}
+        kwargs = super().sampling_kwargs()
+        kwargs["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
+        return kwargs
 
     def max_output_tokens(self) -> int | None:
         return (

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported where called: importing this module must not import Serve
+    from ray.serve.config import HTTPOptions, gRPCOptions
 
 # Import paths of the functions Serve's gRPC proxy registers services with: our Generation
 # service (with lenient request parsing, see `grpc_wire`) and the standard health service.
@@ -20,11 +23,13 @@ GRPC_SERVICER_FUNCTIONS: list[str] = [
 ROUTER_ENV_VARS: dict[str, str] = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 
 
-def http_options(host: str = "0.0.0.0", port: int = 8000) -> dict[str, Any]:
-    return {"host": host, "port": port}
+def http_options(host: str = "0.0.0.0", port: int = 8000) -> HTTPOptions:
+    from ray.serve.config import HTTPOptions
+
+    return HTTPOptions(host=host, port=port)
 
 
-def grpc_options(port: int = 9000) -> Any:
+def grpc_options(port: int = 9000) -> gRPCOptions:
     from ray.serve.config import gRPCOptions
 
     return gRPCOptions(port=port, grpc_servicer_functions=list(GRPC_SERVICER_FUNCTIONS))

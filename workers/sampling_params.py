@@ -10,7 +10,7 @@ import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 MAX_N = 64
 
@@ -159,6 +159,30 @@ class SamplingParams:
             raise ValueError(f"index must be in [0, n={self.n}), got {index}")
         seed = None if self.seed is None else self.seed + index
         return dataclasses.replace(self, n=1, seed=seed)
+
+
+class SamplingKwargs(TypedDict, total=False):
+    """Keyword arguments of `SamplingParams`, as a front end gathers them from a request: a
+    key left out takes the field's default. `stop` and `stop_token_ids` may be one string, any
+    iterable or None, as `SamplingParams` normalises them (a test keeps the keys equal to the
+    dataclass's fields)."""
+
+    n: int
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: str | Iterable[str] | None
+    stop_token_ids: Iterable[int] | None
+    ignore_eos: bool
+    min_tokens: int
+    include_stop_str_in_output: bool
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logprobs: int | None
+    prompt_logprobs: int | None
 
 
 def _as_list(name: str, value: Any) -> list[Any]:

@@ -338,26 +338,26 @@ def test_completion_and_chat_bodies():
     collectors[0].add(final_delta(1, "c", [99]))
     collectors[1].add(final_delta(0, "d", [100]))
     whole = CompletionChunks("cmpl-1", 7, "tiny-llama", n=2).whole(collectors)
-    assert [(c["index"], c["text"]) for c in whole["choices"]] == [(0, "ab"), (1, "c"), (2, "d")]
-    assert whole["usage"]["prompt_tokens"] == 6 and whole["usage"]["completion_tokens"] == 4
-    assert whole["usage"]["total_tokens"] == 10
-    assert whole["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
+    assert [(c.index, c.text) for c in whole.choices] == [(0, "ab"), (1, "c"), (2, "d")]
+    assert whole.usage.prompt_tokens == 6 and whole.usage.completion_tokens == 4
+    assert whole.usage.total_tokens == 10
+    assert whole.usage.model_dump()["prompt_tokens_details"] == {"cached_tokens": 4}
 
     chat = ChatChunks("chatcmpl-1", 7, "tiny-llama", n=1)
     body = chat.whole(collectors[:1])
-    assert body["object"] == "chat.completion"
-    assert body["choices"][0]["message"] == {"role": "assistant", "content": "ab"}
+    assert body.object == "chat.completion"
+    assert body.choices[0].message.model_dump() == {"role": "assistant", "content": "ab"}
     (start,) = chat.start()
-    assert start["object"] == "chat.completion.chunk"
-    assert start["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert start.object == "chat.completion.chunk"
+    assert start.choices[0].delta.model_dump() == {"role": "assistant", "content": ""}
     chunk = chat.chunk(0, final_delta(0, "z", [122], finish_reason="stop"))
-    assert chunk["choices"][0]["delta"] == {"content": "z"}
-    assert chunk["choices"][0]["finish_reason"] == "stop"
+    assert chunk.choices[0].delta.model_dump() == {"content": "z"}
+    assert chunk.choices[0].finish_reason == "stop"
 
 
 def test_error_json_uses_the_openai_shape():
     error = ApiError(ErrorCode.INVALID_ARGUMENT, "prompt_token_ids holds ids outside [0, 259)")
-    assert error_json(error) == {
+    assert error_json(error).model_dump() == {
         "error": {
             "message": "prompt_token_ids holds ids outside [0, 259)",
             "type": "invalid_request_error",
@@ -497,9 +497,9 @@ def test_completion_logprobs_and_echo_in_the_legacy_shape():
     delta.prompt_logprobs = [None, lp(105, -2.0, (101, -1.0))]
     collector = CompletionCollector()
     collector.add(delta)
-    (choice,) = chunks.whole([collector])["choices"]
-    assert choice["text"] == "hi!"
-    assert choice["logprobs"] == {
+    (choice,) = chunks.whole([collector]).choices
+    assert choice.text == "hi!"
+    assert choice.logprobs.model_dump() == {
         "tokens": ["h", "i", "!"],
         "token_logprobs": [None, -2.0, -0.5],
         "top_logprobs": [None, {"e": -1.0}, {"!": -0.5, "?": -1.5}],
@@ -509,20 +509,20 @@ def test_completion_logprobs_and_echo_in_the_legacy_shape():
     streamed.extras = CompletionExtras(echoed_prompts([[104, 105]], ByteTokenizer()), False)
     first = streamed.chunk(0, StreamDelta("r1", 0, [33], "!"))
     later = streamed.chunk(0, StreamDelta("r1", 0, [33], "!"))
-    assert first["choices"][0]["text"] == "hi!" and later["choices"][0]["text"] == "!"
-    assert first["choices"][0]["logprobs"] is None
+    assert first.choices[0].text == "hi!" and later.choices[0].text == "!"
+    assert first.choices[0].logprobs is None
 
 
 def test_chat_logprobs_in_the_chat_shape():
     chat = ChatChunks("chatcmpl-1", 7, "tiny-llama", n=1)
     delta = final_delta(0, "é", [195, 169], logprobs=[lp(195, -0.1, (195, -0.1)), lp(169, -0.2)])
     chunk = chat.chunk(0, delta)
-    content = chunk["choices"][0]["logprobs"]["content"]
-    assert [c["logprob"] for c in content] == [-0.1, -0.2]
-    assert content[0]["top_logprobs"] == [
+    content = chunk.choices[0].logprobs.content
+    assert [c.logprob for c in content] == [-0.1, -0.2]
+    assert [t.model_dump() for t in content[0].top_logprobs] == [
         {"token": "\ufffd", "logprob": -0.1, "bytes": [239, 191, 189]}
     ]
-    assert chat.chunk(0, final_delta(0, "z", [122]))["choices"][0]["logprobs"] is None
+    assert chat.chunk(0, final_delta(0, "z", [122])).choices[0].logprobs is None
 
 
 def test_grpc_carries_logprobs_and_prompt_logprobs():

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import typing
 
 import pytest
 
-from pagedserve.workers.sampling_params import SamplingParams
+from pagedserve.workers.sampling_params import SamplingKwargs, SamplingParams
 
 
 def test_defaults_are_valid() -> None:
@@ -21,6 +23,12 @@ def test_defaults_are_valid() -> None:
     )
     assert p.stop == [] and p.stop_token_ids == []
     assert not p.is_greedy
+
+
+def test_sampling_kwargs_name_every_field() -> None:
+    fields = [f.name for f in dataclasses.fields(SamplingParams)]
+    assert list(typing.get_type_hints(SamplingKwargs)) == fields
+    assert SamplingKwargs.__required_keys__ == frozenset()
 
 
 def test_stop_normalised_to_a_fresh_list() -> None:
