@@ -76,6 +76,22 @@ class _Attempt:
     params: SamplingParams | None = None
     handoff: RequestHandoff | None = None
     source: str | None = None
+    refused_by: frozenset[str] = frozenset()  # workers that refused this leg (Overloaded)
+
+    @property
+    def continues(self) -> bool:
+        """A replay or a moved continuation: the client already has part of the answer, so a
+        refusal tries the next worker instead of ending the request."""
+        return self.branch is not None or self.handoff is not None
+
+
+class _LegRefused(Exception):
+    """A worker refused a continuing leg before streaming anything (`Overloaded`)."""
+
+    def __init__(self, worker_id: str, error: Overloaded) -> None:
+        super().__init__(str(error))
+        self.worker_id = worker_id
+        self.error = error
 
 
 def params_left(handoff) -> int:
@@ -179,13 +195,18 @@ class RouterCore:
         return len(await self._tokenize(request))
 
     async def route(
-        self, token_ids: list[int], cache_salt: str | None, span: Any = None
+        self,
+        token_ids: list[int],
+        cache_salt: str | None,
+        span: Any = None,
+        exclude: frozenset[str] = frozenset(),
     ) -> tuple[WorkerState, int]:
         """Pick a worker for a prompt; pull its prefix from a peer when that beats prefill.
 
         `span`: the `route` span, given the decision (and parent of a pull), if traced.
+        `exclude`: workers not to pick (they refused this request already).
         """
-        alive = [w for w in self.workers.values() if w.routable]
+        alive = [w for w in self.workers.values() if w.routable and w.worker_id not in exclude]
         if not alive:
             raise NoWorkerAvailable("no worker is alive and admitting")
         extra = (self.model_name,) + ((cache_salt,) if cache_salt else ())
@@ -293,13 +314,21 @@ class RouterCore:
             except WorkerLost as lost:
                 trace.root.add_event("worker_lost", {"exception.message": str(lost)})
                 plan = self._replay_plan(request, token_ids, emitted, finished)
+            except _LegRefused as refused:
+                refused_by = attempt.refused_by | {refused.worker_id}
+                others = [w for w in self.workers.values() if w.worker_id not in refused_by]
+                if not any(w.routable for w in others):
+                    raise refused.error from None  # every worker refused it: nothing to try
+                self.counters.legs_retried += 1
+                trace.root.add_event("leg_refused", {"pagedserve.worker_id": refused.worker_id})
+                plan.insert(0, dataclasses.replace(attempt, refused_by=refused_by))
 
     async def _attempt(
         self, attempt: _Attempt, request_id: str, request: GenerateRequest, trace: RouterTrace
     ) -> AsyncIterator[StreamDelta | RequestMoved]:
         params = attempt.params
         if attempt.handoff is not None:
-            worker = self.migrations.move_target(attempt.source)
+            worker = self.migrations.move_target(attempt.source, attempt.refused_by)
             tokens = len(attempt.handoff.all_token_ids)
             span = migration_span(self.tracing, trace.root, "move", attempt.source, worker, tokens)
             worker_request = WorkerRequest.moved(
@@ -309,7 +338,9 @@ class RouterCore:
         else:
             route_span = trace.child("route")
             try:
-                worker, matched = await self.route(attempt.prompt, request.prefix_salt, route_span)
+                worker, matched = await self.route(
+                    attempt.prompt, request.prefix_salt, route_span, attempt.refused_by
+                )
             finally:
                 route_span.end()
             span = trace.child("worker.call", **{"pagedserve.worker_id": worker.worker_id})
@@ -326,11 +357,17 @@ class RouterCore:
             # What this request adds to the worker's work: tokens it must still prefill (a
             # cached prefix costs nothing) plus what it will decode.
             demand = len(attempt.prompt) - matched * self.block_size + params.max_tokens * params.n
+        streamed = False
         try:
             async for delta in self._stream(worker, worker_request, demand):
                 if attempt.branch is not None and isinstance(delta, StreamDelta):
                     delta.index = attempt.branch
+                streamed = True
                 yield delta
+        except Overloaded as error:
+            if not attempt.continues or streamed:
+                raise
+            raise _LegRefused(worker.worker_id, error) from error
         finally:
             span.end()
 

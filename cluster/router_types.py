@@ -72,6 +72,7 @@ class RouterCounters:
     replays: int = 0
     workers_lost: int = 0
     workers_stalled: int = 0
+    legs_retried: int = 0  # a replay or move leg refused by one worker, sent to the next
     workers_restarted: int = 0
     workers_drained: int = 0
     drain_handoffs: int = 0  # streams a draining worker cut off (replayed on a peer)
@@ -102,6 +103,7 @@ _FLAT_NAMES = {
     "replays": "replays",
     "workers_lost": "workers_lost",
     "workers_stalled": "workers_stalled",
+    "legs_retried": "legs_retried",
     "workers_restarted": "workers_restarted",
     "workers_drained": "workers_drained",
     "drain_handoffs": "drain_handoffs",

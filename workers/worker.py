@@ -186,6 +186,9 @@ class Worker:
     async def check_pool(self) -> PoolCheck:
         return self.core.check_pool()
 
+    async def chaos_refuse_next(self, count: int) -> None:
+        self.core.chaos_refuse_next(count)
+
     async def chaos_stall(self, stalled: bool) -> None:
         self.core.chaos_stall(stalled)
 

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 from pagedserve.workers.block import BlockKey
 from pagedserve.workers.engine import Engine
-from pagedserve.workers.errors import Draining, HandedOff
+from pagedserve.workers.errors import Draining, HandedOff, Overloaded
 from pagedserve.workers.handoff import RequestHandoff
 from pagedserve.workers.kv_cache_manager import PrefixTransfer
 from pagedserve.workers.kv_checks import KVInvariantError, assert_no_leaks, check_invariants
@@ -107,6 +107,7 @@ class WorkerCore:
         self._waiting_for_work = False
         self._unstalled = threading.Event()  # cleared by `chaos_stall`: steps block
         self._unstalled.set()
+        self._refuse_next = 0  # set by `chaos_refuse_next`: new streams refused as Overloaded
 
     # ------------------------------------------------------------ the loop
     def start(self) -> None:
@@ -287,6 +288,9 @@ class WorkerCore:
         self.start()
         if self.draining:
             raise Draining(f"worker {self.worker_id} is draining", retry_after_s=0.0)
+        if self._refuse_next:
+            self._refuse_next -= 1
+            raise Overloaded(f"worker {self.worker_id} refused on purpose (chaos)")
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already streaming on this worker")
         buffer = DeltaBuffer(self.max_buffered_deltas)
@@ -404,6 +408,11 @@ class WorkerCore:
             self._unstalled.clear()
         else:
             self._unstalled.set()
+
+    def chaos_refuse_next(self, count: int) -> None:
+        """Refuse the next `count` streams (new or adopted) with `Overloaded`, as a full
+        waiting queue would (retry tests)."""
+        self._refuse_next = count
 
     def chaos_drop_next_event_batch(self) -> None:
         """Lose the next KV event batch on purpose (soak and resync tests)."""
