@@ -77,12 +77,27 @@ class _Attempt:
     handoff: RequestHandoff | None = None
     source: str | None = None
     refused_by: frozenset[str] = frozenset()  # workers that refused this leg (Overloaded)
+    # A replay: `handoff` (no KV) goes to the worker routed for `prompt`, which continues the
+    # branch's output and its text exactly where the client's stream stopped.
+    replay: bool = False
 
     @property
     def continues(self) -> bool:
         """A replay or a moved continuation: the client already has part of the answer, so a
         refusal tries the next worker instead of ending the request."""
         return self.branch is not None or self.handoff is not None
+
+
+@dataclasses.dataclass
+class _Emitted:
+    """What the client has of one branch: its token ids and how much of its text."""
+
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_chars: int = 0
+
+    def add(self, delta: StreamDelta) -> None:
+        self.token_ids.extend(delta.token_ids)
+        self.num_chars += len(delta.text)
 
 
 class _LegRefused(Exception):
@@ -292,7 +307,7 @@ class RouterCore:
     ) -> AsyncIterator[StreamDelta]:
         token_ids = await self._tokenize(request)
         trace.on_prompt(len(token_ids))
-        emitted: dict[int, list[int]] = {j: [] for j in range(request.params.n)}
+        emitted = {j: _Emitted() for j in range(request.params.n)}
         finished: set[int] = set()
         plan = [_Attempt(None, token_ids, request.params)]
         while plan:
@@ -305,7 +320,7 @@ class RouterCore:
                         )
                         self.migrations.on_moved()
                         continue
-                    emitted[delta.index].extend(delta.token_ids)
+                    emitted[delta.index].add(delta)
                     if delta.finish_reason is not None:
                         finished.add(delta.index)
                         trace.on_delta(delta)
@@ -313,7 +328,7 @@ class RouterCore:
                     yield delta
             except WorkerLost as lost:
                 trace.root.add_event("worker_lost", {"exception.message": str(lost)})
-                plan = self._replay_plan(request, token_ids, emitted, finished)
+                plan = self._replay_plan(request, request_id, token_ids, emitted, finished)
             except _LegRefused as refused:
                 refused_by = attempt.refused_by | {refused.worker_id}
                 others = [w for w in self.workers.values() if w.worker_id not in refused_by]
@@ -327,7 +342,7 @@ class RouterCore:
         self, attempt: _Attempt, request_id: str, request: GenerateRequest, trace: RouterTrace
     ) -> AsyncIterator[StreamDelta | RequestMoved]:
         params = attempt.params
-        if attempt.handoff is not None:
+        if attempt.handoff is not None and not attempt.replay:
             worker = self.migrations.move_target(attempt.source, attempt.refused_by)
             tokens = len(attempt.handoff.all_token_ids)
             span = migration_span(self.tracing, trace.root, "move", attempt.source, worker, tokens)
@@ -344,19 +359,26 @@ class RouterCore:
             finally:
                 route_span.end()
             span = trace.child("worker.call", **{"pagedserve.worker_id": worker.worker_id})
-            worker_request = WorkerRequest.fresh(
-                request_id,
-                attempt.prompt,
-                params,
-                priority=request.priority,
-                cache_salt=request.prefix_salt,
-                timeout_s=request.timeout_s,
-                trace_context=trace.carrier(span),
-                owner_id=self.router_id,
-            )
+            if attempt.replay:
+                worker_request = WorkerRequest.moved(
+                    attempt.handoff, trace_context=trace.carrier(span), owner_id=self.router_id
+                )
+                decode = params_left(attempt.handoff)
+            else:
+                worker_request = WorkerRequest.fresh(
+                    request_id,
+                    attempt.prompt,
+                    params,
+                    priority=request.priority,
+                    cache_salt=request.prefix_salt,
+                    timeout_s=request.timeout_s,
+                    trace_context=trace.carrier(span),
+                    owner_id=self.router_id,
+                )
+                decode = params.max_tokens * params.n
             # What this request adds to the worker's work: tokens it must still prefill (a
             # cached prefix costs nothing) plus what it will decode.
-            demand = len(attempt.prompt) - matched * self.block_size + params.max_tokens * params.n
+            demand = len(attempt.prompt) - matched * self.block_size + decode
         streamed = False
         try:
             async for delta in self._stream(worker, worker_request, demand):
@@ -371,21 +393,40 @@ class RouterCore:
         finally:
             span.end()
 
-    def _replay_plan(self, request, token_ids, emitted, finished) -> list[_Attempt]:
+    def _replay_plan(
+        self,
+        request: GenerateRequest,
+        request_id: str,
+        token_ids: list[int],
+        emitted: dict[int, _Emitted],
+        finished: set[int],
+    ) -> list[_Attempt]:
+        """One replay leg per unfinished branch: a handoff without KV, so the peer continues
+        from the branch's tokens (recomputing their KV, or hitting its prefix cache) with the
+        detokenizer resumed where the client's text stopped: a character split across the
+        failure point, or a stop string spanning it, comes out exactly as without it."""
         if self.config.on_worker_failure == "fail":
             raise NoWorkerAvailable("the worker serving this request died")
         self.counters.replays += 1
+        salt = request.prefix_salt
+        extra_keys = (self.model_name,) + ((salt,) if salt else ())
         plan = []
         for j in sorted(set(emitted) - finished):
             done = emitted[j]
-            params = request.params.for_branch(j)
-            params = dataclasses.replace(
+            # Prompt log-probabilities went out with the branch's first delta.
+            params = dataclasses.replace(request.params.for_branch(j), prompt_logprobs=None)
+            handoff = RequestHandoff.replay(
+                request_id,
+                token_ids,
+                done.token_ids,
+                done.num_chars,
                 params,
-                max_tokens=params.max_tokens - len(done),
-                min_tokens=max(0, params.min_tokens - len(done)),
-                prompt_logprobs=None,  # sent with the first delta; this prompt is longer
+                priority=request.priority,
+                cache_extra_keys=extra_keys,
+                block_size=self.block_size,
+                deadline_remaining_s=request.timeout_s,
             )
-            plan.append(_Attempt(j, token_ids + done, params))
+            plan.append(_Attempt(j, token_ids + done.token_ids, handoff=handoff, replay=True))
         return plan
 
     async def _stream(

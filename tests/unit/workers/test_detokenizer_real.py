@@ -54,3 +54,42 @@ def test_stop_strings_of_multibyte_characters(smollm2_tokenizer, text, stop, inc
     assert detokenizer.stopped_by == stop
     assert "".join(deltas) == detokenizer.text == text[:end]
     assert all(REPLACEMENT_CHAR not in delta for delta in deltas)
+
+
+def resumed_at(tokenizer, ids: list[int], split: int, stops: list[str]) -> tuple[str, str | None]:
+    """A stream whose first detokenizer (a lost worker's) saw `ids[:split]`, and a second one
+    (a replay on a peer) resumed from those tokens and the text the client got: the client's
+    whole text, and the stop string that ended it."""
+    first = IncrementalDetokenizer(tokenizer, stops)
+    got = ""
+    for token in ids[:split]:
+        got += first.append([token])
+        if first.stopped_by is not None:
+            return got + first.flush(), first.stopped_by
+    second = IncrementalDetokenizer(tokenizer, stops)
+    second.resume(ids[:split], len(got))
+    for token in ids[split:]:
+        got += second.append([token])
+        if second.stopped_by is not None:
+            break
+    return got + second.flush(), second.stopped_by
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_a_replay_resumes_the_text_exactly_at_every_split(smollm2_tokenizer, text):
+    """A worker lost after any token, a character split over tokens or not: the client's text
+    is the text, never a character lost, doubled or half."""
+    ids = smollm2_tokenizer.encode(text)
+    for split in range(1, len(ids)):
+        assert resumed_at(smollm2_tokenizer, ids, split, []) == (text, None), split
+
+
+@pytest.mark.parametrize(
+    "text, stop",
+    [(JAPANESE, "東京"), (EMOJI, "🍓"), ("naïve café — 東京 🍓🍓 done", "🍓 done")],
+)
+def test_a_stop_string_spanning_the_replay_point_still_stops(smollm2_tokenizer, text, stop):
+    ids = smollm2_tokenizer.encode(text)
+    expected = (text[: text.index(stop)], stop)
+    for split in range(1, len(ids)):
+        assert resumed_at(smollm2_tokenizer, ids, split, [stop]) == expected, split
