@@ -1,7 +1,7 @@
 """A burst of concurrent unary `Generate` calls against a running server: the count of every
 final status (code, details, `retry-after` trailer) and how long a refusal took.
 
-    python -m pagedserve.bench.grpc_burst --address 127.0.0.1:9000 --calls 1500 --bursts 3
+    pagedserve bench grpc-burst --address 127.0.0.1:9000 --calls 1500 --bursts 3
 
 The README promises each call ends OK, RESOURCE_EXHAUSTED with a `retry-after` trailer, or an
 error that names its problem; this counts the calls that do not (`unexpected`).
@@ -106,25 +106,35 @@ def _spread(values: list[float]) -> list[float]:
     return [round(values[0], 2), round(statistics.median(values), 2), round(values[-1], 2)]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--address", default="127.0.0.1:9000")
-    parser.add_argument("--calls", type=int, default=1500)
-    parser.add_argument("--bursts", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--channels", type=int, default=1)
-    parser.add_argument("--pause-s", type=float, default=5.0, help="between bursts")
-    args = parser.parse_args()
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "grpc-burst",
+        help="many unary Generate calls at once: every final status, time to a refusal",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add = parser.add_argument
+    add("--address", default="127.0.0.1:9000", help="a running `pagedserve serve` (gRPC)")
+    add("--calls", type=int, default=1500, help="calls per burst, all sent at once")
+    add("--bursts", type=int, default=3)
+    add("--max-tokens", type=int, default=8, help="per call")
+    add("--channels", type=int, default=1, help="calls spread over this many channels")
+    add("--pause-s", type=float, default=5.0, help="between bursts")
+    add("--token", default=None, help="bearer token, when the server has auth on")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """One JSON line per burst; exit status 1 when any call ended unexpectedly."""
+    metadata = (("authorization", f"Bearer {args.token}"),) if args.token else ()
     unexpected = 0
     for burst in range(args.bursts):
         if burst:
             time.sleep(args.pause_s)
-        outcomes = asyncio.run(run_burst(args.address, args.calls, args.max_tokens, args.channels))
+        outcomes = asyncio.run(
+            run_burst(args.address, args.calls, args.max_tokens, args.channels, metadata)
+        )
         summary = summarize(outcomes)
         unexpected += sum(summary["unexpected"].values())
         print(json.dumps({"burst": burst, **summary}), flush=True)
     return 1 if unexpected else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
