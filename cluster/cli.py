@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"pagedserve serve: error: {error}", file=sys.stderr)
         return 2
     config = ClusterConfig.from_dict(split_app_args(data)[0])
-    env_vars = proxy_env_vars(args.host, config.max_request_bytes)
+    env_vars = proxy_env_vars(args.host, config.max_request_bytes, config.max_pending_grpc_calls)
     serve.start(
         http_options=http_options(args.host, args.http_port),
         grpc_options=grpc_options(args.grpc_port),

@@ -45,6 +45,10 @@ class ClusterConfig:
             longer one is refused before it is tokenized.
         max_request_bytes: largest request body, HTTP body or gRPC message; a larger one is
             refused before it is parsed (HTTP 413, gRPC RESOURCE_EXHAUSTED).
+        max_pending_grpc_calls: gRPC calls Serve's proxy holds before its event loop takes
+            them up; past it gRPC itself drops a new call (CANCELLED, no details, no retry
+            hint), so it must exceed the largest burst (gRPC's default drops from 1,000 on:
+            see `grpc_backlog`). A held call costs the proxy its stream and headers.
         max_waiting_per_worker: new requests a worker's engine queues at most; past it the
             worker refuses at once with `Overloaded` (RESOURCE_EXHAUSTED, HTTP 429). None:
             unbounded.
@@ -86,6 +90,7 @@ class ClusterConfig:
     startup_timeout_s: float = 300.0
     max_prompt_chars: int = 1_000_000
     max_request_bytes: int = 8 * 1024 * 1024
+    max_pending_grpc_calls: int = 20_000
     max_waiting_per_worker: int | None = 256
     max_inflight: int | None = 1024
     retry_after_s: float = 1.0
@@ -112,7 +117,8 @@ class ClusterConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):  # NaN fails every comparison
                 raise ValueError(f"{name} must be a finite number > 0, got {value}")
-        for name in ("max_prompt_chars", "max_request_bytes", "push_max_chains"):
+        positive = ("max_prompt_chars", "max_request_bytes", "max_pending_grpc_calls")
+        for name in (*positive, "push_max_chains"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         self._check_lease()

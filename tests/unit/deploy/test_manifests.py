@@ -22,6 +22,7 @@ from unit.deploy.manifests import (
 )
 
 from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.grpc_backlog import backlog_env_vars
 from pagedserve.workers.model_registry import DEFAULT_MODEL
 
 OVERLAYS = ("cpu-demo", "gpu")
@@ -255,6 +256,8 @@ def test_ray_pods_send_traces_to_the_collector(rendered, name):
         env = env_of(container)
         # Serve's gRPC proxies (on every node) refuse messages past the app's request limit.
         assert env["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"] == str(8 * 1024 * 1024)
+        # ... and hold a burst their loop has not taken up yet (`grpc_backlog`).
+        assert backlog_env_vars(ClusterConfig().max_pending_grpc_calls).items() <= env.items()
         endpoint = urlparse(env["OTEL_EXPORTER_OTLP_ENDPOINT"])
         assert endpoint.hostname == "otel-collector" and endpoint.port in collector_ports
         assert env["OTEL_EXPORTER_OTLP_PROTOCOL"] == "grpc" and endpoint.port == 4317
