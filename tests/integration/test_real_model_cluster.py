@@ -46,7 +46,7 @@ def test_pulled_prefix_gives_hf_ids(smollm2, prompts):
         finally:
             holder.end(PIN)
         await assert_pools_clean(core)
-        return tokens[0], final[0], other.worker_id, dict(core.counters)
+        return tokens[0], final[0], other.worker_id, core.counters.as_dict()
 
     try:
         tokens, final, other_id, counters = asyncio.run(main())
@@ -75,7 +75,7 @@ def test_moved_request_gives_hf_ids(smollm2, prompts):
         finally:
             target.end(PIN)
         await assert_pools_clean(core)
-        return results, dict(core.counters)
+        return results, core.counters.as_dict()
 
     try:
         results, counters = asyncio.run(main())
