@@ -53,19 +53,21 @@ def new_request_id(prefix: str = "") -> str:
 
 
 def find_malformed_text(value: Any, path: str) -> str | None:
-    """The path of the first string under `value` that is not valid Unicode, else None.
+    """The path of the first string (value or object key) under `value` that is not valid
+    Unicode, else None.
 
     JSON can carry lone surrogates (`"\\ud800"`), and a body decoded with `surrogateescape`
     turns invalid UTF-8 bytes into them too; neither can be encoded again, so neither can be
     tokenized.
     """
     if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path
-        return None
+        return None if _is_unicode(value) else path
     if isinstance(value, Mapping):
+        for key in value:
+            if isinstance(key, str) and not _is_unicode(key):
+                # The path must be printable in the error: show the bad bytes escaped.
+                shown = key.encode("utf-8", "backslashreplace").decode("ascii")
+                return f"{path}.{shown}" if path else shown
         items = ((f"{path}.{key}" if path else str(key), item) for key, item in value.items())
     elif isinstance(value, list | tuple):
         items = ((f"{path}[{i}]", item) for i, item in enumerate(value))
@@ -76,6 +78,14 @@ def find_malformed_text(value: Any, path: str) -> str | None:
         if found is not None:
             return found
     return None
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @dataclass

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Iterator
 from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
@@ -37,6 +39,7 @@ from pagedserve.cluster.api_errors import ApiError, ErrorCode, engine_failure, t
 from pagedserve.cluster.auth import Caller, TokenAuth
 from pagedserve.cluster.openai_logprobs import CompletionExtras, chat_logprobs, echoed_prompts
 from pagedserve.cluster.openai_models import (
+    Body,
     ChatCompletionBody,
     ChatMessage,
     CompletionBody,
@@ -68,6 +71,7 @@ from pagedserve.workers.stream import StreamDelta
 logger = logging.getLogger(__name__)
 OWNER = "pagedserve"
 MAX_JSON_DEPTH = 32  # a request body nests 4 deep; anything far deeper is an attack
+MAX_NUMBER_CHARS = 100  # longer than any number a field can take (an int64 has 19 digits)
 
 
 class OpenAIFrontend:
@@ -135,11 +139,7 @@ class OpenAIFrontend:
         the served model. Returns the body and the caller."""
         caller = self.auth.check(request.headers.get("authorization"))
         raw = await read_body(request, self.core.config.max_request_bytes)
-        data = parse_json(raw)
-        bad = find_malformed_text(data, "")
-        if bad is not None:
-            raise ApiError.invalid(f"{bad} is not valid UTF-8", bad)
-        body = parse_body(model, data)
+        body = parse_request(raw, model)
         if body.model != self.model_name:
             raise ApiError(
                 ErrorCode.NOT_FOUND,
@@ -420,18 +420,86 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+def parse_request(raw: bytes, model: type[Body]) -> Body:
+    """A request body as `model`: JSON of bounded depth with finite numbers, valid text, known
+    fields of the right types; else an `ApiError` (400) naming the field at fault."""
+    data = parse_json(raw)
+    if isinstance(data, dict) and (bad := find_malformed_text(data, "")) is not None:
+        raise ApiError.invalid(f"{bad} is not valid UTF-8", bad)
+    return parse_body(model, data)  # refuses a body that is not an object
+
+
 def parse_json(raw: bytes) -> Any:
-    """JSON without NaN/Infinity, nested at most `MAX_JSON_DEPTH` deep (400 otherwise)."""
+    """JSON nested at most `MAX_JSON_DEPTH` deep, whose numbers are finite and at most
+    `MAX_NUMBER_CHARS` long (400 otherwise, naming the field that holds a bad number)."""
     try:
         # surrogateescape keeps invalid UTF-8 bytes as lone surrogates (find_malformed_text).
-        data = json.loads(raw.decode("utf-8", "surrogateescape"), parse_constant=_no_constant)
+        data = json.loads(
+            raw.decode("utf-8", "surrogateescape"),
+            parse_constant=BadNumber,
+            parse_int=_parse_int,
+            parse_float=_parse_float,
+        )
     except json.JSONDecodeError as error:
         raise ApiError.invalid(f"the request body is not valid JSON: {error}") from None
     except RecursionError:
         raise _too_deep() from None
     if json_depth(data) > MAX_JSON_DEPTH:
         raise _too_deep()
+    found = _find_bad_number(data, "")
+    if found is not None:
+        path, number = found
+        field = path if isinstance(data, dict) else None  # a field only in a JSON object
+        raise ApiError.invalid(
+            f"{field or 'the request body'} holds {number.text}: numbers must be finite and "
+            f"at most {MAX_NUMBER_CHARS} characters long",
+            field,
+        )
     return data
+
+
+@dataclass(frozen=True)
+class BadNumber:
+    """A number JSON can spell but no field can hold (NaN, Infinity, 1e400, a 5,000-digit
+    integer), kept in the parsed body so that the field holding it can be named."""
+
+    text: str
+
+
+def _parse_int(text: str) -> int | BadNumber:
+    # Python refuses to convert integers of more than 4,300 digits with a bare ValueError.
+    return int(text) if len(text) <= MAX_NUMBER_CHARS else BadNumber(_shorten(text))
+
+
+def _parse_float(text: str) -> float | BadNumber:
+    value = float(text)
+    ok = math.isfinite(value) and len(text) <= MAX_NUMBER_CHARS
+    return value if ok else BadNumber(_shorten(text))
+
+
+def _shorten(text: str) -> str:
+    return text if len(text) <= 24 else f"{text[:20]}... ({len(text):,} characters)"
+
+
+def _find_bad_number(value: Any, path: str) -> tuple[str, BadNumber] | None:
+    """The path of the first `BadNumber` under `value` (nested at most MAX_JSON_DEPTH deep)."""
+    if isinstance(value, BadNumber):
+        return path, value
+    if isinstance(value, dict):
+        # A key may hold invalid UTF-8 (as a lone surrogate): escaped, the path stays printable.
+        items = (
+            (_join_key(path, key.encode("utf-8", "backslashreplace").decode()), item)
+            for key, item in value.items()
+        )
+    elif isinstance(value, list):
+        items = ((f"{path}[{i}]", item) for i, item in enumerate(value))
+    else:
+        return None
+    for item_path, item in items:
+        found = _find_bad_number(item, item_path)
+        if found is not None:
+            return found
+    return None
 
 
 def json_depth(value: Any) -> int:
@@ -446,8 +514,8 @@ def json_depth(value: Any) -> int:
     return depth
 
 
-def _no_constant(name: str) -> Any:
-    raise ApiError.invalid(f"the request body holds {name}: numbers must be finite")
+def _join_key(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
 
 
 def _too_large(size: int, limit: int) -> ApiError:

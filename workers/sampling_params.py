@@ -19,6 +19,13 @@ GREEDY_TEMPERATURE = 1e-5
 # OpenAI's range for presence_penalty and frequency_penalty (vLLM checks the same).
 MAX_ABS_PENALTY = 2.0
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit (vLLM's default max_logprobs too)
+# Every stop string is matched against the held-back text after every token, and every stop
+# token id against the newest token: unbounded lists let one request slow its worker's steps
+# for everyone (5,000 stop strings cost ~4 ms a token of detokenizing; 64 of 256 characters
+# cost 0.08 ms).
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 512
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass
@@ -32,8 +39,10 @@ class SamplingParams:
         top_p: nucleus sampling; keep the smallest set of tokens whose mass is >= top_p.
         top_k: keep the k most likely tokens; 0 or -1 turns it off.
         seed: makes sampling reproducible; branch j of a seeded request uses ``seed + j``.
-        stop: strings that end generation when they appear in the output text.
-        stop_token_ids: token ids that end generation (like EOS, but never ignored).
+        stop: strings that end generation when they appear in the output text; at most 64,
+            each of 1..512 characters.
+        stop_token_ids: token ids that end generation (like EOS, but never ignored); at
+            most 1,024.
         ignore_eos: keep generating past EOS.
         min_tokens: no EOS or ``stop_token_ids`` stop before this many output tokens.
         include_stop_str_in_output: keep the matched stop string at the end of the text.
@@ -118,11 +127,24 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
 
     def _validate_stops(self) -> None:
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(
+                f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed"
+            )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(
+                f"stop_token_ids has {len(self.stop_token_ids)} ids; "
+                f"at most {MAX_STOP_TOKEN_IDS} are allowed"
+            )
         for i, stop in enumerate(self.stop):
             if not isinstance(stop, str):
                 raise ValueError(f"stop[{i}] must be a str, got {stop!r}")
             if not stop:
                 raise ValueError(f"stop[{i}] must be a non-empty string")
+            if len(stop) > MAX_STOP_CHARS:
+                raise ValueError(
+                    f"stop[{i}] has {len(stop)} characters; at most {MAX_STOP_CHARS} are allowed"
+                )
         for i, token_id in enumerate(self.stop_token_ids):
             _check_int(f"stop_token_ids[{i}]", token_id)
             if token_id < 0:
