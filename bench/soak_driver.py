@@ -276,8 +276,8 @@ async def _strike(core: RouterCore, name: str, burst, tasks, spec: SoakSpec) -> 
         victim = alive[0]  # the busiest: its requests must replay
         ray.kill(victim.handle, no_restart=False)
         return {"worker": victim.worker_id, "inflight": victim.inflight}
-    if name == "stall" and alive:
-        return await _stall(core, alive[0], spec.hang_timeout_s)
+    if name == "stall":
+        return await _stall(core, spec.hang_timeout_s)
     if name == "drop_events" and alive:
         target = alive[-1]
         await asyncio.wait_for(
@@ -290,12 +290,16 @@ async def _strike(core: RouterCore, name: str, burst, tasks, spec: SoakSpec) -> 
     return None
 
 
-async def _stall(core: RouterCore, victim: Any, deadline_s: float) -> dict[str, Any]:
+async def _stall(core: RouterCore, deadline_s: float) -> dict[str, Any]:
     """Hang the busiest worker's engine until the router has judged it stalled (its streams
-    then end as lost and replay on peers), then let it step again."""
+    then end as lost and replay on peers), then let it step again. Strikes once every worker
+    is back (a killed one restarted), so a peer is there to take the stalled one's work."""
+    end = time.monotonic() + deadline_s
+    while not all(w.alive for w in core.workers.values()) and time.monotonic() < end:
+        await asyncio.sleep(0.05)
+    victim = max(core.workers.values(), key=lambda w: (w.alive, w.inflight))
     inflight = victim.inflight
     await asyncio.wait_for(victim.handle.chaos_stall.remote(True), core.config.rpc_timeout_s)
-    end = time.monotonic() + deadline_s
     try:
         while not victim.stalled and victim.alive and time.monotonic() < end:
             await asyncio.sleep(0.05)

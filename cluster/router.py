@@ -382,8 +382,11 @@ class RouterCore:
         streamed = False
         try:
             async for delta in self._stream(worker, worker_request, demand):
+                # A leg serving one branch runs as the worker's branch 0: name the client's.
                 if attempt.branch is not None and isinstance(delta, StreamDelta):
                     delta.index = attempt.branch
+                elif attempt.branch is not None:  # moved on: its next leg serves that branch
+                    delta = dataclasses.replace(delta, index=attempt.branch)
                 streamed = True
                 yield delta
         except Overloaded as error:
