@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         worker_num_cpus=0.5,
         name="pagedserve-soak",
         stats_interval_s=0.2,
-        stall_timeout_s=2.0,  # the stall fault lasts until the router judged it
+        stall_timeout_s=5.0,  # the stall fault lasts until the router judged it
         max_inflight=args.max_inflight,
         max_waiting_per_worker=args.max_waiting or 16,
         retry_after_s=0.5,

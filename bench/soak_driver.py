@@ -295,7 +295,12 @@ async def _stall(core: RouterCore, deadline_s: float) -> dict[str, Any]:
     then end as lost and replay on peers), then let it step again. Strikes once every worker
     is back (a killed one restarted), so a peer is there to take the stalled one's work."""
     end = time.monotonic() + deadline_s
-    while not all(w.alive for w in core.workers.values()) and time.monotonic() < end:
+
+    def ready() -> bool:  # every worker back, and one with work to hang
+        workers = core.workers.values()
+        return all(w.alive for w in workers) and any(w.inflight for w in workers)
+
+    while not ready() and time.monotonic() < end:
         await asyncio.sleep(0.05)
     victim = max(core.workers.values(), key=lambda w: (w.alive, w.inflight))
     inflight = victim.inflight

@@ -26,7 +26,7 @@ def test_soak_with_chaos(ray_cluster):
         max_waiting_per_worker=16,
         max_inflight=24,
         retry_after_s=0.5,
-        stall_timeout_s=2.0,  # the stall fault lasts until the router judged it
+        stall_timeout_s=5.0,  # the stall fault lasts until the router judged it
     )
 
     async def main():
