@@ -256,9 +256,12 @@ async def run_soak(core: RouterCore, spec: SoakSpec, log=None) -> SoakReport:
             return await run_one(core, req, spec.hang_timeout_s)
 
     start = time.monotonic()
+    stall: asyncio.Task | None = None
     for i, req in enumerate(steady):
         for name, at in strikes.items():
-            if i == at:
+            if i == at and name == "stall":  # it lasts a while: the load must go on meanwhile
+                stall = asyncio.create_task(_stall(core, spec.hang_timeout_s))
+            elif i == at:
                 faults[name] = await _strike(core, name, burst, tasks, spec)
                 if log:
                     log(f"[{time.monotonic() - start:6.1f}s] request {i}: {name} {faults[name]}")
@@ -267,6 +270,10 @@ async def run_soak(core: RouterCore, spec: SoakSpec, log=None) -> SoakReport:
         tasks.append(asyncio.create_task(gated(req)))
         await asyncio.sleep(0)
     outcomes = await asyncio.gather(*tasks)
+    if stall is not None:
+        faults["stall"] = await stall
+        if log:
+            log(f"[{time.monotonic() - start:6.1f}s] stall {faults['stall']}")
     return SoakReport(list(outcomes), faults, time.monotonic() - start)
 
 
@@ -276,8 +283,6 @@ async def _strike(core: RouterCore, name: str, burst, tasks, spec: SoakSpec) -> 
         victim = alive[0]  # the busiest: its requests must replay
         ray.kill(victim.handle, no_restart=False)
         return {"worker": victim.worker_id, "inflight": victim.inflight}
-    if name == "stall":
-        return await _stall(core, spec.hang_timeout_s)
     if name == "drop_events" and alive:
         target = alive[-1]
         await asyncio.wait_for(
