@@ -69,7 +69,7 @@ class SoakSpec:
     deadline_s: float = 0.05
     vocab_size: int = 256
     kill_at: float | None = 0.25
-    stall_at: float | None = 0.4
+    stall_at: float | None = 0.1
     drop_events_at: float | None = 0.5
     burst_at: float | None = 0.7
     burst_size: int = 40
@@ -262,6 +262,8 @@ async def run_soak(core: RouterCore, spec: SoakSpec, log=None) -> SoakReport:
             if i == at and name == "stall":  # it lasts a while: the load must go on meanwhile
                 stall = asyncio.create_task(_stall(core, spec.hang_timeout_s))
             elif i == at:
+                if stall is not None:  # one fault at a time: a peer must take the stalled work
+                    await asyncio.shield(stall)
                 faults[name] = await _strike(core, name, burst, tasks, spec)
                 if log:
                     log(f"[{time.monotonic() - start:6.1f}s] request {i}: {name} {faults[name]}")
@@ -297,13 +299,13 @@ async def _strike(core: RouterCore, name: str, burst, tasks, spec: SoakSpec) -> 
 
 async def _stall(core: RouterCore, deadline_s: float) -> dict[str, Any]:
     """Hang the busiest worker's engine until the router has judged it stalled (its streams
-    then end as lost and replay on peers), then let it step again. Strikes once every worker
-    is back (a killed one restarted), so a peer is there to take the stalled one's work."""
+    then end as lost and replay on peers), then let it step again. Strikes once a worker has
+    work to hang and a peer is there to take it."""
     end = time.monotonic() + deadline_s
 
-    def ready() -> bool:  # every worker back, and one with work to hang
-        workers = core.workers.values()
-        return all(w.alive for w in workers) and any(w.inflight for w in workers)
+    def ready() -> bool:  # a peer to take the work, and a worker with work to hang
+        alive = [w for w in core.workers.values() if w.alive]
+        return len(alive) >= 2 and any(w.inflight for w in alive)
 
     while not ready() and time.monotonic() < end:
         await asyncio.sleep(0.05)
