@@ -1,0 +1,131 @@
+"""The CPU attention backend: a C++ kernel that reads the paged KV pool in place.
+
+The torch reference gathers every sequence's whole context out of the pool into a contiguous
+copy, per layer and per step, then calls SDPA once per group of sequences. This backend hands
+the pool, the block tables and the packed queries to one C++ op per layer
+(`csrc/cpu_paged_attention.cpp`): it walks each sequence's blocks with an online softmax,
+copying nothing larger than one block of one head, and runs every sequence of the batch, decode
+and prefill alike, in one call spread over torch's intra-op threads.
+
+Why C++ rather than `torch.compile` or a batched torch gather (measured on the SmolLM2-135M
+attention shape, 9 query / 3 KV heads, head_dim 64, block 16, float32;
+`python -m pagedserve.bench.cpu_attention`): the C++ op was 3-7x faster than the reference
+on decode batches of 1-64 sequences with contexts of 16-1,000 tokens, 2-4x faster than one
+padded `index_select` + SDPA over the whole batch, and faster than an inductor-compiled
+block-wise softmax, which also cost ~30 s to compile per process and 3-4 s more per new
+shape bucket. The C++ op costs one build per machine (~15 s on 2 cores, cached by torch in
+`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`) and ~0.1 s to load per process.
+
+The build needs only the C++ compiler torch's own extension machinery uses (`c++`, found at
+run time); without one, `cpu_paged_available()` is False and `auto` keeps the torch reference.
+KV writes and block copies are the reference's (`index_copy_`), already in place.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+from pagedserve.kernels._checks import check_decode, check_prefill
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_paged_attention.cpp"
+
+# Vector flags per torch CPU capability (what torch itself dispatches to on this machine), so
+# the cached build is named, and only reused, by the instruction set it was compiled for.
+_ARCH_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mavx2", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma"],
+}
+
+
+@functools.cache
+def _load() -> None:
+    """Build (first time on a machine) and load the op `torch.ops.pagedserve_cpu`.
+
+    Raises:
+        RuntimeError, OSError, ImportError: when the build or the load fails.
+    """
+    from torch.utils import cpp_extension
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    flags = _ARCH_FLAGS.get(capability, [])
+    cpp_extension.load(
+        name=f"pagedserve_cpu_attention_{capability.lower()}",
+        sources=[str(_SOURCE)],
+        extra_cflags=["-O3", "-fopenmp", *flags],
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+        verbose=False,
+    )
+
+
+@functools.cache
+def cpu_paged_available() -> bool:
+    """Whether the C++ op builds and loads here (built once per machine, then cached)."""
+    try:
+        _load()
+    except (RuntimeError, OSError, ImportError) as exc:
+        logger.warning("CPU paged-attention kernel unavailable, using the torch reference: %s", exc)
+        return False
+    return True
+
+
+def _int32(index: torch.Tensor) -> torch.Tensor:
+    return index.to(torch.int32).contiguous()
+
+
+def paged_attention_cpu(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of packed new tokens over their paged context, in one op.
+
+    Same contract as `paged_prefill_attention_ref` (decodes are sequences of one new token).
+    Raises ValueError, from the op, when a sequence has more new tokens than context, its
+    context needs more blocks than its table has columns, or a table entry it reads is outside
+    the pool; table entries past a sequence's last block (padding, -1) are never read.
+    """
+    check_prefill(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale)
+    _load()
+    # Zeros: rows past query_start_loc[-1] (or of sequences with no new token) stay zero.
+    out = torch.zeros_like(query, memory_format=torch.contiguous_format)
+    torch.ops.pagedserve_cpu.paged_attention(
+        out,
+        query.contiguous(),
+        key_cache,
+        value_cache,
+        _int32(block_tables),
+        _int32(query_start_loc),
+        _int32(seq_lens),
+        float(scale),
+    )
+    return out
+
+
+def paged_decode_attention_cpu(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence; same contract as `paged_decode_attention_ref`.
+
+    A sequence of length 0 yields a zero row.
+    """
+    check_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
+    query_start_loc = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
+    return paged_attention_cpu(
+        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale
+    )
