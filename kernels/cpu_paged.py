@@ -30,16 +30,27 @@ from pathlib import Path
 import torch
 
 from pagedserve.kernels._checks import check_decode, check_prefill
+from pagedserve.kernels.reference import prefill_one_sequence
 
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_paged_attention.cpp"
 
+# Sequences with more new tokens than this leave the op for the reference's gather + SDPA:
+# SDPA's blocked GEMMs beat the op's loops on long query runs, where the one gather of the
+# context costs 1/q_len of the attention itself (`bench/cpu_attention.py --prefill`).
+MAX_IN_PLACE_QUERY = 32
+
 # Vector flags per torch CPU capability (what torch itself dispatches to on this machine), so
 # the cached build is named, and only reused, by the instruction set it was compiled for.
+# CPU_CAPABILITY_* selects the matching `at::vec::Vectorized` implementation, as in torch's
+# own per-capability kernel builds.
 _ARCH_FLAGS = {
-    "AVX512": ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mavx2", "-mfma"],
-    "AVX2": ["-mavx2", "-mfma"],
+    "AVX512": [
+        *("-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mavx2", "-mfma"),
+        *("-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"),
+    ],
+    "AVX2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
 }
 
 
@@ -88,9 +99,12 @@ def paged_attention_cpu(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Causal attention of packed new tokens over their paged context, in one op.
+    """Causal attention of packed new tokens over their paged context.
 
     Same contract as `paged_prefill_attention_ref` (decodes are sequences of one new token).
+    Every sequence with at most `MAX_IN_PLACE_QUERY` new tokens (decodes, short chunks) runs in
+    one call of the op, reading the pool in place; each longer one runs through the
+    reference's per-sequence gather + SDPA.
     Raises ValueError, from the op, when a sequence has more new tokens than context, its
     context needs more blocks than its table has columns, or a table entry it reads is outside
     the pool; table entries past a sequence's last block (padding, -1) are never read.
@@ -108,7 +122,18 @@ def paged_attention_cpu(
         _int32(query_start_loc),
         _int32(seq_lens),
         float(scale),
+        MAX_IN_PLACE_QUERY,
     )
+    starts = query_start_loc.tolist()
+    long_runs = [
+        s for s in range(len(starts) - 1) if starts[s + 1] - starts[s] > MAX_IN_PLACE_QUERY
+    ]
+    if long_runs:
+        lens = seq_lens.tolist()
+        for seq in long_runs:
+            prefill_one_sequence(
+                query, key_cache, value_cache, block_tables, seq, starts, lens[seq], scale, out
+            )
     return out
 
 

@@ -2,7 +2,9 @@
 //
 // One op covers decode, prefill, chunked prefill and mixed batches: sequence s owns query rows
 // query_start_loc[s] .. query_start_loc[s+1] (its last q_len positions), and each attends
-// causally to its context through block_tables[s]. Work is cut into items
+// causally to its context through block_tables[s]. Sequences with more than max_query_len new
+// tokens are skipped (their rows untouched) for the caller to run elsewhere. Work is cut into
+// items
 //
 //     (sequence, kv head, tile of up to kQueryTile query tokens)
 //
@@ -25,6 +27,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -33,9 +37,12 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
+
+using Vec = at::vec::Vectorized<float>;
 
 // Query tokens per prefill item: G * 16 rows of scores and accumulators stay in L1.
 constexpr int64_t kQueryTile = 16;
@@ -108,7 +115,9 @@ void scores_by_dot(
   }
 }
 
-// The same scores through a transposed copy of the block's keys (many rows).
+// The same scores through a transposed copy of the block's keys (many rows). Float pools
+// with whole vectors of keys per block take explicit vectors, four rows at a time (four
+// independent FMA chains, one load of each transposed key vector for all four).
 template <typename scalar_t, int64_t kD>
 void scores_by_transpose(
     float* scores, float* kt, const float* q, const scalar_t* kb, int64_t rows, int64_t n,
@@ -118,7 +127,27 @@ void scores_by_transpose(
     const scalar_t* krow = kb + j * token_stride;
     for (int64_t c = 0; c < dim; ++c) kt[c * BS + j] = static_cast<float>(krow[c]);
   }
-  for (int64_t r = 0; r < rows; ++r) {
+  int64_t r = 0;
+  if (BS % Vec::size() == 0) {
+    // Keys n .. BS of a partial block hold stale (finite) values: scored, then never used.
+    for (; r + 4 <= rows; r += 4) {
+      for (int64_t j = 0; j < BS; j += Vec::size()) {
+        Vec acc0(0.0f), acc1(0.0f), acc2(0.0f), acc3(0.0f);
+        for (int64_t c = 0; c < dim; ++c) {
+          const Vec k = Vec::loadu(kt + c * BS + j);
+          acc0 = at::vec::fmadd(Vec(q[r * dim + c]), k, acc0);
+          acc1 = at::vec::fmadd(Vec(q[(r + 1) * dim + c]), k, acc1);
+          acc2 = at::vec::fmadd(Vec(q[(r + 2) * dim + c]), k, acc2);
+          acc3 = at::vec::fmadd(Vec(q[(r + 3) * dim + c]), k, acc3);
+        }
+        acc0.store(scores + r * BS + j);
+        acc1.store(scores + (r + 1) * BS + j);
+        acc2.store(scores + (r + 2) * BS + j);
+        acc3.store(scores + (r + 3) * BS + j);
+      }
+    }
+  }
+  for (; r < rows; ++r) {
     float* sr = scores + r * BS;
     const float* qr = q + r * dim;
     std::fill(sr, sr + n, 0.0f);
@@ -127,6 +156,38 @@ void scores_by_transpose(
       const float* ktc = kt + c * BS;
 #pragma omp simd
       for (int64_t j = 0; j < n; ++j) sr[j] += qc * ktc[j];
+    }
+  }
+}
+
+// acc[D] = acc * alpha + sum_j p[j] * V[j] over `visible` keys of one block.
+template <typename scalar_t, int64_t kD>
+void accumulate_values(
+    float* acc, float alpha, const float* p, const scalar_t* vb, int64_t visible, int64_t D,
+    int64_t token_stride) {
+  if constexpr (std::is_same_v<scalar_t, float> && kD > 0 && kD % Vec::size() == 0) {
+    // The whole accumulator row in registers, one FMA chain per vector of it.
+    constexpr int64_t kChunks = kD / Vec::size();
+    Vec a[kChunks];
+    for (int64_t k = 0; k < kChunks; ++k) a[k] = Vec::loadu(acc + k * Vec::size()) * Vec(alpha);
+    for (int64_t j = 0; j < visible; ++j) {
+      const Vec pj(p[j]);
+      const float* vrow = vb + j * token_stride;
+      for (int64_t k = 0; k < kChunks; ++k) {
+        a[k] = at::vec::fmadd(pj, Vec::loadu(vrow + k * Vec::size()), a[k]);
+      }
+    }
+    for (int64_t k = 0; k < kChunks; ++k) a[k].store(acc + k * Vec::size());
+  } else {
+    if (alpha != 1.0f) {
+#pragma omp simd
+      for (int64_t c = 0; c < D; ++c) acc[c] *= alpha;
+    }
+    for (int64_t j = 0; j < visible; ++j) {
+      const float pj = p[j];
+      const scalar_t* vrow = vb + j * token_stride;
+#pragma omp simd
+      for (int64_t c = 0; c < D; ++c) acc[c] += pj * static_cast<float>(vrow[c]);
     }
   }
 }
@@ -187,17 +248,8 @@ void attend_item(
       }
       s.row_max[r] = new_max;
       s.row_sum[r] = s.row_sum[r] * alpha + block_sum;
-      float* ar = s.acc.data() + r * D;
-      if (alpha != 1.0f) {
-#pragma omp simd
-        for (int64_t c = 0; c < D; ++c) ar[c] *= alpha;
-      }
-      for (int64_t j = 0; j < visible; ++j) {
-        const float p = sr[j];
-        const scalar_t* vrow = vb + j * token_stride;
-#pragma omp simd
-        for (int64_t c = 0; c < D; ++c) ar[c] += p * static_cast<float>(vrow[c]);
-      }
+      accumulate_values<scalar_t, kD>(
+          s.acc.data() + r * D, alpha, sr, vb, visible, D, token_stride);
     }
   }
 
@@ -214,7 +266,8 @@ void attend_item(
 // Cut the batch into items, checking every table entry an item will read.
 std::vector<Item> make_items(
     const int32_t* block_tables, const int32_t* query_start_loc, const int32_t* seq_lens,
-    int64_t num_seqs, int64_t num_tokens, int64_t num_pool_blocks, const Dims& d) {
+    int64_t num_seqs, int64_t num_tokens, int64_t num_pool_blocks, int64_t max_query_len,
+    const Dims& d) {
   std::vector<Item> items;
   const int64_t G = d.num_heads / d.num_kv_heads;
   TORCH_CHECK_VALUE(
@@ -239,6 +292,7 @@ std::vector<Item> make_items(
           table[b] >= 0 && table[b] < num_pool_blocks, "block_tables[", seq, ", ", b, "] = ",
           table[b], " is outside the pool of ", num_pool_blocks, " blocks");
     }
+    if (q_len > max_query_len) continue;  // left to the caller
     for (int64_t lo = 0; lo < q_len; lo += kQueryTile) {
       const int64_t hi = std::min(q_len, lo + kQueryTile);
       const int64_t keys = std::max<int64_t>(ctx - q_len + hi, 1);
@@ -288,7 +342,8 @@ void run_bins(
 void paged_attention(
     at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
     const at::Tensor& value_cache, const at::Tensor& block_tables,
-    const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale) {
+    const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
+    int64_t max_query_len) {
   // The Python wrapper checks shapes and dtypes; these guard the raw pointer arithmetic.
   TORCH_CHECK(query.is_contiguous() && out.is_contiguous(), "query and out must be contiguous");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "pools must be contiguous");
@@ -314,7 +369,8 @@ void paged_attention(
       block_tables.size(1)};
   std::vector<Item> items = make_items(
       block_tables.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(),
-      seq_lens.data_ptr<int32_t>(), seq_lens.size(0), query.size(0), key_cache.size(0), d);
+      seq_lens.data_ptr<int32_t>(), seq_lens.size(0), query.size(0), key_cache.size(0),
+      max_query_len, d);
   if (items.empty()) return;
   const int64_t num_bins = std::min<int64_t>(at::get_num_threads(), items.size());
   const auto bins = balance(std::move(items), num_bins);
@@ -344,7 +400,8 @@ void paged_attention(
 TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-      "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale) -> ()");
+      "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale, "
+      "int max_query_len) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {

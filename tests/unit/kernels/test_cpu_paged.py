@@ -146,6 +146,27 @@ def test_threads_and_work_split_do_not_change_the_result(gen: torch.Generator) -
     torch.testing.assert_close(alone, paged_prefill_attention_ref(*args))
 
 
+@pytest.mark.parametrize("max_in_place", [0, 1 << 30], ids=["all-reference", "all-in-place"])
+def test_routing_by_query_length_does_not_change_the_result(
+    max_in_place: int, gen: torch.Generator, monkeypatch
+) -> None:
+    """Long query runs leave the op for gather + SDPA; either way gives the same rows. With
+    every run in place, the op's multi-tile prefill (here up to 130 tokens) is covered too."""
+    import pagedserve.kernels.cpu_paged as cpu_paged
+
+    lens = [300, 3, 140, 64, 1, 33]
+    q_lens = [130, 1, 40, 64, 1, 17]
+    kv = make_paged_kv(lens, 3, 64, 16, generator=gen)
+    query, starts = _packed_queries(q_lens, 9, 64, torch.float32, gen)
+    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, starts, kv.seq_lens, 0.125)
+    monkeypatch.setattr(cpu_paged, "MAX_IN_PLACE_QUERY", max_in_place)
+    out = paged_attention_cpu(*args)
+    torch.testing.assert_close(out, paged_prefill_attention_ref(*args))
+    for seq, (lo, hi) in enumerate(itertools.pairwise(starts.tolist())):
+        expected = naive_attention(query[lo:hi], kv.keys[seq], kv.values[seq], 0.125)
+        torch.testing.assert_close(out[lo:hi].double(), expected, **tolerance(torch.float32))
+
+
 def _prefill_args(**overrides):
     args = {
         "query": torch.randn(3, 4, 16),
