@@ -102,11 +102,14 @@ def main() -> None:
     add("--block-size", type=int, default=16)
     add("--max-num-seqs", type=int, default=64)
     add("--max-num-batched-tokens", type=int, default=2048)
+    add("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     add("--profile", action="store_true", help="also profile one run per arm")
     add("--profile-rows", type=int, default=12)
     add("--json", metavar="FILE", default=None)
     args = parser.parse_args()
     arms = args.arms.split(",")
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     loaded = load_model(args.model)
     prompts, output_lens = _workload(args, loaded)
