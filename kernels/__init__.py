@@ -2,7 +2,8 @@
 
 Pool layout per layer: `key_cache`, `value_cache` of shape
 `[num_blocks, block_size, num_kv_heads, head_dim]`, contiguous. Pick a backend with
-`get_kernel_ops(backend, device)`; the `_ref` functions are the torch references.
+`get_kernel_ops(backend, device)`; the `_ref` functions are the torch references, the `_cpu`
+ones the C++ CPU kernel (`cpu_paged`, built on first use).
 
 Every name is imported on first use (PEP 562), never by importing this package: the Triton
 kernels only when one is asked for (`pagedserve.kernels.write_kv`, `get_kernel_ops("triton")`),
@@ -19,8 +20,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pagedserve.kernels.backends import BACKENDS
     from pagedserve.kernels.block_ops import copy_blocks, gather_blocks, scatter_blocks
+    from pagedserve.kernels.cpu_paged import (
+        cpu_paged_available,
+        paged_attention_cpu,
+        paged_decode_attention_cpu,
+    )
     from pagedserve.kernels.decode import paged_decode_attention
     from pagedserve.kernels.dispatch import (
+        CPU_OPS,
         TORCH_OPS,
         KernelOps,
         get_kernel_ops,
@@ -41,6 +48,7 @@ if TYPE_CHECKING:
 # Public name → the submodule defining it, imported by `__getattr__` on first access.
 _HOMES = {
     "BACKENDS": "backends",
+    "CPU_OPS": "dispatch",
     "TORCH_OPS": "dispatch",
     "KernelOps": "dispatch",
     "get_kernel_ops": "dispatch",
@@ -54,6 +62,9 @@ _HOMES = {
     "paged_prefill_attention_ref": "reference",
     "scatter_blocks_ref": "reference",
     "write_kv_ref": "reference",
+    "cpu_paged_available": "cpu_paged",
+    "paged_attention_cpu": "cpu_paged",
+    "paged_decode_attention_cpu": "cpu_paged",
     # Triton kernels:
     "copy_blocks": "block_ops",
     "gather_blocks": "block_ops",
@@ -79,6 +90,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "BACKENDS",
+    "CPU_OPS",
     "TORCH_OPS",
     "CopyLaunch",
     "DecodeLaunch",
@@ -86,10 +98,13 @@ __all__ = [
     "PrefillLaunch",
     "copy_blocks",
     "copy_blocks_ref",
+    "cpu_paged_available",
     "gather_blocks",
     "gather_blocks_ref",
     "get_kernel_ops",
+    "paged_attention_cpu",
     "paged_decode_attention",
+    "paged_decode_attention_cpu",
     "paged_decode_attention_ref",
     "paged_prefill_attention",
     "paged_prefill_attention_ref",

@@ -1,4 +1,5 @@
-"""Pick the kernel implementation for a device: Triton on CUDA, the torch references elsewhere.
+"""Pick the kernel implementation for a device: Triton on CUDA, the C++ CPU kernel on the CPU
+(the torch references where it cannot be built).
 
 The choice is made once, by the worker from its config (`backend`), and handed down as a
 `KernelOps` bundle, so nothing inside the model runner branches on the backend per call.
@@ -6,6 +7,7 @@ The choice is made once, by the worker from its config (`backend`), and handed d
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Callable
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.kernels import reference
+from pagedserve.kernels import cpu_paged, reference
 from pagedserve.kernels.backends import BACKENDS
 
 
@@ -22,7 +24,7 @@ class KernelOps:
     """One backend's implementation of every paged-KV kernel (same signatures throughout).
 
     Attributes:
-        name: "triton" or "torch".
+        name: "triton", "cpu" or "torch".
     """
 
     name: str
@@ -42,6 +44,15 @@ TORCH_OPS = KernelOps(
     copy_blocks=reference.copy_blocks_ref,
     gather_blocks=reference.gather_blocks_ref,
     scatter_blocks=reference.scatter_blocks_ref,
+)
+
+
+# The CPU backend computes attention in its C++ op and shares the references' in-place movers.
+CPU_OPS = dataclasses.replace(
+    TORCH_OPS,
+    name="cpu",
+    paged_decode_attention=cpu_paged.paged_decode_attention_cpu,
+    paged_prefill_attention=cpu_paged.paged_attention_cpu,
 )
 
 
@@ -85,7 +96,9 @@ def get_kernel_ops(
     """Return the kernel implementation to use on `device`.
 
     Args:
-        backend: "auto" (Triton on CUDA, torch elsewhere), "triton" or "torch".
+        backend: "auto" (Triton on CUDA; elsewhere "cpu" when its C++ op builds, else
+            "torch"), "triton", "cpu" (the C++ kernel, CPU pools only) or "torch" (the
+            references, any device).
         device: the device the KV pool lives on.
         split_decodes: Triton only: in mixed prefill+decode batches, run the decode rows
             through the split-KV decode kernel (a second launch). Off by default until a
@@ -95,14 +108,28 @@ def get_kernel_ops(
         The chosen `KernelOps`.
 
     Raises:
-        ValueError: on an unknown backend name, or "triton" on a non-CUDA device without the
-            Triton interpreter (`TRITON_INTERPRET=1` set before import).
+        ValueError: on an unknown backend name, "cpu" on a non-CPU device or where its op
+            cannot be built, or "triton" on a non-CUDA device without the Triton interpreter
+            (`TRITON_INTERPRET=1` set before import).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}; choose one of {BACKENDS}")
     device_type = torch.device(device).type
-    if backend == "torch" or (backend == "auto" and device_type != "cuda"):
+    if backend == "auto":
+        if device_type == "cuda":
+            return _triton_ops(split_decodes)
+        return CPU_OPS if device_type == "cpu" and cpu_paged.cpu_paged_available() else TORCH_OPS
+    if backend == "torch":
         return TORCH_OPS
+    if backend == "cpu":
+        if device_type != "cpu":
+            raise ValueError(f"kernel backend 'cpu' runs on CPU pools only, not {device_type!r}")
+        if not cpu_paged.cpu_paged_available():
+            raise ValueError(
+                "kernel backend 'cpu' needs its C++ op, which did not build here (see the "
+                "log); use 'torch' or 'auto'"
+            )
+        return CPU_OPS
     if device_type != "cuda" and not triton_interpreter_active():
         raise ValueError(
             f"kernel backend 'triton' needs a CUDA device, or TRITON_INTERPRET=1 set before "

@@ -1,8 +1,9 @@
 """Plain-torch references for every paged-KV kernel, with the Triton kernels' signatures.
 
-They are the ground truth the Triton kernels are tested against, and the default backend on
-CPU, so they are vectorised where it is cheap (one gather of the block table per call or per
-sequence, then scaled-dot-product attention in float32) rather than written token by token.
+They are the ground truth the Triton and C++ CPU kernels are tested against, and the CPU
+backend where the C++ one cannot be built, so they are vectorised where it is cheap (one gather
+of the block table per call or per sequence, then scaled-dot-product attention in float32)
+rather than written token by token.
 
 The pool layout, per layer::
 
@@ -209,26 +210,42 @@ def paged_prefill_attention_ref(
     if starts[-1] > query.shape[0]:
         raise ValueError(f"query_start_loc ends at {starts[-1]} > query tokens {query.shape[0]}")
     for seq, ctx_len in enumerate(lens):
-        q_start, q_end = starts[seq], starts[seq + 1]
-        q_len = q_end - q_start
-        if q_len <= 0:
-            continue
-        if q_len > ctx_len:
-            raise ValueError(
-                f"sequence {seq}: {q_len} new tokens exceed seq_lens[{seq}] = {ctx_len}"
-            )
-        table = block_tables[seq : seq + 1]
-        length = seq_lens[seq : seq + 1]
-        keys = _gather_context(key_cache, table, length, ctx_len).transpose(1, 2)
-        values = _gather_context(value_cache, table, length, ctx_len).transpose(1, 2)
-        # Bottom-right aligned causal mask: the new tokens are the last q_len positions.
-        q_pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device)
-        k_pos = torch.arange(ctx_len, device=query.device)
-        mask = k_pos[None, :] <= q_pos[:, None]
-        q = query[q_start:q_end].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, dim]
-        attn = _sdpa_fp32(q, keys, values, mask, scale)
-        out[q_start:q_end] = attn[0].transpose(0, 1).to(out.dtype)
+        prefill_one_sequence(
+            query, key_cache, value_cache, block_tables, seq, starts, ctx_len, scale, out
+        )
     return out
+
+
+def prefill_one_sequence(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq: int,
+    starts: list[int],
+    ctx_len: int,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Prefill attention of sequence `seq` (rows `starts[seq]:starts[seq + 1]`) into `out`:
+    its context gathered once, then one SDPA call with a bottom-right causal mask."""
+    q_start, q_end = starts[seq], starts[seq + 1]
+    q_len = q_end - q_start
+    if q_len <= 0:
+        return
+    if q_len > ctx_len:
+        raise ValueError(f"sequence {seq}: {q_len} new tokens exceed seq_lens[{seq}] = {ctx_len}")
+    table = block_tables[seq : seq + 1]
+    length = torch.tensor([ctx_len], device=query.device)
+    keys = _gather_context(key_cache, table, length, ctx_len).transpose(1, 2)
+    values = _gather_context(value_cache, table, length, ctx_len).transpose(1, 2)
+    # Bottom-right aligned causal mask: the new tokens are the last q_len positions.
+    q_pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device)
+    k_pos = torch.arange(ctx_len, device=query.device)
+    mask = k_pos[None, :] <= q_pos[:, None]
+    q = query[q_start:q_end].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, dim]
+    attn = _sdpa_fp32(q, keys, values, mask, scale)
+    out[q_start:q_end] = attn[0].transpose(0, 1).to(out.dtype)
 
 
 def copy_blocks_ref(

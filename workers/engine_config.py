@@ -30,7 +30,8 @@ class EngineConfig:
             or 80% of free device memory on CUDA.
         num_swap_blocks: CPU swap slots for preempted requests (None: as many as KV blocks with
             `swap` preemption, else none).
-        attention_backend: `auto` (Triton on CUDA, torch elsewhere), `triton` or `torch`.
+        attention_backend: `auto` (Triton on CUDA; on the CPU the C++ `cpu` kernel, or `torch`
+            where it cannot be built), `triton`, `cpu` or `torch` (the plain-torch reference).
         enable_prefix_caching: reuse cached KV blocks of equal prefixes.
         kv_allocation: `paged` (blocks as tokens arrive) or `reserve-max` (a whole context per
             request, the baseline paging is measured against).

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import pagedserve.kernels as kernels
-from pagedserve.kernels import TORCH_OPS, get_kernel_ops
+from pagedserve.kernels import CPU_OPS, TORCH_OPS, get_kernel_ops
 
 TRITON_FUNCS = {
     "write_kv": kernels.write_kv,
@@ -18,9 +18,11 @@ TRITON_FUNCS = {
 }
 
 
-def test_auto_picks_torch_off_cuda_and_triton_on_cuda() -> None:
-    assert get_kernel_ops("auto", "cpu") is TORCH_OPS
-    assert get_kernel_ops() is TORCH_OPS
+def test_auto_picks_the_cpu_kernel_on_cpu_and_triton_on_cuda() -> None:
+    expected = CPU_OPS if kernels.cpu_paged_available() else TORCH_OPS
+    assert get_kernel_ops("auto", "cpu") is expected
+    assert get_kernel_ops() is expected
+    assert get_kernel_ops("auto", "meta") is TORCH_OPS
     ops = get_kernel_ops("auto", torch.device("cuda", 0))  # choosing needs no GPU
     assert ops.name == "triton"
     for name, func in TRITON_FUNCS.items():
@@ -33,8 +35,26 @@ def test_torch_is_always_available() -> None:
     assert TORCH_OPS.write_kv is kernels.write_kv_ref
 
 
+def test_auto_falls_back_to_torch_where_the_cpu_kernel_cannot_build(monkeypatch) -> None:
+    from pagedserve.kernels import dispatch
+
+    monkeypatch.setattr(dispatch.cpu_paged, "cpu_paged_available", lambda: False)
+    assert get_kernel_ops("auto", "cpu") is TORCH_OPS
+    with pytest.raises(ValueError, match="did not build"):
+        get_kernel_ops("cpu", "cpu")
+
+
+def test_cpu_backend_shares_the_reference_movers_and_needs_a_cpu_pool() -> None:
+    assert CPU_OPS.write_kv is kernels.write_kv_ref
+    assert CPU_OPS.copy_blocks is kernels.copy_blocks_ref
+    assert CPU_OPS.paged_decode_attention is kernels.paged_decode_attention_cpu
+    assert CPU_OPS.paged_prefill_attention is kernels.paged_attention_cpu
+    with pytest.raises(ValueError, match="CPU pools only"):
+        get_kernel_ops("cpu", "cuda")
+
+
 def test_unknown_backend_lists_the_choices() -> None:
-    with pytest.raises(ValueError, match=r"'flash'.*auto.*triton.*torch"):
+    with pytest.raises(ValueError, match=r"'flash'.*auto.*triton.*cpu.*torch"):
         get_kernel_ops("flash")
 
 
@@ -53,6 +73,7 @@ def test_triton_on_cpu_under_the_interpreter() -> None:
 IMPLS = [
     pytest.param(kernels.paged_decode_attention_ref, id="ref"),
     pytest.param(kernels.paged_decode_attention, id="triton"),
+    pytest.param(kernels.paged_decode_attention_cpu, id="cpu"),
 ]
 
 
@@ -89,7 +110,12 @@ def test_decode_rejects_bad_arguments(impl, bad: dict, name: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "impl", [kernels.paged_prefill_attention_ref, kernels.paged_prefill_attention]
+    "impl",
+    [
+        kernels.paged_prefill_attention_ref,
+        kernels.paged_prefill_attention,
+        kernels.paged_attention_cpu,
+    ],
 )
 def test_prefill_rejects_short_query_start_loc(impl) -> None:
     args = _decode_args()

@@ -8,6 +8,8 @@ from support.engine import finish_clean
 from pagedserve import LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+# The CPU backends the HF-equivalence tests run under: the reference and the C++ kernel.
+CPU_BACKENDS = pytest.mark.parametrize("backend", ["torch", "cpu"])
 
 
 def make_prompts(vocab: int, count: int, seed: int, shared_prefix: int = 0) -> list[list[int]]:
@@ -24,17 +26,18 @@ def assert_matches_reference(outputs, prompts, reference, max_tokens=16):
         assert output.outputs[0].token_ids == reference.greedy(prompt, max_tokens), prompt
 
 
+@CPU_BACKENDS
 @pytest.mark.parametrize("model_fixture", ["tiny_llama", "qwen2"])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("chunked", [True, False])
-def test_greedy_matches_hf(request, model_fixture, block_size, chunked):
+def test_greedy_matches_hf(request, model_fixture, block_size, chunked, backend):
     loaded, reference = request.getfixturevalue(model_fixture)
     prompts = make_prompts(loaded.vocab_size, 6, seed=block_size)
     llm = LLM(
         loaded_model=loaded,
         block_size=block_size,
         num_kv_blocks=64,
-        attention_backend="torch",
+        attention_backend=backend,
         enable_chunked_prefill=chunked,
         max_num_batched_tokens=24 if chunked else loaded.max_model_len,
     )
@@ -42,10 +45,11 @@ def test_greedy_matches_hf(request, model_fixture, block_size, chunked):
     finish_clean(llm)
 
 
-def test_shared_prefixes_hit_the_cache_and_match(tiny_llama):
+@CPU_BACKENDS
+def test_shared_prefixes_hit_the_cache_and_match(tiny_llama, backend):
     loaded, reference = tiny_llama
     prompts = make_prompts(loaded.vocab_size, 18, seed=3, shared_prefix=48)
-    llm = LLM(loaded_model=loaded, block_size=16, num_kv_blocks=256, attention_backend="torch")
+    llm = LLM(loaded_model=loaded, block_size=16, num_kv_blocks=256, attention_backend=backend)
     first = llm.generate(prompts[:1], GREEDY)
     outputs = first + llm.generate(prompts[1:], GREEDY)
     assert_matches_reference(outputs, prompts, reference)
@@ -54,8 +58,9 @@ def test_shared_prefixes_hit_the_cache_and_match(tiny_llama):
     finish_clean(llm)
 
 
+@CPU_BACKENDS
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_forced_preemption_keeps_outputs(tiny_llama, mode):
+def test_forced_preemption_keeps_outputs(tiny_llama, mode, backend):
     loaded, reference = tiny_llama
     prompts = make_prompts(loaded.vocab_size, 8, seed=11)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -63,7 +68,7 @@ def test_forced_preemption_keeps_outputs(tiny_llama, mode):
         loaded_model=loaded,
         block_size=8,
         num_kv_blocks=20,
-        attention_backend="torch",
+        attention_backend=backend,
         preemption_mode=mode,
         num_swap_blocks=64,
         enable_prefix_caching=False,

@@ -1,0 +1,409 @@
+// Paged attention on the CPU that reads K/V from the block pool in place.
+//
+// One op covers decode, prefill, chunked prefill and mixed batches: sequence s owns query rows
+// query_start_loc[s] .. query_start_loc[s+1] (its last q_len positions), and each attends
+// causally to its context through block_tables[s]. Sequences with more than max_query_len new
+// tokens are skipped (their rows untouched) for the caller to run elsewhere. Work is cut into
+// items
+//
+//     (sequence, kv head, tile of up to kQueryTile query tokens)
+//
+// whose G = num_heads / num_kv_heads query heads share the KV head's keys, so one item holds
+// rows = tokens * G query rows. An item walks the sequence's blocks with an online softmax:
+//
+//     pool block b:  [block_size, num_kv_heads, head_dim]    key j, head h: K[b, j, h, :]
+//     scores:        [rows, block_size] = q[rows, head_dim] . K[b, :, h, :]
+//     acc:           [rows, head_dim]  += exp(scores - max) @ V[b, :, h, :]
+//
+// Scores come from one of two loops, both vectorised by the compiler over unit-stride data:
+// few rows (decode: G rows) take dot products straight from the pool; many rows (prefill
+// tiles) first copy the block's keys transposed into `kt` [head_dim, block_size] so that the
+// inner loop runs over keys and each transposed key is reused by every row. Nothing larger
+// than one block of one head is ever copied.
+//
+// Items are dealt to at most at::get_num_threads() bins, longest first, so one long prefill
+// does not leave a thread idle behind a run of short decodes.
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+
+// Query tokens per prefill item: G * 16 rows of scores and accumulators stay in L1.
+constexpr int64_t kQueryTile = 16;
+// Items with fewer rows than this use dot products; more rows amortise the transposed copy.
+constexpr int64_t kTransposeRows = 8;
+
+// exp(x) for x <= 0 (scores minus their running max), vectorisable: 2^n * p(f), |f| <= 1/2,
+// with Cephes' exp2f polynomial (relative error ~2e-7, below float32 attention tolerances).
+inline float exp_nonpositive(float x) {
+  const float t = std::max(x, -87.0f) * 1.44269504088896341f;  // below -87 the result is ~0
+  const float n = std::floor(t + 0.5f);
+  const float f = t - n;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+struct Dims {
+  int64_t num_heads;
+  int64_t num_kv_heads;
+  int64_t head_dim;
+  int64_t block_size;
+  int64_t max_blocks;
+};
+
+struct Item {
+  int64_t seq;
+  int64_t kv_head;
+  int64_t q_lo;  // first query token of the tile, counted within the sequence's new tokens
+  int64_t q_hi;
+  int64_t cost;  // query rows * keys read: the work the bins balance
+};
+
+// One thread's scratch, sized once for the largest tile.
+struct Scratch {
+  std::vector<float> q, acc, kt, scores, row_max, row_sum;
+
+  Scratch(int64_t rows, const Dims& d)
+      : q(rows * d.head_dim),
+        acc(rows * d.head_dim),
+        kt(d.head_dim * d.block_size),
+        scores(rows * d.block_size),
+        row_max(rows),
+        row_sum(rows) {}
+};
+
+// scores[r, j] = q[r] . K[j] for j < n, reading each key from the pool.
+template <typename scalar_t, int64_t kD>
+void scores_by_dot(
+    float* scores, const float* q, const scalar_t* kb, int64_t rows, int64_t n, int64_t D,
+    int64_t BS, int64_t token_stride) {
+  const int64_t dim = kD > 0 ? kD : D;
+  for (int64_t j = 0; j < n; ++j) {
+    const scalar_t* krow = kb + j * token_stride;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* qr = q + r * dim;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t c = 0; c < dim; ++c) dot += qr[c] * static_cast<float>(krow[c]);
+      scores[r * BS + j] = dot;
+    }
+  }
+}
+
+// The same scores through a transposed copy of the block's keys (many rows). Float pools
+// with whole vectors of keys per block take explicit vectors, four rows at a time (four
+// independent FMA chains, one load of each transposed key vector for all four).
+template <typename scalar_t, int64_t kD>
+void scores_by_transpose(
+    float* scores, float* kt, const float* q, const scalar_t* kb, int64_t rows, int64_t n,
+    int64_t D, int64_t BS, int64_t token_stride) {
+  const int64_t dim = kD > 0 ? kD : D;
+  for (int64_t j = 0; j < n; ++j) {
+    const scalar_t* krow = kb + j * token_stride;
+    for (int64_t c = 0; c < dim; ++c) kt[c * BS + j] = static_cast<float>(krow[c]);
+  }
+  int64_t r = 0;
+  if (BS % Vec::size() == 0) {
+    // Keys n .. BS of a partial block hold stale (finite) values: scored, then never used.
+    for (; r + 4 <= rows; r += 4) {
+      for (int64_t j = 0; j < BS; j += Vec::size()) {
+        Vec acc0(0.0f), acc1(0.0f), acc2(0.0f), acc3(0.0f);
+        for (int64_t c = 0; c < dim; ++c) {
+          const Vec k = Vec::loadu(kt + c * BS + j);
+          acc0 = at::vec::fmadd(Vec(q[r * dim + c]), k, acc0);
+          acc1 = at::vec::fmadd(Vec(q[(r + 1) * dim + c]), k, acc1);
+          acc2 = at::vec::fmadd(Vec(q[(r + 2) * dim + c]), k, acc2);
+          acc3 = at::vec::fmadd(Vec(q[(r + 3) * dim + c]), k, acc3);
+        }
+        acc0.store(scores + r * BS + j);
+        acc1.store(scores + (r + 1) * BS + j);
+        acc2.store(scores + (r + 2) * BS + j);
+        acc3.store(scores + (r + 3) * BS + j);
+      }
+    }
+  }
+  for (; r < rows; ++r) {
+    float* sr = scores + r * BS;
+    const float* qr = q + r * dim;
+    std::fill(sr, sr + n, 0.0f);
+    for (int64_t c = 0; c < dim; ++c) {
+      const float qc = qr[c];
+      const float* ktc = kt + c * BS;
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) sr[j] += qc * ktc[j];
+    }
+  }
+}
+
+// acc[D] = acc * alpha + sum_j p[j] * V[j] over `visible` keys of one block.
+template <typename scalar_t, int64_t kD>
+void accumulate_values(
+    float* acc, float alpha, const float* p, const scalar_t* vb, int64_t visible, int64_t D,
+    int64_t token_stride) {
+  if constexpr (std::is_same_v<scalar_t, float> && kD > 0 && kD % Vec::size() == 0) {
+    // The whole accumulator row in registers, one FMA chain per vector of it.
+    constexpr int64_t kChunks = kD / Vec::size();
+    Vec a[kChunks];
+    for (int64_t k = 0; k < kChunks; ++k) a[k] = Vec::loadu(acc + k * Vec::size()) * Vec(alpha);
+    for (int64_t j = 0; j < visible; ++j) {
+      const Vec pj(p[j]);
+      const float* vrow = vb + j * token_stride;
+      for (int64_t k = 0; k < kChunks; ++k) {
+        a[k] = at::vec::fmadd(pj, Vec::loadu(vrow + k * Vec::size()), a[k]);
+      }
+    }
+    for (int64_t k = 0; k < kChunks; ++k) a[k].store(acc + k * Vec::size());
+  } else {
+    if (alpha != 1.0f) {
+#pragma omp simd
+      for (int64_t c = 0; c < D; ++c) acc[c] *= alpha;
+    }
+    for (int64_t j = 0; j < visible; ++j) {
+      const float pj = p[j];
+      const scalar_t* vrow = vb + j * token_stride;
+#pragma omp simd
+      for (int64_t c = 0; c < D; ++c) acc[c] += pj * static_cast<float>(vrow[c]);
+    }
+  }
+}
+
+template <typename scalar_t, int64_t kD>
+void attend_item(
+    const Item& item, const scalar_t* query, scalar_t* out, const scalar_t* key_cache,
+    const scalar_t* value_cache, const int32_t* block_tables, const int32_t* query_start_loc,
+    const int32_t* seq_lens, const Dims& d, float scale, Scratch& s) {
+  const int64_t D = kD > 0 ? kD : d.head_dim;
+  const int64_t BS = d.block_size, G = d.num_heads / d.num_kv_heads;
+  const int64_t rows = (item.q_hi - item.q_lo) * G;
+  const int64_t token_stride = d.num_kv_heads * D;  // between pool rows of one block
+  const int64_t q_start = query_start_loc[item.seq];
+  const int64_t q_len = query_start_loc[item.seq + 1] - q_start;
+  const int64_t first_pos = seq_lens[item.seq] - q_len;  // position of the first new token
+  const int64_t num_keys = first_pos + item.q_hi;  // the newest row sees keys 0 .. this - 1
+  const int32_t* table = block_tables + item.seq * d.max_blocks;
+
+  // Row r is query token q_lo + r / G, head kv_head * G + r % G; scaled once here.
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t token = q_start + item.q_lo + r / G;
+    const scalar_t* src = query + (token * d.num_heads + item.kv_head * G + r % G) * D;
+    float* dst = s.q.data() + r * D;
+    for (int64_t c = 0; c < D; ++c) dst[c] = static_cast<float>(src[c]) * scale;
+  }
+  std::fill(s.acc.begin(), s.acc.begin() + rows * D, 0.0f);
+  std::fill(s.row_max.begin(), s.row_max.begin() + rows, -std::numeric_limits<float>::infinity());
+  std::fill(s.row_sum.begin(), s.row_sum.begin() + rows, 0.0f);
+
+  const int64_t num_blocks = (num_keys + BS - 1) / BS;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t key0 = b * BS;
+    const int64_t n = std::min(BS, num_keys - key0);
+    const int64_t base = static_cast<int64_t>(table[b]) * BS * token_stride + item.kv_head * D;
+    const scalar_t* kb = key_cache + base;
+    const scalar_t* vb = value_cache + base;
+    if (rows < kTransposeRows) {
+      scores_by_dot<scalar_t, kD>(s.scores.data(), s.q.data(), kb, rows, n, D, BS, token_stride);
+    } else {
+      scores_by_transpose<scalar_t, kD>(
+          s.scores.data(), s.kt.data(), s.q.data(), kb, rows, n, D, BS, token_stride);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      // Keys this row may see in the block: all of them, except on the causal diagonal.
+      const int64_t visible = std::min(n, first_pos + item.q_lo + r / G - key0 + 1);
+      if (visible <= 0) continue;
+      float* sr = s.scores.data() + r * BS;
+      float new_max = s.row_max[r];
+      for (int64_t j = 0; j < visible; ++j) new_max = std::max(new_max, sr[j]);
+      // Before its first key a row's max is -inf: alpha is ~0 and scales only zeros.
+      const float alpha = exp_nonpositive(s.row_max[r] - new_max);
+      float block_sum = 0.0f;
+#pragma omp simd reduction(+ : block_sum)
+      for (int64_t j = 0; j < visible; ++j) {
+        sr[j] = exp_nonpositive(sr[j] - new_max);
+        block_sum += sr[j];
+      }
+      s.row_max[r] = new_max;
+      s.row_sum[r] = s.row_sum[r] * alpha + block_sum;
+      accumulate_values<scalar_t, kD>(
+          s.acc.data() + r * D, alpha, sr, vb, visible, D, token_stride);
+    }
+  }
+
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t token = q_start + item.q_lo + r / G;
+    // A row that saw no key (an empty context) is zero, as in the torch reference.
+    const float inv = s.row_sum[r] > 0.0f ? 1.0f / s.row_sum[r] : 0.0f;
+    const float* ar = s.acc.data() + r * D;
+    scalar_t* dst = out + (token * d.num_heads + item.kv_head * G + r % G) * D;
+    for (int64_t c = 0; c < D; ++c) dst[c] = static_cast<scalar_t>(ar[c] * inv);
+  }
+}
+
+// Cut the batch into items, checking every table entry an item will read.
+std::vector<Item> make_items(
+    const int32_t* block_tables, const int32_t* query_start_loc, const int32_t* seq_lens,
+    int64_t num_seqs, int64_t num_tokens, int64_t num_pool_blocks, int64_t max_query_len,
+    const Dims& d) {
+  std::vector<Item> items;
+  const int64_t G = d.num_heads / d.num_kv_heads;
+  TORCH_CHECK_VALUE(
+      query_start_loc[0] >= 0 && query_start_loc[num_seqs] <= num_tokens, "query_start_loc runs ",
+      query_start_loc[0], " .. ", query_start_loc[num_seqs], " outside the ", num_tokens,
+      " query tokens");
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t q_len = query_start_loc[seq + 1] - query_start_loc[seq];
+    const int64_t ctx = seq_lens[seq];
+    TORCH_CHECK_VALUE(q_len >= 0, "query_start_loc must not decrease (sequence ", seq, ")");
+    // A decode row of an empty context (q_len 1, seq_lens 0) is allowed and yields zeros.
+    TORCH_CHECK_VALUE(
+        q_len <= std::max<int64_t>(ctx, 1), "sequence ", seq, ": ", q_len,
+        " new tokens exceed seq_lens[", seq, "] = ", ctx);
+    const int64_t needed = (ctx + d.block_size - 1) / d.block_size;
+    TORCH_CHECK_VALUE(
+        needed <= d.max_blocks, "block_tables has ", d.max_blocks, " columns but a context of ",
+        ctx, " tokens needs ", needed, " blocks of ", d.block_size);
+    const int32_t* table = block_tables + seq * d.max_blocks;
+    for (int64_t b = 0; b < needed; ++b) {
+      TORCH_CHECK_VALUE(
+          table[b] >= 0 && table[b] < num_pool_blocks, "block_tables[", seq, ", ", b, "] = ",
+          table[b], " is outside the pool of ", num_pool_blocks, " blocks");
+    }
+    if (q_len > max_query_len) continue;  // left to the caller
+    for (int64_t lo = 0; lo < q_len; lo += kQueryTile) {
+      const int64_t hi = std::min(q_len, lo + kQueryTile);
+      const int64_t keys = std::max<int64_t>(ctx - q_len + hi, 1);
+      for (int64_t h = 0; h < d.num_kv_heads; ++h) {
+        items.push_back({seq, h, lo, hi, (hi - lo) * G * keys});
+      }
+    }
+  }
+  return items;
+}
+
+// Deal items to `num_bins` bins, longest first, each to the least loaded bin (LPT).
+std::vector<std::vector<Item>> balance(std::vector<Item> items, int64_t num_bins) {
+  std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
+    return a.cost > b.cost;
+  });
+  std::vector<std::vector<Item>> bins(num_bins);
+  std::vector<int64_t> load(num_bins, 0);
+  for (const Item& item : items) {
+    const auto lightest = std::min_element(load.begin(), load.end()) - load.begin();
+    bins[lightest].push_back(item);
+    load[lightest] += item.cost;
+  }
+  return bins;
+}
+
+template <typename scalar_t, int64_t kD>
+void run_bins(
+    const std::vector<std::vector<Item>>& bins, const at::Tensor& out, const at::Tensor& query,
+    const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_tables,
+    const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const Dims& d, float scale) {
+  const int64_t max_rows = kQueryTile * (d.num_heads / d.num_kv_heads);
+  at::parallel_for(0, static_cast<int64_t>(bins.size()), 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch(max_rows, d);
+    for (int64_t bin = begin; bin < end; ++bin) {
+      for (const Item& item : bins[bin]) {
+        attend_item<scalar_t, kD>(
+            item, query.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+            key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(),
+            block_tables.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(),
+            seq_lens.data_ptr<int32_t>(), d, scale, scratch);
+      }
+    }
+  });
+}
+
+void paged_attention(
+    at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+    const at::Tensor& value_cache, const at::Tensor& block_tables,
+    const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
+    int64_t max_query_len) {
+  // The Python wrapper checks shapes and dtypes; these guard the raw pointer arithmetic.
+  TORCH_CHECK(query.is_contiguous() && out.is_contiguous(), "query and out must be contiguous");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "pools must be contiguous");
+  TORCH_CHECK(
+      block_tables.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
+          seq_lens.scalar_type() == at::kInt && block_tables.is_contiguous(),
+      "index tensors must be contiguous int32");
+  TORCH_CHECK(
+      query.dim() == 3 && key_cache.dim() == 4 && query.size(2) == key_cache.size(3) &&
+          query.size(1) % key_cache.size(2) == 0 && out.sizes() == query.sizes() &&
+          out.scalar_type() == query.scalar_type() &&
+          key_cache.scalar_type() == query.scalar_type() &&
+          value_cache.sizes() == key_cache.sizes() &&
+          value_cache.scalar_type() == key_cache.scalar_type(),
+      "query/out [tokens, heads, head_dim] and pools [blocks, block_size, kv_heads, head_dim] "
+      "must agree in head_dim, head grouping and dtype");
+  TORCH_CHECK(
+      block_tables.dim() == 2 && block_tables.size(0) == seq_lens.size(0) &&
+          query_start_loc.size(0) == seq_lens.size(0) + 1,
+      "block_tables [S, max_blocks], seq_lens [S] and query_start_loc [S + 1] must agree");
+  const Dims d{
+      query.size(1), key_cache.size(2), key_cache.size(3), key_cache.size(1),
+      block_tables.size(1)};
+  std::vector<Item> items = make_items(
+      block_tables.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(),
+      seq_lens.data_ptr<int32_t>(), seq_lens.size(0), query.size(0), key_cache.size(0),
+      max_query_len, d);
+  if (items.empty()) return;
+  const int64_t num_bins = std::min<int64_t>(at::get_num_threads(), items.size());
+  const auto bins = balance(std::move(items), num_bins);
+  const auto fscale = static_cast<float>(scale);
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, query.scalar_type(), "paged_attention_cpu", [&] {
+        // Common head sizes get loops of known length (unrolled); others a generic loop.
+        switch (d.head_dim) {
+          case 64:
+            return run_bins<scalar_t, 64>(
+                bins, out, query, key_cache, value_cache, block_tables, query_start_loc,
+                seq_lens, d, fscale);
+          case 128:
+            return run_bins<scalar_t, 128>(
+                bins, out, query, key_cache, value_cache, block_tables, query_start_loc,
+                seq_lens, d, fscale);
+          default:
+            return run_bins<scalar_t, 0>(
+                bins, out, query, key_cache, value_cache, block_tables, query_start_loc,
+                seq_lens, d, fscale);
+        }
+      });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedserve_cpu, m) {
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale, "
+      "int max_query_len) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+}
