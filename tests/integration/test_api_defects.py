@@ -9,8 +9,8 @@ proxies in front of a running app), never `RouterCore` in-process:
   each tenant has its own ids: another tenant can neither abort nor squat them;
 - `/metrics` needs a token when auth is on.
 
-One app for the module (auth on, two tenants, small limits); every test ends with every
-worker's pool idle and clean.
+One app for the module (auth on, two tenants, small limits); like every test that runs
+requests, each ends with the session's leak check (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import re
 import grpc
 import pytest
 import requests
-from support.api_app import assert_app_pools_clean, running_app
+from support.api_app import running_app
 
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
 from pagedserve.proto.pagedserve.v1 import serving_pb2_grpc
@@ -48,12 +48,6 @@ def app():
         max_request_bytes=MAX_REQUEST_BYTES,
     ) as running:
         yield running
-
-
-@pytest.fixture(autouse=True)
-def pools_clean_after(app):
-    yield
-    assert_app_pools_clean(app)
 
 
 def auth(token: str = TENANT_A) -> tuple[tuple[str, str], ...]:

@@ -6,7 +6,7 @@ import copy
 import random
 
 import pytest
-from support.cluster import assert_pools_clean, cluster_config, greedy, run_request, start_router
+from support.cluster import cluster_config, greedy, run_request, start_router
 
 from pagedserve.cluster.worker_group import stop_worker_group
 
@@ -43,7 +43,6 @@ def test_preempted_request_moves_with_its_kv_and_output_is_unchanged():
             results = await asyncio.gather(*(run_request(core, p, greedy(30)) for p in prompts))
         finally:
             target.end(PIN)
-        await assert_pools_clean(core)
         return reference, results, copy.deepcopy(core.counters)
 
     try:
@@ -87,7 +86,6 @@ def test_pressure_pushes_cached_prefixes_that_later_hit_on_the_receiver():
             hits = [(await run_request(core, p + [4, 5, 6], greedy(2)))[1][0] for p in prefixes]
         finally:
             source.end(PIN)
-        await assert_pools_clean(core)
         held = await core.index.snapshot_of.remote(receiver.worker_id)
         return copy.deepcopy(core.counters), hits, held, receiver.worker_id
 
