@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -359,6 +360,7 @@ class WorkerCore:
             draining=self.draining,
             lease_expired=self.leases.num_expired,
             lease_owners=self.leases.num_owners,
+            scheduler=dataclasses.replace(self.engine.scheduler.counters),
             **engine,
         )
 
