@@ -1,11 +1,13 @@
-"""The cluster on a multi-node Ray cluster: routing, pull, resync, worker failure; no leaks."""
+"""The cluster on a multi-node Ray cluster: prefix-aware routing, and the index resyncing after
+a lost event batch (pull, push and move: test_cluster_migration.py; failures: their own
+modules)."""
 
 import asyncio
 import random
-import time
 
 import pytest
 from support.cluster import cluster_config, greedy, run_request, start_router
+from support.wait import until
 
 from pagedserve.cluster.worker_group import stop_worker_group
 
@@ -20,7 +22,7 @@ def prompt(seed: int, length: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def shared_router(ray_cluster):
-    config = cluster_config("t-shared", num_workers=2, pull_min_blocks=1)
+    config = cluster_config("t-shared", num_workers=2)
     core = asyncio.run(start_router(config))
     yield core
     stop_worker_group(config)
@@ -48,31 +50,6 @@ def test_shared_prefix_requests_land_on_the_holder(shared_router):
     assert all(cached >= 64 for _, cached in landed)
 
 
-def test_pulled_prefix_gives_the_recomputed_output(shared_router):
-    core = shared_router
-    system = prompt(3, 80)
-    suffix = prompt(4, 6)
-
-    async def main():
-        tokens_here, final = await run_request(core, system + suffix, greedy(10))
-        holder = core.workers[final[0].worker_id]
-        other = next(w for w in core.workers.values() if w is not holder)
-        # Make the holder look busy so the router picks the other worker and pulls.
-        holder.begin(PIN)
-        try:
-            before = core.counters.pulls
-            tokens_there, final2 = await run_request(core, system + suffix, greedy(10))
-        finally:
-            holder.end(PIN)
-        return tokens_here, tokens_there, final2[0], other.worker_id, before
-
-    here, there, final2, other_id, pulls_before = run(main())
-    assert final2.worker_id == other_id
-    assert core.counters.pulls == pulls_before + 1
-    assert final2.usage.cached_tokens >= 72
-    assert there == here
-
-
 def test_lost_event_batch_is_detected_and_resynced(shared_router):
     """One batch of KV events lost on the way to the index: the next batch shows the gap, the
     index resyncs from the worker's snapshot (once), and it agrees with the pool again."""
@@ -85,14 +62,14 @@ def test_lost_event_batch_is_detected_and_resynced(shared_router):
             # The index must know `worker` already (a first publish always resyncs), so that
             # what follows is the lost batch's doing alone.
             await run_request(core, prompt(19, 40), greedy(3))
-            await wait_for(lambda: index_agrees(core, worker), "the index to mirror the pool")
+            await until(lambda: index_agrees(core, worker), "the index to mirror the pool")
             before = await core.index.stats.remote()
             dropped_before = (await worker.handle.stats.remote()).event_batches_dropped
             await worker.handle.chaos_drop_next_event_batch.remote()
             for seed in (20, 21, 22):  # new prefixes: batches after the lost one
                 _, final = await run_request(core, prompt(seed, 40), greedy(3))
                 assert final[0].worker_id == worker.worker_id
-            await wait_for(lambda: index_agrees(core, worker), "the index to resync")
+            await until(lambda: index_agrees(core, worker), "the index to resync")
         finally:
             other.end(PIN)
         after = await core.index.stats.remote()
@@ -111,11 +88,3 @@ async def index_agrees(core, worker) -> bool:
     cached = set((await worker.handle.kv_snapshot.remote()).block_hashes)
     indexed = await core.index.snapshot_of.remote(worker.worker_id)
     return bool(cached) and indexed == cached
-
-
-async def wait_for(condition, what: str, deadline_s: float = 60.0) -> None:
-    """Await `condition()` until it holds; the deadline is a failsafe only."""
-    end = time.monotonic() + deadline_s
-    while not await condition():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        await asyncio.sleep(0.1)
