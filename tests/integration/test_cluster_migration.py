@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 from support.cluster import cluster_config, greedy, run_request, start_router
+from support.wait import until
 
 from pagedserve.cluster.worker_group import stop_worker_group
 from pagedserve.workers.worker_types import WorkerStats
@@ -156,10 +157,8 @@ def test_pressure_pushes_cached_prefixes_that_later_hit_on_the_receiver():
         try:
             for p in prefixes:  # all on `source`: its pool fills with cached prefixes
                 await run_request(core, p + [1, 2, 3], greedy(2))
-            for _ in range(100):  # the poll loop pushes while `source` is short of blocks
-                if core.counters.pushes:
-                    break
-                await asyncio.sleep(0.1)
+            # The poll loop pushes while `source` is short of blocks.
+            await until(lambda: core.counters.pushes, "a push")
         finally:
             receiver.end(PIN)
         source.begin(PIN)

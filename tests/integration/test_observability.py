@@ -112,7 +112,7 @@ def complete_trace(receiver: Receiver, request_id: str) -> list[dict]:
         names = {s["name"] for s in spans}
         return spans if {"pagedserve.request", "worker.request"} | PHASES <= names else None
 
-    return wait_until(ready, 20, f"the spans of {request_id}")
+    return wait_until(ready, 120, f"the spans of {request_id}")
 
 
 def by_name(spans: list[dict]) -> dict[str, dict]:
@@ -222,7 +222,7 @@ def test_metrics_move_with_requests(app, client):
         )
         return after if grew else None
 
-    after = wait_until(moved, 10, "the metrics to move")
+    after = wait_until(moved, 120, "the metrics to move")
     assert total(after, "pagedserve_tokens_total") >= 3 * 4
     for gauge in (
         "pagedserve_requests_running",
@@ -280,7 +280,7 @@ def test_a_moved_request_traces_its_migration(app, receiver):
         assert counters.moves >= 1
         tracing.flush()
         # Before the workers go: a killed actor drops the spans it has not exported yet.
-        spans = wait_until(moved_trace, 20, "a trace with a move")
+        spans = wait_until(moved_trace, 120, "a trace with a move")
     finally:
         stop_worker_group(config)
     (root,) = [s for s in spans if s["name"] == "pagedserve.request"]
