@@ -289,8 +289,13 @@ class LeakWatch:
         return problems if passed else []
 
     def end_module(self) -> list[str]:
-        """Problems found by stops after the module's last test (its fixtures' teardown)."""
+        """Problems found by stops after the module's last test (its fixtures' teardown).
+
+        What is still registered is forgotten: a module's Ray goes with it, and a router built
+        on no Ray at all (a unit test's) has nothing to check."""
         problems, self.problems = self.problems, []
+        self.clusters.clear()
+        self.serve_apps.clear()
         return problems
 
     def _covered(self, kind: str) -> None:
