@@ -23,7 +23,7 @@ SNAPSHOT_TIMEOUT_S = 1.0
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False)  # never another session's
     yield
     ray.shutdown()
 
