@@ -22,6 +22,7 @@ import itertools
 import pytest
 
 from pagedserve.workers.kv_cache_manager import KVCacheManager
+from pagedserve.workers.kv_checks import assert_no_leaks
 from pagedserve.workers.request import Request, RequestStatus
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.scheduler import Scheduler, SchedulerConfig, SchedulerCounters
@@ -89,8 +90,10 @@ class Driver:
                     self.finished.append(request.request_id)
 
     def run(self) -> None:
+        """Step until every request finished; then nothing may be left in the pool."""
         for _ in range(10_000):
             if not (self.scheduler.waiting or self.scheduler.running or self.scheduler.swapped):
+                assert_no_leaks(self.scheduler.kv)
                 return
             self.step()
         raise AssertionError("the scheduler never drained")
@@ -159,6 +162,7 @@ def test_the_victim_is_the_lowest_ranked_running_sequence(policy, priorities, vi
     assert driver.victims == [victim] and "y" in driver.steps[-1]  # y got the block
     assert driver.requests[victim].status is RequestStatus.WAITING  # recompute: KV dropped
     assert not driver.scheduler.kv.has_request(victim)
+    driver.run()
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
