@@ -59,7 +59,7 @@ def measure(
     from pagedserve.workers.sampling_params import SamplingParams
 
     config = EngineConfig(
-        model=None,
+        model="tiny-llama",
         block_size=block_size,
         num_kv_blocks=kv_positions // block_size,
         attention_backend="torch",

@@ -14,6 +14,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "pagedserve.bench.ablate",
     "pagedserve.bench.block_sweep",
     "pagedserve.bench.soak",
+    "pagedserve.bench.grpc_burst",
 )
 
 

@@ -115,7 +115,15 @@ def _read_lengths_file(path: str) -> tuple[int, ...]:
 
 
 def _read_config(path: str) -> dict[str, Any]:
-    """Load ``config.json`` from a file path or from the directory that holds it."""
+    """Load ``config.json`` from a file path or from the directory that holds it; a built-in
+    GGUF model's name (``smollm2-135m``) reads its converted checkpoint's."""
+    from pagedserve.workers.model_registry import BUILTIN_GGUF, resolve_model
+
+    if path in BUILTIN_GGUF:
+        try:
+            path = resolve_model(path).path
+        except ValueError as error:
+            raise KvCalcError(f"--model: {error}") from None
     config_path = Path(path)
     if config_path.is_dir():
         config_path = config_path / "config.json"
@@ -382,7 +390,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="positions reserved per sequence by reserve-max (default: the longest length)",
     )
     shape = parser.add_argument_group("model shape (adds bytes; flags override --model)")
-    shape.add_argument("--model", metavar="PATH", help="local HF model dir or its config.json")
+    shape.add_argument(
+        "--model", metavar="PATH", help="local HF model dir or its config.json, or smollm2-135m"
+    )
     shape.add_argument("--layers", type=positive_int, metavar="L", help="transformer layers")
     shape.add_argument("--kv-heads", type=positive_int, metavar="H", help="KV heads h_kv")
     shape.add_argument("--head-dim", type=positive_int, metavar="D", help="head dim d_h")

@@ -264,7 +264,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__.split("\n\n")[0],
     )
     add = parser.add_argument
-    add("--model", default=None, help="tiny-llama (default) or a local HF checkpoint directory")
+    add("--model", default=None, help="smollm2-135m (default), tiny-llama, a dir or a .gguf file")
     add("--dtype", default="float32")
     add("--device", default="cpu")
     add("--num-prompts", type=positive_int, default=64)

@@ -5,7 +5,7 @@ request i picks one of them uniformly and appends U random tokens of its own; ar
 Poisson process at `--request-rate` (exponential gaps). Every request is greedy and produces
 exactly `--max-tokens` tokens (`ignore_eos`).
 
-Each policy runs in turn on a fresh worker group (prefix index + N CPU workers of tiny-llama)
+Each policy runs in turn on a fresh worker group (prefix index + N CPU workers of `--model`)
 with a `RouterCore` in this process. By default only kv_aware runs with the cluster's KV
 migrations (pull when routing, push under eviction pressure); the others run plain (`--pull`,
 `--push`). Every worker first serves one short warm-up request of its own (random tokens no
@@ -80,7 +80,7 @@ _SETTLE_S = 10.0  # how long workers get to report idle pools after the run
 def cluster_config(config: RoutingBenchConfig, policy: str) -> ClusterConfig:
     """The `ClusterConfig` of one policy's worker group."""
     engine = EngineConfig(
-        model="tiny-llama", block_size=config.block_size, num_kv_blocks=config.num_kv_blocks
+        model=config.model, block_size=config.block_size, num_kv_blocks=config.num_kv_blocks
     )
     # Only kv_aware takes options; the router gives it the engine's block size itself.
     options = dict(config.kv_aware_options) if policy == "kv_aware" else {}
@@ -239,6 +239,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--pull-min-blocks", type=int, default=d.pull_min_blocks, help="ClusterConfig field")
     add("--push", choices=MIGRATION_MODES, default=d.push, help="policies that push under pressure")
     add("--worker-num-cpus", type=float, default=d.worker_num_cpus, help="Ray CPUs per worker")
+    add("--model", default=d.model, help="built-in name (smollm2-135m, tiny-llama), dir, .gguf")
     add(
         "--kv-aware-option",
         metavar="KEY=VALUE",
@@ -270,6 +271,7 @@ def run(args: argparse.Namespace) -> int:
         push=args.push,
         worker_num_cpus=args.worker_num_cpus,
         kv_aware_options=tuple(_parse_option(text) for text in args.kv_aware_option),
+        model=args.model,
     )
     num_cpus = args.ray_num_cpus or int(-(-config.num_workers * config.worker_num_cpus // 1)) + 1
     ensure_ray(args.ray_address, num_cpus)

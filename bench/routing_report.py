@@ -166,7 +166,7 @@ def format_report(
         f"(seed {c.seed}); {c.num_system_prompts} system prompts x {c.system_prompt_len} tokens "
         f"+ {c.user_len}-token user suffix (constructed: random byte tokens), "
         f"{c.max_tokens} output tokens, greedy",
-        f"cluster: {c.num_workers} CPU workers of tiny-llama, B={c.block_size}, "
+        f"cluster: {c.num_workers} CPU workers of {c.model}, B={c.block_size}, "
         f"{num_kv_blocks} KV blocks per worker (all {c.num_system_prompts} prefixes: "
         f"{c.prefix_blocks}); pull: {pulled} (pull_min_blocks={c.pull_min_blocks}); "
         f"push: {pushed}{options}",

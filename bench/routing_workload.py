@@ -37,6 +37,7 @@ class RoutingBenchConfig:
     push: str = "kv_aware"
     worker_num_cpus: float = 1.0
     kv_aware_options: tuple[tuple[str, Any], ...] = ()  # KvAwarePolicy keyword options
+    model: str = "tiny-llama"  # a built-in name, checkpoint directory or .gguf file
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.policies) - set(POLICIES))

@@ -10,7 +10,9 @@ status and message — kept, never dropped. Migrations are not exposed per reque
 (recorded as null; the cluster-wide `GetStats.migrations` before and after is in the JSON).
 
 With no `--address` (or `--start-local`) it starts a local app first (Ray, Serve, the Router
-and `--num-workers` CPU workers of tiny-llama), waits until it serves, and tears it down after.
+and `--num-workers` CPU workers of `--model`, SmolLM2-135M by default), waits until it serves,
+and tears it down after. Prompts are random token ids below 256 (text for tiny-llama, arbitrary
+tokens for a real model: the figures are about speed, not answers).
 
     $ pagedserve bench serve --workload shared-prefix --request-rate 4 --json serve.json
 """
@@ -39,8 +41,9 @@ from pagedserve.bench.serve_workload import (
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.routing import RoutingPolicy
 from pagedserve.workers.config_flags import add_config_flags, config_flags_set
+from pagedserve.workers.model_registry import DEFAULT_MODEL
 
-LOCAL_ENGINE = {"model": "tiny-llama", "attention_backend": "torch", "block_size": 16}
+LOCAL_ENGINE = {"attention_backend": "torch", "block_size": 16}
 
 
 # --- the gRPC front end --------------------------------------------------------------------
@@ -143,8 +146,10 @@ def local_app(cluster: dict[str, Any], *, num_cpus: int | None = None) -> Iterat
     from pagedserve.cluster.config import ClusterConfig
     from pagedserve.cluster.serve_options import grpc_options
     from pagedserve.cluster.worker_group import stop_worker_group
+    from pagedserve.workers.model_cli import prepare_in_subprocess
 
     config = ClusterConfig.from_dict(cluster)
+    prepare_in_subprocess(config.engine.model)  # a GGUF model: converted once, before workers
     cpus = num_cpus or math.ceil(config.num_workers * config.worker_num_cpus) + 1
     started_ray = ensure_ray(num_cpus=cpus)
     grpc_port = free_port()
@@ -185,7 +190,7 @@ _NOT_LIMITS = tuple(f.name for f in dataclasses.fields(ClusterConfig) if f.name 
 
 
 def local_cluster_data(args: argparse.Namespace) -> dict[str, Any]:
-    engine = {**LOCAL_ENGINE, "block_size": args.block_size}
+    engine = {**LOCAL_ENGINE, "model": args.model, "block_size": args.block_size}
     if args.num_kv_blocks:
         engine["num_kv_blocks"] = args.num_kv_blocks
     return {
@@ -261,6 +266,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--poll-interval", type=float, default=0.25, help="seconds between GetStats samples")
     add("--no-progress", action="store_true", help="no progress bar")
     add("--num-workers", type=int, default=2, help="local app: CPU workers")
+    add("--model", default=DEFAULT_MODEL, help="local app: built-in name, checkpoint dir, .gguf")
     add("--block-size", type=int, default=16, help="local app: tokens per KV block")
     add("--num-kv-blocks", type=int, default=None, help="local app: KV blocks per worker")
     add(

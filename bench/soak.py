@@ -64,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     from pagedserve.cluster.worker_group import stop_worker_group
     from pagedserve.workers.engine_config import EngineConfig
 
-    faults = {"kill_at": None, "drop_events_at": None, "burst_at": None} if args.no_faults else {}
+    no_faults = ("kill_at", "stall_at", "drop_events_at", "burst_at")
+    faults = dict.fromkeys(no_faults) if args.no_faults else {}
     spec = SoakSpec(
         num_requests=args.num_requests,
         concurrency=args.concurrency,
@@ -74,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
     )
     config = ClusterConfig(
         engine=EngineConfig(
+            model="tiny-llama",
             block_size=args.block_size,
             num_kv_blocks=args.num_kv_blocks or 24,
             attention_backend="torch",
@@ -84,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         worker_num_cpus=0.5,
         name="pagedserve-soak",
         stats_interval_s=0.2,
+        stall_timeout_s=5.0,  # the stall fault lasts until the router judged it
         max_inflight=args.max_inflight,
         max_waiting_per_worker=args.max_waiting or 16,
         retry_after_s=0.5,

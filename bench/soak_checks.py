@@ -21,6 +21,7 @@ ALLOWED = {
     "cancel": {"cancelled", "finished", "refused"},
     "deadline": {"timeout", "finished", "refused"},
     "bad": {"rejected", "refused"},
+    "slow": {"finished", "refused"},
 }
 
 
@@ -81,6 +82,26 @@ def _check_tokens(outcome: Outcome, reference: list[int] | None) -> list[str]:
     return problems
 
 
+def check_tenants(report: SoakReport) -> list[str]:
+    """No request hit another tenant's cached prefix: a request that found cached tokens had
+    a request of its own tenant with the same prefix that started before it ended (the only
+    place those blocks can have come from)."""
+    starts: dict[tuple[str, int], list[float]] = {}
+    for o in report.outcomes:
+        starts.setdefault((o.request.tenant, o.request.prefix), []).append(o.started)
+    problems = []
+    for o in report.outcomes:
+        if not o.cached_tokens:
+            continue
+        own = [t for t in starts[(o.request.tenant, o.request.prefix)] if t != o.started]
+        if not any(t < o.ended for t in own):
+            problems.append(
+                f"request {o.request.index} ({o.request.tenant}) found {o.cached_tokens} cached "
+                f"tokens no request of its tenant can have left: a cross-tenant hit"
+            )
+    return problems
+
+
 def check_counters(report: SoakReport, router: dict[str, int]) -> list[str]:
     """The router's counters against what the client saw."""
     problems = []
@@ -94,6 +115,9 @@ def check_counters(report: SoakReport, router: dict[str, int]) -> list[str]:
                 problems.append(f"a worker was killed but router counter {name} is 0")
         if report.faults["kill"]["inflight"] and router.get("replays", 0) < 1:
             problems.append("the killed worker had requests in flight but none replayed")
+    stall = report.faults.get("stall")
+    if stall is not None and not (stall["judged_stalled"] and router.get("workers_stalled")):
+        problems.append(f"a worker's engine was hung but the router never judged it: {stall}")
     return problems
 
 
@@ -161,6 +185,7 @@ async def check_soak(
 ) -> list[str]:
     """All the checks; returns every problem found (empty: the soak passed)."""
     problems = check_outcomes(report, references)
+    problems += check_tenants(report)
     problems += await check_cluster(core)
     stats = await core.cluster_stats()
     problems += check_counters(report, stats.router.as_dict())

@@ -2,15 +2,18 @@
 lied. Shared by the bounded CI test (`tests/integration/test_soak.py`) and the long runs of
 `pagedserve bench soak`.
 
-The load: requests at a steady concurrency over a few shared prefixes, some with `n > 1`;
-some cancelled mid-stream, some with a deadline too short to finish, some malformed. Faults, at
-fixed points of the run: one worker killed (Ray restarts it; the router replays its requests),
-one KV event batch lost on its way to the index, and a burst past the router's limit.
+The load: requests at a steady concurrency over a few shared prefixes, from several tenants
+(each with a prefix cache of its own, as auth gives them), some with `n > 1`; some cancelled
+mid-stream, some with a deadline too short to finish, some malformed, some read slowly (their
+streams pause). Faults, at fixed points of the run: one worker killed (Ray restarts it; the
+router replays its requests), one worker stalled (alive, but its engine takes no step: the
+router must end its streams and replay them), one KV event batch lost on its way to the
+index, and a burst past the router's limit.
 
 Every request must end as documented (`Outcome.status`), and the checks (`check_soak`) then ask:
 outputs of finished requests equal the same request run alone (greedy), partial ones are a
-prefix of it, none hung, every pool is clean, the index agrees with every pool, and the
-router's counters agree with what the client saw.
+prefix of it, none hung, no request hit another tenant's cached prefix, every pool is clean,
+the index agrees with every pool, and the router's counters agree with what the client saw.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from pagedserve.cluster.router_types import GenerateRequest, NoWorkerAvailable, 
 from pagedserve.workers.errors import Overloaded, RequestRejected
 from pagedserve.workers.sampling_params import SamplingParams
 
-KINDS = ("ok", "cancel", "deadline", "bad", "burst")
+KINDS = ("ok", "cancel", "deadline", "bad", "slow", "burst")
 BAD_INPUTS = ("out_of_vocab", "empty", "too_long", "both_prompts")
 
 
@@ -40,8 +43,11 @@ class SoakSpec:
     Attributes:
         num_requests: steady requests (the burst comes on top).
         concurrency: steady requests open at once.
-        kill_at, drop_events_at, burst_at: when each fault strikes, as a fraction of the steady
-            requests started (None: that fault is skipped).
+        kill_at, stall_at, drop_events_at, burst_at: when each fault strikes, as a fraction
+            of the steady requests started (None: that fault is skipped). The stall needs a
+            cluster with a short `stall_timeout_s`: it lasts until the router judged it.
+        num_tenants: tenants the requests come from, each with its own cache scope.
+        slow_fraction, slow_read_s: requests whose client waits this long after each delta.
         burst_size: requests sent at once by the burst.
         hang_timeout_s: a request still open after this long counts as hung.
     """
@@ -57,9 +63,13 @@ class SoakSpec:
     cancel_fraction: float = 0.10
     deadline_fraction: float = 0.05
     bad_fraction: float = 0.05
+    slow_fraction: float = 0.05
+    slow_read_s: float = 0.2
+    num_tenants: int = 2
     deadline_s: float = 0.05
     vocab_size: int = 256
     kill_at: float | None = 0.25
+    stall_at: float | None = 0.4
     drop_events_at: float | None = 0.5
     burst_at: float | None = 0.7
     burst_size: int = 40
@@ -76,6 +86,9 @@ class SoakRequest:
     bad_input: str | None = None
     timeout_s: float | None = None
     cancel_after: int | None = None  # deltas read before the client closes the stream
+    tenant: str = ""
+    prefix: int = 0  # which shared prefix its prompt starts with
+    read_delay_s: float = 0.0  # a slow reader waits this long after each delta
 
 
 @dataclass
@@ -88,6 +101,9 @@ class Outcome:
     tokens: dict[int, list[int]] = field(default_factory=dict)
     error: str | None = None
     latency_s: float = 0.0
+    started: float = 0.0  # monotonic
+    ended: float = 0.0
+    cached_tokens: int | None = None  # from the final usage, when it finished
 
 
 @dataclass
@@ -125,21 +141,26 @@ def plan_requests(spec: SoakSpec) -> tuple[list[SoakRequest], list[SoakRequest]]
         params = SamplingParams(
             max_tokens=rng.randint(*spec.max_tokens), temperature=0.0, ignore_eos=True, n=n
         )
-        req = SoakRequest(index, kind, params, rng.choice(prefixes) + suffix)
+        prefix = rng.randrange(len(prefixes))
+        req = SoakRequest(index, kind, params, prefixes[prefix] + suffix, prefix=prefix)
+        req.tenant = f"tenant-{rng.randrange(spec.num_tenants)}"
         if kind == "cancel":
             req.cancel_after = rng.randint(1, 3)
         elif kind == "deadline":
             req.timeout_s = spec.deadline_s
         elif kind == "bad":
             _make_bad(req, rng.choice(BAD_INPUTS), spec.vocab_size)
+        elif kind == "slow":
+            req.read_delay_s = spec.slow_read_s
         return req
 
     steady = []
     for i in range(spec.num_requests):
         roll = rng.random()
         edges = (spec.cancel_fraction, spec.deadline_fraction, spec.bad_fraction)
+        edges += (spec.slow_fraction,)
         kind = "ok"
-        for name, edge in zip(("cancel", "deadline", "bad"), edges, strict=True):
+        for name, edge in zip(("cancel", "deadline", "bad", "slow"), edges, strict=True):
             if roll < edge:
                 kind = name
                 break
@@ -164,7 +185,7 @@ def _make_bad(req: SoakRequest, bad_input: str, vocab_size: int) -> None:
 # --------------------------------------------------------------------- run
 async def run_one(core: RouterCore, req: SoakRequest, hang_timeout_s: float) -> Outcome:
     outcome = Outcome(req, "finished")
-    start = time.monotonic()
+    start = outcome.started = time.monotonic()
     try:
         await asyncio.wait_for(_stream(core, req, outcome), hang_timeout_s)
     except TimeoutError:
@@ -177,7 +198,8 @@ async def run_one(core: RouterCore, req: SoakRequest, hang_timeout_s: float) -> 
         outcome.status, outcome.error = "unavailable", str(error)
     except Exception as error:  # anything else is a finding, not a crash of the soak
         outcome.status, outcome.error = "error", f"{type(error).__name__}: {error}"
-    outcome.latency_s = time.monotonic() - start
+    outcome.ended = time.monotonic()
+    outcome.latency_s = outcome.ended - start
     return outcome
 
 
@@ -188,6 +210,8 @@ async def _stream(core: RouterCore, req: SoakRequest, outcome: Outcome) -> None:
         prompt_token_ids=req.token_ids,
         timeout_s=req.timeout_s,
         request_id=f"soak-{req.index}",
+        tenant=req.tenant,
+        cache_scope=f"tenant:{req.tenant}" if req.tenant else "",
     )
     stream = core.generate(request)
     seen = 0
@@ -195,6 +219,8 @@ async def _stream(core: RouterCore, req: SoakRequest, outcome: Outcome) -> None:
         async for delta in stream:
             outcome.tokens.setdefault(delta.index, []).extend(delta.token_ids)
             seen += 1
+            if delta.usage is not None:
+                outcome.cached_tokens = delta.usage.cached_tokens
             if delta.error:
                 outcome.status, outcome.error = "error", delta.error
             elif delta.finish_reason == "timeout" and outcome.status == "finished":
@@ -202,6 +228,8 @@ async def _stream(core: RouterCore, req: SoakRequest, outcome: Outcome) -> None:
             if req.cancel_after is not None and seen >= req.cancel_after:
                 outcome.status = "cancelled"
                 break
+            if req.read_delay_s:
+                await asyncio.sleep(req.read_delay_s)  # a slow client: its stream pauses
     finally:
         await stream.aclose()
 
@@ -215,6 +243,7 @@ async def run_soak(core: RouterCore, spec: SoakSpec, log=None) -> SoakReport:
         name: int(at * spec.num_requests)
         for name, at in (
             ("kill", spec.kill_at),
+            ("stall", spec.stall_at),
             ("drop_events", spec.drop_events_at),
             ("burst", spec.burst_at),
         )
@@ -247,6 +276,8 @@ async def _strike(core: RouterCore, name: str, burst, tasks, spec: SoakSpec) -> 
         victim = alive[0]  # the busiest: its requests must replay
         ray.kill(victim.handle, no_restart=False)
         return {"worker": victim.worker_id, "inflight": victim.inflight}
+    if name == "stall":
+        return await _stall(core, spec.hang_timeout_s)
     if name == "drop_events" and alive:
         target = alive[-1]
         await asyncio.wait_for(
@@ -257,3 +288,27 @@ async def _strike(core: RouterCore, name: str, burst, tasks, spec: SoakSpec) -> 
         tasks.extend(asyncio.create_task(run_one(core, r, spec.hang_timeout_s)) for r in burst)
         return {"requests": len(burst)}
     return None
+
+
+async def _stall(core: RouterCore, deadline_s: float) -> dict[str, Any]:
+    """Hang the busiest worker's engine until the router has judged it stalled (its streams
+    then end as lost and replay on peers), then let it step again. Strikes once every worker
+    is back (a killed one restarted), so a peer is there to take the stalled one's work."""
+    end = time.monotonic() + deadline_s
+
+    def ready() -> bool:  # every worker back, and one with work to hang
+        workers = core.workers.values()
+        return all(w.alive for w in workers) and any(w.inflight for w in workers)
+
+    while not ready() and time.monotonic() < end:
+        await asyncio.sleep(0.05)
+    victim = max(core.workers.values(), key=lambda w: (w.alive, w.inflight))
+    inflight = victim.inflight
+    await asyncio.wait_for(victim.handle.chaos_stall.remote(True), core.config.rpc_timeout_s)
+    try:
+        while not victim.stalled and victim.alive and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        judged = victim.stalled
+    finally:
+        await asyncio.wait_for(victim.handle.chaos_stall.remote(False), core.config.rpc_timeout_s)
+    return {"worker": victim.worker_id, "inflight": inflight, "judged_stalled": judged}

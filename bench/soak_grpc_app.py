@@ -81,7 +81,9 @@ def serving_app(config: ClusterConfig, num_cpus: int = 4) -> Iterator[SoakApp]:
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     app = SoakApp(config, free_port(), config.name)
     try:
-        env_vars = proxy_env_vars("127.0.0.1", config.max_request_bytes)
+        env_vars = proxy_env_vars(
+            "127.0.0.1", config.max_request_bytes, config.max_pending_grpc_calls
+        )
         serve.start(
             http_options={"host": "127.0.0.1", "port": free_port()},
             grpc_options=grpc_options(app.grpc_port),

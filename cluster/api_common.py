@@ -15,17 +15,23 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedserve.cluster.api_errors import ApiError
 from pagedserve.cluster.router import RouterCore
 from pagedserve.cluster.router_types import GenerateRequest
+from pagedserve.workers.errors import RequestRejected
+from pagedserve.workers.logprobs import TokenLogprob
 from pagedserve.workers.outputs import RequestMetrics, Usage
-from pagedserve.workers.sampling_params import SamplingParams
+from pagedserve.workers.sampling_params import SamplingKwargs, SamplingParams
 from pagedserve.workers.stream import StreamDelta
+from pagedserve.workers.tokenizer import render_chat
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack from Python 3.12
 
 
-def sampling_params(**kwargs: Any) -> SamplingParams:
+def sampling_params(**kwargs: Unpack[SamplingKwargs]) -> SamplingParams:
     """`SamplingParams(**kwargs)`, with its ValueError (which names the field) as an ApiError."""
     try:
         return SamplingParams(**kwargs)
@@ -33,24 +39,35 @@ def sampling_params(**kwargs: Any) -> SamplingParams:
         raise ApiError.invalid(str(error)) from None
 
 
+def chat_prompt(messages: Sequence[Mapping[str, str]], tokenizer: Any) -> str:
+    """The prompt text of a chat by the model's chat template; INVALID_ARGUMENT (param
+    `messages`) when the model has none or a message is malformed."""
+    try:
+        return render_chat(tokenizer, messages)
+    except RequestRejected as error:
+        raise ApiError.invalid(str(error), "messages") from None
+
+
 def new_request_id(prefix: str = "") -> str:
     return f"{prefix}{uuid.uuid4().hex}"
 
 
 def find_malformed_text(value: Any, path: str) -> str | None:
-    """The path of the first string under `value` that is not valid Unicode, else None.
+    """The path of the first string (value or object key) under `value` that is not valid
+    Unicode, else None.
 
     JSON can carry lone surrogates (`"\\ud800"`), and a body decoded with `surrogateescape`
     turns invalid UTF-8 bytes into them too; neither can be encoded again, so neither can be
     tokenized.
     """
     if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path
-        return None
+        return None if _is_unicode(value) else path
     if isinstance(value, Mapping):
+        for key in value:
+            if isinstance(key, str) and not _is_unicode(key):
+                # The path must be printable in the error: show the bad bytes escaped.
+                shown = key.encode("utf-8", "backslashreplace").decode("ascii")
+                return f"{path}.{shown}" if path else shown
         items = ((f"{path}.{key}" if path else str(key), item) for key, item in value.items())
     elif isinstance(value, list | tuple):
         items = ((f"{path}[{i}]", item) for i, item in enumerate(value))
@@ -61,6 +78,14 @@ def find_malformed_text(value: Any, path: str) -> str | None:
         if found is not None:
             return found
     return None
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @dataclass
@@ -76,6 +101,8 @@ class CompletionResult:
     usage: Usage | None = None
     metrics: RequestMetrics | None = None
     error: str | None = None
+    logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def text(self) -> str:
@@ -103,6 +130,11 @@ class CompletionCollector:
         if self.keep_output:
             result.text_pieces.append(delta.text)
             result.token_ids.extend(delta.token_ids)
+            if delta.logprobs is not None:
+                result.logprobs = result.logprobs or []
+                result.logprobs.extend(delta.logprobs)
+            if delta.prompt_logprobs is not None and result.prompt_logprobs is None:
+                result.prompt_logprobs = list(delta.prompt_logprobs)
         if delta.finish_reason is not None:
             result.finish_reason = delta.finish_reason
             result.stop_reason = delta.stop_reason

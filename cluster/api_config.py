@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from pagedserve.workers.telemetry import TelemetryConfig
@@ -23,14 +23,18 @@ class AuthConfig:
     """Static bearer tokens; auth is on when there is at least one.
 
     Attributes:
-        tokens: accepted tokens.
-        tokens_file: a file with one accepted token per line (blank lines and `#` comments
-            skipped), read by each router replica when it starts, so secrets stay out of the
-            Serve config.
+        tokens: accepted tokens, each `<token>` or `<token> <cache group>`.
+        tokens_file: a file with one accepted token per line, in the same form (blank lines
+            and `#` comments skipped), read by each router replica when it starts, so secrets
+            stay out of the Serve config.
+        isolate_caches: each token (tenant) gets a prefix cache of its own, so no tenant can
+            hit or time another's cached prompts; tokens naming the same cache group share
+            one. False: all tenants share one cache.
     """
 
     tokens: tuple[str, ...] = ()
     tokens_file: str | None = None
+    isolate_caches: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.tokens, str):
@@ -59,9 +63,6 @@ class ApiConfig:
     served_model_name: str | None = None
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ApiConfig:
         data = dict(data)
@@ -71,7 +72,7 @@ class ApiConfig:
             unknown = sorted(set(auth) - known)
             if unknown:
                 raise ValueError(
-                    f"unknown auth keys: {', '.join(unknown)}; known: tokens, tokens_file"
+                    f"unknown auth keys: {', '.join(unknown)}; known: {', '.join(sorted(known))}"
                 )
             auth = AuthConfig(**auth)
         telemetry = data.pop("telemetry", None)

@@ -37,6 +37,7 @@ from pagedserve.cluster.router import RouterCore
 from pagedserve.cluster.router_types import ClusterStats, GenerateRequest, RouterInflight
 from pagedserve.cluster.serve_options import ROUTER_ENV_VARS
 from pagedserve.cluster.worker_group import start_worker_group
+from pagedserve.workers.model_registry import DEFAULT_MODEL
 from pagedserve.workers.stream import StreamDelta
 from pagedserve.workers.telemetry import ROUTER_SERVICE, get_tracing
 
@@ -48,7 +49,7 @@ http_app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None)
 # Defined before `Router`: Serve pickles the class (by value) as soon as it is decorated.
 def served_model_name(config: ClusterConfig, api: ApiConfig) -> str:
     """The model id of the OpenAI API: the configured name, else the engine's model."""
-    return api.served_model_name or config.engine.model or "tiny-llama"
+    return api.served_model_name or config.engine.model or DEFAULT_MODEL
 
 
 # The Router's code runs on Serve's own event loop (ROUTER_ENV_VARS): only there does a client
@@ -63,13 +64,13 @@ class Router:
     """Ingress: takes requests, routes them to workers, streams deltas back.
 
     Args:
-        config: `ClusterConfig` data.
-        api: `ApiConfig` data (auth, served model name, telemetry).
+        config: the cluster's config.
+        api: the front ends' config (auth, served model name, telemetry).
     """
 
-    def __init__(self, config: dict[str, Any], api: dict[str, Any] | None = None) -> None:
-        self.config = ClusterConfig.from_dict(config)
-        api_config = ApiConfig.from_dict(api or {})
+    def __init__(self, config: ClusterConfig, api: ApiConfig | None = None) -> None:
+        self.config = config
+        api_config = api or ApiConfig()
         telemetry = api_config.telemetry
         index, workers = start_worker_group(self.config, telemetry)
         tracing = get_tracing(telemetry, ROUTER_SERVICE)
@@ -156,11 +157,12 @@ class Router:
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
-    """Bind the router with its config (plain data: from YAML, flags or serveConfigV2).
+    """Bind the router with its config, validated here from the user's plain data.
 
     Args:
-        args: `ClusterConfig` data plus the API's keys (`auth`, `served_model_name`; see
-            `api_config`).
+        args: the config as the user wrote it (YAML, flags or serveConfigV2 `args`):
+            `ClusterConfig` data plus the API's keys (`auth`, `served_model_name`,
+            `telemetry`; see `api_config`).
 
     Raises:
         ValueError: a key or value is wrong (named), or the auth tokens file is unreadable.
@@ -170,7 +172,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     TokenAuth.from_config(api.auth)  # fail here, not in every replica, on a bad tokens file
     ongoing = max_ongoing_requests(config)
     router = Router.options(max_ongoing_requests=ongoing, max_queued_requests=ongoing)
-    return router.bind(config.to_dict(), api.to_dict())
+    return router.bind(config, api)  # frozen dataclasses: Serve pickles them to each replica
 
 
 def max_ongoing_requests(config: ClusterConfig) -> int:

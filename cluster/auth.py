@@ -1,6 +1,12 @@
 """Bearer-token auth for both front ends: `authorization: Bearer <token>` (gRPC metadata or the
 HTTP header), checked against static tokens from the config or a tokens file.
 
+Each token is a tenant. A tenant's request ids are its own (no other tenant can see, abort or
+collide with them), and so is its prefix cache: a request is hashed with its caller's
+`cache_scope`, so no tenant can hit, and time, another's cached prompt (the side channel
+vLLM's `cache_salt` closes). Tokens that should share a cache on purpose name a cache group
+(`<token> <group>`, on one line); `AuthConfig.isolate_caches = False` shares one cache among all.
+
 The health check never needs a token (load balancers and Kubernetes probes call it bare).
 """
 
@@ -8,13 +14,53 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from pagedserve.cluster.api_config import AuthConfig
 from pagedserve.cluster.api_errors import ApiError, ErrorCode
 
 BEARER = "bearer "
 TENANT_ID_CHARS = 16  # hex digits of the token's SHA-256 that name its tenant
+_GROUP_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request, as auth found it.
+
+    Attributes:
+        tenant: a prefix of the token's digest (never the token); "" with auth off.
+        cache_scope: whose cached prefixes the request may hit: `tenant:<tenant>`, or
+            `group:<name>` for a token in a cache group; "" with auth off or isolation off.
+    """
+
+    tenant: str = ""
+    cache_scope: str = ""
+
+
+ANONYMOUS = Caller()
+
+
+def parse_token_entry(entry: str, where: str) -> tuple[str, str | None]:
+    """`<token>` or `<token> <cache group>` → (token, group or None).
+
+    Raises:
+        ValueError: naming `where`, for more than two fields or a group name other than
+            1–64 of letters, digits, `_.:-`.
+    """
+    fields = entry.split()
+    if not fields or len(fields) > 2:
+        raise ValueError(
+            f"{where}: expected '<token>' or '<token> <cache group>', got {len(fields)} fields"
+        )
+    if len(fields) == 1:
+        return fields[0], None
+    token, group = fields
+    if not _GROUP_NAME.fullmatch(group):
+        raise ValueError(f"{where}: cache group {group!r} must be 1-64 letters, digits or '_.:-'")
+    return token, group
 
 
 def read_tokens_file(path: str) -> list[str]:
@@ -35,38 +81,41 @@ def read_tokens_file(path: str) -> list[str]:
 
 
 class TokenAuth:
-    """Owns the accepted tokens (as SHA-256 digests) and checks a request's credentials.
+    """Owns the accepted tokens (as SHA-256 digests, with their cache groups) and checks a
+    request's credentials.
 
     Args:
-        tokens: the accepted tokens; none means auth is off and every request passes.
+        tokens: the accepted tokens, each `<token>` or `<token> <cache group>`; none means
+            auth is off and every request passes.
+        isolate_caches: give each tenant (or cache group) a prefix cache of its own.
     """
 
-    def __init__(self, tokens: Iterable[str] = ()) -> None:
-        self._digests = [_digest(token) for token in tokens]
+    def __init__(self, tokens: Iterable[str] = (), isolate_caches: bool = True) -> None:
+        entries = [parse_token_entry(t, f"auth token {i}") for i, t in enumerate(tokens)]
+        self._digests = [_digest(token) for token, _ in entries]
+        self._groups = [group for _, group in entries]
+        self.isolate_caches = isolate_caches
 
     @classmethod
     def from_config(cls, config: AuthConfig) -> TokenAuth:
         tokens = list(config.tokens)
         if config.tokens_file is not None:
             tokens += read_tokens_file(config.tokens_file)
-        return cls(tokens)
+        return cls(tokens, config.isolate_caches)
 
     @property
     def enabled(self) -> bool:
         return bool(self._digests)
 
-    def check(self, authorization: str | None) -> str:
-        """Pass, returning the caller's tenant, or raise `ApiError(UNAUTHENTICATED)`.
-
-        The tenant names the token (a prefix of its digest, never the token): request ids are
-        unique within a tenant and one tenant cannot reach another's requests. With auth off
-        every caller is the one tenant "".
+    def check(self, authorization: str | None) -> Caller:
+        """Pass, returning the caller (tenant and cache scope), or raise
+        `ApiError(UNAUTHENTICATED)`. With auth off every caller is `ANONYMOUS`.
 
         Args:
             authorization: the `authorization` header or metadata value, if any.
         """
         if not self.enabled:
-            return ""
+            return ANONYMOUS
         if not authorization or not authorization.lower().startswith(BEARER):
             raise ApiError(
                 ErrorCode.UNAUTHENTICATED,
@@ -80,9 +129,15 @@ class TokenAuth:
             raise ApiError(
                 ErrorCode.UNAUTHENTICATED, "authorization: invalid bearer token", "authorization"
             )
-        return digest.hex()[:TENANT_ID_CHARS]
+        tenant = digest.hex()[:TENANT_ID_CHARS]
+        return Caller(tenant, self._cache_scope(tenant, self._groups[matches.index(True)]))
 
-    def check_metadata(self, metadata: Iterable[tuple[str, str | bytes]]) -> str:
+    def _cache_scope(self, tenant: str, group: str | None) -> str:
+        if not self.isolate_caches:
+            return ""
+        return f"group:{group}" if group is not None else f"tenant:{tenant}"
+
+    def check_metadata(self, metadata: Iterable[tuple[str, str | bytes]]) -> Caller:
         """`check` on the `authorization` entry of gRPC invocation metadata."""
         value = next((v for k, v in metadata if k.lower() == "authorization"), None)
         if isinstance(value, bytes):

@@ -112,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
     from pagedserve.cluster.config import ClusterConfig
     from pagedserve.cluster.grpc_status import proxy_env_vars
     from pagedserve.cluster.serve_options import grpc_options, http_options
+    from pagedserve.workers.model_cli import prepare_in_subprocess
 
     # 'local' starts a fresh cluster even when another one runs on this machine; join an
     # existing one with --address auto (or its address).
@@ -120,11 +121,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         data = cluster_config_from_args(args, num_gpus)
         build_app(data)  # validate the cluster and API config before starting anything
+        prepare_in_subprocess(data["engine"].get("model"))  # a GGUF model: convert it once here
     except (OSError, ValueError, TypeError) as error:
         print(f"pagedserve serve: error: {error}", file=sys.stderr)
         return 2
     config = ClusterConfig.from_dict(split_app_args(data)[0])
-    env_vars = proxy_env_vars(args.host, config.max_request_bytes)
+    env_vars = proxy_env_vars(args.host, config.max_request_bytes, config.max_pending_grpc_calls)
     serve.start(
         http_options=http_options(args.host, args.http_port),
         grpc_options=grpc_options(args.grpc_port),

@@ -4,6 +4,8 @@
 
     with Client("localhost:9000") as client:
         print(client.generate("Paged attention", max_tokens=16).completions[0].text)
+        chat = [{"role": "user", "content": "What is the capital of France?"}]
+        print(client.generate(messages=chat, max_tokens=32).completions[0].text)
         for delta in client.generate_stream("Hello", max_tokens=32):
             print(delta.text, end="", flush=True)
 
@@ -14,7 +16,7 @@ server, which frees its KV blocks.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -31,6 +33,7 @@ def build_request(
     prompt: str | None = None,
     *,
     prompt_token_ids: Sequence[int] | None = None,
+    messages: Sequence[Mapping[str, str]] | None = None,
     request_id: str = "",
     priority: int = 0,
     cache_salt: str = "",
@@ -41,7 +44,9 @@ def build_request(
 
     Args:
         prompt: the prompt as text, or
-        prompt_token_ids: the prompt as token ids.
+        prompt_token_ids: the prompt as token ids, or
+        messages: a chat (`{"role": ..., "content": ...}` turns), rendered by the server with
+            the model's chat template.
         request_id: the id to abort it by (the server makes one when empty).
         priority: lower runs first.
         cache_salt: only requests with the same salt share cached prefix blocks.
@@ -60,6 +65,7 @@ def build_request(
     return pb.GenerateRequest(
         prompt=prompt or "",
         prompt_token_ids=list(prompt_token_ids or ()),
+        messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages or ()],
         sampling=pb.SamplingParams(**{k: v for k, v in sampling.items() if v is not None}),
         request_id=request_id,
         priority=priority,

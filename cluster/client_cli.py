@@ -14,11 +14,19 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
+from typing import Any, TypedDict
 
 from pagedserve.workers import cli as offline_cli
+from pagedserve.workers.sampling_params import SamplingKwargs
 
 TOKEN_ENV = "PAGEDSERVE_TOKEN"
+
+
+class PromptKwargs(TypedDict, total=False):
+    """The prompt of a `Client.generate` call: one of the two keys."""
+
+    prompt: str
+    messages: list[dict[str, str]]  # a chat the server renders by its chat template
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -63,24 +71,25 @@ def run_generate(args: argparse.Namespace) -> int:
 
     from pagedserve.cluster.client import Client
 
-    sampling = {
-        "max_tokens": args.max_tokens,
-        "temperature": args.temperature,
-        "top_p": args.top_p,
-        "top_k": args.top_k,
-        "seed": args.seed,
-        "n": args.n,
-        "stop": args.stop,
-        "ignore_eos": args.ignore_eos,
-    }
+    sampling = SamplingKwargs(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        n=args.n,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
     prompts = args.prompts or offline_cli.DEFAULT_PROMPTS
     try:
         with Client(args.address, token=args.token, timeout=args.timeout) as client:
             for prompt in prompts:
+                request = _request_of(prompt, args.chat)
                 if args.stream:
-                    _stream_one(client, prompt, sampling, args.json)
+                    _stream_one(client, request, sampling, args.json)
                 else:
-                    _generate_one(client, prompt, sampling, args.json)
+                    _generate_one(client, request, sampling, args.json)
     except grpc.RpcError as error:
         return _report_rpc_error("generate", args.address, error)
     except KeyboardInterrupt:  # the stream's call was cancelled on the way out
@@ -88,11 +97,21 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate_one(client: Any, prompt: str, sampling: dict[str, Any], as_json: bool) -> None:
-    response = client.generate(prompt, **sampling)
+def _request_of(prompt: str, chat: bool) -> PromptKwargs:
+    """The prompt, or with `--chat` a one-turn chat the server renders by its chat template."""
+    if chat:
+        return PromptKwargs(messages=offline_cli.chat_turns(prompt))
+    return PromptKwargs(prompt=prompt)
+
+
+def _generate_one(
+    client: Any, request: PromptKwargs, sampling: SamplingKwargs, as_json: bool
+) -> None:
+    response = client.generate(**request, **sampling)
     if as_json:
         print(_to_json(response))
         return
+    prompt = request.get("prompt") or request["messages"][-1]["content"]
     print(f"prompt: {prompt!r}")
     for completion in response.completions:
         print(
@@ -102,11 +121,13 @@ def _generate_one(client: Any, prompt: str, sampling: dict[str, Any], as_json: b
     print(f"  {_usage_line(response.usage, response.metrics, response.worker_id)}")
 
 
-def _stream_one(client: Any, prompt: str, sampling: dict[str, Any], as_json: bool) -> None:
+def _stream_one(
+    client: Any, request: PromptKwargs, sampling: SamplingKwargs, as_json: bool
+) -> None:
     """Text to stdout as it arrives (branches marked `[j]` when n > 1); the summary to stderr."""
     multi = sampling["n"] > 1
     current = None
-    for delta in client.generate_stream(prompt, **sampling):
+    for delta in client.generate_stream(**request, **sampling):
         if as_json:
             print(_to_json(delta), flush=True)
             continue

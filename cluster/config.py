@@ -45,6 +45,10 @@ class ClusterConfig:
             longer one is refused before it is tokenized.
         max_request_bytes: largest request body, HTTP body or gRPC message; a larger one is
             refused before it is parsed (HTTP 413, gRPC RESOURCE_EXHAUSTED).
+        max_pending_grpc_calls: gRPC calls Serve's proxy holds before its event loop takes
+            them up; past it gRPC itself drops a new call (CANCELLED, no details, no retry
+            hint), so it must exceed the largest burst (gRPC's default drops from 1,000 on:
+            see `grpc_backlog`). A held call costs the proxy its stream and headers.
         max_waiting_per_worker: new requests a worker's engine queues at most; past it the
             worker refuses at once with `Overloaded` (RESOURCE_EXHAUSTED, HTTP 429). None:
             unbounded.
@@ -57,6 +61,10 @@ class ClusterConfig:
             cannot end live requests.
         max_buffered_deltas: deltas a worker buffers per stream; past it the request is
             paused (it keeps its blocks) until the reader catches up.
+        stall_timeout_s: a worker that has runnable requests but takes no engine step for
+            this long is stalled: out of routing, and the router's streams on it end as if it
+            were lost (replayed on a peer, or UNAVAILABLE), so no stream waits on it forever.
+            It rejoins routing once it steps again. Longer than any one step may take.
         namespace: Ray namespace of the named actors (index, workers).
         name: prefix of the actors' names, so two apps can share a Ray cluster.
     """
@@ -82,11 +90,13 @@ class ClusterConfig:
     startup_timeout_s: float = 300.0
     max_prompt_chars: int = 1_000_000
     max_request_bytes: int = 8 * 1024 * 1024
+    max_pending_grpc_calls: int = 20_000
     max_waiting_per_worker: int | None = 256
     max_inflight: int | None = 1024
     retry_after_s: float = 1.0
     lease_timeout_s: float = 10.0
     max_buffered_deltas: int = 64
+    stall_timeout_s: float = 60.0
     namespace: str = "pagedserve"
     name: str = "pagedserve"
 
@@ -103,11 +113,12 @@ class ClusterConfig:
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {getattr(self, name)}")
         timeouts = ("pull_timeout_s", "stats_interval_s", "rpc_timeout_s", "startup_timeout_s")
-        for name in (*timeouts, "retry_after_s", "push_free_fraction"):
+        for name in (*timeouts, "retry_after_s", "push_free_fraction", "stall_timeout_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):  # NaN fails every comparison
                 raise ValueError(f"{name} must be a finite number > 0, got {value}")
-        for name in ("max_prompt_chars", "max_request_bytes", "push_max_chains"):
+        positive = ("max_prompt_chars", "max_request_bytes", "max_pending_grpc_calls")
+        for name in (*positive, "push_max_chains"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         self._check_lease()

@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2
 
 from pagedserve.cluster.api_common import collect
 from pagedserve.cluster.api_errors import ApiError, engine_failure, to_api_error
-from pagedserve.cluster.auth import TokenAuth
+from pagedserve.cluster.auth import Caller, TokenAuth
 from pagedserve.cluster.grpc_convert import (
     delta_to_proto,
     request_from_proto,
@@ -62,8 +62,8 @@ class GrpcFrontend:
     # ----------------------------------------------------------- Generation
     async def generate(self, request: Any, context: Any) -> pb.GenerateResponse:
         try:
-            tenant = self._admit(request, context)
-            collector = await collect(self.core, _traced(request, context, tenant))
+            caller = self._admit(request, context)
+            collector = await collect(self.core, _traced(request, context, caller, self.core))
             _raise_on_engine_error(collector.completions)
             return response_to_proto(collector)
         except Exception as error:
@@ -73,8 +73,8 @@ class GrpcFrontend:
         self, request: Any, context: Any
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
         try:
-            tenant = self._admit(request, context)
-            async for delta in self.core.generate(_traced(request, context, tenant)):
+            caller = self._admit(request, context)
+            async for delta in self.core.generate(_traced(request, context, caller, self.core)):
                 yield delta_to_proto(delta)
                 if delta.error:
                     raise engine_failure(delta.error)
@@ -84,7 +84,7 @@ class GrpcFrontend:
 
     async def abort(self, request: Any, context: Any) -> pb.AbortResponse:
         try:
-            tenant = self._admit(request, context)
+            tenant = self._admit(request, context).tenant
             if not request.request_id:
                 raise ApiError.invalid("request_id is empty")
             return pb.AbortResponse(aborted=await self._abort(request.request_id, tenant))
@@ -155,13 +155,13 @@ class GrpcFrontend:
         return SERVING if any(w.alive for w in self.core.workers.values()) else NOT_SERVING
 
     # --------------------------------------------------------------- errors
-    def _admit(self, request: Any, context: Any) -> str:
+    def _admit(self, request: Any, context: Any) -> Caller:
         """Auth first (so a stranger learns nothing about the request), then well-formedness.
-        Returns the caller's tenant."""
-        tenant = self.auth.check_metadata(context.invocation_metadata())
+        Returns the caller."""
+        caller = self.auth.check_metadata(context.invocation_metadata())
         if isinstance(request, MalformedRequest):
             raise ApiError.invalid(request.message, request.param)
-        return tenant
+        return caller
 
     def _fail(self, context: Any, error: Exception, empty: Any) -> Any:
         """Set the status for `error` on the context and return `empty`.
@@ -188,8 +188,9 @@ def _raise_on_engine_error(completions: list) -> None:
             raise engine_failure(completion.error)
 
 
-def _traced(message: Any, context: Any, tenant: str) -> GenerateRequest:
-    """The router request of a gRPC message, continuing the trace its metadata names."""
-    request = request_from_proto(message, tenant)
+def _traced(message: Any, context: Any, caller: Caller, core: Any = None) -> GenerateRequest:
+    """The router request of a gRPC message, continuing the trace its metadata names (a chat
+    rendered by the router's tokenizer)."""
+    request = request_from_proto(message, caller, getattr(core, "tokenizer", None))
     tag_ingress([request], context.invocation_metadata(), "grpc")
     return request

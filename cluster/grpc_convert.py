@@ -3,18 +3,27 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal, get_args
 
-from pagedserve.cluster.api_common import CompletionCollector, sampling_params
+from pagedserve.cluster.api_common import CompletionCollector, chat_prompt, sampling_params
 from pagedserve.cluster.api_errors import ApiError
+from pagedserve.cluster.auth import ANONYMOUS, Caller
 from pagedserve.cluster.router_types import ClusterStats, GenerateRequest, WorkerView
 from pagedserve.cluster.worker_state import WorkerState
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
+from pagedserve.workers.logprobs import TokenLogprob
 from pagedserve.workers.outputs import RequestMetrics
+from pagedserve.workers.sampling_params import SamplingKwargs, SamplingParams
 from pagedserve.workers.stream import StreamDelta, Usage
+from pagedserve.workers.tokenizer import Tokenizer
 
 # Sampling fields declared `optional`: unset means the SamplingParams default, not zero.
-_OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n")
+_OptionalSampling = Literal[
+    "max_tokens", "temperature", "top_p", "top_k", "seed", "n",
+    "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "logprobs", "prompt_logprobs",
+]  # fmt: skip
+_OPTIONAL_SAMPLING: tuple[_OptionalSampling, ...] = get_args(_OptionalSampling)
 _KV_FIELDS = tuple(f.name for f in pb.KVUsage.DESCRIPTOR.fields)
 # `WorkerStats` counts the proto carries as they are.
 _WORKER_COUNTS = (
@@ -29,38 +38,50 @@ _WORKER_COUNTS = (
 
 
 # ------------------------------------------------------------------ requests
-def request_from_proto(message: pb.GenerateRequest, tenant: str = "") -> GenerateRequest:
-    """The router's request for a `GenerateRequest`; raises `ApiError` naming a bad field."""
+def request_from_proto(
+    message: pb.GenerateRequest, caller: Caller = ANONYMOUS, tokenizer: Tokenizer | None = None
+) -> GenerateRequest:
+    """The router's request for a `GenerateRequest`; raises `ApiError` naming a bad field.
+
+    A chat (`messages`) becomes its prompt text by the chat template of `tokenizer`.
+    """
     if message.prompt and message.prompt_token_ids:
         raise ApiError.invalid("prompt: set prompt or prompt_token_ids, not both", "prompt")
-    if not message.prompt and not message.prompt_token_ids:
-        raise ApiError.invalid("prompt is empty: set prompt or prompt_token_ids", "prompt")
+    if message.messages and (message.prompt or message.prompt_token_ids):
+        raise ApiError.invalid("messages: set messages or a prompt, not both", "messages")
+    if not message.prompt and not message.prompt_token_ids and not message.messages:
+        raise ApiError.invalid("prompt is empty: set prompt, prompt_token_ids or messages")
     if not (math.isfinite(message.timeout_s) and message.timeout_s >= 0):  # NaN too
         raise ApiError.invalid(f"timeout_s must be a finite number >= 0, got {message.timeout_s}")
+    prompt = message.prompt or None
+    if message.messages:
+        turns = [{"role": m.role, "content": m.content} for m in message.messages]
+        prompt = chat_prompt(turns, tokenizer)
     return GenerateRequest(
         params=params_from_proto(message.sampling),
-        prompt=message.prompt or None,
+        prompt=prompt,
         prompt_token_ids=list(message.prompt_token_ids) or None,
         request_id=message.request_id or None,
         priority=message.priority,
         cache_salt=message.cache_salt or None,
         timeout_s=message.timeout_s or None,
-        tenant=tenant,
+        tenant=caller.tenant,
+        cache_scope=caller.cache_scope,
     )
 
 
-def params_from_proto(message: pb.SamplingParams) -> Any:
-    kwargs: dict[str, Any] = {
-        name: getattr(message, name) for name in _OPTIONAL_SAMPLING if message.HasField(name)
-    }
-    return sampling_params(
-        **kwargs,
+def params_from_proto(message: pb.SamplingParams) -> SamplingParams:
+    kwargs = SamplingKwargs(
         stop=list(message.stop),
         stop_token_ids=list(message.stop_token_ids),
         ignore_eos=message.ignore_eos,
         min_tokens=message.min_tokens,
         include_stop_str_in_output=message.include_stop_str_in_output,
     )
+    for name in _OPTIONAL_SAMPLING:
+        if message.HasField(name):
+            kwargs[name] = getattr(message, name)
+    return sampling_params(**kwargs)
 
 
 # ----------------------------------------------------------------- responses
@@ -78,6 +99,8 @@ def delta_to_proto(delta: StreamDelta) -> pb.GenerateStreamResponse:
         message.usage.CopyFrom(usage_to_proto(delta.usage))
     if delta.metrics is not None:
         message.metrics.CopyFrom(metrics_to_proto(delta.metrics))
+    message.logprobs.extend(logprobs_to_proto(delta.logprobs))
+    message.prompt_logprobs.extend(logprobs_to_proto(delta.prompt_logprobs))
     return message
 
 
@@ -97,10 +120,34 @@ def response_to_proto(collector: CompletionCollector) -> pb.GenerateResponse:
         _set_stop_reason(completion, result.stop_reason)
         if result.usage is not None:
             completion.usage.CopyFrom(usage_to_proto(result.usage))
+        completion.logprobs.extend(logprobs_to_proto(result.logprobs))
+        completion.prompt_logprobs.extend(logprobs_to_proto(result.prompt_logprobs))
     first = collector.completions[0].metrics if collector.results else None
     if first is not None:
         message.metrics.CopyFrom(metrics_to_proto(first))
     return message
+
+
+def logprobs_to_proto(items: list[TokenLogprob | None] | None) -> list[pb.TokenLogprob]:
+    """Log-probabilities as messages; a missing one (the first prompt token) has no logprob."""
+    messages = []
+    for item in items or ():
+        if item is None:
+            messages.append(pb.TokenLogprob())
+            continue
+        top = [
+            pb.TopLogprob(token_id=t.token_id, token=t.token, logprob=t.logprob) for t in item.top
+        ]
+        messages.append(
+            pb.TokenLogprob(
+                token_id=item.token_id,
+                token=item.token,
+                logprob=item.logprob,
+                rank=item.rank,
+                top=top,
+            )
+        )
+    return messages
 
 
 def usage_to_proto(usage: Usage) -> pb.Usage:

@@ -37,6 +37,8 @@ from typing import Any
 
 import grpc
 
+from pagedserve.cluster.grpc_backlog import backlog_env_vars
+
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_KEY = "retry-after"
@@ -59,11 +61,15 @@ def with_retry_hint(message: str, retry_after: str) -> str:
     return f"{message} (retry after {retry_after} s)"
 
 
-def proxy_env_vars(host: str, max_request_bytes: int) -> dict[str, str]:
+def proxy_env_vars(host: str, max_request_bytes: int, max_pending_calls: int) -> dict[str, str]:
     """Environment of Serve's proxies (`serve.start(controller_options=...)`: proxies inherit
-    the controller's): the gRPC message limit, enforced by gRPC before any parsing, and the
-    host this module restricts calls to."""
-    return {SERVE_MAX_MESSAGE_ENV: str(max_request_bytes), GRPC_HOST_ENV: host}
+    the controller's): the gRPC message limit, enforced by gRPC before any parsing, the host
+    this module restricts calls to, and the room for calls not yet taken up (`grpc_backlog`)."""
+    return {
+        SERVE_MAX_MESSAGE_ENV: str(max_request_bytes),
+        GRPC_HOST_ENV: host,
+        **backlog_env_vars(max_pending_calls),
+    }
 
 
 def is_loopback(host: str) -> bool:

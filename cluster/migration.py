@@ -161,10 +161,13 @@ class Migrations:
             logger.warning("push from %s failed", source.worker_id, exc_info=True)
 
     # ------------------------------------------------------------------ move
-    def move_target(self, source_id: str | None) -> WorkerState:
+    def move_target(
+        self, source_id: str | None, exclude: frozenset[str] = frozenset()
+    ) -> WorkerState:
         """Where a moved request goes: the least loaded routable worker other than its source
-        (the source itself only when it is the one left)."""
-        alive = [w for w in self.workers.values() if w.routable]
+        (the source itself only when it is the one left) and the workers in `exclude` (they
+        refused it already)."""
+        alive = [w for w in self.workers.values() if w.routable and w.worker_id not in exclude]
         if not alive:
             raise NoWorkerAvailable("no worker is alive to continue a moved request")
         others = [w for w in alive if w.worker_id != source_id] or alive

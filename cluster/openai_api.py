@@ -6,33 +6,61 @@ the gRPC rules (see `api_errors`) as OpenAI-style JSON: `{"error": {"message", "
 request and waits for its first delta before sending the 200, so a bad request still gets its
 status; a failure after that arrives as an `{"error": ...}` event before `[DONE]`. A client that
 disconnects cancels the request, which frees its blocks on the worker.
+
+Requests are parsed into `openai_models`; every answer, chunk and error is an `openai_responses`
+model, built here by `CompletionChunks` / `ChatChunks` and turned into JSON at the last moment.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
 from typing import Any
 
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pagedserve.cluster.api_common import (
     CompletionCollector,
+    CompletionResult,
+    chat_prompt,
     find_malformed_text,
     merge_streams,
     new_request_id,
     sampling_params,
 )
 from pagedserve.cluster.api_errors import ApiError, ErrorCode, engine_failure, to_api_error
-from pagedserve.cluster.auth import TokenAuth
+from pagedserve.cluster.auth import Caller, TokenAuth
+from pagedserve.cluster.openai_logprobs import CompletionExtras, chat_logprobs, echoed_prompts
 from pagedserve.cluster.openai_models import (
+    Body,
     ChatCompletionBody,
     ChatMessage,
     CompletionBody,
     parse_body,
+)
+from pagedserve.cluster.openai_responses import (
+    STREAM_WITHOUT_USAGE,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    Completion,
+    CompletionChoice,
+    CompletionChunk,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    UsageInfo,
 )
 from pagedserve.cluster.router import RouterCore
 from pagedserve.cluster.router_types import GenerateRequest
@@ -43,6 +71,7 @@ from pagedserve.workers.stream import StreamDelta
 logger = logging.getLogger(__name__)
 OWNER = "pagedserve"
 MAX_JSON_DEPTH = 32  # a request body nests 4 deep; anything far deeper is an attack
+MAX_NUMBER_CHARS = 100  # longer than any number a field can take (an int64 has 19 digits)
 
 
 class OpenAIFrontend:
@@ -66,17 +95,17 @@ class OpenAIFrontend:
             self.auth.check(request.headers.get("authorization"))
         except ApiError as error:
             return error_response(error)
-        card = {"id": self.model_name, "object": "model", "created": self.created}
-        return JSONResponse({"object": "list", "data": [{**card, "owned_by": OWNER}]})
+        card = ModelCard(id=self.model_name, created=self.created, owned_by=OWNER)
+        return JSONResponse(ModelList(data=[card]).model_dump())
 
     async def completions(self, request: Request) -> Response:
         try:
-            body, tenant = await self._read(request, CompletionBody)
+            body, caller = await self._read(request, CompletionBody)
             prompts = body.prompts()
             base_id = body.request_id or new_request_id("cmpl-")
             requests = [
                 await self._request(
-                    body, prompt, body.max_tokens, _batch_id(base_id, i, prompts), tenant
+                    body, prompt, body.max_tokens, _batch_id(base_id, i, prompts), caller
                 )
                 for i, prompt in enumerate(prompts)
             ]
@@ -84,15 +113,20 @@ class OpenAIFrontend:
             return _error_or_raise(error)
         tag_ingress(requests, request.headers.items(), "http")
         chunks = CompletionChunks(base_id, self.created, self.model_name, body.n)
+        try:
+            echo = echoed_prompts(prompts, self.core.tokenizer) if body.echo else None
+        except Exception as error:
+            return _error_or_raise(error)
+        chunks.extras = CompletionExtras(echo, logprobs=body.logprobs is not None)
         return await self._respond(requests, body.stream, body.include_usage, chunks)
 
     async def chat_completions(self, request: Request) -> Response:
         try:
-            body, tenant = await self._read(request, ChatCompletionBody)
+            body, caller = await self._read(request, ChatCompletionBody)
             prompt = render_chat(body.messages, self.core.tokenizer)
             base_id = body.request_id or new_request_id("chatcmpl-")
             max_tokens = body.max_output_tokens()
-            requests = [await self._request(body, prompt, max_tokens, base_id, tenant)]
+            requests = [await self._request(body, prompt, max_tokens, base_id, caller)]
         except Exception as error:
             return _error_or_raise(error)
         tag_ingress(requests, request.headers.items(), "http")
@@ -100,23 +134,19 @@ class OpenAIFrontend:
         return await self._respond(requests, body.stream, body.include_usage, chunks)
 
     # -------------------------------------------------------------- plumbing
-    async def _read(self, request: Request, model: type) -> tuple[Any, str]:
+    async def _read(self, request: Request, model: type) -> tuple[Any, Caller]:
         """Auth, then the body: bounded size, JSON of bounded depth, valid text, known fields,
-        the served model. Returns the body and the caller's tenant."""
-        tenant = self.auth.check(request.headers.get("authorization"))
+        the served model. Returns the body and the caller."""
+        caller = self.auth.check(request.headers.get("authorization"))
         raw = await read_body(request, self.core.config.max_request_bytes)
-        data = parse_json(raw)
-        bad = find_malformed_text(data, "")
-        if bad is not None:
-            raise ApiError.invalid(f"{bad} is not valid UTF-8", bad)
-        body = parse_body(model, data)
+        body = parse_request(raw, model)
         if body.model != self.model_name:
             raise ApiError(
                 ErrorCode.NOT_FOUND,
                 f"model: {body.model!r} is not served here (GET /v1/models: {self.model_name!r})",
                 "model",
             )
-        return body, tenant
+        return body, caller
 
     async def _request(
         self,
@@ -124,7 +154,7 @@ class OpenAIFrontend:
         prompt: str | list[int],
         max_tokens: int | None,
         request_id: str,
-        tenant: str,
+        caller: Caller,
     ) -> GenerateRequest:
         if max_tokens is None:
             max_tokens = await self._room_for(prompt)
@@ -135,7 +165,8 @@ class OpenAIFrontend:
             request_id=request_id,
             priority=body.priority,
             cache_salt=body.cache_salt,
-            tenant=tenant,
+            tenant=caller.tenant,
+            cache_scope=caller.cache_scope,
         )
 
     async def _room_for(self, prompt: str | list[int]) -> int:
@@ -149,7 +180,11 @@ class OpenAIFrontend:
         return max(1, min(capacities, default=1) - prompt_len)
 
     async def _respond(
-        self, requests: list[GenerateRequest], stream: bool, include_usage: bool, chunks: Any
+        self,
+        requests: list[GenerateRequest],
+        stream: bool,
+        include_usage: bool,
+        chunks: ResponseBuilder,
     ) -> Response:
         merged = merge_streams([self.core.generate(r) for r in requests])
         try:
@@ -164,102 +199,156 @@ class OpenAIFrontend:
                     collectors[i].add(delta)
             except Exception as error:
                 return _error_or_raise(error)
-            return JSONResponse(chunks.whole(collectors))
+            return JSONResponse(chunks.whole(collectors).model_dump())
         events = _sse(first, merged, chunks, include_usage)
         return StreamingResponse(events, media_type="text/event-stream")
 
 
 # ------------------------------------------------------------------- chunks
-class CompletionChunks:
-    """Builds `text_completion` bodies and stream chunks; choice = prompt index * n + branch."""
-
-    object_name = "text_completion"
+class _ChoiceBuilder:
+    """What both response builders share: the response's id, time and model, and choice
+    numbering (choice = prompt index * n + branch)."""
 
     def __init__(self, request_id: str, created: int, model: str, n: int) -> None:
-        self.head = {"id": request_id, "object": self.object_name, "created": created}
+        self.request_id = request_id
+        self.created = created
         self.model = model
         self.n = n
 
     def choice_index(self, prompt_index: int, branch: int) -> int:
         return prompt_index * self.n + branch
 
-    def start(self) -> list[dict[str, Any]]:
-        return []
-
-    def chunk(self, index: int, delta: StreamDelta) -> dict[str, Any]:
-        choice = {"index": index, "text": delta.text, "logprobs": None}
-        return self._wrap([{**choice, "finish_reason": delta.finish_reason}])
-
-    def whole(self, collectors: list[CompletionCollector]) -> dict[str, Any]:
-        choices = [
-            {
-                "index": self.choice_index(i, c.index),
-                **self.content(c.text),
-                "logprobs": None,
-                "finish_reason": c.finish_reason,
-            }
-            for i, collector in enumerate(collectors)
-            for c in collector.completions
-        ]
-        usage = Usage.total(collector.usage() for collector in collectors)
-        return {**self.head, "model": self.model, "choices": choices, "usage": usage_json(usage)}
-
-    def content(self, text: str) -> dict[str, Any]:
-        return {"text": text}
-
-    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
-        return {**self._wrap([]), "usage": usage_json(usage)}
-
-    def _wrap(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {**self.head, "model": self.model, "choices": choices}
+    def results(
+        self, collectors: list[CompletionCollector]
+    ) -> Iterator[tuple[int, CompletionResult]]:
+        """Every finished branch of every prompt, with its choice index, in choice order."""
+        for i, collector in enumerate(collectors):
+            for result in collector.completions:
+                yield self.choice_index(i, result.index), result
 
 
-class ChatChunks(CompletionChunks):
-    """Builds `chat.completion` bodies and `chat.completion.chunk` stream chunks."""
-
-    object_name = "chat.completion"
+class CompletionChunks(_ChoiceBuilder):
+    """Builds `text_completion` bodies and stream chunks."""
 
     def __init__(self, request_id: str, created: int, model: str, n: int) -> None:
         super().__init__(request_id, created, model, n)
-        self.chunk_head = {**self.head, "object": "chat.completion.chunk"}
+        self.extras = CompletionExtras()  # echo and log-probabilities, when asked for
 
-    def start(self) -> list[dict[str, Any]]:
-        role = {"role": "assistant", "content": ""}
+    def start(self) -> list[CompletionChunk]:
+        return []
+
+    def chunk(self, index: int, delta: StreamDelta) -> CompletionChunk:
+        return self._chunk([self._choice(index, delta, delta.finish_reason)])
+
+    def whole(self, collectors: list[CompletionCollector]) -> Completion:
+        return Completion(
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=[self._choice(i, c, c.finish_reason) for i, c in self.results(collectors)],
+            usage=UsageInfo.of(Usage.total(c.usage() for c in collectors)),
+        )
+
+    def usage_chunk(self, usage: Usage) -> CompletionChunk:
+        return self._chunk([], UsageInfo.of(usage))
+
+    def _choice(
+        self, index: int, part: StreamDelta | CompletionResult, finish_reason: str | None
+    ) -> CompletionChoice:
+        """A delta's (or a whole completion's) choice, with `echo` and `logprobs` applied."""
+        text, logprobs = self.extras.piece(
+            index, index // self.n, part.text, part.logprobs, part.prompt_logprobs
+        )
+        return CompletionChoice(
+            index=index, text=text, logprobs=logprobs, finish_reason=finish_reason
+        )
+
+    def _chunk(
+        self, choices: list[CompletionChoice], usage: UsageInfo | None = None
+    ) -> CompletionChunk:
+        return CompletionChunk(
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage,
+        )
+
+
+class ChatChunks(_ChoiceBuilder):
+    """Builds `chat.completion` bodies and `chat.completion.chunk` stream chunks."""
+
+    def start(self) -> list[ChatCompletionChunk]:
+        """One chunk per branch naming the assistant's role, before any text (as OpenAI)."""
+        role = ChatDelta(role="assistant", content="")
         return [
-            self._wrap([{"index": j, "delta": role, "logprobs": None, "finish_reason": None}])
+            self._chunk([ChatChunkChoice(index=j, delta=role, logprobs=None, finish_reason=None)])
             for j in range(self.n)
         ]
 
-    def chunk(self, index: int, delta: StreamDelta) -> dict[str, Any]:
-        content = {"content": delta.text} if delta.text else {}
-        choice = {"index": index, "delta": content, "logprobs": None}
-        return self._wrap([{**choice, "finish_reason": delta.finish_reason}])
+    def chunk(self, index: int, delta: StreamDelta) -> ChatCompletionChunk:
+        choice = ChatChunkChoice(
+            index=index,
+            delta=ChatDelta(content=delta.text or None),
+            logprobs=chat_logprobs(delta.logprobs),
+            finish_reason=delta.finish_reason,
+        )
+        return self._chunk([choice])
 
-    def content(self, text: str) -> dict[str, Any]:
-        return {"message": {"role": "assistant", "content": text}}
+    def whole(self, collectors: list[CompletionCollector]) -> ChatCompletion:
+        choices = [
+            ChatChoice(
+                index=index,
+                message=AssistantMessage(content=c.text),
+                logprobs=chat_logprobs(c.logprobs),
+                finish_reason=c.finish_reason,
+            )
+            for index, c in self.results(collectors)
+        ]
+        return ChatCompletion(
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=UsageInfo.of(Usage.total(c.usage() for c in collectors)),
+        )
 
-    def _wrap(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {**self.chunk_head, "model": self.model, "choices": choices}
+    def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
+        return self._chunk([], UsageInfo.of(usage))
+
+    def _chunk(
+        self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None
+    ) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage,
+        )
+
+
+ResponseBuilder = CompletionChunks | ChatChunks
 
 
 async def _sse(
     first: tuple[int, StreamDelta],
     rest: AsyncIterator[tuple[int, StreamDelta]],
-    chunks: CompletionChunks,
+    chunks: ResponseBuilder,
     include_usage: bool,
 ) -> AsyncIterator[str]:
     """Server-sent events: the chunks, then usage if asked for, then `[DONE]`."""
     totals: dict[int, CompletionCollector] = {}  # per prompt, for the usage chunk
-    extra = {"usage": None} if include_usage else {}
+    exclude = None if include_usage else STREAM_WITHOUT_USAGE
 
     def event(i: int, delta: StreamDelta) -> str:
         totals.setdefault(i, CompletionCollector(keep_output=False)).add(delta)
-        if not delta.text and delta.finish_reason is None:
+        if not delta.text and delta.finish_reason is None and not delta.logprobs:
             return ""  # tokens whose text is not complete yet (a split UTF-8 character)
-        return _data({**chunks.chunk(chunks.choice_index(i, delta.index), delta), **extra})
+        return _data(chunks.chunk(chunks.choice_index(i, delta.index), delta), exclude)
 
     for start in chunks.start():
-        yield _data({**start, **extra})
+        yield _data(start, exclude)
     if text := event(*first):
         yield text
     try:
@@ -279,41 +368,25 @@ async def _sse(
 
 # ------------------------------------------------------------------ helpers
 def render_chat(messages: list[ChatMessage], tokenizer: Any) -> str:
-    """The prompt for a chat: the model's chat template when it has one, else a plain one
-    (`<|role|>` lines, then `<|assistant|>`), which is what the byte-level tiny-llama gets."""
-    hf = getattr(tokenizer, "hf_tokenizer", None)
-    turns = [{"role": m.role, "content": m.text()} for m in messages]
-    if hf is not None and getattr(hf, "chat_template", None):
-        return hf.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-    return "".join(f"<|{t['role']}|>\n{t['content']}\n" for t in turns) + "<|assistant|>\n"
+    """The prompt for a chat by the model's chat template (tiny-llama's is `<|role|>` lines,
+    then `<|assistant|>`); a model without one gets INVALID_ARGUMENT."""
+    return chat_prompt([{"role": m.role, "content": m.text()} for m in messages], tokenizer)
 
 
-def usage_json(usage: Usage) -> dict[str, Any]:
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-    }
-
-
-def error_json(error: ApiError) -> dict[str, Any]:
+def error_json(error: ApiError) -> ErrorResponse:
     param = "prompt" if error.param == "prompt_token_ids" else error.param
-    return {
-        "error": {
-            "message": error.message,
-            "type": error.openai_type,
-            "param": param,
-            "code": error.code.value.lower(),
-        }
-    }
+    info = ErrorInfo(
+        message=error.message, type=error.openai_type, param=param, code=error.code.value.lower()
+    )
+    return ErrorResponse(error=info)
 
 
 def error_response(error: ApiError) -> JSONResponse:
     headers = {"www-authenticate": "Bearer"} if error.code is ErrorCode.UNAUTHENTICATED else {}
     if retry_after := error.retry_after_header():
         headers["retry-after"] = retry_after
-    return JSONResponse(error_json(error), status_code=error.http_status, headers=headers or None)
+    body = error_json(error).model_dump()
+    return JSONResponse(body, status_code=error.http_status, headers=headers or None)
 
 
 def _error_or_raise(error: Exception) -> JSONResponse:
@@ -325,8 +398,10 @@ def _batch_id(base: str, i: int, prompts: list) -> str:
     return base if len(prompts) == 1 else f"{base}-{i}"
 
 
-def _data(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+def _data(payload: BaseModel, exclude: AbstractSet[str] | None = None) -> str:
+    """One server-sent event. `json.dumps` of `model_dump()`, not `model_dump_json()`: its
+    `", "` separators and float spelling are what clients have always been sent."""
+    return f"data: {json.dumps(payload.model_dump(exclude=exclude), ensure_ascii=False)}\n\n"
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -345,18 +420,86 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+def parse_request(raw: bytes, model: type[Body]) -> Body:
+    """A request body as `model`: JSON of bounded depth with finite numbers, valid text, known
+    fields of the right types; else an `ApiError` (400) naming the field at fault."""
+    data = parse_json(raw)
+    if isinstance(data, dict) and (bad := find_malformed_text(data, "")) is not None:
+        raise ApiError.invalid(f"{bad} is not valid UTF-8", bad)
+    return parse_body(model, data)  # refuses a body that is not an object
+
+
 def parse_json(raw: bytes) -> Any:
-    """JSON without NaN/Infinity, nested at most `MAX_JSON_DEPTH` deep (400 otherwise)."""
+    """JSON nested at most `MAX_JSON_DEPTH` deep, whose numbers are finite and at most
+    `MAX_NUMBER_CHARS` long (400 otherwise, naming the field that holds a bad number)."""
     try:
         # surrogateescape keeps invalid UTF-8 bytes as lone surrogates (find_malformed_text).
-        data = json.loads(raw.decode("utf-8", "surrogateescape"), parse_constant=_no_constant)
+        data = json.loads(
+            raw.decode("utf-8", "surrogateescape"),
+            parse_constant=BadNumber,
+            parse_int=_parse_int,
+            parse_float=_parse_float,
+        )
     except json.JSONDecodeError as error:
         raise ApiError.invalid(f"the request body is not valid JSON: {error}") from None
     except RecursionError:
         raise _too_deep() from None
     if json_depth(data) > MAX_JSON_DEPTH:
         raise _too_deep()
+    found = _find_bad_number(data, "")
+    if found is not None:
+        path, number = found
+        field = path if isinstance(data, dict) else None  # a field only in a JSON object
+        raise ApiError.invalid(
+            f"{field or 'the request body'} holds {number.text}: numbers must be finite and "
+            f"at most {MAX_NUMBER_CHARS} characters long",
+            field,
+        )
     return data
+
+
+@dataclass(frozen=True)
+class BadNumber:
+    """A number JSON can spell but no field can hold (NaN, Infinity, 1e400, a 5,000-digit
+    integer), kept in the parsed body so that the field holding it can be named."""
+
+    text: str
+
+
+def _parse_int(text: str) -> int | BadNumber:
+    # Python refuses to convert integers of more than 4,300 digits with a bare ValueError.
+    return int(text) if len(text) <= MAX_NUMBER_CHARS else BadNumber(_shorten(text))
+
+
+def _parse_float(text: str) -> float | BadNumber:
+    value = float(text)
+    ok = math.isfinite(value) and len(text) <= MAX_NUMBER_CHARS
+    return value if ok else BadNumber(_shorten(text))
+
+
+def _shorten(text: str) -> str:
+    return text if len(text) <= 24 else f"{text[:20]}... ({len(text):,} characters)"
+
+
+def _find_bad_number(value: Any, path: str) -> tuple[str, BadNumber] | None:
+    """The path of the first `BadNumber` under `value` (nested at most MAX_JSON_DEPTH deep)."""
+    if isinstance(value, BadNumber):
+        return path, value
+    if isinstance(value, dict):
+        # A key may hold invalid UTF-8 (as a lone surrogate): escaped, the path stays printable.
+        items = (
+            (_join_key(path, key.encode("utf-8", "backslashreplace").decode()), item)
+            for key, item in value.items()
+        )
+    elif isinstance(value, list):
+        items = ((f"{path}[{i}]", item) for i, item in enumerate(value))
+    else:
+        return None
+    for item_path, item in items:
+        found = _find_bad_number(item, item_path)
+        if found is not None:
+            return found
+    return None
 
 
 def json_depth(value: Any) -> int:
@@ -371,8 +514,8 @@ def json_depth(value: Any) -> int:
     return depth
 
 
-def _no_constant(name: str) -> Any:
-    raise ApiError.invalid(f"the request body holds {name}: numbers must be finite")
+def _join_key(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
 
 
 def _too_large(size: int, limit: int) -> ApiError:

@@ -2,8 +2,9 @@
 
 Fields are typed strictly and unknown fields are refused, so a client learns at once that a
 parameter it relies on does nothing here. The extra sampling fields vLLM users know (`top_k`,
-`ignore_eos`, `min_tokens`, `stop_token_ids`, ...) and the cluster's own (`priority`,
-`cache_salt`, `request_id`) are accepted as top-level fields (the openai client's `extra_body`).
+`repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`, ...) and the cluster's own
+(`priority`, `cache_salt`, `request_id`) are accepted as top-level fields (the openai client's
+`extra_body`).
 Ranges are checked by `SamplingParams`, the one place that knows them.
 """
 
@@ -11,9 +12,10 @@ from __future__ import annotations
 
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pagedserve.cluster.api_errors import ApiError
+from pagedserve.workers.sampling_params import SamplingKwargs
 
 
 class _Body(BaseModel):
@@ -39,6 +41,7 @@ class _SamplingFields(_Body):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     # vLLM-style extras
+    repetition_penalty: float = 1.0
     top_k: int | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
@@ -49,27 +52,26 @@ class _SamplingFields(_Body):
     cache_salt: str | None = None
     request_id: str | None = None
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, value: float) -> float:
-        if value != 0:
-            raise ValueError("penalties are not supported; leave it at 0")
-        return value
-
-    def sampling_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for `SamplingParams` (None means "its default")."""
-        kwargs: dict[str, Any] = {
-            "n": self.n,
-            "stop": self.stop,
-            "seed": self.seed,
-            "min_tokens": self.min_tokens,
-            "ignore_eos": self.ignore_eos,
-            "stop_token_ids": self.stop_token_ids,
-            "include_stop_str_in_output": self.include_stop_str_in_output,
-        }
-        for name in ("temperature", "top_p", "top_k"):
-            if getattr(self, name) is not None:
-                kwargs[name] = getattr(self, name)
+    def sampling_kwargs(self) -> SamplingKwargs:
+        """Keyword arguments for `SamplingParams` (a field left None takes its default)."""
+        kwargs = SamplingKwargs(
+            n=self.n,
+            stop=self.stop,
+            seed=self.seed,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+            stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+        )
+        if self.temperature is not None:
+            kwargs["temperature"] = self.temperature
+        if self.top_p is not None:
+            kwargs["top_p"] = self.top_p
+        if self.top_k is not None:
+            kwargs["top_k"] = self.top_k
         return kwargs
 
     @property
@@ -82,8 +84,19 @@ class CompletionBody(_SamplingFields):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
-    echo: Literal[False] = False
-    logprobs: None = None
+    echo: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM extra; `echo` + `logprobs` implies it
+
+    def sampling_kwargs(self) -> SamplingKwargs:
+        """With `echo` and `logprobs`, the prompt's log-probabilities too (loglikelihood)."""
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo and self.logprobs is not None:
+            prompt_logprobs = self.logprobs
+        kwargs = super().sampling_kwargs()
+        kwargs["logprobs"] = self.logprobs
+        kwargs["prompt_logprobs"] = prompt_logprobs
+        return kwargs
 
     def prompts(self) -> list[str | list[int]]:
         """The batch: each item a text or a token-id list."""
@@ -119,7 +132,16 @@ class ChatCompletionBody(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: Literal[False] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def sampling_kwargs(self) -> SamplingKwargs:
+        """`logprobs: true` with `top_logprobs` alternatives (0 when unset)."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError.invalid("top_logprobs: needs logprobs: true", "top_logprobs")
+        kwargs = super().sampling_kwargs()
+        kwargs["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
+        return kwargs
 
     def max_output_tokens(self) -> int | None:
         return (

@@ -28,6 +28,7 @@ import asyncio
 import copy
 import dataclasses
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -53,6 +54,7 @@ from pagedserve.cluster.worker_state import WorkerState
 from pagedserve.workers.block_hash import hash_full_blocks
 from pagedserve.workers.errors import Draining, HandedOff, Overloaded, RequestRejected
 from pagedserve.workers.handoff import RequestHandoff
+from pagedserve.workers.model_registry import DEFAULT_MODEL
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.stream import StreamDelta
 from pagedserve.workers.telemetry import NOOP, Tracing
@@ -75,6 +77,37 @@ class _Attempt:
     params: SamplingParams | None = None
     handoff: RequestHandoff | None = None
     source: str | None = None
+    refused_by: frozenset[str] = frozenset()  # workers that refused this leg (Overloaded)
+    # A replay: `handoff` (no KV) goes to the worker routed for `prompt`, which continues the
+    # branch's output and its text exactly where the client's stream stopped.
+    replay: bool = False
+
+    @property
+    def continues(self) -> bool:
+        """A replay or a moved continuation: the client already has part of the answer, so a
+        refusal tries the next worker instead of ending the request."""
+        return self.branch is not None or self.handoff is not None
+
+
+@dataclasses.dataclass
+class _Emitted:
+    """What the client has of one branch: its token ids and how much of its text."""
+
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_chars: int = 0
+
+    def add(self, delta: StreamDelta) -> None:
+        self.token_ids.extend(delta.token_ids)
+        self.num_chars += len(delta.text)
+
+
+class _LegRefused(Exception):
+    """A worker refused a continuing leg before streaming anything (`Overloaded`)."""
+
+    def __init__(self, worker_id: str, error: Overloaded) -> None:
+        super().__init__(str(error))
+        self.worker_id = worker_id
+        self.error = error
 
 
 def params_left(handoff) -> int:
@@ -109,7 +142,7 @@ class RouterCore:
         if config.routing_policy == "kv_aware":  # it converts router token counts to blocks
             options.setdefault("block_size", config.engine.block_size)
         self.policy = make_policy(config.routing_policy, **options)
-        self.tokenizer = load_tokenizer(config.engine.model or "tiny-llama")
+        self.tokenizer = load_tokenizer(config.engine.model or DEFAULT_MODEL)
         self.model_name = ""
         self.block_size = config.engine.block_size
         self.counters = RouterCounters()
@@ -178,13 +211,18 @@ class RouterCore:
         return len(await self._tokenize(request))
 
     async def route(
-        self, token_ids: list[int], cache_salt: str | None, span: Any = None
+        self,
+        token_ids: list[int],
+        cache_salt: str | None,
+        span: Any = None,
+        exclude: frozenset[str] = frozenset(),
     ) -> tuple[WorkerState, int]:
         """Pick a worker for a prompt; pull its prefix from a peer when that beats prefill.
 
         `span`: the `route` span, given the decision (and parent of a pull), if traced.
+        `exclude`: workers not to pick (they refused this request already).
         """
-        alive = [w for w in self.workers.values() if w.routable]
+        alive = [w for w in self.workers.values() if w.routable and w.worker_id not in exclude]
         if not alive:
             raise NoWorkerAvailable("no worker is alive and admitting")
         extra = (self.model_name,) + ((cache_salt,) if cache_salt else ())
@@ -270,7 +308,7 @@ class RouterCore:
     ) -> AsyncIterator[StreamDelta]:
         token_ids = await self._tokenize(request)
         trace.on_prompt(len(token_ids))
-        emitted: dict[int, list[int]] = {j: [] for j in range(request.params.n)}
+        emitted = {j: _Emitted() for j in range(request.params.n)}
         finished: set[int] = set()
         plan = [_Attempt(None, token_ids, request.params)]
         while plan:
@@ -283,7 +321,7 @@ class RouterCore:
                         )
                         self.migrations.on_moved()
                         continue
-                    emitted[delta.index].extend(delta.token_ids)
+                    emitted[delta.index].add(delta)
                     if delta.finish_reason is not None:
                         finished.add(delta.index)
                         trace.on_delta(delta)
@@ -291,14 +329,22 @@ class RouterCore:
                     yield delta
             except WorkerLost as lost:
                 trace.root.add_event("worker_lost", {"exception.message": str(lost)})
-                plan = self._replay_plan(request, token_ids, emitted, finished)
+                plan = self._replay_plan(request, request_id, token_ids, emitted, finished)
+            except _LegRefused as refused:
+                refused_by = attempt.refused_by | {refused.worker_id}
+                others = [w for w in self.workers.values() if w.worker_id not in refused_by]
+                if not any(w.routable for w in others):
+                    raise refused.error from None  # every worker refused it: nothing to try
+                self.counters.legs_retried += 1
+                trace.root.add_event("leg_refused", {"pagedserve.worker_id": refused.worker_id})
+                plan.insert(0, dataclasses.replace(attempt, refused_by=refused_by))
 
     async def _attempt(
         self, attempt: _Attempt, request_id: str, request: GenerateRequest, trace: RouterTrace
     ) -> AsyncIterator[StreamDelta | RequestMoved]:
         params = attempt.params
-        if attempt.handoff is not None:
-            worker = self.migrations.move_target(attempt.source)
+        if attempt.handoff is not None and not attempt.replay:
+            worker = self.migrations.move_target(attempt.source, attempt.refused_by)
             tokens = len(attempt.handoff.all_token_ids)
             span = migration_span(self.tracing, trace.root, "move", attempt.source, worker, tokens)
             worker_request = WorkerRequest.moved(
@@ -308,45 +354,83 @@ class RouterCore:
         else:
             route_span = trace.child("route")
             try:
-                worker, matched = await self.route(attempt.prompt, request.cache_salt, route_span)
+                worker, matched = await self.route(
+                    attempt.prompt, request.prefix_salt, route_span, attempt.refused_by
+                )
             finally:
                 route_span.end()
             span = trace.child("worker.call", **{"pagedserve.worker_id": worker.worker_id})
-            worker_request = WorkerRequest.fresh(
-                request_id,
-                attempt.prompt,
-                params,
-                priority=request.priority,
-                cache_salt=request.cache_salt,
-                timeout_s=request.timeout_s,
-                trace_context=trace.carrier(span),
-                owner_id=self.router_id,
-            )
+            if attempt.replay:
+                worker_request = WorkerRequest.moved(
+                    attempt.handoff, trace_context=trace.carrier(span), owner_id=self.router_id
+                )
+                decode = params_left(attempt.handoff)
+            else:
+                worker_request = WorkerRequest.fresh(
+                    request_id,
+                    attempt.prompt,
+                    params,
+                    priority=request.priority,
+                    cache_salt=request.prefix_salt,
+                    timeout_s=request.timeout_s,
+                    trace_context=trace.carrier(span),
+                    owner_id=self.router_id,
+                )
+                decode = params.max_tokens * params.n
             # What this request adds to the worker's work: tokens it must still prefill (a
             # cached prefix costs nothing) plus what it will decode.
-            demand = len(attempt.prompt) - matched * self.block_size + params.max_tokens * params.n
+            demand = len(attempt.prompt) - matched * self.block_size + decode
+        streamed = False
         try:
             async for delta in self._stream(worker, worker_request, demand):
+                # A leg serving one branch runs as the worker's branch 0: name the client's.
                 if attempt.branch is not None and isinstance(delta, StreamDelta):
                     delta.index = attempt.branch
+                elif attempt.branch is not None:  # moved on: its next leg serves that branch
+                    delta = dataclasses.replace(delta, index=attempt.branch)
+                streamed = True
                 yield delta
+        except Overloaded as error:
+            if not attempt.continues or streamed:
+                raise
+            raise _LegRefused(worker.worker_id, error) from error
         finally:
             span.end()
 
-    def _replay_plan(self, request, token_ids, emitted, finished) -> list[_Attempt]:
+    def _replay_plan(
+        self,
+        request: GenerateRequest,
+        request_id: str,
+        token_ids: list[int],
+        emitted: dict[int, _Emitted],
+        finished: set[int],
+    ) -> list[_Attempt]:
+        """One replay leg per unfinished branch: a handoff without KV, so the peer continues
+        from the branch's tokens (recomputing their KV, or hitting its prefix cache) with the
+        detokenizer resumed where the client's text stopped: a character split across the
+        failure point, or a stop string spanning it, comes out exactly as without it."""
         if self.config.on_worker_failure == "fail":
             raise NoWorkerAvailable("the worker serving this request died")
         self.counters.replays += 1
+        salt = request.prefix_salt
+        extra_keys = (self.model_name,) + ((salt,) if salt else ())
         plan = []
         for j in sorted(set(emitted) - finished):
             done = emitted[j]
-            params = request.params.for_branch(j)
-            params = dataclasses.replace(
+            # Prompt log-probabilities went out with the branch's first delta.
+            params = dataclasses.replace(request.params.for_branch(j), prompt_logprobs=None)
+            handoff = RequestHandoff.replay(
+                request_id,
+                token_ids,
+                done.token_ids,
+                done.num_chars,
                 params,
-                max_tokens=params.max_tokens - len(done),
-                min_tokens=max(0, params.min_tokens - len(done)),
+                priority=request.priority,
+                cache_extra_keys=extra_keys,
+                block_size=self.block_size,
+                deadline_remaining_s=request.timeout_s,
             )
-            plan.append(_Attempt(j, token_ids + done, params))
+            plan.append(_Attempt(j, token_ids + done.token_ids, handoff=handoff, replay=True))
         return plan
 
     async def _stream(
@@ -358,7 +442,11 @@ class RouterCore:
         stream = worker.handle.generate.remote(request)
         remaining = request.num_branches
         try:
-            async for ref in stream:
+            while True:
+                try:
+                    ref = await self._next_from(worker, stream)
+                except StopAsyncIteration:
+                    break
                 delta = await ref
                 if isinstance(delta, RequestMoved) or delta.finish_reason is not None:
                     remaining -= 1
@@ -379,6 +467,20 @@ class RouterCore:
             worker.end(demand)
             if remaining:  # cancelled or failed: the worker must free the blocks now
                 self._cancel(stream, worker, request_id)
+
+    async def _next_from(self, worker: WorkerState, stream: Any) -> Any:
+        """The stream's next delta ref; `WorkerLost` once the worker stalls or dies while we
+        wait (a worker alive but stuck must not hang its streams: the liveness poll judges
+        it every stats interval, and this wait looks at that judgement as often)."""
+        next_ref = asyncio.ensure_future(stream.__anext__())
+        while True:
+            done, _ = await asyncio.wait((next_ref,), timeout=self.config.stats_interval_s)
+            if done:
+                return next_ref.result()
+            if worker.hung(time.monotonic(), self.config.stall_timeout_s):
+                next_ref.cancel()
+                state = "stalled" if worker.stalled else "unanswering"
+                raise WorkerLost(f"worker {worker.worker_id} {state} mid-stream")
 
     def _cancel(self, stream, worker: WorkerState, request_id: str) -> None:
         import ray

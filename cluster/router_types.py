@@ -36,12 +36,21 @@ class GenerateRequest:
     trace_context: dict[str, str] | None = None  # the client's W3C traceparent, if any
     ingress: str = "python"  # grpc, http or python: names the front end on the trace
     tenant: str = ""  # who sent it (with auth on): request ids are unique per tenant
+    # Whose prefix cache it may share (with auth on: its tenant's, or its tokens' cache group).
+    cache_scope: str = ""
 
     def __post_init__(self) -> None:
         if self.timeout_s is not None and not (
             math.isfinite(self.timeout_s) and self.timeout_s > 0
         ):
             raise RequestRejected(f"timeout_s must be a finite number > 0, got {self.timeout_s}")
+
+    @property
+    def prefix_salt(self) -> str | None:
+        """What its prefix blocks are hashed with: the cache scope, then the client's own
+        `cache_salt`. A client can narrow sharing within its scope, never reach past it."""
+        parts = [part for part in (self.cache_scope, self.cache_salt) if part]
+        return "/".join(parts) or None
 
 
 @dataclass
@@ -62,6 +71,8 @@ class RouterCounters:
     push_blocks: int = 0
     replays: int = 0
     workers_lost: int = 0
+    workers_stalled: int = 0
+    legs_retried: int = 0  # a replay or move leg refused by one worker, sent to the next
     workers_restarted: int = 0
     workers_drained: int = 0
     drain_handoffs: int = 0  # streams a draining worker cut off (replayed on a peer)
@@ -91,6 +102,8 @@ _FLAT_NAMES = {
     "push_blocks": "migrations.push_blocks",
     "replays": "replays",
     "workers_lost": "workers_lost",
+    "workers_stalled": "workers_stalled",
+    "legs_retried": "legs_retried",
     "workers_restarted": "workers_restarted",
     "workers_drained": "workers_drained",
     "drain_handoffs": "drain_handoffs",

@@ -1,7 +1,8 @@
 """`pagedserve trace show [REQUEST_ID]`: a request's span tree as a waterfall in the terminal.
 
 Reads the JSON-lines file that `pagedserve serve --trace-file F.jsonl` writes (one span a line,
-from the router and every worker process; see `workers/telemetry.JsonlSpanExporter`):
+from the router and every worker process; each line is read once into a `SpanRecord`, see
+`workers/trace_file`):
 
     trace 516ec8e9…  request cmpl-1  63.5 ms
     pagedserve.request     router |████████████████████|  63.5 ms  grpc out 16
@@ -19,88 +20,75 @@ from the router and every worker process; see `workers/telemetry.JsonlSpanExport
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import defaultdict
-from typing import Any
+
+from pagedserve.workers.trace_file import SpanRecord, read_spans
 
 BAR_WIDTH = 40
 
 
-def load_spans(path: str) -> list[dict[str, Any]]:
-    """Every span in a trace file (lines that are not JSON are skipped)."""
-    spans = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                spans.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return spans
-
-
-def find_trace(spans: list[dict[str, Any]], request_id: str | None) -> list[dict[str, Any]]:
+def find_trace(spans: list[SpanRecord], request_id: str | None) -> list[SpanRecord]:
     """The spans of the trace of `request_id` (None: the latest request). Empty if not found."""
-    roots = [s for s in spans if s["name"] == "pagedserve.request"]
+    roots = [s for s in spans if s.name == "pagedserve.request"]
     if request_id is not None:
-        roots = [s for s in roots if s["attributes"].get("pagedserve.request_id") == request_id]
+        roots = [s for s in roots if s.attributes.get("pagedserve.request_id") == request_id]
     if not roots:
         return []
-    root = max(roots, key=lambda s: s["start_ns"])
-    return [s for s in spans if s["trace_id"] == root["trace_id"]]
+    root = max(roots, key=lambda s: s.start_ns)
+    return [s for s in spans if s.trace_id == root.trace_id]
 
 
-def render(trace: list[dict[str, Any]], width: int = BAR_WIDTH) -> str:
+def render(trace: list[SpanRecord], width: int = BAR_WIDTH) -> str:
     """The waterfall of one trace: one line per span, children under their parent by start."""
-    ids = {s["span_id"] for s in trace}
-    children: dict[str | None, list[dict]] = defaultdict(list)
+    ids = {s.span_id for s in trace}
+    children: dict[str | None, list[SpanRecord]] = defaultdict(list)
     for span in trace:
-        parent = span["parent_id"] if span["parent_id"] in ids else None
+        parent = span.parent_id if span.parent_id in ids else None
         children[parent].append(span)
     for group in children.values():
-        group.sort(key=lambda s: s["start_ns"])
-    start = min(s["start_ns"] for s in trace)
-    end = max(s["end_ns"] for s in trace)
+        group.sort(key=lambda s: s.start_ns)
+    start = min(s.start_ns for s in trace)
+    end = max(s.end_ns for s in trace)
     total = max(end - start, 1)
-    rows: list[tuple[str, dict]] = []
+    rows: list[tuple[str, SpanRecord]] = []
 
-    def walk(span: dict, depth: int) -> None:
-        rows.append(("  " * depth + span["name"], span))
-        for child in children[span["span_id"]]:
+    def walk(span: SpanRecord, depth: int) -> None:
+        rows.append(("  " * depth + span.name, span))
+        for child in children[span.span_id]:
             walk(child, depth + 1)
 
     for root in children[None]:
         walk(root, 0)
     name_w = max(len(label) for label, _ in rows)
     who_w = max(len(_component(span)) for _, span in rows)
-    request = next((s for _, s in rows if s["name"] == "pagedserve.request"), rows[0][1])
-    request_id = request["attributes"].get("pagedserve.request_id", "?")
-    lines = [f"trace {trace[0]['trace_id'][:8]}…  request {request_id}  {total / 1e6:.1f} ms"]
+    request = next((s for _, s in rows if s.name == "pagedserve.request"), rows[0][1])
+    request_id = request.attributes.get("pagedserve.request_id", "?")
+    lines = [f"trace {trace[0].trace_id[:8]}…  request {request_id}  {total / 1e6:.1f} ms"]
     for label, span in rows:
-        a = int((span["start_ns"] - start) / total * width)
-        b = max(a + 1, int((span["end_ns"] - start) / total * width))
+        a = int((span.start_ns - start) / total * width)
+        b = max(a + 1, int((span.end_ns - start) / total * width))
         bar = " " * a + "█" * (b - a) + " " * (width - b)
-        ms = (span["end_ns"] - span["start_ns"]) / 1e6
+        ms = (span.end_ns - span.start_ns) / 1e6
         who = _component(span)
         summary = _summary(span)
         lines.append(f"{label:<{name_w}}  {who:<{who_w}} |{bar}| {ms:8.1f} ms  {summary}".rstrip())
-        for event in span.get("events", []):
-            if event["name"] in ("preempted", "abort", "worker_lost", "migration.move.out"):
-                at = (event["time_ns"] - start) / 1e6
-                lines.append(f"{'':<{name_w}}  {'':<{who_w}} * {event['name']} at {at:.1f} ms")
+        for event in span.events:
+            if event.name in ("preempted", "abort", "worker_lost", "migration.move.out"):
+                at = (event.time_ns - start) / 1e6
+                lines.append(f"{'':<{name_w}}  {'':<{who_w}} * {event.name} at {at:.1f} ms")
     return "\n".join(lines)
 
 
-def _component(span: dict) -> str:
-    attrs = span["attributes"]
-    if span.get("service") == "pagedserve-worker":
-        return span.get("worker_id") or attrs.get("pagedserve.worker_id") or "worker"
+def _component(span: SpanRecord) -> str:
+    if span.service == "pagedserve-worker":
+        return str(span.worker_id or span.attributes.get("pagedserve.worker_id") or "worker")
     return "router"
 
 
-def _summary(span: dict) -> str:
-    a = span["attributes"]
-    name = span["name"]
+def _summary(span: SpanRecord) -> str:
+    a = span.attributes
+    name = span.name
     if name == "pagedserve.request":
         return f"{a.get('pagedserve.ingress', '')} out {a.get('gen_ai.usage.output_tokens', '?')}"
     if name == "route":
@@ -109,7 +97,7 @@ def _summary(span: dict) -> str:
             f" matched {a.get('pagedserve.routing.matched_blocks', 0)} blocks"
         )
     if name == "worker.call":
-        return a.get("pagedserve.worker_id", "")
+        return str(a.get("pagedserve.worker_id", ""))
     if name == "prefill":
         return f"in {a.get('gen_ai.usage.input_tokens')} cached {a.get('pagedserve.cached_tokens')}"
     if name == "prefill.chunk":
@@ -138,7 +126,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_show(args: argparse.Namespace) -> int:
     try:
-        spans = load_spans(args.trace_file)
+        spans = read_spans(args.trace_file)
     except OSError as error:
         print(f"pagedserve trace show: error: {error}", file=sys.stderr)
         return 2

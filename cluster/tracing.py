@@ -19,7 +19,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from pagedserve.workers.request_trace import request_attributes
 from pagedserve.workers.stream import StreamDelta
-from pagedserve.workers.telemetry import Tracing
+from pagedserve.workers.telemetry import AttributeValue, SpanAttributes, Tracing
 
 
 class RouterTrace:
@@ -34,7 +34,7 @@ class RouterTrace:
 
     def __init__(self, tracing: Tracing, request: Any, request_id: str, model: str) -> None:
         self.tracing = tracing
-        attrs = {
+        attrs: SpanAttributes = {
             "pagedserve.request_id": request_id,
             "pagedserve.ingress": request.ingress,
             "gen_ai.operation.name": "text_completion",
@@ -47,7 +47,7 @@ class RouterTrace:
         self.output_tokens = 0
         self.finish_reasons: list[str] = []
 
-    def child(self, name: str, parent: Span | None = None, **attrs: Any) -> Span:
+    def child(self, name: str, parent: Span | None = None, **attrs: AttributeValue | None) -> Span:
         kind = SpanKind.CLIENT if name == "worker.call" else SpanKind.INTERNAL
         return self.tracing.start_span(name, parent or self.root, attrs, kind=kind)
 
@@ -78,7 +78,7 @@ def migration_span(
     tracing: Tracing, parent: Any, kind: str, source: str | None, target: Any, tokens: int = 0
 ) -> Span:
     """A router-side `migration.<kind>` span from `source` (an id) to `target` (a WorkerState)."""
-    attrs = {
+    attrs: SpanAttributes = {
         "pagedserve.migration.kind": kind,
         "pagedserve.migration.source": source,
         "pagedserve.migration.destination": target.worker_id,

@@ -3,7 +3,9 @@
 `WorkerLiveness` keeps each `WorkerState` true: `start` waits for every worker's `ready()`;
 then a poll loop refreshes each worker's `WorkerStats` every `stats_interval_s` (a worker
 that stops answering is dropped from routing and from the index at once; one that answers
-with a new epoch was restarted by Ray and is revived: its loop started, the index rejoined),
+with a new epoch was restarted by Ray and is revived: its loop started, the index rejoined;
+one that answers but has taken no engine step with work queued for `stall_timeout_s` is
+stalled: out of routing until it steps again, and the router ends its streams as lost),
 and a lease loop renews this router's lease on every worker (a worker aborts the requests of
 a router whose lease lapsed, so a dead router leaves no orphan).
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -20,6 +23,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.router_types import NoWorkerAvailable, RouterCounters
 from pagedserve.cluster.worker_state import WorkerState
+from pagedserve.workers.worker_types import WorkerStats
 
 logger = logging.getLogger(__name__)
 WORKER_LOST_ERRORS = (RayActorError, ActorDiedError, ActorUnavailableError)
@@ -98,14 +102,32 @@ class WorkerLiveness:
         if not worker.alive or worker.info is None or stats.epoch != worker.info.epoch:
             await self.revive(worker)  # restarted by Ray: start its loop, rejoin the index
         worker.stats = stats
+        self._judge_progress(worker, stats)
         if worker.alive and self.on_polled is not None:
             await self.on_polled(worker)
+
+    def _judge_progress(self, worker: WorkerState, stats: WorkerStats) -> None:
+        """Stalled: runnable work and no engine step for `stall_timeout_s` (the worker's own
+        clock says how long); it rejoins routing once it steps again."""
+        stalled = stats.seconds_without_progress > self.config.stall_timeout_s
+        if stalled and not worker.stalled:
+            self.counters.workers_stalled += 1
+            logger.warning(
+                "worker %s stalled: no engine step for %.1f s with work queued; its streams "
+                "end as lost and routing skips it",
+                worker.worker_id,
+                stats.seconds_without_progress,
+            )
+        elif worker.stalled and not stalled:
+            logger.warning("worker %s steps again; back in routing", worker.worker_id)
+        worker.stalled = stalled
 
     async def drop(self, worker: WorkerState) -> None:
         """Take a dead worker out of routing and its entries out of the index at once."""
         if not worker.alive:
             return
         worker.alive = False
+        worker.lost_at = time.monotonic()
         self.counters.workers_lost += 1
         logger.warning("worker %s lost; dropped from routing and the index", worker.worker_id)
         try:

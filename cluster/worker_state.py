@@ -22,14 +22,23 @@ class WorkerState:
     inflight: int = 0
     inflight_tokens: int = 0
     draining: bool = False  # alive, but taking nothing new: routing skips it
+    stalled: bool = False  # alive, with work, but no engine step for `stall_timeout_s`
+    lost_at: float | None = None  # monotonic time it was dropped as unanswering (alive False)
 
     @property
     def routable(self) -> bool:
-        return self.alive and not self.draining
+        return self.alive and not self.draining and not self.stalled
+
+    def hung(self, now: float, stall_timeout_s: float) -> bool:
+        """Its streams cannot progress: stalled, or unanswering for `stall_timeout_s` (a
+        dead actor ends its streams by itself; one whose loop is stuck never would)."""
+        unanswering = not self.alive and self.lost_at is not None
+        return self.stalled or (unanswering and now - self.lost_at > stall_timeout_s)
 
     def mark_alive(self, info: WorkerInfo) -> None:
         self.info = info
         self.alive = True
+        self.lost_at = None
         self.draining = False  # a (re)started worker admits again
 
     def begin(self, tokens: int) -> None:

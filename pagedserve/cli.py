@@ -19,6 +19,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "pagedserve.cluster.client_cli",  # generate (cluster, or --offline), status
     "pagedserve.cluster.cli",
     "pagedserve.cluster.trace_view",  # trace show
+    "pagedserve.workers.model_cli",  # model list, model prepare
 )
 
 

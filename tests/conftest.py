@@ -1,9 +1,28 @@
-"""Every test that runs requests ends by asserting that nothing leaked (see support/leaks.py)."""
+"""Fixtures every test folder shares: the real model, loaded once per session; and the leak
+check every test that runs requests ends with (see support/leaks.py)."""
 
 import pytest
+from support.engine import ReferenceModel, load
 from support.leaks import WATCH
+from support.real_model import SMOLLM2
 
 
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct (float32) and HF's reference copy of it."""
+    loaded = load(SMOLLM2)
+    return loaded, ReferenceModel(loaded)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """SmolLM2's BPE tokenizer alone (no weights loaded)."""
+    from pagedserve.workers.tokenizer import load_tokenizer
+
+    return load_tokenizer(SMOLLM2)
+
+
+# ------------------------------------------------------------------ leak checks
 @pytest.fixture(scope="session", autouse=True)
 def leak_watch():
     with pytest.MonkeyPatch.context() as monkeypatch:

@@ -4,17 +4,19 @@ seq 0: prefill chunk t0 t1 t2 | seq 1: decode t9 | seq 2: decode t4
 input_ids       [t0 t1 t2 t9 t4]           (no padding)
 query_start_loc [0, 3, 4, 5]
 seq_lens        [3, 10, 5]                  context after this step
-logits_indices  rows whose last token's logits are sampled
+logits_indices  rows whose last token's logits are sampled, then (prompt log-probabilities only)
+                every prompt position of the chunks that score the prompt
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from pagedserve.workers.attention_metadata import AttentionMetadata
 from pagedserve.workers.kv_cache_manager import KVCacheManager
+from pagedserve.workers.logprobs import prompt_logprob_positions
 from pagedserve.workers.request import Request
 
 
@@ -25,6 +27,8 @@ class Batch:
     metadata: AttentionMetadata
     logits_indices: torch.Tensor
     sampled: list[Request]  # sequences whose next token this step produces, in logits order
+    # After the sampled rows: (request, prompt positions) whose logits score the prompt.
+    prompt_rows: list[tuple[Request, range]] = field(default_factory=list)
 
 
 def build_batch(scheduled: dict[Request, int], kv: KVCacheManager, device: torch.device) -> Batch:
@@ -38,6 +42,8 @@ def build_batch(scheduled: dict[Request, int], kv: KVCacheManager, device: torch
     seq_lens: list[int] = []
     logits_indices: list[int] = []
     sampled: list[Request] = []
+    prompt_rows: list[tuple[Request, range]] = []
+    prompt_indices: list[int] = []
     for request, num_new in scheduled.items():
         start = request.num_computed_tokens
         end = start + num_new
@@ -51,6 +57,14 @@ def build_batch(scheduled: dict[Request, int], kv: KVCacheManager, device: torch
         if end == len(request.all_token_ids):
             logits_indices.append(starts[-1] - 1)
             sampled.append(request)
+        if request.wants_prompt_logprobs:
+            scored = prompt_logprob_positions(
+                start, num_new, request.prompt_len, len(request.prompt_logprobs)
+            )
+            if scored:
+                prompt_rows.append((request, scored))
+                first_row = starts[-2] + scored.start - start
+                prompt_indices.extend(range(first_row, first_row + len(scored)))
     width = max(len(table) for table in tables)
     padded = [table + [0] * (width - len(table)) for table in tables]
     metadata = AttentionMetadata(
@@ -64,6 +78,9 @@ def build_batch(scheduled: dict[Request, int], kv: KVCacheManager, device: torch
         input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
         positions=torch.tensor(positions, dtype=torch.int64, device=device),
         metadata=metadata,
-        logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+        logits_indices=torch.tensor(
+            logits_indices + prompt_indices, dtype=torch.int64, device=device
+        ),
         sampled=sampled,
+        prompt_rows=prompt_rows,
     )

@@ -24,6 +24,9 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
     parser.add_argument("-n", type=int, default=1, help="completions per prompt")
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    parser.add_argument(
+        "--chat", action="store_true", help="send each prompt as a user message (chat template)"
+    )
 
 
 # `--seed` is the sampling seed of `add_sampling_arguments`; `max_waiting` bounds a queue that
@@ -39,10 +42,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
 DEFAULT_PROMPTS = ["Paged attention stores the KV cache in blocks", "Hello, world"]
 
 
+def chat_turns(prompt: str) -> list[dict[str, str]]:
+    """A one-turn chat: `prompt` as the user's message."""
+    return [{"role": "user", "content": prompt}]
+
+
 def run(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from pagedserve import LLM, SamplingParams
+    from pagedserve.workers.tokenizer import render_chat
 
     try:
         params = SamplingParams(
@@ -57,12 +66,22 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"pagedserve generate: error: {error}", file=sys.stderr)
         return 2
-    outputs = llm.generate(args.prompts or DEFAULT_PROMPTS, params)
-    for output in outputs:
+    prompts = args.prompts or DEFAULT_PROMPTS
+    try:
+        inputs = (
+            [render_chat(llm.get_tokenizer(), chat_turns(p)) for p in prompts]
+            if args.chat
+            else prompts
+        )
+    except ValueError as error:
+        print(f"pagedserve generate: error: {error}", file=sys.stderr)
+        return 2
+    outputs = llm.generate(inputs, params)
+    for prompt, output in zip(prompts, outputs, strict=True):
         if args.json:
             print(json.dumps(asdict(output), default=str))
             continue
-        print(f"prompt: {output.prompt!r}")
+        print(f"prompt: {prompt!r}")
         if output.error:
             print(f"  error: {output.error}")
         for completion in output.outputs:

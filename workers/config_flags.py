@@ -45,16 +45,25 @@ def add_config_flags(
             continue
         flag = "--" + field.name.replace("_", "-")
         help_text = _help(helps.get(field.name, ""), _default_of(field))
-        kwargs: dict[str, Any] = {"dest": field.name, "default": None, "help": help_text}
         if scalar is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
+            parser.add_argument(
+                flag,
+                dest=field.name,
+                default=None,
+                help=help_text,
+                action=argparse.BooleanOptionalAction,
+            )
         else:
-            kwargs["type"] = _parser_for(scalar, field.name)
-            kwargs["metavar"] = field.name.upper()
-            if choices := field.metadata.get("choices"):
-                kwargs["choices"] = tuple(choices)
-                kwargs.pop("metavar")
-        parser.add_argument(flag, **kwargs)
+            choices = field.metadata.get("choices")
+            parser.add_argument(
+                flag,
+                dest=field.name,
+                default=None,
+                help=help_text,
+                type=_parser_for(scalar, field.name),
+                choices=tuple(choices) if choices else None,
+                metavar=None if choices else field.name.upper(),  # argparse shows the choices
+            )
         added.append(field.name)
     return added
 

@@ -30,11 +30,21 @@ from pagedserve.workers.errors import Overloaded, RequestRejected, RequestTooLar
 from pagedserve.workers.handoff import RequestHandoff, adopt_kv
 from pagedserve.workers.kv_cache import KVCache
 from pagedserve.workers.kv_cache_manager import KVCacheManager, KVUsage
+from pagedserve.workers.logprobs import (
+    raw_logits,
+    record_sample_logprobs,
+    take_prompt_logprobs,
+)
 from pagedserve.workers.model_loader import LoadedModel, load_model
 from pagedserve.workers.model_runner import ModelRunner
 from pagedserve.workers.outputs import RequestDelta
 from pagedserve.workers.request import Request, RequestGroup, RequestStatus
-from pagedserve.workers.sampler import Sampler, make_generator, suppress_stop_tokens
+from pagedserve.workers.sampler import (
+    Sampler,
+    apply_penalties,
+    make_generator,
+    suppress_stop_tokens,
+)
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedserve.workers.stop_checker import FinishReason, check_stop
@@ -159,7 +169,7 @@ class Engine:
         ]
         first, *others = branches
         first.pending_branches = others
-        first.movable = params.n == 1
+        first.movable = params.n == 1 and params.prompt_logprobs is None  # scored here
         self._groups[request_id] = RequestGroup(
             request_id, prompt_text, list(token_ids), branches, now, deadline
         )
@@ -311,6 +321,7 @@ class Engine:
         logits = self.runner.execute(
             batch.input_ids, batch.positions, batch.metadata, batch.logits_indices
         )
+        logits = take_prompt_logprobs(batch, logits, self.tokenizer)
         for request, num_new in plan.scheduled.items():
             request.num_computed_tokens += num_new
         rows = list(batch.sampled)
@@ -322,10 +333,15 @@ class Engine:
         if len(rows) > len(batch.sampled):
             logits = logits[torch.tensor(row_logits, device=logits.device)]
         params = [r.params for r in rows]
+        raw = raw_logits(logits, params)  # log-probabilities are of the model's own logits
         suppress_stop_tokens(
             logits, params, [r.num_output_tokens for r in rows], self.loaded.eos_token_ids
         )
+        apply_penalties(
+            logits, params, [r.all_token_ids for r in rows], [r.prompt_len for r in rows]
+        )
         tokens = self.sampler.sample(logits, params, [r.generator for r in rows]).tolist()
+        record_sample_logprobs(rows, raw, tokens, self.tokenizer)
         now = time.monotonic()
         for request, token in zip(rows, tokens, strict=True):
             self._append_token(request, token, now)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from pagedserve.kernels.backends import BACKENDS
 from pagedserve.workers.kv_cache_manager import ALLOCATION_MODES
+from pagedserve.workers.model_registry import DEFAULT_MODEL
 from pagedserve.workers.scheduling_policy import PREEMPTION_MODES, SchedulingPolicy
 
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024 * 1024
@@ -17,7 +18,8 @@ class EngineConfig:
     """Everything one worker's engine is built from.
 
     Attributes:
-        model: `tiny-llama` (None: the built-in model) or a local HF checkpoint directory.
+        model: a built-in name (`smollm2-135m`, the default, or `tiny-llama`), a local HF
+            checkpoint directory or a `.gguf` file (see `model_registry`); None: the default.
         dtype: weights and KV dtype: `float32`, `float16`, `bfloat16` (or `fp32`/`fp16`/
             `bf16`/`half`), or `auto` for the checkpoint's own.
         device: `cpu` or `cuda` (a worker on a GPU machine gets `cuda`).
@@ -48,7 +50,7 @@ class EngineConfig:
             many programs.
     """
 
-    model: str | None = None
+    model: str | None = DEFAULT_MODEL
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0

@@ -7,6 +7,10 @@ class RequestRejected(ValueError):
     """A request that can never be served as given (bad input or too large to ever fit)."""
 
 
+class NoChatTemplate(RequestRejected):
+    """A chat request for a model whose tokenizer has no chat template (INVALID_ARGUMENT)."""
+
+
 class RequestTooLarge(RequestRejected):
     """Valid, but prompt + max_tokens can never fit in this worker's KV pool."""
 
@@ -36,4 +40,11 @@ class HandedOff(Draining):
     (as opposed to a new request it refused): the router counts these as drain handoffs."""
 
 
-__all__ = ["Draining", "HandedOff", "Overloaded", "RequestRejected", "RequestTooLarge"]
+__all__ = [
+    "Draining",
+    "HandedOff",
+    "NoChatTemplate",
+    "Overloaded",
+    "RequestRejected",
+    "RequestTooLarge",
+]

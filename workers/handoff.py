@@ -38,6 +38,39 @@ class RequestHandoff:
     emitted_text_chars: int  # text already streamed to the client
     source_worker: str | None = None
 
+    @classmethod
+    def replay(
+        cls,
+        request_id: str,
+        prompt_token_ids: list[int],
+        output_token_ids: list[int],
+        emitted_text_chars: int,
+        params: SamplingParams,
+        *,
+        priority: int,
+        cache_extra_keys: tuple[str, ...],
+        block_size: int,
+        deadline_remaining_s: float | None,
+    ) -> RequestHandoff:
+        """A handoff without KV, for a sequence whose worker was lost: the adopting peer
+        recomputes its KV (or hits its prefix cache) and continues the output and its text
+        where the client's stream stopped (`emitted_text_chars` of it were streamed)."""
+        return cls(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            output_token_ids=list(output_token_ids),
+            num_computed_tokens=0,
+            params=params,
+            priority=priority,
+            cache_extra_keys=cache_extra_keys,
+            block_size=block_size,
+            packed_kv=None,
+            generator_state=None,
+            num_preemptions=0,
+            deadline_remaining_s=deadline_remaining_s,
+            emitted_text_chars=emitted_text_chars,
+        )
+
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids

@@ -147,10 +147,11 @@ class KVCacheManager:
         """The longest cached prefix of full blocks for a request that holds no blocks yet.
 
         At least one token is always left to compute, because the step must produce logits for
-        the request's next token.
+        the request's next token. A request that needs the logits of every prompt position
+        (``skip_prefix_cache``: prompt log-probabilities) gets no hit.
         """
         num_tokens = len(request.all_token_ids)
-        if not self.pool.enable_caching:
+        if not self.pool.enable_caching or getattr(request, "skip_prefix_cache", False):
             return NO_HIT
         B = self.block_size
         blocks: list[Block] = []

@@ -19,7 +19,8 @@ class LLM:
     """Generate offline with one engine in this process.
 
     Args:
-        model: None or "tiny-llama" for the built-in model, or a local checkpoint directory.
+        model: a built-in name ("smollm2-135m", the default when None; "tiny-llama" for fast
+            tests), a local checkpoint directory or a ".gguf" file.
         loaded_model: an already loaded model to reuse (tests share one across engines).
         **config: any `EngineConfig` field (block_size, num_kv_blocks, kv_cache_bytes,
             attention_backend, enable_prefix_caching, max_num_seqs, max_num_batched_tokens,

@@ -1,6 +1,8 @@
-"""Load the model a worker serves: the built-in ``tiny-llama`` or a local HF checkpoint.
+"""Load the model a worker serves: a built-in model, a local HF checkpoint or a GGUF file.
 
-Nothing here ever downloads: checkpoints are read with ``local_files_only=True``. The result is a
+``model_registry.resolve_model`` says what a name means (and converts GGUF files once into a
+cached checkpoint). Nothing here ever downloads: checkpoints are read with
+``local_files_only=True``. The result is a
 ``LoadedModel`` that carries the model, its tokenizer (if any) and the few architecture numbers
 the KV cache and the engine need, so nobody else has to dig through HF configs.
 """
@@ -13,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pagedserve.workers.model_registry import resolve_model
 from pagedserve.workers.tiny_llama import TINY_LLAMA_NAME, build_tiny_llama
 from pagedserve.workers.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
@@ -61,8 +64,9 @@ def load_model(
     """Load ``model`` onto ``device`` in eval mode.
 
     Args:
-        model: ``None`` or ``"tiny-llama"`` for the built-in model, or a local HF checkpoint
-            directory (Llama, Qwen2, Mistral and other decoders using HF's attention interface).
+        model: a built-in name (``smollm2-135m``, the default when ``None``; ``tiny-llama``), a
+            local HF checkpoint directory or a ``.gguf`` file (Llama, Qwen2, Mistral and other
+            decoders using HF's attention interface).
         dtype: ``float32``, ``float16``, ``bfloat16`` (or ``fp32``/``fp16``/``bf16``/``half``), or
             ``auto`` for the checkpoint's own dtype.
         device: where the weights go.
@@ -72,19 +76,20 @@ def load_model(
         The ``LoadedModel``.
 
     Raises:
-        ValueError: unknown dtype, or ``model`` is neither ``tiny-llama`` nor a directory, or the
-            directory holds no loadable checkpoint.
+        ValueError: unknown dtype, or ``model`` names nothing loadable (see ``resolve_model``),
+            or the directory holds no loadable checkpoint.
     """
     torch_dtype = _resolve_dtype(dtype)
     device = torch.device(device)
-    if model is None or model == TINY_LLAMA_NAME:
+    if model is not None and not isinstance(model, str | os.PathLike):
+        raise ValueError(f"model must be a name or a path, got {model!r}")
+    source = resolve_model(model)
+    if source.path is None:
         hf_model = build_tiny_llama(seed, torch_dtype or torch.float32)
         name, tokenizer = TINY_LLAMA_NAME, ByteTokenizer()
-    elif isinstance(model, str | os.PathLike) and os.path.isdir(model):
-        hf_model = _load_checkpoint(os.fspath(model), torch_dtype)
-        name, tokenizer = os.fspath(model), load_tokenizer(os.fspath(model))
     else:
-        raise ValueError(f"model {model!r} is neither {TINY_LLAMA_NAME!r} nor a local directory")
+        hf_model = _load_checkpoint(source.path, torch_dtype)
+        name, tokenizer = source.name, load_tokenizer(source.path)
     hf_model = hf_model.to(device).eval()
     return _describe(hf_model, tokenizer, name, device)
 

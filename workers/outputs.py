@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pagedserve.workers.handoff import RequestHandoff
+    from pagedserve.workers.logprobs import TokenLogprob
 
 
 @dataclass
@@ -83,6 +84,10 @@ class CompletionDelta:
     stop_reason: str | int | None = None
     usage: Usage | None = None
     metrics: RequestMetrics | None = None
+    # With `SamplingParams.logprobs`: one per token of `token_ids`. With `prompt_logprobs`: one
+    # per prompt token (the first None), on the branch's first delta only.
+    logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -114,6 +119,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    # One per token of `token_ids` when `SamplingParams.logprobs` asked for them.
+    logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -133,6 +140,8 @@ class RequestOutput:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     error: str | None = None
     handoff: RequestHandoff | None = None  # set when the request moved to a peer
+    # One per prompt token (the first None) when `SamplingParams.prompt_logprobs` asked.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class OutputBuilder:
@@ -146,6 +155,8 @@ class OutputBuilder:
         self._tokens: dict[int, list[int]] = {}
         self._texts: dict[int, list[str]] = {}
         self._ends: dict[int, CompletionDelta] = {}
+        self._logprobs: dict[int, list[TokenLogprob | None]] = {}
+        self._prompt_logprobs: list[TokenLogprob | None] | None = None
         self._metrics: RequestMetrics | None = None
         self._last: RequestDelta | None = None
 
@@ -155,6 +166,10 @@ class OutputBuilder:
             index = completion.index
             self._tokens.setdefault(index, []).extend(completion.token_ids)
             self._texts.setdefault(index, []).append(completion.text)
+            if completion.logprobs is not None:
+                self._logprobs.setdefault(index, []).extend(completion.logprobs)
+            if completion.prompt_logprobs is not None:
+                self._prompt_logprobs = completion.prompt_logprobs
             if completion.finished:
                 self._ends[index] = completion
                 # The last branch to finish saw the whole request's metrics (e2e set).
@@ -171,6 +186,7 @@ class OutputBuilder:
                 self._tokens[index],
                 None if (end := self._ends.get(index)) is None else end.finish_reason,
                 None if end is None else end.stop_reason,
+                self._logprobs.get(index),
             )
             for index in sorted(self._tokens)
         ]
@@ -184,4 +200,5 @@ class OutputBuilder:
             num_cached_tokens=0 if usage is None else usage.cached_tokens,
             metrics=self._metrics or RequestMetrics(),
             handoff=last.handoff,
+            prompt_logprobs=self._prompt_logprobs,
         )

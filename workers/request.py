@@ -8,13 +8,14 @@ A user request with `n > 1` becomes `n` sequences (branches) that share the prom
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
 import torch
 
 from pagedserve.workers.detokenizer import IncrementalDetokenizer
+from pagedserve.workers.logprobs import TokenLogprob, branch_logprobs, prompt_logprobs_of
 from pagedserve.workers.outputs import CompletionDelta, RequestDelta, RequestMetrics, Usage
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.stop_checker import FinishReason
@@ -81,6 +82,12 @@ class Request:
     num_reported_tokens: int = 0  # output tokens already reported
     unreported_text: str = ""  # final text produced since the last delta
     reported_finish: bool = False  # the branch's last delta went out
+    reported_any: bool = False  # a delta of this branch went out (prompt logprobs ride the first)
+    # Log-probabilities, when `params.logprobs` / `params.prompt_logprobs` ask for them: one per
+    # output token sampled here, and one per prompt token from the second on (collected by the
+    # branch that computes the prompt).
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -108,24 +115,49 @@ class Request:
         """It ended, and its last delta has not gone out yet."""
         return self.finish_reason is not None and not self.reported_finish
 
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt log-probabilities asked for and not all collected yet (by branch 0, which
+        computes the prompt; the other branches fork its blocks)."""
+        wanted = self.params.prompt_logprobs is not None and self.branch_index == 0
+        return wanted and len(self.prompt_logprobs) < self.prompt_len - 1
+
+    @property
+    def skip_prefix_cache(self) -> bool:
+        """A cached prompt position is never computed, so it would have no logits to score."""
+        return self.wants_prompt_logprobs
+
     def take_delta(
-        self, prompt_tokens: int, cached_tokens: int, metrics: RequestMetrics | None
+        self,
+        prompt_tokens: int,
+        cached_tokens: int,
+        metrics: RequestMetrics | None,
+        prompt_logprobs: list[TokenLogprob | None] | None = None,
     ) -> CompletionDelta | None:
         """The new tokens and text since the last delta (and, once, how the sequence ended),
-        now counted as reported; None when there is nothing to report."""
-        new_ids = self.all_token_ids[self.prompt_len + self.num_reported_tokens :]
+        now counted as reported; None when there is nothing to report. `prompt_logprobs` (the
+        request's, when asked for) ride on the branch's first delta."""
+        start = self.num_reported_tokens
+        new_ids = self.all_token_ids[self.prompt_len + start :]
         text, ends = self.unreported_text, self.ends_unreported
         if not new_ids and not text and not ends:
             return None
         self.num_reported_tokens += len(new_ids)
         self.unreported_text = ""
-        if not ends:
-            return CompletionDelta(self.branch_index, new_ids, text)
-        self.reported_finish = True
-        return CompletionDelta(
+        first = not self.reported_any
+        self.reported_any = True
+        news = CompletionDelta(
             self.branch_index,
             new_ids,
             text,
+            logprobs=branch_logprobs(self, start, self.num_reported_tokens),
+            prompt_logprobs=prompt_logprobs if first else None,
+        )
+        if not ends:
+            return news
+        self.reported_finish = True
+        return replace(
+            news,
             finish_reason=str(self.finish_reason),
             stop_reason=self.detokenizer.stopped_by if self.detokenizer else None,
             usage=Usage(prompt_tokens, self.num_output_tokens, cached_tokens),
@@ -156,10 +188,13 @@ class RequestGroup:
         metrics = self.metrics() if ending else None
         prompt_tokens = len(self.prompt_token_ids)
         cached = self.branches[0].num_cached_tokens
+        # Prompt log-probabilities go out once per branch, on its first delta.
+        unreported = any(not branch.reported_any for branch in self.branches)
+        scored = prompt_logprobs_of(self.branches[0]) if unreported else None
         completions = [
             delta
             for branch in self.branches
-            if (delta := branch.take_delta(prompt_tokens, cached, metrics)) is not None
+            if (delta := branch.take_delta(prompt_tokens, cached, metrics, scored)) is not None
         ]
         return RequestDelta(
             self.request_id,

@@ -20,11 +20,11 @@ import logging
 import time
 from typing import Any
 
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.stream import StreamDelta
-from pagedserve.workers.telemetry import NOOP, Tracing
+from pagedserve.workers.telemetry import NOOP, SpanAttributes, Tracing
 from pagedserve.workers.worker_types import RequestMoved
 
 logger = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class RequestTrace:
         self.tracing = tracing
         self.request_id = request_id
         self.start_ns = time.time_ns()
-        attrs: dict[str, Any] = {
+        attrs: SpanAttributes = {
             "pagedserve.request_id": request_id,
             "pagedserve.worker_id": worker_id,
         }
@@ -139,7 +139,16 @@ class RequestTrace:
             decode.add_event("preempted", {"pagedserve.preemption": i + 1})
         decode.end(finished)
 
-    def _phase(self, name, start: int, end: int, attrs: dict, parent=None, *, end_span=True):
+    def _phase(
+        self,
+        name: str,
+        start: int,
+        end: int,
+        attrs: SpanAttributes,
+        parent: Span | None = None,
+        *,
+        end_span: bool = True,
+    ) -> Span:
         span = self.tracing.start_span(name, parent or self.span, attrs, start)
         if end_span:
             span.end(max(start, end))
@@ -151,7 +160,7 @@ class RequestTrace:
         self.span.end()
 
 
-def request_attributes(params: SamplingParams) -> dict[str, Any]:
+def request_attributes(params: SamplingParams) -> SpanAttributes:
     """GenAI semantic-convention attributes of a request's sampling params."""
     return {
         "gen_ai.request.max_tokens": params.max_tokens,

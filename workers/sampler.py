@@ -11,6 +11,9 @@ among 32 others, and branch ``j`` of an ``n``-way request equal the request run 
   generator advances identically however the batch is composed;
 * the batched tensor ops used (softmax, sort, cumsum along the vocab) reduce within a row only.
 
+Before any of it, ``apply_penalties`` (presence, frequency, repetition, as vLLM defines them)
+changes the logits of the rows that ask for penalties, greedy rows included.
+
 Sampled row, per step::
 
     logits / temperature ──sort desc (stable)──► top-k: keep the first k
@@ -74,6 +77,50 @@ def suppress_stop_tokens(
         ids = [t for t in banned if t < vocab_size]
         if ids:
             logits[row, ids] = float("-inf")
+
+
+@torch.inference_mode()  # the runner's logits are inference tensors: in place only in here
+def apply_penalties(
+    logits: Tensor,
+    params: Sequence[SamplingParams],
+    token_ids: Sequence[Sequence[int]],
+    prompt_lens: Sequence[int],
+) -> None:
+    """Presence, frequency and repetition penalties, in place, as vLLM applies them.
+
+    For a row with penalties, with ``count[t]`` the occurrences of token ``t`` in its output::
+
+        if t in prompt or output:  logit[t] = logit[t] / rep if logit[t] > 0 else logit[t] * rep
+        logit[t] -= frequency_penalty * count[t] + presence_penalty * (count[t] > 0)
+
+    Rows without penalties are left untouched (and cost nothing). Call it after
+    ``suppress_stop_tokens`` and before ``Sampler.sample``.
+
+    Args:
+        logits: ``[S, V]`` float logits, modified in place.
+        params: one ``SamplingParams`` per row.
+        token_ids: each row's prompt followed by its output so far.
+        prompt_lens: how many of ``token_ids`` are the prompt, per row.
+    """
+    vocab_size = logits.shape[-1]
+    for row, p in enumerate(params):
+        if not p.has_penalties:
+            continue
+        ids = torch.tensor(token_ids[row], dtype=torch.int64, device=logits.device)
+        ids = ids[ids < vocab_size]  # out-of-vocab ids (never sampled) cannot be penalised
+        prompt_len = min(prompt_lens[row], ids.numel())
+        counts = torch.bincount(ids[prompt_len:], minlength=vocab_size).to(logits.dtype)
+        in_output = counts > 0
+        if p.repetition_penalty != 1:
+            seen = in_output.clone()
+            seen[ids[:prompt_len]] = True
+            penalised = torch.where(
+                logits[row] > 0,
+                logits[row] / p.repetition_penalty,
+                logits[row] * p.repetition_penalty,
+            )
+            logits[row] = torch.where(seen, penalised, logits[row])
+        logits[row] -= p.frequency_penalty * counts + p.presence_penalty * in_output
 
 
 class Sampler:

@@ -10,12 +10,22 @@ import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 MAX_N = 64
 
 # Temperatures this small would overflow ``logits / temperature``; they mean "greedy" anyway.
 GREEDY_TEMPERATURE = 1e-5
+# OpenAI's range for presence_penalty and frequency_penalty (vLLM checks the same).
+MAX_ABS_PENALTY = 2.0
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit (vLLM's default max_logprobs too)
+# Every stop string is matched against the held-back text after every token, and every stop
+# token id against the newest token: unbounded lists let one request slow its worker's steps
+# for everyone (5,000 stop strings cost ~4 ms a token of detokenizing; 64 of 256 characters
+# cost 0.08 ms).
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 512
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass
@@ -29,11 +39,22 @@ class SamplingParams:
         top_p: nucleus sampling; keep the smallest set of tokens whose mass is >= top_p.
         top_k: keep the k most likely tokens; 0 or -1 turns it off.
         seed: makes sampling reproducible; branch j of a seeded request uses ``seed + j``.
-        stop: strings that end generation when they appear in the output text.
-        stop_token_ids: token ids that end generation (like EOS, but never ignored).
+        stop: strings that end generation when they appear in the output text; at most 64,
+            each of 1..512 characters.
+        stop_token_ids: token ids that end generation (like EOS, but never ignored); at
+            most 1,024.
         ignore_eos: keep generating past EOS.
         min_tokens: no EOS or ``stop_token_ids`` stop before this many output tokens.
         include_stop_str_in_output: keep the matched stop string at the end of the text.
+        presence_penalty: subtracted from the logit of every token already in the output,
+            in [-2, 2] (as vLLM and OpenAI define it).
+        frequency_penalty: subtracted once per occurrence in the output, in [-2, 2].
+        repetition_penalty: tokens in the prompt or the output get their logit divided by it
+            when positive, multiplied by it when negative; > 0, 1 is off (vLLM, HF).
+        logprobs: report the log-probability of every generated token with this many most
+            likely alternatives (0..20); ``None``: none.
+        prompt_logprobs: the same for every prompt token but the first (what evaluation
+            harnesses score); ``None``: none. Such a request never reuses cached prefix blocks.
     """
 
     n: int = 1
@@ -47,6 +68,11 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.stop = _as_list("stop", self.stop)
@@ -82,17 +108,56 @@ class SamplingParams:
             _check_int("seed", self.seed)
         _check_bool("ignore_eos", self.ignore_eos)
         _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        self._validate_penalties()
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value)
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+
+    def _validate_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_float(name, value)
+            if not -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        _check_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
 
     def _validate_stops(self) -> None:
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(
+                f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed"
+            )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(
+                f"stop_token_ids has {len(self.stop_token_ids)} ids; "
+                f"at most {MAX_STOP_TOKEN_IDS} are allowed"
+            )
         for i, stop in enumerate(self.stop):
             if not isinstance(stop, str):
                 raise ValueError(f"stop[{i}] must be a str, got {stop!r}")
             if not stop:
                 raise ValueError(f"stop[{i}] must be a non-empty string")
+            if len(stop) > MAX_STOP_CHARS:
+                raise ValueError(
+                    f"stop[{i}] has {len(stop)} characters; at most {MAX_STOP_CHARS} are allowed"
+                )
         for i, token_id in enumerate(self.stop_token_ids):
             _check_int(f"stop_token_ids[{i}]", token_id)
             if token_id < 0:
                 raise ValueError(f"stop_token_ids[{i}] must be >= 0, got {token_id}")
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any penalty changes the logits (all off by default)."""
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
 
     @property
     def is_greedy(self) -> bool:
@@ -116,6 +181,30 @@ class SamplingParams:
             raise ValueError(f"index must be in [0, n={self.n}), got {index}")
         seed = None if self.seed is None else self.seed + index
         return dataclasses.replace(self, n=1, seed=seed)
+
+
+class SamplingKwargs(TypedDict, total=False):
+    """Keyword arguments of `SamplingParams`, as a front end gathers them from a request: a
+    key left out takes the field's default. `stop` and `stop_token_ids` may be one string, any
+    iterable or None, as `SamplingParams` normalises them (a test keeps the keys equal to the
+    dataclass's fields)."""
+
+    n: int
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: str | Iterable[str] | None
+    stop_token_ids: Iterable[int] | None
+    ignore_eos: bool
+    min_tokens: int
+    include_stop_str_in_output: bool
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logprobs: int | None
+    prompt_logprobs: int | None
 
 
 def _as_list(name: str, value: Any) -> list[Any]:

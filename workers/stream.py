@@ -7,6 +7,7 @@ import asyncio
 from collections import deque
 from dataclasses import dataclass
 
+from pagedserve.workers.logprobs import TokenLogprob
 from pagedserve.workers.outputs import RequestDelta, RequestMetrics, Usage
 from pagedserve.workers.stop_checker import FinishReason
 from pagedserve.workers.worker_types import RequestMoved
@@ -26,6 +27,10 @@ class StreamDelta:
     metrics: RequestMetrics | None = None
     worker_id: str | None = None
     error: str | None = None
+    # With SamplingParams.logprobs: one per token of `token_ids`. With prompt_logprobs: one per
+    # prompt token (the first None), on the branch's first delta.
+    logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def stream_deltas(
@@ -48,6 +53,8 @@ def stream_deltas(
             metrics=c.metrics,
             worker_id=worker_id or None,
             error=error if c.finished else None,
+            logprobs=c.logprobs,
+            prompt_logprobs=c.prompt_logprobs,
         )
         for c in delta.completions
     ]

@@ -21,11 +21,11 @@ no-op tracer: spans cost one object and record nothing.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
 from typing import Any
 
 from opentelemetry import trace
@@ -37,6 +37,15 @@ EXPORTERS = ("none", "otlp", "console", "file")
 ROUTER_SERVICE = "pagedserve-router"
 WORKER_SERVICE = "pagedserve-worker"
 _PROPAGATOR = TraceContextTextMapPropagator()
+
+# An OpenTelemetry attribute value: a primitive or a sequence of one type of them (what the
+# spec allows; the SDK drops anything else with a warning).
+AttributeValue = (
+    str | bool | int | float | Sequence[str] | Sequence[bool] | Sequence[int] | Sequence[float]
+)
+# Attributes as this code builds them for a span: a None value ("not known", e.g. an unset
+# seed) is left off the span, since OpenTelemetry has no null.
+SpanAttributes = dict[str, AttributeValue | None]
 
 
 @dataclass(frozen=True)
@@ -71,9 +80,6 @@ class TelemetryConfig:
             )
         if self.exporter == "file" and not self.trace_file:
             raise ValueError("telemetry.exporter 'file' needs telemetry.trace_file")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
     @classmethod
     def from_dict(
@@ -116,7 +122,7 @@ class Tracing:
         self,
         name: str,
         parent: Any = None,
-        attributes: dict[str, Any] | None = None,
+        attributes: SpanAttributes | None = None,
         start_ns: int | None = None,
         kind: trace.SpanKind = trace.SpanKind.INTERNAL,
     ) -> trace.Span:
@@ -204,54 +210,12 @@ def _exporter(config: TelemetryConfig) -> Any:
         from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
         return ConsoleSpanExporter()
+    from pagedserve.workers.trace_file import JsonlSpanExporter  # it imports this module
+
     return JsonlSpanExporter(config.trace_file)
 
 
-class JsonlSpanExporter:
-    """Appends one JSON object per span to a file (every process of a one-machine cluster may
-    share it: each batch is one `write` on a file opened for appending)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._lock = threading.Lock()
-
-    def export(self, spans) -> Any:
-        from opentelemetry.sdk.trace.export import SpanExportResult
-
-        lines = "".join(json.dumps(span_to_dict(s), default=str) + "\n" for s in spans)
-        with self._lock, open(self.path, "a", encoding="utf-8") as f:
-            f.write(lines)
-        return SpanExportResult.SUCCESS
-
-    def shutdown(self) -> None:
-        return None
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return True
-
-
-def span_to_dict(span: Any) -> dict[str, Any]:
-    """A finished SDK span as plain data (the trace file's line format)."""
-    ctx = span.get_span_context()
-    return {
-        "trace_id": f"{ctx.trace_id:032x}",
-        "span_id": f"{ctx.span_id:016x}",
-        "parent_id": f"{span.parent.span_id:016x}" if span.parent else None,
-        "name": span.name,
-        "service": span.resource.attributes.get("service.name"),
-        "worker_id": span.resource.attributes.get("pagedserve.worker_id"),
-        "start_ns": span.start_time,
-        "end_ns": span.end_time,
-        "attributes": dict(span.attributes or {}),
-        "events": [
-            {"name": e.name, "time_ns": e.timestamp, "attributes": dict(e.attributes or {})}
-            for e in span.events
-        ],
-        "status": span.status.status_code.name,
-    }
-
-
-def _clean(attributes: dict[str, Any] | None) -> dict[str, Any] | None:
+def _clean(attributes: SpanAttributes | None) -> dict[str, AttributeValue] | None:
     """Drop None values (OpenTelemetry rejects them)."""
     if not attributes:
         return None

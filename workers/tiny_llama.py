@@ -16,9 +16,10 @@ import os
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from pagedserve.workers.model_registry import TINY_LLAMA_NAME
 from pagedserve.workers.tokenizer import BYTE_TOKENIZER_MARKER, ByteTokenizer
 
-TINY_LLAMA_NAME = "tiny-llama"
+__all__ = ["TINY_LLAMA_NAME", "build_tiny_llama", "save_tiny_llama", "tiny_llama_config"]
 
 _HIDDEN = 256
 _INTERMEDIATE = 688

@@ -2,7 +2,9 @@
 
 ``ByteTokenizer`` goes with the built-in ``tiny-llama`` model and needs no files; ``HFTokenizer``
 wraps the tokenizer of a local HF checkpoint. Both satisfy the ``Tokenizer`` protocol, which is
-all the rest of the system relies on.
+all the rest of the system relies on. ``render_chat`` turns chat messages into a prompt with the
+model's chat template (tiny-llama has a plain built-in one; an HF tokenizer without a template
+makes a chat request fail with ``NoChatTemplate``).
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
+
+from pagedserve.workers.errors import NoChatTemplate
 
 logger = logging.getLogger(__name__)
 
@@ -20,6 +24,7 @@ logger = logging.getLogger(__name__)
 BYTE_TOKENIZER_MARKER = "pagedserve_tokenizer.json"
 
 _HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_CHAT_ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
 
 
 @runtime_checkable
@@ -73,6 +78,19 @@ class ByteTokenizer:
                 data.append(token_id)
         return data.decode("utf-8", errors="replace")
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text: its byte (U+FFFD when not valid UTF-8 alone), or a special's name."""
+        for name, special_id in self.special_tokens.items():
+            if token_id == special_id:
+                return name
+        return self.decode([token_id])
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
+        """tiny-llama's chat format: a ``<|role|>`` line before each turn, then
+        ``<|assistant|>`` (plain bytes: the model has no special tokens for them)."""
+        turns = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+        return turns + "<|assistant|>\n"
+
 
 class HFTokenizer:
     """A transformers tokenizer behind the ``Tokenizer`` protocol.
@@ -114,6 +132,29 @@ class HFTokenizer:
         """Text of ``token_ids`` with special tokens skipped."""
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text, decoded alone (special tokens by name; U+FFFD for part of a
+        character), as vLLM shows it beside a log-probability."""
+        return self._tokenizer.decode([int(token_id)], skip_special_tokens=False)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._tokenizer, "chat_template", None))
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
+        """The prompt text for ``messages`` by the model's own template, ending where the
+        assistant's reply starts.
+
+        Raises:
+            NoChatTemplate: the tokenizer has none.
+        """
+        if not self.has_chat_template:
+            raise NoChatTemplate("messages: this model has no chat template")
+        turns = [dict(m) for m in messages]
+        return self._tokenizer.apply_chat_template(
+            turns, tokenize=False, add_generation_prompt=True
+        )
+
 
 def _adds_bos(tokenizer: Any) -> bool:
     """Whether ``tokenizer`` puts ``bos`` first when asked to add its special tokens."""
@@ -124,18 +165,57 @@ def _adds_bos(tokenizer: Any) -> bool:
     return bool(with_special) and with_special[0] == bos
 
 
+def render_chat(tokenizer: Tokenizer | None, messages: Sequence[Mapping[str, str]]) -> str:
+    """The prompt text of a chat, by the model's chat template.
+
+    Args:
+        tokenizer: the model's tokenizer (``None``: the model has none).
+        messages: turns as ``{"role": ..., "content": ...}``; roles among system, user,
+            assistant, developer, tool.
+
+    Raises:
+        NoChatTemplate: the model has no tokenizer or its tokenizer no chat template.
+        RequestRejected: a message is malformed (named by its index).
+    """
+    from pagedserve.workers.errors import RequestRejected
+
+    if not messages:
+        raise RequestRejected("messages is empty: a chat needs at least one message")
+    for i, message in enumerate(messages):
+        if message.get("role") not in _CHAT_ROLES:
+            roles = ", ".join(sorted(_CHAT_ROLES))
+            raise RequestRejected(f"messages[{i}].role must be one of {roles}")
+        if not isinstance(message.get("content"), str):
+            raise RequestRejected(f"messages[{i}].content must be a string")
+    apply = getattr(tokenizer, "apply_chat_template", None)
+    if apply is None or not getattr(tokenizer, "has_chat_template", True):
+        raise NoChatTemplate(
+            "messages: this model has no chat template; send a plain prompt instead "
+            "(/v1/completions, or `prompt` over gRPC)"
+        )
+    return apply(messages)
+
+
 def load_tokenizer(path: str) -> Tokenizer | None:
-    """The tokenizer for a model name or local checkpoint directory, or ``None`` if it has none.
+    """The tokenizer for a model name, checkpoint directory or GGUF file, or ``None``.
 
     ``"tiny-llama"`` and directories written by ``save_tiny_llama`` give a ``ByteTokenizer``;
-    other directories with tokenizer files give an ``HFTokenizer`` (``local_files_only``; nothing
-    is ever downloaded). A tokenizer that fails to load is logged and treated as absent, since
-    token-id prompts still work without one.
+    built-in GGUF models and ``.gguf`` files give their converted checkpoint's tokenizer
+    (converting on first use); other directories with tokenizer files give an ``HFTokenizer``
+    (``local_files_only``; nothing is ever downloaded). A tokenizer that fails to load is logged
+    and treated as absent, since token-id prompts still work without one.
     """
-    from pagedserve.workers.tiny_llama import TINY_LLAMA_NAME
+    from pagedserve.workers.model_registry import (
+        BUILTIN_GGUF,
+        TINY_LLAMA_NAME,
+        is_gguf_file,
+        resolve_model,
+    )
 
     if path == TINY_LLAMA_NAME:
         return ByteTokenizer()
+    if path in BUILTIN_GGUF or is_gguf_file(path):
+        path = resolve_model(path).path
     if not os.path.isdir(path):
         return None
     marker = os.path.join(path, BYTE_TOKENIZER_MARKER)

@@ -7,7 +7,6 @@ without Ray): it joins the prefix index, streams deltas and serves the migration
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -41,6 +40,8 @@ __all__ = ["Worker", "WorkerCore"]
 # pauses the request. (Ray's default, -1, lets a generator run ahead of its reader without
 # bound.) A generator held there is also closed by Ray when its caller dies.
 STREAM_BACKPRESSURE_OBJECTS = 8
+# Deadline of each call to the prefix index (register, publish): it must never hang a worker.
+INDEX_CALL_TIMEOUT_S = 30.0
 
 
 class Worker:
@@ -97,21 +98,31 @@ class Worker:
         """An index that restarted empty answers `needs_resync` without resyncing (it lost our
         handle): register again so that it pulls our snapshot."""
         try:
-            result = await ref
-        except Exception:
+            result = await asyncio.wait_for(ref, INDEX_CALL_TIMEOUT_S)
+        except Exception:  # lost, failed or past its deadline: the index may have lost us
             logger.warning("the prefix index did not take a KV event batch; registering again")
             result = None
         if result is None or (result.needs_resync and not result.resynced):
-            me = ray.get_runtime_context().current_actor
-            with contextlib.suppress(Exception):
-                await self._index.register_worker.remote(worker_id, me)
+            await self._register()
+
+    async def _register(self) -> bool:
+        """Join the index (it resyncs from our snapshot), within a deadline: an index that
+        is down or stuck must not hang the worker; a later publish registers again."""
+        me = ray.get_runtime_context().current_actor
+        try:
+            await asyncio.wait_for(
+                self._index.register_worker.remote(self.core.worker_id, me), INDEX_CALL_TIMEOUT_S
+            )
+        except Exception as error:
+            logger.warning("could not register with the prefix index (%r); serving on", error)
+            return False
+        return True
 
     async def ready(self) -> WorkerInfo:
         """Start the step loop and join the index (which resyncs from our snapshot)."""
         self.core.start()
         if self._index is not None:
-            me = ray.get_runtime_context().current_actor
-            await self._index.register_worker.remote(self.core.worker_id, me)
+            await self._register()
         return self.describe()
 
     def describe(self) -> WorkerInfo:
@@ -174,6 +185,12 @@ class Worker:
 
     async def check_pool(self) -> PoolCheck:
         return self.core.check_pool()
+
+    async def chaos_refuse_next(self, count: int) -> None:
+        self.core.chaos_refuse_next(count)
+
+    async def chaos_stall(self, stalled: bool) -> None:
+        self.core.chaos_stall(stalled)
 
     async def chaos_drop_next_event_batch(self) -> None:
         self.core.chaos_drop_next_event_batch()

@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -30,7 +31,7 @@ from typing import Any, TypeVar
 
 from pagedserve.workers.block import BlockKey
 from pagedserve.workers.engine import Engine
-from pagedserve.workers.errors import Draining, HandedOff
+from pagedserve.workers.errors import Draining, HandedOff, Overloaded
 from pagedserve.workers.handoff import RequestHandoff
 from pagedserve.workers.kv_cache_manager import PrefixTransfer
 from pagedserve.workers.kv_checks import KVInvariantError, assert_no_leaks, check_invariants
@@ -101,6 +102,13 @@ class WorkerCore:
         self._drop_next_batch = False
         self.num_event_batches_dropped = 0
         self.draining = False  # set by `drain`: nothing new is admitted
+        # When the engine last made progress (a step ended, or the loop took up work after
+        # waiting for some): how the router tells a stalled worker from a busy one.
+        self._progress_at = time.monotonic()
+        self._waiting_for_work = False
+        self._unstalled = threading.Event()  # cleared by `chaos_stall`: steps block
+        self._unstalled.set()
+        self._refuse_next = 0  # set by `chaos_refuse_next`: new streams refused as Overloaded
 
     # ------------------------------------------------------------ the loop
     def start(self) -> None:
@@ -132,23 +140,38 @@ class WorkerCore:
         while True:
             if not self.engine.has_runnable_requests():  # idle, or every request paused
                 self._wakeup.clear()
+                self._waiting_for_work = True
                 await self._wakeup.wait()
+                self._waiting_for_work = False
+                self._progress_at = time.monotonic()
                 continue
             self._stepping = True
             prefilling, start_ns = self.traces.before_step(self.engine.scheduler), time.time_ns()
             failure = None
             try:
-                deltas = await asyncio.to_thread(self.engine.step)
+                deltas = await asyncio.to_thread(self._step)
                 self.traces.after_step(prefilling, start_ns)
             except Exception as error:
                 logger.exception("engine step failed; ending every request in flight")
                 deltas, failure = self._fail_all(), f"engine step failed: {error}"
             finally:
                 self._stepping = False
+                self._progress_at = time.monotonic()
                 self._run_pending()
             for delta in deltas:
                 self._dispatch(delta, failure)
             self._publish_events()
+
+    def _step(self) -> list[RequestDelta]:
+        self._unstalled.wait()  # only `chaos_stall` ever makes this wait
+        return self.engine.step()
+
+    def seconds_without_progress(self) -> float:
+        """How long the engine has had runnable work and taken no step: 0 when it is idle or
+        every request is paused (nothing to do is not a stall)."""
+        if self._waiting_for_work or not self.engine.has_runnable_requests():
+            return 0.0
+        return time.monotonic() - self._progress_at
 
     def _fail_all(self) -> list[RequestDelta]:
         """A failed step must not leave streams hanging: end them all (finish reason `error`),
@@ -266,6 +289,9 @@ class WorkerCore:
         self.start()
         if self.draining:
             raise Draining(f"worker {self.worker_id} is draining", retry_after_s=0.0)
+        if self._refuse_next:
+            self._refuse_next -= 1
+            raise Overloaded(f"worker {self.worker_id} refused on purpose (chaos)")
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already streaming on this worker")
         buffer = DeltaBuffer(self.max_buffered_deltas)
@@ -360,6 +386,7 @@ class WorkerCore:
             draining=self.draining,
             lease_expired=self.leases.num_expired,
             lease_owners=self.leases.num_owners,
+            seconds_without_progress=self.seconds_without_progress(),
             scheduler=dataclasses.replace(self.engine.scheduler.counters),
             **engine,
         )
@@ -375,6 +402,19 @@ class WorkerCore:
         except KVInvariantError as error:
             return PoolCheck(ok=False, idle=idle, error=str(error))
         return PoolCheck(ok=True, idle=idle)
+
+    def chaos_stall(self, stalled: bool) -> None:
+        """Hang every engine step from the next one on (True) until released (False): a
+        worker alive and answering, whose requests make no progress (stall tests)."""
+        if stalled:
+            self._unstalled.clear()
+        else:
+            self._unstalled.set()
+
+    def chaos_refuse_next(self, count: int) -> None:
+        """Refuse the next `count` streams (new or adopted) with `Overloaded`, as a full
+        waiting queue would (retry tests)."""
+        self._refuse_next = count
 
     def chaos_drop_next_event_batch(self) -> None:
         """Lose the next KV event batch on purpose (soak and resync tests)."""

@@ -58,6 +58,7 @@ class WorkerStats:
     event_batches_dropped: int = 0
     lease_expired: int = 0
     lease_owners: int = 0
+    seconds_without_progress: float = 0.0  # runnable work, and no engine step for this long
     draining: bool = False
     kv_cache_device_bytes: int = 0
     kv_cache_swap_bytes: int = 0

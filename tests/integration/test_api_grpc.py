@@ -22,8 +22,10 @@ from support.api_app import (
     wait_until,
 )
 
+from pagedserve.bench.grpc_burst import run_burst
 from pagedserve.cli import main as cli_main
 from pagedserve.cluster.client import AsyncClient, Client
+from pagedserve.cluster.grpc_backlog import pending_backlog_options, serve_grpc_server_options
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
 from pagedserve.workers.tokenizer import ByteTokenizer
 
@@ -359,6 +361,26 @@ def test_cli_generate_streams_and_status_prints_a_table(app, capsys):
 
     assert cli_main(["status", "--address", app.grpc_address, "--token", "wrong"]) == 1
     assert "UNAUTHENTICATED" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------- burst
+BURST = 1_200  # past gRPC's default pending-call limit (1,000), which dropped calls unnamed
+
+
+def test_a_burst_ends_every_call_served_or_refused_with_a_retry_hint(app, client):
+    # The proxy's gRPC server was built with our pending-call limit (its setup hook ran before
+    # Serve built the server), so gRPC core drops none of a burst below that limit.
+    node = ray.get_runtime_context().get_node_id()
+    proxy = ray.get_actor(f"SERVE_PROXY_ACTOR-{node}", namespace="serve")
+    options = dict(ray.get(proxy.__ray_call__.remote(lambda _: serve_grpc_server_options())))
+    limit = app.config.max_pending_grpc_calls
+    assert options.items() >= dict(pending_backlog_options(limit)).items()
+
+    outcomes = asyncio.run(run_burst(app.grpc_address, BURST, max_tokens=1, metadata=AUTH))
+    assert [o for o in outcomes if not o.expected] == []
+    codes = {o.code for o in outcomes}
+    assert codes <= {"OK", "RESOURCE_EXHAUSTED"} and "OK" in codes
+    wait_until(lambda: used_blocks(client) == 0, 30, "every block to be free")
 
 
 # ------------------------------------------------------ last: workers gone

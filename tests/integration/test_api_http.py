@@ -9,11 +9,13 @@ import threading
 import openai
 import pytest
 import requests
-from support.api_app import CONTEXT, POOL_TOKENS, VOCAB, assert_app_clean, running_app
+from support.api_app import CONTEXT, POOL_TOKENS, VOCAB, assert_app_clean, running_app, wait_until
 
 from pagedserve.cluster.client import Client
 
 TOKEN = "http-test-token"
+OTHER_TENANT = "another-tenant-token"
+TEAM = ("team-token-1", "team-token-2")  # two tokens of one cache group
 MODEL = "tiny-llama"
 HEADERS = {"authorization": f"Bearer {TOKEN}"}
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
@@ -22,7 +24,8 @@ LONG = 900  # tokens: several seconds of decoding on a CPU, yet it fits the pool
 
 @pytest.fixture(scope="module")
 def app():
-    with running_app("api-http", auth={"tokens": [TOKEN]}) as running:
+    tokens = [TOKEN, OTHER_TENANT, *(f"{token} team" for token in TEAM)]
+    with running_app("api-http", auth={"tokens": tokens}) as running:
         yield running
 
 
@@ -35,6 +38,24 @@ def oai(app) -> openai.OpenAI:
 def grpc_client(app):
     with Client(app.grpc_address, token=TOKEN, timeout=30) as client:
         yield client
+
+
+def cached_tokens(app, token: str, prompt: list[int]) -> int:
+    """Send `prompt` as the tenant of `token`; the prompt tokens its worker found cached."""
+    client = openai.OpenAI(base_url=f"{app.http_url}/v1", api_key=token, max_retries=0, timeout=60)
+    completion = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, **GREEDY)
+    return completion.usage.prompt_tokens_details.cached_tokens
+
+
+def wait_indexed(grpc_client: Client, entries_before: int, blocks: int) -> int:
+    """Until the prefix index holds `blocks` more entries (the last request's KV events
+    arrived), so the next request is routed by them. Returns the new count."""
+
+    def indexed() -> int | None:
+        entries = grpc_client.stats().index.entries
+        return entries if entries >= entries_before + blocks else None
+
+    return wait_until(indexed, 120, f"{blocks} new prefix index entries")
 
 
 # ------------------------------------------------------ the openai client
@@ -250,3 +271,20 @@ def test_client_disconnect_mid_stream_frees_the_blocks(app, grpc_client):
     # And it did not run on to its end unread: that takes LONG steps of its worker.
     after = {w.worker_id: w.num_steps for w in grpc_client.stats().workers}
     assert max(after[w] - steps[w] for w in after) < LONG, (steps, after)
+
+
+# --------------------------------------------------------------- tenants
+def test_tenants_never_hit_each_others_prefix_cache(app, grpc_client):
+    """With auth on, a prompt one token sent is cached for that token only (no cross-tenant
+    hit, so no timing side channel); tokens of one cache group share their cache."""
+    full_blocks = 8
+    prompt = [(7 * i + 3) % 250 for i in range(full_blocks * 8 + 1)]  # block_size 8
+    entries = grpc_client.stats().index.entries
+    assert cached_tokens(app, TOKEN, prompt) == 0
+    entries = wait_indexed(grpc_client, entries, full_blocks)
+    assert cached_tokens(app, TOKEN, prompt) == full_blocks * 8, "a tenant hits its own cache"
+    assert cached_tokens(app, OTHER_TENANT, prompt) == 0, "another tenant must not hit it"
+    assert cached_tokens(app, TEAM[0], prompt) == 0
+    wait_indexed(grpc_client, entries, 2 * full_blocks)  # the other tenant's and the team's
+    assert cached_tokens(app, TEAM[1], prompt) == full_blocks * 8, "a cache group shares"
+    assert cached_tokens(app, OTHER_TENANT, prompt) == full_blocks * 8

@@ -168,6 +168,7 @@ def _check_records(records, num_requests):
 def test_bench_serve_through_grpc_keeps_the_refused_request(no_ray, tmp_path, lengths_file):
     out = tmp_path / "serve"
     argv = ["bench", "serve", "--start-local", "--num-workers", "1", "--no-progress"]
+    argv += ["--model", "tiny-llama"]
     argv += ["--workload", "file", "--length-file", lengths_file, "--num-requests", "6"]
     argv += ["--request-rate", "30", "--slo-ttft-ms", "10000", "--poll-interval", "0.05"]
     argv += ["--json", f"{out}.json", "--markdown", f"{out}.md", "--plot-prefix", str(out)]

@@ -25,6 +25,7 @@ from pagedserve.cluster.api_config import split_app_args
 from pagedserve.cluster.client import Client
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.worker_group import stop_worker_group
+from pagedserve.workers.model_cli import prepare_in_subprocess
 
 MAX_TOKENS = 8
 
@@ -62,6 +63,9 @@ def test_cpu_demo_serve_config_streams_tokens_over_grpc(cpu_demo_config):
     config["http_options"].update(host="127.0.0.1", port=http_port)
     config["grpc_options"]["port"] = grpc_port
     cluster_args, _ = split_app_args(app["args"])
+    # The CPU image converts its model at build time (deploy/Dockerfile.cpu): here too, before
+    # the deploy, so that a fresh cache's 30 s conversion does not count against the wait.
+    prepare_in_subprocess(cluster_args["engine"]["model"])
 
     if ray.is_initialized():
         ray.shutdown()

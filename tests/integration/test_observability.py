@@ -241,6 +241,7 @@ def test_a_moved_request_traces_its_migration(app, receiver):
     in this process here, on the app's Ray, so that the test can steer routing)."""
     telemetry = TelemetryConfig(exporter="otlp", endpoint=receiver.endpoint, export_delay_ms=100)
     engine = {"block_size": 8, "num_kv_blocks": 20, "attention_backend": "torch"}
+    engine["model"] = "tiny-llama"
     engine.update(preemption_mode="move", watermark=0.0, enable_prefix_caching=False)
     config = ClusterConfig.from_dict(
         {"engine": engine, "num_workers": 2, "name": "obs-move", "worker_num_cpus": 0.25}

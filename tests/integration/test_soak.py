@@ -26,6 +26,7 @@ def test_soak_with_chaos(ray_cluster):
         max_waiting_per_worker=16,
         max_inflight=24,
         retry_after_s=0.5,
+        stall_timeout_s=5.0,  # the stall fault lasts until the router judged it
     )
 
     async def main():
@@ -51,5 +52,7 @@ def test_soak_with_chaos(ray_cluster):
     assert statuses.get("hung", 0) == 0
     assert statuses["finished"] > 200 and statuses["rejected"] > 0 and statuses["cancelled"] > 0
     assert statuses.get("refused", 0) > 0  # the burst met backpressure
-    assert set(report.faults) == {"kill", "drop_events", "burst"}
+    assert set(report.faults) == {"kill", "stall", "drop_events", "burst"}
+    assert report.faults["stall"]["judged_stalled"] and router.workers_stalled >= 1
+    assert len({o.request.tenant for o in report.outcomes}) == SPEC.num_tenants
     assert router.moves > 0  # the small pool preempted by moving to the peer

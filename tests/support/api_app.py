@@ -65,15 +65,16 @@ def running_app(name: str, **args: Any) -> Iterator[RunningApp]:
     ray.init(address="local", num_cpus=4, include_dashboard=False)
     defaults = {"engine": ENGINE, "num_workers": 2, "name": name, "stats_interval_s": 0.1}
     app_args = {**defaults, **args}
+    # The default model is the real (slower) SmolLM2: tests name tiny-llama unless they say.
+    app_args["engine"] = {"model": "tiny-llama", **app_args["engine"]}
     config = ClusterConfig.from_dict(split_app_args(app_args)[0])
     app = RunningApp(name, free_port(), free_port(), config)
+    env_vars = proxy_env_vars("127.0.0.1", config.max_request_bytes, config.max_pending_grpc_calls)
     try:
         serve.start(
             http_options={"host": "127.0.0.1", "port": app.http_port},
             grpc_options=grpc_options(app.grpc_port),
-            controller_options={
-                "runtime_env": {"env_vars": proxy_env_vars("127.0.0.1", config.max_request_bytes)}
-            },
+            controller_options={"runtime_env": {"env_vars": env_vars}},
         )
         serve.run(build_app(app_args), name=name, route_prefix="/")
         WATCH.watch_serve_app(config, name)

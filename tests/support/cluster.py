@@ -19,12 +19,14 @@ from pagedserve.workers.telemetry import NOOP, TelemetryConfig, Tracing
 from support.leaks import DEADLINE_S, cluster_problems, in_process_router
 
 WORKER_RESOURCE = "pagedserve_test_worker"
+TEST_MODEL = "tiny-llama"
 
 
 def cluster_config(
     name: str, num_workers: int = 2, engine: dict | None = None, **overrides
 ) -> ClusterConfig:
     engine_options = {
+        "model": TEST_MODEL,  # explicit: the default model is the real (slower) SmolLM2
         "block_size": 8,
         "num_kv_blocks": 192,
         "attention_backend": "torch",

@@ -56,7 +56,7 @@ def build_qwen2_checkpoint(path) -> None:
     model.save_pretrained(path)
 
 
-def load(model: str | None) -> LoadedModel:
+def load(model: str) -> LoadedModel:
     return load_model(model)
 
 

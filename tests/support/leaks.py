@@ -265,9 +265,10 @@ class LeakWatch:
 
     # ------------------------------------------------------------------ tests
     def begin_test(self, nodeid: str) -> None:
+        """(Problems already found, at a stop in a module fixture's setup, are kept: this
+        test's end reports them.)"""
         self._test = nodeid
         self.engines = []
-        self.problems = []
 
     def end_test(self, passed: bool) -> list[str]:
         """Check what the test leaves behind; the problems to report (none if it failed)."""
@@ -299,8 +300,7 @@ class LeakWatch:
         return problems
 
     def _covered(self, kind: str) -> None:
-        if self._test is not None:
-            self.covered[kind].add(self._test)
+        self.covered[kind].add(self._test or "a module fixture")
 
 
 def _router_problems(view: RouterView) -> list[str]:

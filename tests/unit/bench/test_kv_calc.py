@@ -336,3 +336,14 @@ def test_console_script(tmp_path: Path) -> None:
     )
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.strip() == f"{ERROR_PREFIX} length 600 exceeds --max-len 512"
+
+
+def test_builtin_model_by_name(smollm2_tokenizer, capsys):
+    """`--model smollm2-135m` reads the converted checkpoint's config (the fixture converted it)."""
+    code, out, _ = run_cli(
+        ["kv-calc", "--model", "smollm2-135m", "--lengths", "100", "--json"], capsys
+    )
+    assert code == 0
+    model = json.loads(out)["model"]
+    assert (model["num_layers"], model["num_kv_heads"], model["head_dim"]) == (30, 3, 64)
+    assert model["dtype"] == "float32"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 from ray.exceptions import ActorDiedError, RayTaskError
 
@@ -15,9 +17,10 @@ from pagedserve.cluster.api_errors import (
     field_of,
 )
 from pagedserve.cluster.app import build_app
-from pagedserve.cluster.auth import TokenAuth, read_tokens_file
-from pagedserve.cluster.router_types import NoWorkerAvailable
+from pagedserve.cluster.auth import Caller, TokenAuth, read_tokens_file
+from pagedserve.cluster.router_types import GenerateRequest, NoWorkerAvailable
 from pagedserve.workers.errors import Overloaded, RequestRejected, RequestTooLarge
+from pagedserve.workers.sampling_params import SamplingParams
 
 
 # ------------------------------------------------------------------ mapping
@@ -102,8 +105,43 @@ def test_too_large_stays_400_without_a_hint():
 def test_auth_off_lets_everything_through():
     auth = TokenAuth()
     assert not auth.enabled
-    auth.check(None)
-    auth.check_metadata([])
+    assert auth.check(None) == auth.check_metadata([]) == Caller("", "")
+
+
+def test_each_token_is_a_tenant_with_a_cache_of_its_own():
+    auth = TokenAuth(["alpha", "beta", "gamma team-1", "delta team-1"])
+    alpha, beta, gamma, delta = (
+        auth.check(f"Bearer {t}") for t in ("alpha", "beta", "gamma", "delta")
+    )
+    # The tenant is a digest prefix, never the token.
+    assert alpha.tenant == hashlib.sha256(b"alpha").hexdigest()[:16]
+    assert alpha.cache_scope == f"tenant:{alpha.tenant}" != beta.cache_scope
+    # Tokens of one cache group share a cache, yet stay tenants of their own (request ids).
+    assert gamma.cache_scope == delta.cache_scope == "group:team-1"
+    assert gamma.tenant != delta.tenant
+    shared = TokenAuth(["alpha", "beta"], isolate_caches=False)
+    assert shared.check("Bearer alpha").cache_scope == shared.check("Bearer beta").cache_scope == ""
+
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [("a b c", "3 fields"), ("tok grp/1", "cache group 'grp/1'"), ("tok " + "g" * 65, "1-64")],
+)
+def test_bad_token_entries_are_named(entry, message):
+    with pytest.raises(ValueError, match=message):
+        TokenAuth(["fine", entry])
+
+
+def test_the_prefix_salt_is_the_scope_then_the_clients_salt():
+    params = SamplingParams()
+    assert GenerateRequest(params).prefix_salt is None
+    assert GenerateRequest(params, cache_salt="x").prefix_salt == "x"
+    assert GenerateRequest(params, cache_scope="tenant:ab").prefix_salt == "tenant:ab"
+    scoped = GenerateRequest(params, cache_salt="x", cache_scope="tenant:ab")
+    assert scoped.prefix_salt == "tenant:ab/x"
+    # A client's salt cannot name another scope: its own always comes first.
+    other = GenerateRequest(params, cache_salt="tenant:cd", cache_scope="tenant:ab")
+    assert other.prefix_salt != "tenant:cd"
 
 
 @pytest.mark.parametrize("header", ["Bearer s3cret", "bearer s3cret", "Bearer   s3cret  "])
@@ -131,11 +169,13 @@ def test_grpc_metadata_is_read_case_insensitively():
 
 def test_tokens_file(tmp_path):
     path = tmp_path / "tokens"
-    path.write_text("# team tokens\n\nalpha\n  beta  \n", encoding="utf-8")
-    assert read_tokens_file(str(path)) == ["alpha", "beta"]
-    auth = TokenAuth.from_config(AuthConfig(tokens=("gamma",), tokens_file=str(path)))
-    for token in ("alpha", "beta", "gamma"):
-        auth.check(f"Bearer {token}")
+    path.write_text("# team tokens\n\nalpha\n  beta  team-2\n", encoding="utf-8")
+    assert read_tokens_file(str(path)) == ["alpha", "beta  team-2"]
+    auth = TokenAuth.from_config(AuthConfig(tokens=("gamma team-2",), tokens_file=str(path)))
+    scopes = {
+        token: auth.check(f"Bearer {token}").cache_scope for token in ("alpha", "beta", "gamma")
+    }
+    assert scopes["beta"] == scopes["gamma"] == "group:team-2" != scopes["alpha"]
     (tmp_path / "empty").write_text("# nothing\n", encoding="utf-8")
     with pytest.raises(ValueError, match="holds no token"):
         read_tokens_file(str(tmp_path / "empty"))
@@ -150,7 +190,6 @@ def test_split_app_args_takes_the_api_keys_out():
     )
     assert cluster == {"num_workers": 3}
     assert api == ApiConfig(auth=AuthConfig(tokens=("t",)), served_model_name="tiny")
-    assert ApiConfig.from_dict(api.to_dict()) == api
     assert split_app_args(None) == ({}, ApiConfig())
 
 

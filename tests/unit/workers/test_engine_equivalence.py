@@ -81,6 +81,30 @@ def test_forced_preemption_keeps_outputs(tiny_llama, mode):
     finish_clean(llm)
 
 
+def test_a_swap_in_lands_in_a_step_that_schedules_nothing(tiny_llama):
+    """Regression: the only other request finishes, the victim is swapped back in, and that
+    step schedules nothing; its swap-in copies used to be skipped with the forward, so the
+    next step read blocks that were never filled."""
+    loaded, reference = tiny_llama
+    prompts = [
+        list(b"Log-probabilities score every token of a text, prompt included."),
+        list(b"Another prompt that competes for the same small pool of blocks."),
+    ]
+    llm = LLM(
+        loaded_model=loaded,
+        block_size=8,
+        num_kv_blocks=20,
+        attention_backend="torch",
+        max_num_batched_tokens=16,
+        preemption_mode="swap",
+        watermark=0.0,
+    )
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    assert [o.metrics.num_preemptions for o in outputs] == [0, 1]
+    assert_matches_reference(outputs, prompts, reference, max_tokens=40)
+    finish_clean(llm)
+
+
 def test_n_branches_greedy_all_equal_single(tiny_llama):
     loaded, reference = tiny_llama
     prompt = make_prompts(loaded.vocab_size, 1, seed=5)[0]
@@ -147,7 +171,7 @@ def test_local_checkpoint_directory_with_text_prompts(tmp_path):
 
     save_tiny_llama(str(tmp_path / "tiny"), seed=0)
     from_dir = LLM(str(tmp_path / "tiny"), num_kv_blocks=64, attention_backend="torch")
-    builtin = LLM(None, num_kv_blocks=64, attention_backend="torch")
+    builtin = LLM("tiny-llama", num_kv_blocks=64, attention_backend="torch")
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     a = from_dir.generate(["Paged attention"], params)[0].outputs[0]
     b = builtin.generate(["Paged attention"], params)[0].outputs[0]

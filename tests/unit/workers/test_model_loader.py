@@ -38,7 +38,7 @@ def test_tiny_llama_weights_depend_on_the_seed_only() -> None:
 
 
 def test_tiny_llama_description() -> None:
-    loaded = load_model()
+    loaded = load_model(TINY_LLAMA_NAME)
     assert loaded.name == TINY_LLAMA_NAME
     assert isinstance(loaded.tokenizer, ByteTokenizer)
     assert (loaded.num_layers, loaded.num_heads, loaded.num_kv_heads, loaded.head_dim) == (
@@ -57,7 +57,7 @@ def test_tiny_llama_description() -> None:
 
 
 def test_tiny_llama_greedy_output_is_not_degenerate() -> None:
-    model = load_model().model
+    model = load_model(TINY_LLAMA_NAME).model
     prompt = torch.tensor([ByteTokenizer().encode("Hello, world", add_bos=True)])
     out = model.generate(prompt, max_new_tokens=32, do_sample=False, eos_token_id=None)
     generated = out[0, prompt.shape[1] :].tolist()
@@ -120,7 +120,7 @@ def test_mistral_context_is_capped_by_its_sliding_window(tmp_path) -> None:
 
 @pytest.mark.parametrize("name", ["no-such-model", "tiny_llama", "meta-llama/Llama-3-8B"])
 def test_unknown_model_names_are_rejected(name: str) -> None:
-    with pytest.raises(ValueError, match=f"model '{name}' is neither 'tiny-llama' nor a local"):
+    with pytest.raises(ValueError, match=f"model '{name}' is not a built-in model"):
         load_model(name)
 
 
@@ -132,7 +132,7 @@ def test_directory_without_checkpoint_is_rejected(tmp_path) -> None:
 @pytest.mark.parametrize("dtype", ["float64", "int8", "fp8", ""])
 def test_unsupported_dtype_is_rejected(dtype: str) -> None:
     with pytest.raises(ValueError, match=f"unsupported dtype '{dtype}'"):
-        load_model(dtype=dtype)
+        load_model(TINY_LLAMA_NAME, dtype=dtype)
 
 
 @pytest.mark.parametrize(
@@ -140,6 +140,6 @@ def test_unsupported_dtype_is_rejected(dtype: str) -> None:
     [("float16", torch.float16), ("bf16", torch.bfloat16), ("auto", torch.float32)],
 )
 def test_supported_dtypes(dtype: str, expected: torch.dtype) -> None:
-    loaded = load_model(dtype=dtype)
+    loaded = load_model(TINY_LLAMA_NAME, dtype=dtype)
     assert loaded.dtype == expected
     assert all(p.dtype == expected for p in loaded.model.parameters())

@@ -27,6 +27,7 @@ from pagedserve.workers.kv_cache import KVCache
 from pagedserve.workers.model_loader import LoadedModel, load_model
 from pagedserve.workers.model_runner import PAGED_ATTENTION_NAME, ModelRunner
 from pagedserve.workers.model_runner import paged_attention_forward as real_attention
+from pagedserve.workers.tiny_llama import TINY_LLAMA_NAME
 
 OPS = get_kernel_ops("torch")
 NUM_BLOCKS = 48
@@ -162,7 +163,7 @@ def test_logits_match_hf_through_chunked_prefill_and_decode(model_path: str, blo
 
 def test_prefix_blocks_shared_between_sequences():
     """A sequence whose first block is another's (a prefix-cache hit) computes only its suffix."""
-    loaded = load_model()
+    loaded = load_model(TINY_LLAMA_NAME)
     harness = _PagedHarness(loaded, block_size=8, seed=1)
     rng = random.Random(1)
     prefix = _prompt(rng, loaded.vocab_size, 8)
@@ -176,7 +177,7 @@ def test_prefix_blocks_shared_between_sequences():
 
 
 def test_no_mask_is_built_and_only_wanted_logits_are_computed():
-    loaded = load_model()
+    loaded = load_model(TINY_LLAMA_NAME)
     harness = _PagedHarness(loaded, block_size=8, seed=2)
     masks, lm_head_rows = [], []
 
@@ -206,7 +207,7 @@ def test_no_mask_is_built_and_only_wanted_logits_are_computed():
 
 
 def test_runner_rejects_a_pool_that_does_not_fit_the_model():
-    loaded = load_model()
+    loaded = load_model(TINY_LLAMA_NAME)
     wrong = KVCache(
         num_layers=loaded.num_layers,
         num_blocks=4,
@@ -222,7 +223,7 @@ def test_runner_rejects_a_pool_that_does_not_fit_the_model():
 
 
 def test_execute_rejects_bad_inputs():
-    loaded = load_model()
+    loaded = load_model(TINY_LLAMA_NAME)
     harness = _PagedHarness(loaded, block_size=8, seed=3)
     harness.seqs["a"] = _Seq([1, 2, 3])
     input_ids, positions, metadata = harness._pack([("a", harness.seqs["a"], 3)])

@@ -6,8 +6,14 @@ import math
 
 import pytest
 import torch
+from support.sampling import reference_penalties
 
-from pagedserve.workers.sampler import Sampler, make_generator, suppress_stop_tokens
+from pagedserve.workers.sampler import (
+    Sampler,
+    apply_penalties,
+    make_generator,
+    suppress_stop_tokens,
+)
 from pagedserve.workers.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -229,3 +235,62 @@ def test_suppress_stop_tokens_before_min_tokens() -> None:
         [0, 0, inf, 0, 0, 0],
         [0, 0, 0, 0, 0, 0],  # reached min_tokens
     ]
+
+
+# ---- penalties ------------------------------------------------------------------------------
+
+
+PENALTY_LOGITS = [2.0, -1.0, 0.5, 1.5, -0.25, 0.0, 1.0, -2.0]
+PENALTY_PROMPT = [1, 3, 3, 7]
+PENALTY_OUTPUT = [0, 3, 0, 6, 0]
+PENALTY_CASES = [
+    SamplingParams(presence_penalty=0.7),
+    SamplingParams(frequency_penalty=0.4),
+    SamplingParams(repetition_penalty=1.8),
+    SamplingParams(repetition_penalty=0.6),  # below 1 rewards repeats
+    SamplingParams(presence_penalty=-1.0, frequency_penalty=0.3, repetition_penalty=1.3),
+]
+
+
+@pytest.mark.parametrize("params", PENALTY_CASES)
+def test_penalties_match_the_reference_definition(params: SamplingParams) -> None:
+    logits = torch.tensor([PENALTY_LOGITS, PENALTY_LOGITS])
+    untouched = SamplingParams()
+    histories = [PENALTY_PROMPT + PENALTY_OUTPUT] * 2
+    apply_penalties(logits, [params, untouched], histories, [len(PENALTY_PROMPT)] * 2)
+    expected = reference_penalties(PENALTY_LOGITS, PENALTY_PROMPT, PENALTY_OUTPUT, params)
+    torch.testing.assert_close(logits[0], torch.tensor(expected), rtol=0, atol=1e-6)
+    assert logits[1].tolist() == PENALTY_LOGITS  # a row without penalties is left alone
+
+
+@pytest.mark.parametrize("params", PENALTY_CASES)
+def test_sampled_distribution_with_penalties_is_the_reference_one(params: SamplingParams) -> None:
+    """What the engine does per step (penalties, then the sampler) draws from the softmax of
+    the reference penalised logits."""
+    params = SamplingParams(**{**params.__dict__, "temperature": 0.8})
+    draws = 20_000
+    logits = torch.tensor(PENALTY_LOGITS).expand(draws, -1).clone()
+    history = PENALTY_PROMPT + PENALTY_OUTPUT
+    apply_penalties(logits, [params] * draws, [history] * draws, [len(PENALTY_PROMPT)] * draws)
+    tokens = Sampler(seed=99).sample(logits, [params] * draws, [None] * draws)
+    freq = torch.bincount(tokens, minlength=len(PENALTY_LOGITS)).double() / draws
+    penalised = reference_penalties(PENALTY_LOGITS, PENALTY_PROMPT, PENALTY_OUTPUT, params)
+    expected = torch.softmax(torch.tensor(penalised, dtype=torch.float64) / 0.8, dim=0)
+    torch.testing.assert_close(freq, expected, atol=0.015, rtol=0)  # > 4 sigma at 20k draws
+
+
+def test_greedy_with_penalties_takes_the_penalised_argmax() -> None:
+    params = SamplingParams(temperature=0.0, frequency_penalty=2.0)
+    logits = torch.tensor([PENALTY_LOGITS])
+    # Token 0 (2.0) was generated 3 times: -4.0; tokens 3 (1.5) and 6 (1.0) once: -0.5, -1.0;
+    # so token 2 (0.5, never generated) wins.
+    apply_penalties(logits, [params], [PENALTY_PROMPT + PENALTY_OUTPUT], [len(PENALTY_PROMPT)])
+    assert _sample_one(Sampler(), logits[0], params) == 2
+
+
+def test_penalties_count_the_output_only_for_frequency_and_presence() -> None:
+    """A token of the prompt alone is untouched by presence/frequency (OpenAI's definition)."""
+    params = SamplingParams(presence_penalty=1.0, frequency_penalty=1.0)
+    logits = torch.zeros(1, 8)
+    apply_penalties(logits, [params], [[7, 7, 7, 2]], [3])
+    assert logits[0].tolist() == [0, 0, -2.0, 0, 0, 0, 0, 0]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import typing
 
 import pytest
 
-from pagedserve.workers.sampling_params import SamplingParams
+from pagedserve.workers.sampling_params import SamplingKwargs, SamplingParams
 
 
 def test_defaults_are_valid() -> None:
@@ -21,6 +23,12 @@ def test_defaults_are_valid() -> None:
     )
     assert p.stop == [] and p.stop_token_ids == []
     assert not p.is_greedy
+
+
+def test_sampling_kwargs_name_every_field() -> None:
+    fields = [f.name for f in dataclasses.fields(SamplingParams)]
+    assert list(typing.get_type_hints(SamplingKwargs)) == fields
+    assert SamplingKwargs.__required_keys__ == frozenset()
 
 
 def test_stop_normalised_to_a_fresh_list() -> None:
@@ -78,6 +86,15 @@ def test_temperature_message_is_exact() -> None:
         ("min_tokens", 17),
         ("min_tokens", 1.0),
         ("include_stop_str_in_output", "yes"),
+        ("presence_penalty", 2.5),
+        ("presence_penalty", -2.01),
+        ("presence_penalty", math.nan),
+        ("frequency_penalty", 3),
+        ("frequency_penalty", "1"),
+        ("repetition_penalty", 0),
+        ("repetition_penalty", -1.0),
+        ("repetition_penalty", math.inf),
+        ("repetition_penalty", True),
     ],
 )
 def test_invalid_value_names_its_field(field: str, value: object) -> None:
@@ -102,6 +119,10 @@ def test_invalid_value_names_its_field(field: str, value: object) -> None:
         {"min_tokens": 16},
         {"max_tokens": 1, "min_tokens": 1},
         {"stop_token_ids": [0]},
+        {"presence_penalty": -2, "frequency_penalty": 2},
+        {"presence_penalty": 2.0, "frequency_penalty": -2.0},
+        {"repetition_penalty": 1e-3},
+        {"repetition_penalty": 10},
     ],
 )
 def test_boundary_values_are_accepted(kwargs: dict[str, object]) -> None:
@@ -144,3 +165,10 @@ def test_for_branch_without_seed_stays_unseeded() -> None:
 def test_for_branch_rejects_bad_index(index: object) -> None:
     with pytest.raises(ValueError, match="^index"):
         SamplingParams(n=4).for_branch(index)  # type: ignore[arg-type]
+
+
+def test_has_penalties() -> None:
+    assert not SamplingParams().has_penalties
+    assert SamplingParams(presence_penalty=0.1).has_penalties
+    assert SamplingParams(frequency_penalty=-0.1).has_penalties
+    assert SamplingParams(repetition_penalty=1.1).has_penalties

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import pytest
 
+from pagedserve.workers.errors import NoChatTemplate, RequestRejected
 from pagedserve.workers.tiny_llama import TINY_LLAMA_NAME, save_tiny_llama
-from pagedserve.workers.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from pagedserve.workers.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    load_tokenizer,
+    render_chat,
+)
 
 
 @pytest.mark.parametrize("text", ["", "hello, world", "héllo wörld", "日本語", "a😀b", "\x00\n\t"])
@@ -87,3 +94,37 @@ def test_load_tokenizer_by_model(tmp_path) -> None:
     assert load_tokenizer(str(tmp_path)) is None  # a directory without tokenizer files
     saved = save_tiny_llama(tmp_path / "tiny")
     assert isinstance(load_tokenizer(saved), ByteTokenizer)
+
+
+def test_hf_chat_template_renders_the_prompt(tmp_path) -> None:
+    _save_hf_tokenizer(str(tmp_path), with_bos_template=False)
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    hf.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }} {{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant{% endif %}"
+    )
+    tok = HFTokenizer(hf)
+    turns = [{"role": "user", "content": "hello world"}]
+    prompt = render_chat(tok, turns)
+    assert prompt == "<s>user hello world</s><s>assistant"
+    assert tok.encode(prompt)[0] == 1  # a special token in the text parses as itself
+
+
+def test_chat_without_a_template_or_with_bad_messages_is_refused(tmp_path) -> None:
+    _save_hf_tokenizer(str(tmp_path), with_bos_template=False)
+    tok = load_tokenizer(str(tmp_path))
+    assert isinstance(tok, HFTokenizer) and not tok.has_chat_template
+    user = [{"role": "user", "content": "hi"}]
+    with pytest.raises(NoChatTemplate, match="messages: this model has no chat template"):
+        render_chat(tok, user)
+    with pytest.raises(NoChatTemplate, match="messages: this model has no chat template"):
+        tok.apply_chat_template(user)
+    with pytest.raises(NoChatTemplate, match="messages: this model has no chat template"):
+        render_chat(None, user)
+    assert render_chat(ByteTokenizer(), user) == "<|user|>\nhi\n<|assistant|>\n"
+    with pytest.raises(RequestRejected, match="messages is empty"):
+        render_chat(ByteTokenizer(), [])
+    with pytest.raises(RequestRejected, match=r"messages\[0\].content must be a string"):
+        render_chat(ByteTokenizer(), [{"role": "user", "content": None}])

@@ -1,0 +1,69 @@
+"""Room in Serve's gRPC proxy for calls its event loop has not taken up yet.
+
+grpc.aio takes calls off gRPC core one at a time, on the proxy's event loop, which also runs
+Serve's handler of every call already taken. A burst arrives faster than that, and gRPC core
+holds the calls not yet taken in a pending queue. Past `grpc.server.max_pending_requests`
+(1,000) it drops new calls at random, and every one past the hard limit (3,000)
+(`RandomEarlyDetection` in gRPC's src/core/server/server.cc). A dropped call ends CANCELLED
+with no details before any Python code sees it: no retry hint can be added, and Serve writes no
+access log line. 1,500 unary calls sent at once lost 44-60 calls this way, each 0.04-0.4 s
+after it was sent (2 CPUs); with a limit of 100 the same burst lost ~1,370.
+
+Serve builds its gRPC server (channel args fixed at construction) before it imports our
+servicer functions, so `grpc_wire` comes too late. `raise_pending_limit` runs earlier: it is a
+Ray worker-process setup hook (`backlog_env_vars`), run when the proxy's process starts, and it
+adds our limit to the options Serve builds every gRPC server with. The hook is inherited by the
+processes the controller starts (proxies, Router replicas); `ROUTER_ENV_VARS` turns it off for
+the Router replica and everything it starts, which build no gRPC server.
+
+A burst past `max_pending_grpc_calls` still loses calls this way: gRPC core drops them before
+they reach anything we can change.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+PENDING_CALLS_ENV = "PAGEDSERVE_GRPC_MAX_PENDING_CALLS"
+SETUP_HOOK = "pagedserve.cluster.grpc_backlog.raise_pending_limit"
+_SOFT_LIMIT = "grpc.server.max_pending_requests"
+_HARD_LIMIT = "grpc.server.max_pending_requests_hard_limit"
+
+
+def setup_hook_env_var() -> str:
+    """The variable Ray's worker processes read their setup hook from (Ray's private name:
+    `runtime_env={"worker_process_setup_hook": ...}` is honoured only for a whole job)."""
+    from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR
+
+    return WORKER_PROCESS_SETUP_HOOK_ENV_VAR
+
+
+def backlog_env_vars(max_pending_calls: int) -> dict[str, str]:
+    """Environment of Serve's proxies that runs `raise_pending_limit` as they start."""
+    return {setup_hook_env_var(): SETUP_HOOK, PENDING_CALLS_ENV: str(max_pending_calls)}
+
+
+def pending_backlog_options(max_pending_calls: int) -> list[tuple[str, int]]:
+    """gRPC server options: hold up to `max_pending_calls` calls not yet taken up, dropping
+    none below it (soft limit = hard limit: no random drops before the limit)."""
+    return [(_SOFT_LIMIT, max_pending_calls), (_HARD_LIMIT, max_pending_calls)]
+
+
+def raise_pending_limit() -> None:
+    """Ray worker-process setup hook: add the pending-call limit from `PENDING_CALLS_ENV` to
+    the options of every gRPC server Serve builds in this process. Idempotent."""
+    limit = os.environ.get(PENDING_CALLS_ENV)
+    if not limit:
+        return
+    options = serve_grpc_server_options()
+    options[:] = [o for o in options if o[0] not in (_SOFT_LIMIT, _HARD_LIMIT)]
+    options.extend(pending_backlog_options(int(limit)))
+
+
+def serve_grpc_server_options() -> list[tuple[str, Any]]:
+    """The options Serve builds every gRPC server of this process with (the list itself:
+    Serve's grpc_util reads this very object when it builds one)."""
+    from ray.serve._private import constants
+
+    return constants.DEFAULT_GRPC_SERVER_OPTIONS
