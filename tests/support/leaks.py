@@ -193,7 +193,6 @@ class LeakWatch:
         self.problems: list[str] = []
         self.covered: dict[str, set[str]] = {"engine": set(), "cluster": set()}
         self._test: str | None = None
-        self._checked_in_test: set[str] = set()
 
     # ------------------------------------------------------------------ hooks
     def install(self, monkeypatch: Any) -> None:
