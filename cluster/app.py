@@ -34,7 +34,7 @@ from pagedserve.cluster.grpc_api import SERVING, GrpcFrontend
 from pagedserve.cluster.metrics import CONTENT_TYPE
 from pagedserve.cluster.openai_api import OpenAIFrontend, error_response
 from pagedserve.cluster.router import RouterCore
-from pagedserve.cluster.router_types import ClusterStats, GenerateRequest
+from pagedserve.cluster.router_types import ClusterStats, GenerateRequest, RouterInflight
 from pagedserve.cluster.serve_options import ROUTER_ENV_VARS
 from pagedserve.cluster.worker_group import start_worker_group
 from pagedserve.workers.model_registry import DEFAULT_MODEL
@@ -91,6 +91,10 @@ class Router:
 
     async def stats(self) -> ClusterStats:
         return await self.core.cluster_stats()
+
+    async def inflight(self) -> RouterInflight:
+        """What this replica holds open now (leak checks: empty once every request ended)."""
+        return self.core.inflight()
 
     async def check_health(self) -> None:
         await self.core.start()

@@ -160,6 +160,15 @@ class PrefixIndexActor:
             startup_resyncs=self._startup_resyncs,
         )
 
+    async def check_invariants(self) -> str | None:
+        """The state's invariants (`PrefixIndexState.check_invariants`): None when they hold,
+        else what is broken."""
+        try:
+            self._state.check_invariants()
+        except AssertionError as error:
+            return str(error) or "the entry map and the per-worker views disagree"
+        return None
+
     async def _resync(self, worker_id: str) -> KVSnapshot | None:
         """Fetch and apply `worker_id`'s snapshot; on any failure drop the worker's entries.
 

@@ -43,6 +43,7 @@ from pagedserve.cluster.router_types import (
     GenerateRequest,
     NoWorkerAvailable,
     RouterCounters,
+    RouterInflight,
     WorkerLost,
     WorkerView,
 )
@@ -510,6 +511,18 @@ class RouterCore:
         )
 
     # ---------------------------------------------------------------- state
+    def inflight(self) -> RouterInflight:
+        """The requests this router holds open now and what it counts on each worker."""
+        return RouterInflight(
+            request_ids=tuple(sorted(self._inflight_ids)),
+            num_requests=self.num_inflight,
+            workers={
+                w.worker_id: (w.inflight, w.inflight_tokens)
+                for w in self.workers.values()
+                if w.inflight or w.inflight_tokens
+            },
+        )
+
     async def cluster_stats(self) -> ClusterStats:
         await self.start()
         await self.liveness.poll_all()

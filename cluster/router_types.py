@@ -136,6 +136,26 @@ class WorkerView:
 
 
 @dataclass(frozen=True)
+class RouterInflight:
+    """`RouterCore.inflight()`: what one router holds open now (all empty once it is idle).
+
+    Attributes:
+        request_ids: the (tenant-scoped) ids reserved by requests still streaming.
+        num_requests: the router's own count of them (admission's limit is checked on it).
+        workers: worker id → (requests, demand tokens) the router counts on that worker, for
+            the workers where either is not 0.
+    """
+
+    request_ids: tuple[str, ...]
+    num_requests: int
+    workers: dict[str, tuple[int, int]]
+
+    @property
+    def idle(self) -> bool:
+        return not self.request_ids and not self.num_requests and not self.workers
+
+
+@dataclass(frozen=True)
 class ClusterStats:
     """`RouterCore.cluster_stats()`: every worker, the router's counters, the index."""
 

@@ -58,6 +58,7 @@ class WorkerLiveness:
         self.counters = counters
         self.on_polled = on_polled
         self._tasks: list[asyncio.Task] = []
+        self._removals: dict[str, asyncio.Future] = {}  # worker id → its index removal
 
     async def start(self) -> list[WorkerState]:
         """Wait (up to `startup_timeout_s`) for every worker's `ready()`, then start the poll
@@ -123,19 +124,31 @@ class WorkerLiveness:
         worker.stalled = stalled
 
     async def drop(self, worker: WorkerState) -> None:
-        """Take a dead worker out of routing and its entries out of the index at once."""
-        if not worker.alive:
-            return
-        worker.alive = False
-        worker.lost_at = time.monotonic()
-        self.counters.workers_lost += 1
-        logger.warning("worker %s lost; dropped from routing and the index", worker.worker_id)
+        """Take a dead worker out of routing and its entries out of the index at once.
+
+        The poll loop and a stream can see one loss at the same time: whichever drops second
+        awaits the first one's index removal, so no caller goes on while the index still
+        lists the worker."""
+        removal = self._removals.get(worker.worker_id)
+        if removal is None:
+            if not worker.alive:
+                return
+            worker.alive = False
+            worker.lost_at = time.monotonic()
+            self.counters.workers_lost += 1
+            logger.warning("worker %s lost; dropped from routing and the index", worker.worker_id)
+            removal = asyncio.ensure_future(self._remove_from_index(worker.worker_id))
+            self._removals[worker.worker_id] = removal
+            removal.add_done_callback(lambda _: self._removals.pop(worker.worker_id, None))
+        await asyncio.shield(removal)
+
+    async def _remove_from_index(self, worker_id: str) -> None:
         try:
             await asyncio.wait_for(
-                self.index.remove_worker.remote(worker.worker_id), self.config.rpc_timeout_s
+                self.index.remove_worker.remote(worker_id), self.config.rpc_timeout_s
             )
         except (*WORKER_LOST_ERRORS, TimeoutError):
-            logger.exception("could not drop %s from the index", worker.worker_id)
+            logger.exception("could not drop %s from the index", worker_id)
 
     async def _poll_loop(self) -> None:
         while True:

@@ -3,7 +3,10 @@
 Every step the scheduler hands out a token budget. Running sequences go first — decodes before
 prefill chunks, so a long prompt cannot starve requests that are already streaming — then
 swapped-out sequences come back, then waiting ones are admitted. When the pool cannot supply a
-block, the lowest-ranked running sequence is preempted (recompute or swap) until it can.
+block, the lowest-ranked running sequence is preempted (recompute, swap or move) until it can:
+under `priority` the highest value, then the latest arrival, as vLLM v1 picks. A waiting
+request never preempts a sequence that runs (vLLM v0's priority policy did; v1 does not),
+only a paused one (below).
 
 A paused sequence (its client stopped reading) is skipped in every queue: it keeps its blocks
 and its place, does not count against `max_num_seqs` (it is in no batch), and is the first
@@ -49,6 +52,29 @@ class SchedulerConfig:
 
 
 @dataclass
+class SchedulerCounters:
+    """What one scheduler did since it started (read through `Worker.stats().scheduler`).
+
+    Attributes:
+        prefill_tokens: tokens scheduled for sequences that had more than their newest token
+            to compute: prompt chunks, and a recomputed victim's whole sequence. A decode's one
+            token is not counted, nor is any token whose KV a cache hit, a pull or a moved
+            request's handoff brought.
+        swapped_out: victims whose KV went to the swap area.
+        swapped_in: swapped-out sequences brought back.
+        recomputed: victims whose KV was dropped, to be computed again (in swap mode: the swap
+            area had no room for them; in move mode: they could not move).
+        moved: victims handed to a peer with their KV.
+    """
+
+    prefill_tokens: int = 0
+    swapped_out: int = 0
+    swapped_in: int = 0
+    recomputed: int = 0
+    moved: int = 0
+
+
+@dataclass
 class SchedulerOutput:
     """One step's plan: tokens per sequence and the block moves to do before the forward."""
 
@@ -69,7 +95,7 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Owns the waiting, running and swapped queues of one engine.
+    """Owns the waiting, running and swapped queues of one engine, and its counters.
 
     Args:
         config: batch limits, chunking, policy and preemption mode.
@@ -83,6 +109,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
+        self.counters = SchedulerCounters()
 
     # ---------------------------------------------------------------- queues
     def _insert(self, queue: list[Request], request: Request) -> None:
@@ -137,6 +164,9 @@ class Scheduler:
         if not step.preempted:
             self._swap_in(step)
             self._admit_waiting(step)
+        self.counters.prefill_tokens += sum(
+            num_new for request, num_new in step.scheduled.items() if request.is_prefilling
+        )
         return step
 
     def _schedule_running(self, request: Request, step: SchedulerOutput) -> None:
@@ -170,6 +200,7 @@ class Scheduler:
             self.kv.free(victim.request_id)
             victim.status = RequestStatus.FINISHED
             step.moved.append((victim, block_ids))
+            self.counters.moved += 1
             return
         if self.config.preemption_mode == "swap":
             moves = self.kv.swap_out(victim.request_id)
@@ -177,11 +208,13 @@ class Scheduler:
                 step.swap_out.extend((unwritten.get(block, block), slot) for block, slot in moves)
                 victim.status = RequestStatus.SWAPPED
                 self._insert(self.swapped, victim)
+                self.counters.swapped_out += 1
                 return
         # Recompute: drop the KV; the sequence re-enters with its output so far as its prompt.
         self.kv.free(victim.request_id)
         victim.num_computed_tokens = 0
         self.add(victim)
+        self.counters.recomputed += 1
 
     def _unschedule(self, victim: Request, step: SchedulerOutput) -> dict[int, int]:
         """Undo the victim's place in this step's plan, if it had one.
@@ -212,6 +245,7 @@ class Scheduler:
             step.swap_in.extend(moves)
             request.status = RequestStatus.RUNNING
             self._insert(self.running, request)
+            self.counters.swapped_in += 1
 
     def _admit_waiting(self, step: SchedulerOutput) -> None:
         while step.budget > 0:
@@ -250,4 +284,10 @@ class Scheduler:
         self._insert(self.running, request)
 
 
-__all__ = ["Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedulingPolicy"]
+__all__ = [
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerCounters",
+    "SchedulerOutput",
+    "SchedulingPolicy",
+]

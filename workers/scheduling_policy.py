@@ -32,6 +32,9 @@ class SchedulingPolicy(abc.ABC):
 
 
 class FCFSPolicy(SchedulingPolicy):
+    """Arrival order: no request is ever admitted before one that arrived earlier, so a
+    request's wait is bounded by the work that arrived before it."""
+
     name = "fcfs"
 
     def key(self, request: Request) -> tuple[int, ...]:
@@ -39,7 +42,10 @@ class FCFSPolicy(SchedulingPolicy):
 
 
 class PriorityPolicy(SchedulingPolicy):
-    """Lower `priority` values first (as in vLLM); arrival order breaks ties."""
+    """Lower `priority` values first (as in vLLM); arrival order breaks ties.
+
+    No aging (nor in vLLM): a request waits as long as better-priority ones keep arriving.
+    """
 
     name = "priority"
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import threading
@@ -386,6 +387,7 @@ class WorkerCore:
             lease_expired=self.leases.num_expired,
             lease_owners=self.leases.num_owners,
             seconds_without_progress=self.seconds_without_progress(),
+            scheduler=dataclasses.replace(self.engine.scheduler.counters),
             **engine,
         )
 

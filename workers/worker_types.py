@@ -22,6 +22,7 @@ from pagedserve.workers.errors import RequestRejected
 from pagedserve.workers.handoff import RequestHandoff
 from pagedserve.workers.kv_cache_manager import KVUsage
 from pagedserve.workers.sampling_params import SamplingParams
+from pagedserve.workers.scheduler import SchedulerCounters
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class WorkerStats:
     draining: bool = False
     kv_cache_device_bytes: int = 0
     kv_cache_swap_bytes: int = 0
+    scheduler: SchedulerCounters = field(default_factory=SchedulerCounters)  # a copy
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import requests
-from support.api_app import VOCAB, assert_app_pools_clean, running_app
+from support.api_app import VOCAB, assert_app_clean, running_app
 
 from pagedserve.cluster.client import Client, build_request
 
@@ -219,4 +219,4 @@ def test_hostile_storm_leaves_good_requests_untouched(app):
                 outputs = list(pool.map(lambda p: _grpc_good(client, p), ["a", "b", "c", "d"]))
             assert all(len(tokens) == GOOD_TOKENS for tokens in outputs)
         assert all(_steps(client)[w] > steps_after[w] for w in steps_after), "a worker stalled"
-    assert_app_pools_clean(app)
+    assert_app_clean(app)

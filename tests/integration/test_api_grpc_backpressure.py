@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import grpc
 import ray
-from support.api_app import running_app, wait_until
+from support.api_app import assert_app_clean, running_app, wait_until
 
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
 from pagedserve.proto.pagedserve.v1 import serving_pb2_grpc
@@ -62,14 +62,7 @@ def test_unread_streams_pause_and_resume_with_unchanged_output():
 
         outputs = [[t for m in stream for t in m.token_ids] for stream in streams]
         assert outputs == reference
-        wait_until(
-            lambda: all(s.kv.used_blocks == 0 for s in worker_stats()),
-            DEADLINE_S,
-            "every block to be free",
-        )
-        handles = [ray.get_actor(f"{NAME}-worker-{i}", namespace="pagedserve") for i in range(2)]
-        for check in ray.get([h.check_pool.remote() for h in handles]):
-            assert check.clean and check.error is None
+        assert_app_clean(app)  # blocks, requests and streams all back: no pause left behind
         assert all(s.num_paused == 0 and s.num_streams == 0 for s in worker_stats())
         channel.close()
 

@@ -1,21 +1,18 @@
-"""The cluster on a multi-node Ray cluster: routing, pull, resync, worker failure; no leaks."""
+"""The cluster on a multi-node Ray cluster: prefix-aware routing, and the index resyncing after
+a lost event batch (pull, push and move: test_cluster_migration.py; failures: their own
+modules)."""
 
 import asyncio
 import random
-import time
 
 import pytest
-from support.cluster import (
-    assert_pools_clean,
-    cluster_config,
-    greedy,
-    run_request,
-    start_router,
-)
+from support.cluster import cluster_config, greedy, run_request, start_router
+from support.wait import until
 
 from pagedserve.cluster.worker_group import stop_worker_group
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
+PIN = 10_000_000  # router-side demand that makes a worker look full, to steer routing
 
 
 def prompt(seed: int, length: int) -> list[int]:
@@ -25,7 +22,7 @@ def prompt(seed: int, length: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def shared_router(ray_cluster):
-    config = cluster_config("t-shared", num_workers=2, pull_min_blocks=1)
+    config = cluster_config("t-shared", num_workers=2)
     core = asyncio.run(start_router(config))
     yield core
     stop_worker_group(config)
@@ -46,7 +43,6 @@ def test_shared_prefix_requests_land_on_the_holder(shared_router):
         for user in range(4):
             _, final = await run_request(core, system + prompt(10 + user, 7), greedy(4))
             landed.append((final[0].worker_id, final[0].usage.cached_tokens))
-        await assert_pools_clean(core)
         return holder, landed
 
     holder, landed = run(main())
@@ -54,55 +50,41 @@ def test_shared_prefix_requests_land_on_the_holder(shared_router):
     assert all(cached >= 64 for _, cached in landed)
 
 
-def test_pulled_prefix_gives_the_recomputed_output(shared_router):
-    core = shared_router
-    system = prompt(3, 80)
-    suffix = prompt(4, 6)
-
-    async def main():
-        tokens_here, final = await run_request(core, system + suffix, greedy(10))
-        holder = core.workers[final[0].worker_id]
-        other = next(w for w in core.workers.values() if w is not holder)
-        # Make the holder look busy so the router picks the other worker and pulls.
-        holder.begin(10_000_000)
-        try:
-            before = core.counters.pulls
-            tokens_there, final2 = await run_request(core, system + suffix, greedy(10))
-        finally:
-            holder.end(10_000_000)
-        await assert_pools_clean(core)
-        return tokens_here, tokens_there, final2[0], other.worker_id, before
-
-    here, there, final2, other_id, pulls_before = run(main())
-    assert final2.worker_id == other_id
-    assert core.counters.pulls == pulls_before + 1
-    assert final2.usage.cached_tokens >= 72
-    assert there == here
-
-
 def test_lost_event_batch_is_detected_and_resynced(shared_router):
+    """One batch of KV events lost on the way to the index: the next batch shows the gap, the
+    index resyncs from the worker's snapshot (once), and it agrees with the pool again."""
     core = shared_router
+    worker, other = core.workers.values()
 
     async def main():
-        worker = next(iter(core.workers.values()))
-        await worker.handle.chaos_drop_next_event_batch.remote()
-        for seed in (20, 21, 22):
-            await run_request(core, prompt(seed, 40), greedy(3))
-        deadline = time.monotonic() + 10
-        while True:
-            snapshots = {}
-            for w in core.workers.values():
-                held = set((await w.handle.kv_snapshot.remote()).block_hashes)
-                indexed = await core.index.snapshot_of.remote(w.worker_id)
-                snapshots[w.worker_id] = (held, set(indexed))
-            if all(held == indexed for held, indexed in snapshots.values()):
-                break
-            assert time.monotonic() < deadline, "index never agreed with the pools"
-            await asyncio.sleep(0.2)
-        stats = await core.index.stats.remote()
-        dropped = (await worker.handle.stats.remote()).event_batches_dropped
-        return stats, dropped
+        other.begin(PIN)  # every request lands on `worker`
+        try:
+            # The index must know `worker` already (a first publish always resyncs), so that
+            # what follows is the lost batch's doing alone.
+            await run_request(core, prompt(19, 40), greedy(3))
+            await until(lambda: index_agrees(core, worker), "the index to mirror the pool")
+            before = await core.index.stats.remote()
+            dropped_before = (await worker.handle.stats.remote()).event_batches_dropped
+            await worker.handle.chaos_drop_next_event_batch.remote()
+            for seed in (20, 21, 22):  # new prefixes: batches after the lost one
+                _, final = await run_request(core, prompt(seed, 40), greedy(3))
+                assert final[0].worker_id == worker.worker_id
+            await until(lambda: index_agrees(core, worker), "the index to resync")
+        finally:
+            other.end(PIN)
+        after = await core.index.stats.remote()
+        dropped = (await worker.handle.stats.remote()).event_batches_dropped - dropped_before
+        return before, after, dropped
 
-    stats, dropped = run(main())
+    before, after, dropped = run(main())
     assert dropped == 1
-    assert stats.gaps_detected + stats.resyncs >= 1
+    assert after.gaps_detected == before.gaps_detected + 1  # the next batch showed the gap
+    assert after.resyncs == before.resyncs + 1  # and one snapshot closed it
+    assert after.stale_workers == () and after.snapshot_failures == before.snapshot_failures
+
+
+async def index_agrees(core, worker) -> bool:
+    """Whether the index holds exactly the worker's cached blocks (and it holds some)."""
+    cached = set((await worker.handle.kv_snapshot.remote()).block_hashes)
+    indexed = await core.index.snapshot_of.remote(worker.worker_id)
+    return bool(cached) and indexed == cached

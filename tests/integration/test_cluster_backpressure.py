@@ -7,11 +7,15 @@ Own module so that the module-scoped Ray cluster is fresh: every worker slot is 
 import asyncio
 import dataclasses
 
-from support.cluster import assert_pools_clean, cluster_config, greedy, run_request, start_router
+from support.cluster import cluster_config, greedy, run_request, start_router
+from support.wait import until
 
 from pagedserve.cluster.api_errors import as_api_error
+from pagedserve.cluster.router_types import GenerateRequest
 from pagedserve.cluster.worker_group import stop_worker_group
 from pagedserve.workers.errors import Overloaded
+
+HOLD_TOKENS = 1000  # 1000 steps: the holder is aborted as soon as the burst is answered
 
 
 async def outcome(core, token_ids, params):
@@ -20,6 +24,18 @@ async def outcome(core, token_ids, params):
     except Overloaded as error:
         return error
     return tokens[0]
+
+
+async def hold(core, token_ids, first_token: asyncio.Event) -> str:
+    """Stream a request that only ends when aborted; set `first_token` once it runs."""
+    request = GenerateRequest(
+        params=greedy(HOLD_TOKENS), prompt_token_ids=token_ids, request_id="holder"
+    )
+    async for delta in core.generate(request):
+        first_token.set()
+        if delta.finish_reason is not None:
+            return delta.finish_reason
+    raise AssertionError("the holder's stream ended without a finish reason")
 
 
 def test_full_queues_refuse_at_once_and_admitted_requests_finish(ray_cluster):
@@ -33,27 +49,41 @@ def test_full_queues_refuse_at_once_and_admitted_requests_finish(ray_cluster):
         enable_push=False,
     )
     prompts = [[(7 * i + j) % 200 + 1 for j in range(12)] for i in range(10)]
+    holder_prompt, burst_prompts = prompts[0], prompts[1:]
 
     async def main():
         core = await start_router(config)
-        alone = [(await run_request(core, p, greedy(20)))[0][0] for p in prompts]
-        results = await asyncio.wait_for(
-            asyncio.gather(*(outcome(core, p, greedy(20)) for p in prompts)), 120
-        )
+        alone = [(await run_request(core, p, greedy(20)))[0][0] for p in burst_prompts]
+        # The holder takes the worker's one slot until it is aborted, so the burst meets
+        # queues exactly this full however fast the machine is.
+        running = asyncio.Event()
+        holder = asyncio.create_task(hold(core, holder_prompt, running))
+        await asyncio.wait_for(running.wait(), 120)
+        burst = [asyncio.create_task(outcome(core, p, greedy(20))) for p in burst_prompts]
+        (worker,) = core.workers.values()
+
+        async def answered() -> bool:  # each refused at once, or queued behind the holder
+            queued = (await worker.handle.stats.remote()).num_waiting
+            return sum(task.done() for task in burst) + queued == len(burst)
+
+        await until(answered, "every request of the burst to be refused or queued")
+        assert not holder.done(), "the holder ended before the burst was answered"
+        await core.abort("holder")
+        results = await asyncio.wait_for(asyncio.gather(*burst), 120)
+        holder_end = await holder
         stats = await core.cluster_stats()
-        await assert_pools_clean(core)
         await core.close()
-        return alone, results, stats
+        return alone, results, holder_end, stats
 
     try:
-        alone, results, stats = asyncio.run(main())
+        alone, results, holder_end, stats = asyncio.run(main())
     finally:
         stop_worker_group(config)
     refused = [r for r in results if isinstance(r, Exception)]
-    router_refusals = stats.router.refused_router
-    worker_refusals = stats.router.refused_worker
-    # 10 at once, the router streams 6 at most; the worker runs 1 and queues 2 of the 6.
-    assert router_refusals == 4 and worker_refusals == 3 and len(refused) == 7
+    # The holder plus 9 at once: the router streams 6 at most (refuses 4); of the 5 it admits
+    # the worker queues 2 behind the holder and refuses 3.
+    assert stats.router.refused_router == 4 and stats.router.refused_worker == 3
+    assert len(refused) == 7 and holder_end == "abort"
     for error in refused:
         api_error = as_api_error(error)
         assert api_error.http_status == 429 and api_error.retry_after_header() is not None

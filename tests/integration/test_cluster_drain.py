@@ -2,48 +2,77 @@
 what fits in its grace period and hands the rest back (the router replays it on a peer), so no
 in-flight request is dropped and every output equals the request run alone.
 
+No clock decides who finishes: every stream is held unread (its request paused on the worker,
+see `max_buffered_deltas`) until the worker is draining; then the ones meant to finish are
+read to their end, and the one meant to be handed back stays unread, so it cannot finish
+within any grace period.
+
 Own module so that the module-scoped Ray cluster is fresh: every worker slot is free.
 """
 
 import asyncio
 
-from support.cluster import assert_pools_clean, cluster_config, greedy, run_request, start_router
+from support.cluster import cluster_config, greedy, run_request, start_router
+from support.wait import until
 
+from pagedserve.cluster.router_types import GenerateRequest
 from pagedserve.cluster.worker_group import stop_worker_group
+
+PIN = 10_000_000  # router-side demand that makes a worker look full, to steer routing
+MAX_TOKENS = 40  # more than a held stream's buffers take: it pauses before its end
+GRACE_S = 10.0  # ample for a resumed stream's last ~30 tokens; the held one never ends in it
+
+
+async def read_rest(stream, head) -> list[int]:
+    tokens = list(head.token_ids)
+    async for delta in stream:
+        tokens.extend(delta.token_ids)
+    return tokens
 
 
 def test_drain_drops_no_in_flight_request(ray_cluster):
-    config = cluster_config("t-drain", num_workers=2, enable_push=False, enable_pull=False)
-    prompts = [[(11 * i + j) % 200 + 1 for j in range(10)] for i in range(8)]
-    lengths = [4, 80] * 4  # short ones finish within the grace period, long ones cannot
+    config = cluster_config(
+        "t-drain", num_workers=2, enable_push=False, enable_pull=False, max_buffered_deltas=4
+    )
+    prompts = [[(11 * i + j) % 200 + 1 for j in range(10)] for i in range(3)]
 
     async def main():
         core = await start_router(config)
-        alone = [
-            (await run_request(core, p, greedy(n)))[0][0]
-            for p, n in zip(prompts, lengths, strict=True)
-        ]
-        tasks = [
-            asyncio.create_task(run_request(core, p, greedy(n)))
-            for p, n in zip(prompts, lengths, strict=True)
-        ]
-        victim = next(iter(core.workers))
-        while core.workers[victim].inflight < 2:
-            await asyncio.sleep(0.01)
-        drained = await core.drain_worker(victim, grace_s=0.3)
-        results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        alone = [(await run_request(core, p, greedy(MAX_TOKENS)))[0][0] for p in prompts]
+        victim, peer = core.workers.values()
+        peer.begin(PIN)  # every stream starts on the victim
+        streams, heads = [], []
+        for i, p in enumerate(prompts):
+            request = GenerateRequest(greedy(MAX_TOKENS), prompt_token_ids=p, request_id=f"d{i}")
+            streams.append(core.generate(request))
+            heads.append(await anext(streams[-1]))  # streaming on the victim; then unread
+        peer.end(PIN)
+
+        async def all_paused() -> bool:
+            return (await victim.handle.stats.remote()).num_paused == len(prompts)
+
+        await until(all_paused, "every unread stream to pause")
+        drain = asyncio.create_task(core.drain_worker(victim.worker_id, grace_s=GRACE_S))
+
+        async def draining() -> bool:
+            return (await victim.handle.stats.remote()).draining
+
+        await until(draining, "the victim to drain")
+        # Two are read to their end within the grace period; the third stays unread.
+        finished = await asyncio.gather(*(read_rest(streams[i], heads[i]) for i in range(2)))
+        drained = await drain
+        handed_back = await read_rest(streams[2], heads[2])  # replayed on the peer
         after, finals = await run_request(core, prompts[0], greedy(4))
         stats = await core.cluster_stats()
-        await assert_pools_clean(core)
         await core.close()
-        return alone, [r[0][0] for r in results], drained, finals, stats, victim
+        return alone, [*finished, handed_back], drained, finals, stats, victim.worker_id
 
     try:
         alone, outputs, drained, finals, stats, victim = asyncio.run(main())
     finally:
         stop_worker_group(config)
     assert outputs == alone  # none dropped, none changed
-    assert drained.finished + drained.handed_off >= 2 and drained.handed_off >= 1
-    assert stats.router.drain_handoffs == drained.handed_off
+    assert (drained.finished, drained.handed_off) == (2, 1)
+    assert stats.router.drain_handoffs == 1 and stats.router.replays == 1
     assert stats.router.workers_drained == 1
     assert stats.workers[victim].stats.draining and finals[0].worker_id != victim

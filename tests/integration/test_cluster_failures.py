@@ -10,7 +10,7 @@ import time
 
 import pytest
 import ray
-from support.cluster import assert_pools_clean, cluster_config, greedy, run_request, start_router
+from support.cluster import assert_cluster_clean, cluster_config, greedy, run_request, start_router
 
 from pagedserve.cluster.router_types import GenerateRequest, NoWorkerAvailable
 from pagedserve.cluster.worker_group import stop_worker_group
@@ -47,7 +47,7 @@ def test_worker_killed_mid_stream(ray_cluster, mode):
             error = exc
         assert victim is not None and not victim.alive
         held = await core.index.snapshot_of.remote(victim.worker_id)
-        await assert_pools_clean(core)
+        await assert_cluster_clean(core)  # the survivor leaked nothing; the victim restarts
         # Ray restarts the victim; the router notices and routes to it again.
         deadline = time.monotonic() + 60
         while not victim.alive:
@@ -92,7 +92,7 @@ def test_a_stalled_worker_s_streams_replay_on_a_peer(ray_cluster):
         while victim.stalled:
             assert time.monotonic() < deadline, "the released worker never rejoined routing"
             await asyncio.sleep(0.1)
-        await assert_pools_clean(core)
+        await assert_cluster_clean(core)
         replays = core.counters.replays
         await core.close()
         return reference[0], streamed, stalled_seen, replays
@@ -134,7 +134,7 @@ def test_a_refused_replay_leg_tries_the_next_worker(ray_cluster):
                 await refusing.handle.chaos_refuse_next.remote(1)
                 ray.kill(victim.handle, no_restart=False)
         busy.end(10_000_000)
-        await assert_pools_clean(core)
+        await assert_cluster_clean(core)
         retried, replays = core.counters.legs_retried, core.counters.replays
         await core.close()
         return reference[0], streamed, finals, busy.worker_id, retried, replays

@@ -1,14 +1,19 @@
-"""KV moving between workers: a preempted request moves to a peer with its KV, and a worker
-under eviction pressure pushes cached prefixes to the emptiest peer. Outputs never change."""
+"""KV moving between workers: a preempted request moves to a peer with its KV, a worker pulls a
+prefix a peer holds, and a worker under eviction pressure pushes cached prefixes to the emptiest
+peer. Outputs never change, and the KV that moved is used, not silently computed again: the
+receiver's scheduler counts the tokens it prefilled (`WorkerStats.scheduler.prefill_tokens`)."""
 
 import asyncio
 import copy
 import random
+from dataclasses import dataclass
 
 import pytest
-from support.cluster import assert_pools_clean, cluster_config, greedy, run_request, start_router
+from support.cluster import cluster_config, greedy, run_request, start_router
+from support.wait import until
 
 from pagedserve.cluster.worker_group import stop_worker_group
+from pagedserve.workers.worker_types import WorkerStats
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 PIN = 10_000_000  # router-side demand that makes a worker look full, to steer routing
@@ -17,6 +22,36 @@ PIN = 10_000_000  # router-side demand that makes a worker look full, to steer r
 def prompt(seed: int, length: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(256) for _ in range(length)]
+
+
+async def worker_stats(core) -> dict[str, WorkerStats]:
+    return {wid: await w.handle.stats.remote() for wid, w in core.workers.items()}
+
+
+@dataclass
+class Run:
+    """A batch of requests run at once: their results, every worker's stats before and after,
+    and how many moves the router followed meanwhile."""
+
+    results: list
+    before: dict[str, WorkerStats]
+    after: dict[str, WorkerStats]
+    moves: int
+
+    def grew(self, counter: str) -> dict[str, int]:
+        """Per worker, how much a scheduler counter grew during the run."""
+        return {
+            wid: getattr(self.after[wid].scheduler, counter)
+            - getattr(self.before[wid].scheduler, counter)
+            for wid in self.after
+        }
+
+    def outputs(self) -> list[list[int]]:
+        return [tokens[0] for tokens, _ in self.results]
+
+    def last_workers(self) -> set[str]:
+        """The workers the requests ended on."""
+        return {final[0].worker_id for _, final in self.results}
 
 
 def test_preempted_request_moves_with_its_kv_and_output_is_unchanged():
@@ -32,30 +67,76 @@ def test_preempted_request_moves_with_its_kv_and_output_is_unchanged():
             "enable_prefix_caching": False,
         },
     )
+    # Two requests of 30 + 100 tokens need 17 blocks each: both cannot stay in a pool of 20,
+    # one alone always fits, so exactly one moves, and the receiver has room for its KV.
+    pair = [prompt(300 + i, 30) for i in range(2)]
+    # Five of 30 + 30 tokens: moves back and forth, some adopted without room (recomputed).
     prompts = [prompt(100 + i, 30) for i in range(5)]
+
+    async def run_pinned(core, batch, max_tokens):
+        """Every request of `batch` at once on the first worker (the second looks full)."""
+        _, target = core.workers.values()
+        before, moves = await worker_stats(core), core.counters.moves
+        target.begin(PIN)
+        try:
+            results = await asyncio.gather(
+                *(run_request(core, p, greedy(max_tokens)) for p in batch)
+            )
+        finally:
+            target.end(PIN)
+        return Run(results, before, await worker_stats(core), core.counters.moves - moves)
 
     async def main():
         core = await start_router(config)
-        reference = [(await run_request(core, p, greedy(30)))[0][0] for p in prompts]
-        busy, target = core.workers.values()
-        target.begin(PIN)  # everything lands on `busy`, whose pool cannot hold them all
-        try:
-            results = await asyncio.gather(*(run_request(core, p, greedy(30)) for p in prompts))
-        finally:
-            target.end(PIN)
-        await assert_pools_clean(core)
-        return reference, results, copy.deepcopy(core.counters)
+        pair_alone = [(await run_request(core, p, greedy(100)))[0][0] for p in pair]
+        alone = [(await run_request(core, p, greedy(30)))[0][0] for p in prompts]
+        pair_run = await run_pinned(core, pair, 100)
+        run = await run_pinned(core, prompts, 30)
+        busy, target = core.workers
+        return busy, target, pair_alone, pair_run, alone, run
 
     try:
-        reference, results, counters = asyncio.run(main())
+        busy, target, pair_alone, pair_run, alone, run = asyncio.run(main())
     finally:
         stop_worker_group(config)
-    assert counters.moves >= 1
-    assert [tokens[0] for tokens, _ in results] == reference
-    assert {final[0].worker_id for _, final in results} == {
-        f"{config.name}-worker-0",
-        f"{config.name}-worker-1",
-    }
+    # The pair: one move, its KV imported by the receiver, which prefilled nothing.
+    assert pair_run.moves == 1 and pair_run.grew("moved") == {busy: 1, target: 0}
+    assert pair_run.grew("prefill_tokens")[target] == 0, "the moved KV was computed again"
+    assert pair_run.after[target].num_steps > pair_run.before[target].num_steps  # it decoded
+    assert pair_run.outputs() == pair_alone and pair_run.last_workers() == {busy, target}
+    # The five: every move an engine made was followed by the router; outputs unchanged.
+    assert run.moves >= 1 and sum(run.grew("moved").values()) == run.moves
+    assert run.outputs() == alone and run.last_workers() == {busy, target}
+
+
+def test_a_pulled_prefix_is_imported_not_recomputed_and_gives_the_same_output():
+    config = cluster_config("t-pull", num_workers=2, pull_min_blocks=1, enable_push=False)
+    system, suffix = prompt(3, 80), prompt(4, 6)  # 10 full blocks of 8, and 6 tokens more
+
+    async def main():
+        core = await start_router(config)
+        tokens_here, final = await run_request(core, system + suffix, greedy(10))
+        holder = core.workers[final[0].worker_id]
+        other = next(w for w in core.workers.values() if w is not holder)
+        before = (await worker_stats(core))[other.worker_id]
+        holder.begin(PIN)  # the holder looks busy: the router picks the other, which pulls
+        try:
+            tokens_there, final2 = await run_request(core, system + suffix, greedy(10))
+        finally:
+            holder.end(PIN)
+        after = (await worker_stats(core))[other.worker_id]
+        return tokens_here, tokens_there, final2[0], other.worker_id, before, after, core.counters
+
+    try:
+        here, there, final2, other_id, before, after, counters = asyncio.run(main())
+    finally:
+        stop_worker_group(config)
+    assert final2.worker_id == other_id and there == here
+    assert (counters.pulls, counters.pull_blocks) == (1, 10)
+    assert after.blocks_imported - before.blocks_imported == 10
+    # The 10 pulled blocks were hits; the receiver prefilled only the 6 tokens past them.
+    assert final2.usage.cached_tokens == 80
+    assert after.scheduler.prefill_tokens - before.scheduler.prefill_tokens == 6
 
 
 def test_pressure_pushes_cached_prefixes_that_later_hit_on_the_receiver():
@@ -76,10 +157,8 @@ def test_pressure_pushes_cached_prefixes_that_later_hit_on_the_receiver():
         try:
             for p in prefixes:  # all on `source`: its pool fills with cached prefixes
                 await run_request(core, p + [1, 2, 3], greedy(2))
-            for _ in range(100):  # the poll loop pushes while `source` is short of blocks
-                if core.counters.pushes:
-                    break
-                await asyncio.sleep(0.1)
+            # The poll loop pushes while `source` is short of blocks.
+            await until(lambda: core.counters.pushes, "a push")
         finally:
             receiver.end(PIN)
         source.begin(PIN)
@@ -87,7 +166,6 @@ def test_pressure_pushes_cached_prefixes_that_later_hit_on_the_receiver():
             hits = [(await run_request(core, p + [4, 5, 6], greedy(2)))[1][0] for p in prefixes]
         finally:
             source.end(PIN)
-        await assert_pools_clean(core)
         held = await core.index.snapshot_of.remote(receiver.worker_id)
         return copy.deepcopy(core.counters), hits, held, receiver.worker_id
 

@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 import ray
-from support.cluster import assert_pools_clean, cluster_config, greedy, run_request, start_router
+from support.cluster import assert_cluster_clean, cluster_config, greedy, run_request, start_router
 from support.real_model import SMOLLM2, prompt_ids
 
 from pagedserve.cluster.router_types import GenerateRequest
@@ -45,7 +45,7 @@ def test_pulled_prefix_gives_hf_ids(smollm2, prompts):
             tokens, final = await run_request(core, long, greedy(MAX_TOKENS))
         finally:
             holder.end(PIN)
-        await assert_pools_clean(core)
+        await assert_cluster_clean(core)
         return tokens[0], final[0], other.worker_id, core.counters.as_dict()
 
     try:
@@ -74,7 +74,7 @@ def test_moved_request_gives_hf_ids(smollm2, prompts):
             )
         finally:
             target.end(PIN)
-        await assert_pools_clean(core)
+        await assert_cluster_clean(core)
         return results, core.counters.as_dict()
 
     try:
@@ -102,7 +102,7 @@ def test_replayed_request_gives_hf_ids(smollm2, prompts):
             if victim is None and len(streamed) >= 5:
                 victim = core.workers[delta.worker_id]
                 ray.kill(victim.handle, no_restart=False)
-        await assert_pools_clean(core)
+        await assert_cluster_clean(core)
         await core.close()
         return streamed, victim
 

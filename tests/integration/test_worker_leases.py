@@ -23,7 +23,7 @@ PARAMS = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
 def worker():
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False)  # never another session's
     config = EngineConfig(block_size=8, num_kv_blocks=64, attention_backend="torch")
     handle = (
         ray.remote(Worker)

@@ -1,4 +1,8 @@
-"""A running pagedserve app for API tests: Ray, Serve's HTTP and gRPC proxies, two workers."""
+"""A running pagedserve app for API tests: Ray, Serve's HTTP and gRPC proxies, two workers.
+
+The app is watched by the session's leak check (support/leaks.py) while it runs: after each
+test, and when it stops, its Router, pools and index must be clean.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.grpc_status import proxy_env_vars
 from pagedserve.cluster.serve_options import grpc_options
 from pagedserve.cluster.worker_group import stop_worker_group
+from support.leaks import DEADLINE_S, WATCH, assert_cluster_clean, serve_router
 
 # 127 usable blocks of 8 tokens (one kept in reserve): prompt + max_tokens > 1016 never fits,
 # while tiny-llama's context is 2048, so the two refusals can be told apart.
@@ -72,6 +77,7 @@ def running_app(name: str, **args: Any) -> Iterator[RunningApp]:
             controller_options={"runtime_env": {"env_vars": env_vars}},
         )
         serve.run(build_app(app_args), name=name, route_prefix="/")
+        WATCH.watch_serve_app(config, name)
         yield app
     finally:
         serve.shutdown()
@@ -79,19 +85,11 @@ def running_app(name: str, **args: Any) -> Iterator[RunningApp]:
         ray.shutdown()
 
 
-def assert_app_pools_clean(app: RunningApp, deadline_s: float = 30.0) -> None:
-    """Every worker of the app: no request left, every block free or cached, invariants hold
-    (waits, up to `deadline_s`, for requests that are still being aborted)."""
-    workers = [
-        ray.get_actor(app.config.worker_name(i), namespace=app.config.namespace)
-        for i in range(app.config.num_workers)
-    ]
-
-    def clean() -> bool:
-        results = ray.get([w.check_pool.remote() for w in workers])
-        return all(r.clean for r in results)
-
-    wait_until(clean, deadline_s, "every worker pool to be idle and clean")
+def assert_app_clean(app: RunningApp, deadline_s: float = DEADLINE_S) -> None:
+    """The leak check, now (see `support.leaks`): the Router holds nothing open, every worker's
+    pool is idle and clean, the index equals the pools. Waits up to `deadline_s` (a failsafe)
+    for requests that are still being aborted."""
+    assert_cluster_clean(app.config, [serve_router(app.name)], deadline_s)
 
 
 def wait_until(condition: Callable[[], Any], timeout_s: float, what: str) -> Any:

@@ -1,4 +1,8 @@
-"""Helpers for cluster tests: a multi-node Ray cluster, worker groups and leak checks."""
+"""Helpers for cluster tests: a router in this process over a worker group, and requests.
+
+Every router built here is watched by the session's leak check (support/leaks.py): it is
+checked after each test and when its worker group stops.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ from pagedserve.cluster.router_types import GenerateRequest
 from pagedserve.cluster.worker_group import start_worker_group
 from pagedserve.workers.engine_config import EngineConfig
 from pagedserve.workers.sampling_params import SamplingParams
+from pagedserve.workers.telemetry import NOOP, TelemetryConfig, Tracing
+from support.leaks import DEADLINE_S, cluster_problems, in_process_router
 
 WORKER_RESOURCE = "pagedserve_test_worker"
 TEST_MODEL = "tiny-llama"
@@ -39,9 +45,12 @@ def cluster_config(
     )
 
 
-async def start_router(config: ClusterConfig) -> RouterCore:
-    index, workers = start_worker_group(config)
-    core = RouterCore(config, index, workers)
+async def start_router(
+    config: ClusterConfig, telemetry: TelemetryConfig | None = None, tracing: Tracing = NOOP
+) -> RouterCore:
+    """A router in this process over the (new or existing) worker group of `config`, started."""
+    index, workers = start_worker_group(config, telemetry)
+    core = RouterCore(config, index, workers, tracing)
     await core.start()
     return core
 
@@ -62,15 +71,11 @@ async def run_request(core: RouterCore, token_ids: list[int], params: SamplingPa
     return tokens, finals
 
 
-async def assert_pools_clean(core: RouterCore, deadline_s: float = 10.0) -> None:
-    """Every alive worker: no request left, every block free or cached, invariants hold."""
+async def assert_cluster_clean(core: RouterCore, deadline_s: float = DEADLINE_S) -> None:
+    """The leak check, now, of the cluster behind `core` (see `support.leaks`): its in-flight
+    table empty, every worker's pool idle and clean, the index equal to the pools. Waits (the
+    event loop runs on meanwhile) up to `deadline_s` for requests still being aborted."""
     end = time.monotonic() + deadline_s
-    for worker in core.workers.values():
-        if not worker.alive:
-            continue
-        while True:
-            result = await worker.handle.check_pool.remote()
-            if result.clean:
-                break
-            assert time.monotonic() < end, f"{worker.worker_id} pool not clean: {result}"
-            await asyncio.sleep(0.1)
+    while problems := cluster_problems(core.config, [in_process_router(core)]):
+        assert time.monotonic() < end, "cluster not clean:\n  " + "\n  ".join(problems)
+        await asyncio.sleep(0.1)

@@ -76,7 +76,13 @@ def test_forced_preemption_keeps_outputs(tiny_llama, mode, backend):
     )
     outputs = llm.generate(prompts, params)
     assert_matches_reference(outputs, prompts, reference, max_tokens=24)
-    assert sum(o.metrics.num_preemptions for o in outputs) > 0
+    preemptions = sum(o.metrics.num_preemptions for o in outputs)
+    counters = llm.engine.scheduler.counters
+    assert preemptions > 0 and preemptions == counters.swapped_out + counters.recomputed
+    if mode == "swap":  # 64 swap slots hold every victim: a recompute would be a silent fallback
+        assert counters.recomputed == 0 and counters.swapped_in == counters.swapped_out
+    else:
+        assert counters.swapped_out == counters.swapped_in == 0
     finish_clean(llm)
 
 

@@ -85,6 +85,11 @@ def test_a_paused_request_is_the_first_victim_and_its_output_is_unchanged(tiny_l
     assert paused.timings.num_preemptions == 1 and paused.paused
     expected_status = RequestStatus.SWAPPED if mode == "swap" else RequestStatus.WAITING
     assert paused.status is expected_status
+    counters = engine.scheduler.counters
+    if mode == "swap":  # swapped, not silently recomputed
+        assert (counters.swapped_out, counters.recomputed) == (1, 0)
+    else:
+        assert (counters.swapped_out, counters.recomputed) == (0, 1)
     assert engine._groups["q"].branches[0].timings.num_preemptions == 0
     engine.resume("p")
     finished = run_to_end(stepper)

@@ -22,28 +22,16 @@ def greedy(max_tokens: int, n: int = 1) -> SamplingParams:
     return SamplingParams(n=n, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def record_swaps(engine) -> dict[str, int]:
-    """Count the swap-outs the manager accepted and refused (a refusal means recompute)."""
-    counts = {"swapped": 0, "refused": 0}
-    swap_out = engine.kv.swap_out
-
-    def counting(request_id):
-        moves = swap_out(request_id)
-        counts["refused" if moves is None else "swapped"] += 1
-        return moves
-
-    engine.kv.swap_out = counting
-    return counts
-
-
-def record_victims(engine) -> list[tuple[str, bool, tuple[tuple[int, int], ...]]]:
-    """Each victim: its id, whether it was scheduled earlier in its step, its planned copies."""
+def record_victims(engine) -> list[tuple[str, bool, tuple[tuple[int, int], ...], str]]:
+    """Each victim: its id, whether it was scheduled earlier in its step, its planned copies,
+    and where it went ("swapped", or "waiting": recomputed)."""
     seen = []
     preempt = engine.scheduler._preempt
 
     def recording(victim, step):
-        seen.append((victim.request_id, victim in step.scheduled, step.copies.get(victim, ())))
+        scheduled, copies = victim in step.scheduled, step.copies.get(victim, ())
         preempt(victim, step)
+        seen.append((victim.request_id, scheduled, copies, victim.status.value))
 
     engine.scheduler._preempt = recording
     return seen
@@ -62,7 +50,6 @@ def test_a_sequence_swapped_in_when_nothing_else_runs_gets_its_kv_back(tiny_llam
     _, reference = tiny_llama
     llm = make_llm(tiny_llama, num_kv_blocks=10, enable_prefix_caching=caching)
     engine = llm.engine
-    swaps = record_swaps(engine)
     prompts = {"p": list(range(20)), "q": list(range(30, 50))}
     for request_id, prompt in prompts.items():
         engine.add_request(request_id, prompt, greedy(40))
@@ -73,7 +60,9 @@ def test_a_sequence_swapped_in_when_nothing_else_runs_gets_its_kv_back(tiny_llam
         running = {r.request_id for r in engine.scheduler.running}
         swapped_in_alone |= bool(running) and running <= swapped
     finished = {rid: out.outputs[0].token_ids for rid, out in stepper.outputs.items()}
-    assert swaps == {"swapped": 1, "refused": 0} and swapped_in_alone
+    # Swapped out and in once, never recomputed (a recompute would give the same tokens).
+    assert engine.scheduler.counters.swapped_out == engine.scheduler.counters.swapped_in == 1
+    assert engine.scheduler.counters.recomputed == 0 and swapped_in_alone
     assert finished == {rid: reference.greedy(prompt, 40) for rid, prompt in prompts.items()}
     finish_clean(llm)
 
@@ -85,9 +74,10 @@ def test_swap_with_shared_prefixes_and_prefix_caching_matches_hf(tiny_llama):
     prefix = list(range(100, 124))
     prompts = [prefix + [200 + i, 210 + i, 220 + i] for i in range(4)]
     llm = make_llm(tiny_llama, num_kv_blocks=14)
-    swaps = record_swaps(llm.engine)
     outputs = llm.generate(prompts, greedy(32))
-    assert swaps["swapped"] > 0 and swaps["refused"] == 0
+    counters = llm.engine.scheduler.counters
+    assert counters.swapped_out > 0 and counters.swapped_in == counters.swapped_out
+    assert counters.recomputed == 0
     assert sum(o.num_cached_tokens for o in outputs) >= 3 * len(prefix)
     for prompt, output in zip(prompts, outputs, strict=True):
         assert output.outputs[0].token_ids == reference.greedy(prompt, 32)
@@ -101,11 +91,13 @@ def test_a_swap_area_too_small_for_the_victim_falls_back_to_recompute(tiny_llama
     _, reference = tiny_llama
     prompts = [list(range(10 * i, 10 * i + 20)) for i in range(4)]
     llm = make_llm(tiny_llama, num_kv_blocks=16, num_swap_blocks=num_swap_blocks)
-    swaps = record_swaps(llm.engine)
     outputs = llm.generate(prompts, greedy(28))
-    assert swaps["refused"] > 0
+    counters = llm.engine.scheduler.counters
+    assert counters.recomputed > 0 and counters.swapped_in == counters.swapped_out
     if num_swap_blocks < 3:
-        assert swaps["swapped"] == 0
+        assert counters.swapped_out == 0
+    else:
+        assert counters.swapped_out > 0
     for prompt, output in zip(prompts, outputs, strict=True):
         assert output.outputs[0].token_ids == reference.greedy(prompt, 28)
     assert llm.engine.kv.num_free_swap_blocks == num_swap_blocks
@@ -137,7 +129,14 @@ def test_a_victim_scheduled_earlier_in_its_step_keeps_its_tokens(tiny_llama, mod
         stepper.step()
     engine.add_request("a", prompt_a, greedy(8), priority=0)
     finished = run_to_end(stepper)
-    assert ("b#0", True, ()) in victims
+    went = "swapped" if mode == "swap" else "waiting"  # swapped: its KV kept, not recomputed
+    assert ("b#0", True, (), went) in victims
+    counters = engine.scheduler.counters
+    if mode == "swap":
+        assert counters.swapped_out >= 1 and counters.recomputed == 0
+        assert counters.swapped_in == counters.swapped_out
+    else:
+        assert counters.recomputed >= 1 and counters.swapped_out == 0
     assert finished["b"] == [reference.greedy(prompt_b, 40)]
     assert finished["a"] == [reference.greedy(prompt_a, 8)]
     finish_clean(llm)
@@ -163,10 +162,11 @@ def test_n_branches_one_swapped_after_its_copy_on_write(tiny_llama):
     stepper.step()
     engine.add_request("h", prompt_h, greedy(4), priority=0)
     finished = run_to_end(stepper)
-    assert [(rid, bool(copies)) for rid, scheduled, copies in victims if scheduled][:2] == [
-        ("l#2", False),
-        ("l#1", True),
-    ]
+    # Both swapped, neither recomputed: l#1's swap-out is the one that must read the source.
+    early = [(rid, bool(cow), went) for rid, scheduled, cow, went in victims if scheduled]
+    assert early[:2] == [("l#2", False, "swapped"), ("l#1", True, "swapped")]
+    counters = engine.scheduler.counters  # (a later victim may find the swap area full)
+    assert counters.swapped_out >= 2 and counters.swapped_in == counters.swapped_out
     assert finished["l"] == [reference.greedy(prompt_l, 12)] * 3
     assert finished["h"] == [reference.greedy(prompt_h, 4)]
     finish_clean(llm)

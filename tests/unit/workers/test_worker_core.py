@@ -4,6 +4,7 @@ import asyncio
 
 import pytest
 from support.engine import finish_clean
+from support.wait import until
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.workers.block_hash import hash_full_blocks
@@ -13,13 +14,14 @@ from pagedserve.workers.worker_core import WorkerCore
 from pagedserve.workers.worker_types import DrainResult, PoolCheck, RequestMoved
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+GRACE_S = 3.0  # ample for a resumed 8-token request; an unread one never ends within it
 
 
-def make_core(tiny_llama, worker_id="w0", sink=None, **config):
+def make_core(tiny_llama, worker_id="w0", sink=None, max_buffered_deltas=64, **config):
     loaded, _ = tiny_llama
     config = {"block_size": 8, "num_kv_blocks": 64, "attention_backend": "torch", **config}
     llm = LLM(loaded_model=loaded, **config)
-    return llm, WorkerCore(llm.engine, worker_id, sink)
+    return llm, WorkerCore(llm.engine, worker_id, sink, max_buffered_deltas=max_buffered_deltas)
 
 
 async def collect(core, request_id, prompt, params=GREEDY, **kwargs):
@@ -58,12 +60,12 @@ def test_cancelled_stream_frees_blocks(tiny_llama):
                 pass
 
         task = asyncio.create_task(consume())
-        while llm.engine.usage().used_blocks == 0:
-            await asyncio.sleep(0.01)
+        await until(lambda: llm.engine.usage().used_blocks, "the request to take blocks")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await asyncio.sleep(0.05)
+        # The abort runs shielded after the cancelled reader is gone: wait for it, not a while.
+        await until(lambda: not llm.engine.has_unfinished_requests(), "the abort")
         await core.close()
 
     asyncio.run(main())
@@ -227,21 +229,27 @@ def test_offline_llm_refuses_move_mode(tiny_llama):
 
 
 def test_drain_refuses_new_requests_finishes_short_ones_and_cuts_off_the_rest(tiny_llama):
-    llm, core = make_core(tiny_llama)
-    short = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    endless = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    # No clock decides who finishes: both streams are held unread (their requests paused)
+    # until the worker drains; then "short" is read to its end within the grace period, and
+    # "long" stays unread, so it cannot end before the grace period does.
+    llm, core = make_core(tiny_llama, max_buffered_deltas=2)
+    short = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
     async def main():
-        finishing = asyncio.create_task(collect(core, "short", list(range(5, 15)), short))
-        cut_off = asyncio.create_task(collect(core, "long", list(range(20, 30)), endless))
-        while not llm.engine.kv.has_request("long#0"):
-            await asyncio.sleep(0.01)
-        result = await core.drain(grace_s=0.5)
+        finishing = core.generate("short", list(range(5, 15)), short)
+        cut_off = core.generate("long", list(range(20, 30)), long)
+        heads = [await anext(finishing), await anext(cut_off)]
+        await until(lambda: llm.engine.stats()["num_paused"] == 2, "both requests to pause")
+        drain = asyncio.create_task(core.drain(grace_s=GRACE_S))
+        await until(lambda: core.draining, "the drain to start")
         with pytest.raises(Draining, match="is draining"):
             await collect(core, "late", [1, 2, 3], short)
+        deltas = [heads[0]] + [d async for d in finishing]
+        result = await drain
         with pytest.raises(Draining, match="drained before this request ended"):
-            await cut_off
-        deltas = await finishing
+            async for _ in cut_off:
+                pass
         stats = core.stats()
         await core.close()
         return result, deltas, stats
@@ -249,4 +257,5 @@ def test_drain_refuses_new_requests_finishes_short_ones_and_cuts_off_the_rest(ti
     result, deltas, stats = asyncio.run(main())
     assert result == DrainResult(finished=1, handed_off=1)
     assert deltas[-1].finish_reason == "length" and stats.draining
+    assert sum(len(d.token_ids) for d in deltas) == 8
     finish_clean(llm)

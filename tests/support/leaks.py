@@ -1,0 +1,313 @@
+"""The leak check every test that runs requests ends with, and what makes it automatic.
+
+What "clean" means:
+
+- an engine built in the test process: no request in flight, every block free or cached, the
+  pool's invariants hold (`kv_checks.assert_no_leaks`);
+- a cluster: every router that served it holds nothing open (`RouterCore.inflight`: no request
+  id reserved, no request or token counted on any worker); every worker that is still there is
+  idle with a clean pool (`Worker.check_pool`); the prefix index holds, for each such worker,
+  exactly the blocks its pool has cached (no entry for a block that no longer exists, none
+  missing), no worker is stale, the index's own invariants hold, and a worker that is gone for
+  good has no entry left. Requests being aborted, and KV events on their way to the index, may
+  still be in flight when a test ends: the check polls until the cluster is clean, under a
+  generous deadline that is a failsafe only (it never measures anything).
+
+How it cannot be forgotten (`LeakWatch`, installed for the whole session by tests/conftest.py):
+
+- every `Engine` and `RouterCore` built in the test process is recorded as it is built;
+- `support.api_app.running_app` registers its Serve app's Router;
+- every call to `stop_worker_group` (the one way a cluster's actors are stopped: by tests, their
+  fixtures, `running_app`, and the bench commands the tests run) first checks that cluster, and
+  `serve.shutdown` first checks every Serve app's Router;
+- after each test, every cluster still up (a module's shared cluster or app) is checked, and so
+  are the engines the test built; problems found at a stop during the test are reported then.
+
+A failing test is not also charged with the leaks its failure left behind.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray import serve
+
+from pagedserve.cluster import worker_group
+from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.router import RouterCore
+from pagedserve.cluster.router_types import RouterInflight
+from pagedserve.workers.engine import Engine
+from pagedserve.workers.kv_cache_manager import KVCacheManager
+from pagedserve.workers.kv_checks import KVInvariantError, assert_no_leaks
+
+DEADLINE_S = 60.0  # a failsafe: the check returns as soon as everything is clean
+RPC_S = 10.0
+POLL_S = 0.1
+
+
+# ------------------------------------------------------------------------ engines
+@dataclass(frozen=True)
+class EngineView:
+    """What the check reads of an engine: its requests and its block manager. Kept instead of
+    the engine, so that the engine's KV tensors are freed when the test lets go of it."""
+
+    requests: dict[str, Any]  # the engine's own `_groups`: request id → group
+    kv: KVCacheManager
+
+    @classmethod
+    def of(cls, engine: Engine) -> EngineView:
+        return cls(engine._groups, engine.kv)
+
+
+def engine_problems(engine: EngineView) -> list[str]:
+    """What an engine built in this process still holds; empty when it is clean."""
+    if engine.requests:
+        return [f"engine still has requests in flight: {sorted(engine.requests)}"]
+    try:
+        assert_no_leaks(engine.kv)
+    except KVInvariantError as error:
+        return [f"engine pool: {error}"]
+    return []
+
+
+# ----------------------------------------------------------------------- clusters
+@dataclass(frozen=True)
+class RouterView:
+    """How the check reads one router's in-flight table."""
+
+    name: str
+    read: Callable[[], RouterInflight]
+
+
+def in_process_router(core: RouterCore) -> RouterView:
+    return RouterView(f"router {core.router_id[:8]}", core.inflight)
+
+
+def serve_router(app_name: str) -> RouterView:
+    def read() -> RouterInflight:
+        handle = serve.get_app_handle(app_name)
+        return handle.inflight.remote().result(timeout_s=RPC_S)
+
+    return RouterView(f"Serve app {app_name!r}", read)
+
+
+def cluster_problems(config: ClusterConfig, routers: list[RouterView] = ()) -> list[str]:
+    """One look at a cluster: what is not clean now (see the module docstring)."""
+    problems = []
+    for router in routers:
+        try:
+            table = router.read()
+        except Exception as error:  # a router replica restarting: look again
+            problems.append(f"{router.name} did not answer: {error!r}")
+            continue
+        if not table.idle:
+            problems.append(f"{router.name} still holds {table}")
+    try:
+        index = ray.get_actor(config.index_name, namespace=config.namespace)
+    except ValueError:
+        return [*problems, f"{config.name}: the prefix index is gone (stopped unchecked?)"]
+    try:
+        broken = ray.get(index.check_invariants.remote(), timeout=RPC_S)
+        stats = ray.get(index.stats.remote(), timeout=RPC_S)
+    except Exception as error:  # restarting (a test killed it): look again
+        return [*problems, f"{config.name}: the prefix index did not answer: {error!r}"]
+    if broken:
+        problems.append(f"{config.name}: prefix index invariants: {broken}")
+    if stats.stale_workers:
+        problems.append(f"{config.name}: prefix index stale for {stats.stale_workers}")
+    for i in range(config.num_workers):
+        problems += _worker_problems(config.worker_name(i), config.namespace, index)
+    return problems
+
+
+def _worker_problems(worker_id: str, namespace: str, index: Any) -> list[str]:
+    indexed = set(ray.get(index.snapshot_of.remote(worker_id), timeout=RPC_S))
+    try:
+        handle = ray.get_actor(worker_id, namespace=namespace)
+    except ValueError:  # killed for good: the index must have forgotten it
+        if indexed:
+            return [f"{worker_id} is gone, yet the index lists {len(indexed)} blocks on it"]
+        return []
+    try:
+        pool = ray.get(handle.check_pool.remote(), timeout=RPC_S)
+        cached = set(ray.get(handle.kv_snapshot.remote(), timeout=RPC_S).block_hashes)
+    except Exception as error:  # restarting: look again
+        return [f"{worker_id} did not answer: {error!r}"]
+    problems = []
+    if not pool.clean:
+        problems.append(f"{worker_id} pool: {pool.error or 'a request or stream is still open'}")
+    if indexed - cached:
+        problems.append(f"index lists {len(indexed - cached)} blocks {worker_id} does not hold")
+    if cached - indexed:
+        problems.append(f"index misses {len(cached - indexed)} blocks {worker_id} holds")
+    return problems
+
+
+def settle(look: Callable[[], list[str]], deadline_s: float = DEADLINE_S) -> list[str]:
+    """Look until nothing is wrong; what was still wrong at the deadline (empty: clean)."""
+    end = time.monotonic() + deadline_s
+    while True:
+        problems = look()
+        if not problems or time.monotonic() > end:
+            return problems
+        time.sleep(POLL_S)
+
+
+def assert_cluster_clean(
+    config: ClusterConfig, routers: list[RouterView] = (), deadline_s: float = DEADLINE_S
+) -> None:
+    """Wait until the cluster is clean (routers, pools, index); fail with what is not."""
+    problems = settle(lambda: cluster_problems(config, routers), deadline_s)
+    assert not problems, _report(f"cluster {config.name!r} not clean", problems)
+
+
+def _report(what: str, problems: list[str]) -> str:
+    return f"{what} after {DEADLINE_S:.0f} s:\n  " + "\n  ".join(problems)
+
+
+# --------------------------------------------------------------------- the watch
+@dataclass
+class _Watched:
+    config: ClusterConfig
+    routers: list[RouterView] = field(default_factory=list)
+
+
+class LeakWatch:
+    """Owns what the leak checks look at: the clusters up now with the routers serving them,
+    the engines built during the current test, the problems found when a cluster stopped,
+    and how many tests each kind of check covered.
+
+    Install it once (`install`); the conftest fixtures call `begin_test` / `end_test`.
+    """
+
+    def __init__(self) -> None:
+        self.clusters: dict[str, _Watched] = {}
+        self.serve_apps: dict[str, RouterView] = {}
+        self.engines: list[EngineView] = []
+        self.problems: list[str] = []
+        self.covered: dict[str, set[str]] = {"engine": set(), "cluster": set()}
+        self._test: str | None = None
+
+    # ------------------------------------------------------------------ hooks
+    def install(self, monkeypatch: Any) -> None:
+        """Record engines and routers as they are built; check clusters before they stop."""
+        watch = self
+        engine_init, core_init = Engine.__init__, RouterCore.__init__
+        stop, shutdown = worker_group.stop_worker_group, serve.shutdown
+
+        def recording_engine(engine, *args, **kwargs):
+            engine_init(engine, *args, **kwargs)
+            watch.engines.append(EngineView.of(engine))
+
+        def recording_core(core, config, *args, **kwargs):
+            core_init(core, config, *args, **kwargs)
+            watch.watch(config, in_process_router(core))
+
+        def checked_stop(config: ClusterConfig) -> None:
+            watch.stopping(config)
+            stop(config)
+
+        def checked_shutdown() -> None:
+            watch.serve_stopping()
+            shutdown()
+
+        monkeypatch.setattr(Engine, "__init__", recording_engine)
+        monkeypatch.setattr(RouterCore, "__init__", recording_core)
+        monkeypatch.setattr(serve, "shutdown", checked_shutdown)
+        # Every module that imported the function by name gets the checked one too.
+        for module in list(sys.modules.values()):
+            if getattr(module, "stop_worker_group", None) is stop:
+                monkeypatch.setattr(module, "stop_worker_group", checked_stop)
+
+    def watch(self, config: ClusterConfig, router: RouterView | None = None) -> None:
+        watched = self.clusters.setdefault(config.name, _Watched(config))
+        if router is not None:
+            watched.routers.append(router)
+
+    def watch_serve_app(self, config: ClusterConfig, app_name: str) -> None:
+        self.serve_apps[app_name] = serve_router(app_name)
+        self.watch(config, self.serve_apps[app_name])
+
+    # ------------------------------------------------------------------ stops
+    def stopping(self, config: ClusterConfig) -> None:
+        """A cluster is about to stop: check it now, report at the end of the test."""
+        watched = self.clusters.pop(config.name, _Watched(config))
+        if not ray.is_initialized():
+            return
+        routers = [r for r in watched.routers if r not in self.serve_apps.values()]
+        problems = settle(lambda: cluster_problems(config, routers))
+        self._covered("cluster")
+        if problems:
+            self.problems.append(_report(f"cluster {config.name!r} stopped unclean", problems))
+
+    def serve_stopping(self) -> None:
+        """Serve is about to shut down: every app's Router must hold nothing open."""
+        views = dict(self.serve_apps)
+        self.serve_apps.clear()
+        for watched in self.clusters.values():
+            watched.routers = [r for r in watched.routers if r not in views.values()]
+        try:
+            names = list(serve.status().applications) if ray.is_initialized() else []
+        except Exception:  # Serve is not running
+            names = []
+        for name in names:
+            view = views.get(name, serve_router(name))
+            problems = settle(lambda view=view: _router_problems(view))
+            if problems:
+                self.problems.append(_report(f"{view.name} shut down unclean", problems))
+
+    # ------------------------------------------------------------------ tests
+    def begin_test(self, nodeid: str) -> None:
+        """(Problems already found, at a stop in a module fixture's setup, are kept: this
+        test's end reports them.)"""
+        self._test = nodeid
+        self.engines = []
+
+    def end_test(self, passed: bool) -> list[str]:
+        """Check what the test leaves behind; the problems to report (none if it failed)."""
+        problems, self.problems = self.problems, []
+        if passed:
+            for engine in self.engines:
+                self._covered("engine")
+                problems += engine_problems(engine)
+            for watched in list(self.clusters.values()):
+                if ray.is_initialized():
+                    self._covered("cluster")
+                    found = settle(
+                        functools.partial(cluster_problems, watched.config, watched.routers)
+                    )
+                    if found:
+                        problems.append(_report(f"cluster {watched.config.name!r}", found))
+        self.engines = []
+        self._test = None
+        return problems if passed else []
+
+    def end_module(self) -> list[str]:
+        """Problems found by stops after the module's last test (its fixtures' teardown).
+
+        What is still registered is forgotten: a module's Ray goes with it, and a router built
+        on no Ray at all (a unit test's) has nothing to check."""
+        problems, self.problems = self.problems, []
+        self.clusters.clear()
+        self.serve_apps.clear()
+        return problems
+
+    def _covered(self, kind: str) -> None:
+        self.covered[kind].add(self._test or "a module fixture")
+
+
+def _router_problems(view: RouterView) -> list[str]:
+    try:
+        table = view.read()
+    except Exception as error:
+        return [f"{view.name} did not answer: {error!r}"]
+    return [] if table.idle else [f"{view.name} still holds {table}"]
+
+
+WATCH = LeakWatch()

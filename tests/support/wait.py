@@ -1,0 +1,28 @@
+"""Waiting for something a test can observe, never for a stretch of the clock: poll until it
+holds, and fail (never pass) at a deadline that is only a failsafe against a hang."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Callable
+from typing import Any
+
+DEADLINE_S = 120.0
+
+
+async def until(
+    condition: Callable[[], Any], what: str, deadline_s: float = DEADLINE_S, poll_s: float = 0.02
+) -> Any:
+    """Poll `condition()` (awaited when it returns an awaitable) until it is truthy; return
+    that value. Fails after `deadline_s` naming `what` was awaited."""
+    end = time.monotonic() + deadline_s
+    while True:
+        value = condition()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        assert time.monotonic() < end, f"timed out after {deadline_s} s waiting for {what}"
+        await asyncio.sleep(poll_s)
