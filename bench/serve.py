@@ -123,14 +123,6 @@ async def bench_address(
 # --- a local app for the run ---------------------------------------------------------------
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def local_app(cluster: dict[str, Any], *, num_cpus: int | None = None) -> Iterator[str]:
     """Start Ray (a fresh local one), Serve and the app on free ports; yield the gRPC address.
@@ -142,6 +134,7 @@ def local_app(cluster: dict[str, Any], *, num_cpus: int | None = None) -> Iterat
     import ray
     from ray import serve
 
+    from pagedserve.bench.ports import free_port
     from pagedserve.cluster.app import build_app
     from pagedserve.cluster.config import ClusterConfig
     from pagedserve.cluster.serve_options import grpc_options

@@ -8,7 +8,6 @@ included, whatever happens.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from typing import Any
 import ray
 from ray import serve
 
+from pagedserve.bench.ports import free_port
 from pagedserve.cluster.app import build_app
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.grpc_status import proxy_env_vars
@@ -60,12 +60,6 @@ class SoakApp:
             for actor in ray.util.list_named_actors(all_namespaces=True)
             if actor["namespace"] == SERVE_NAMESPACE and actor["name"].startswith(prefix)
         )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

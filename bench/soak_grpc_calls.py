@@ -139,6 +139,8 @@ async def _read(
                 outcome.client_cancelled = True
                 call.cancel()
                 break
+            if req.read_delay_s:
+                await asyncio.sleep(req.read_delay_s)  # a slow client: its stream pauses
     except grpc.aio.AioRpcError:
         pass  # the status is read below, the same way for every ending
     outcome.code = (await call.code()).name

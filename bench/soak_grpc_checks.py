@@ -22,6 +22,7 @@ REFUSED = "RESOURCE_EXHAUSTED"
 ALLOWED: dict[str, set[str]] = {
     "ok": {"OK", REFUSED},
     "burst": {"OK", REFUSED},
+    "slow": {"OK", REFUSED},
     "cancel": {"OK", "CANCELLED", REFUSED},
     "deadline": {"OK", "DEADLINE_EXCEEDED", REFUSED},
     "bad": {"INVALID_ARGUMENT", REFUSED},

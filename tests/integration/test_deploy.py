@@ -11,7 +11,6 @@ are the real ones.
 from __future__ import annotations
 
 import copy
-import socket
 import time
 import urllib.request
 
@@ -21,6 +20,7 @@ from ray import serve
 from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
 from unit.deploy.manifests import KUSTOMIZATIONS, kustomize, serve_config
 
+from pagedserve.bench.ports import free_port
 from pagedserve.cluster.api_config import split_app_args
 from pagedserve.cluster.client import Client
 from pagedserve.cluster.config import ClusterConfig
@@ -28,12 +28,6 @@ from pagedserve.cluster.worker_group import stop_worker_group
 from pagedserve.workers.model_cli import prepare_in_subprocess
 
 MAX_TOKENS = 8
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_running(app_name: str, timeout_s: float) -> None:

@@ -6,7 +6,6 @@ test, and when it stops, its Router, pools and index must be clean.
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -16,6 +15,7 @@ from typing import Any
 import ray
 from ray import serve
 
+from pagedserve.bench.ports import free_port
 from pagedserve.cluster.api_config import split_app_args
 from pagedserve.cluster.app import build_app
 from pagedserve.cluster.config import ClusterConfig
@@ -46,12 +46,6 @@ class RunningApp:
     @property
     def http_url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

@@ -1,8 +1,8 @@
 """The gRPC soak's per-request checks on hand-made outcomes (no Ray, no server)."""
 
-from pagedserve.bench.soak_driver import SoakRequest
+from pagedserve.bench.soak_driver import KINDS, SoakRequest
 from pagedserve.bench.soak_grpc_calls import WIRE_BAD_INPUTS, GrpcOutcome, to_message
-from pagedserve.bench.soak_grpc_checks import check_codes, check_details, check_tokens
+from pagedserve.bench.soak_grpc_checks import ALLOWED, check_codes, check_details, check_tokens
 from pagedserve.workers.sampling_params import SamplingParams
 
 
@@ -23,6 +23,10 @@ def test_allowed_endings_pass():
         outcome("victim", "UNAVAILABLE", details="the router serving this request died"),
     ]
     assert check_codes(outcomes) == [] and check_details(outcomes) == []
+
+
+def test_every_kind_the_soak_plans_has_its_allowed_endings():
+    assert set(KINDS) <= set(ALLOWED), f"kinds without endings: {set(KINDS) - set(ALLOWED)}"
 
 
 def test_internal_hung_and_unasked_cancel_are_problems():
