@@ -8,6 +8,7 @@ import importlib
 BENCH_MODULES: tuple[str, ...] = (
     "pagedserve.bench.kv_manager",
     "pagedserve.bench.offline",
+    "pagedserve.bench.compare",
     "pagedserve.bench.routing",
     "pagedserve.bench.pull",
     "pagedserve.bench.serve",
