@@ -1,7 +1,8 @@
 import pytest
 import ray
 from ray.cluster_utils import Cluster
-from support.cluster import WORKER_RESOURCE
+from support.cluster import TEST_MODEL, WORKER_RESOURCE
+from support.engine import ReferenceModel, load
 
 
 @pytest.fixture(scope="module")
@@ -17,3 +18,10 @@ def ray_cluster():
     yield cluster
     ray.shutdown()
     cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def hf_reference() -> ReferenceModel:
+    """HF's own attention and cache on the test model: an independent greedy reference, so a
+    bug shared by the paged engine run alone and the path under test cannot pass unseen."""
+    return ReferenceModel(load(TEST_MODEL))

@@ -26,7 +26,7 @@ def run(coro):
 
 
 @pytest.mark.parametrize("mode", ["replay", "fail"])
-def test_worker_killed_mid_stream(ray_cluster, mode):
+def test_worker_killed_mid_stream(ray_cluster, hf_reference, mode):
     config = cluster_config(f"t-kill-{mode}", num_workers=2, on_worker_failure=mode)
     long_prompt = prompt(30, 24)
 
@@ -61,13 +61,14 @@ def test_worker_killed_mid_stream(ray_cluster, mode):
     finally:
         stop_worker_group(config)
     assert not held_after_death  # dropped from the index at once
+    assert reference == hf_reference.greedy(long_prompt, 60)
     if mode == "replay":
         assert error is None and streamed == reference
     else:
         assert isinstance(error, NoWorkerAvailable) and streamed == reference[: len(streamed)]
 
 
-def test_a_stalled_worker_s_streams_replay_on_a_peer(ray_cluster):
+def test_a_stalled_worker_s_streams_replay_on_a_peer(ray_cluster, hf_reference):
     """A worker that stays alive and answers but whose engine takes no step (a hung step):
     its stream is not left waiting. The router judges it stalled, replays the request on the
     peer (the same greedy tokens), and routes to it again once it steps again."""
@@ -102,10 +103,10 @@ def test_a_stalled_worker_s_streams_replay_on_a_peer(ray_cluster):
     finally:
         stop_worker_group(config)
     assert stalled_seen == 1 and replays == 1
-    assert streamed == reference
+    assert streamed == reference == hf_reference.greedy(long_prompt, 60)
 
 
-def test_a_refused_replay_leg_tries_the_next_worker(ray_cluster):
+def test_a_refused_replay_leg_tries_the_next_worker(ray_cluster, hf_reference):
     """A worker dies mid-stream; the peer its replay goes to first refuses it (a full queue,
     `Overloaded`): the replay goes on to the next worker instead of ending the request."""
     config = cluster_config("t-refused-leg", num_workers=3)
@@ -145,3 +146,4 @@ def test_a_refused_replay_leg_tries_the_next_worker(ray_cluster):
         stop_worker_group(config)
     assert replays == 1 and retried == 1
     assert finals[0].worker_id == busy_id and streamed == reference
+    assert reference == hf_reference.greedy(long_prompt, 60)

@@ -54,7 +54,7 @@ class Run:
         return {final[0].worker_id for _, final in self.results}
 
 
-def test_preempted_request_moves_with_its_kv_and_output_is_unchanged():
+def test_preempted_request_moves_with_its_kv_and_output_is_unchanged(hf_reference):
     config = cluster_config(
         "t-move",
         num_workers=2,
@@ -107,9 +107,11 @@ def test_preempted_request_moves_with_its_kv_and_output_is_unchanged():
     # The five: every move an engine made was followed by the router; outputs unchanged.
     assert run.moves >= 1 and sum(run.grew("moved").values()) == run.moves
     assert run.outputs() == alone and run.last_workers() == {busy, target}
+    assert pair_alone == [hf_reference.greedy(p, 100) for p in pair]
+    assert alone == [hf_reference.greedy(p, 30) for p in prompts]
 
 
-def test_a_pulled_prefix_is_imported_not_recomputed_and_gives_the_same_output():
+def test_a_pulled_prefix_is_imported_not_recomputed_and_gives_the_same_output(hf_reference):
     config = cluster_config("t-pull", num_workers=2, pull_min_blocks=1, enable_push=False)
     system, suffix = prompt(3, 80), prompt(4, 6)  # 10 full blocks of 8, and 6 tokens more
 
@@ -132,6 +134,7 @@ def test_a_pulled_prefix_is_imported_not_recomputed_and_gives_the_same_output():
     finally:
         stop_worker_group(config)
     assert final2.worker_id == other_id and there == here
+    assert here == hf_reference.greedy(system + suffix, 10)
     assert (counters.pulls, counters.pull_blocks) == (1, 10)
     assert after.blocks_imported - before.blocks_imported == 10
     # The 10 pulled blocks were hits; the receiver prefilled only the 6 tokens past them.
@@ -139,7 +142,7 @@ def test_a_pulled_prefix_is_imported_not_recomputed_and_gives_the_same_output():
     assert after.scheduler.prefill_tokens - before.scheduler.prefill_tokens == 6
 
 
-def test_pressure_pushes_cached_prefixes_that_later_hit_on_the_receiver():
+def test_pressure_pushes_cached_prefixes_that_later_hit_on_the_receiver(hf_reference):
     config = cluster_config(
         "t-push",
         num_workers=2,
@@ -163,16 +166,20 @@ def test_pressure_pushes_cached_prefixes_that_later_hit_on_the_receiver():
             receiver.end(PIN)
         source.begin(PIN)
         try:
-            hits = [(await run_request(core, p + [4, 5, 6], greedy(2)))[1][0] for p in prefixes]
+            hit_runs = [await run_request(core, p + [4, 5, 6], greedy(8)) for p in prefixes]
         finally:
             source.end(PIN)
         held = await core.index.snapshot_of.remote(receiver.worker_id)
-        return copy.deepcopy(core.counters), hits, held, receiver.worker_id
+        return copy.deepcopy(core.counters), hit_runs, held, receiver.worker_id
 
     try:
-        counters, hits, held, receiver_id = asyncio.run(main())
+        counters, hit_runs, held, receiver_id = asyncio.run(main())
     finally:
         stop_worker_group(config)
     assert counters.pushes >= 1 and held
+    hits = [final[0] for _, final in hit_runs]
     pushed_hits = [d for d in hits if d.worker_id == receiver_id and d.usage.cached_tokens >= 40]
     assert pushed_hits, [(d.worker_id, d.usage) for d in hits]
+    # Decoding over pushed KV gives what HF computes with its own cache.
+    outputs = [tokens[0] for tokens, _ in hit_runs]
+    assert outputs == [hf_reference.greedy(p + [4, 5, 6], 8) for p in prefixes]
