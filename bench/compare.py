@@ -66,11 +66,17 @@ class CompareResult:
 def run(args: argparse.Namespace) -> int:
     if args.min_len > args.max_len:
         args._parser.error(f"--min-len ({args.min_len}) is above --max-len ({args.max_len})")
-    vllm_python = args.vllm_python or os.environ.get(VLLM_PYTHON_ENV)
+    vllm_python = args.vllm_python or os.environ.get(VLLM_PYTHON_ENV) or None
     if vllm_python and not os.access(vllm_python, os.X_OK):
         args._parser.error(f"--vllm-python {vllm_python!r} is not an executable file")
     with tempfile.TemporaryDirectory(prefix="pagedserve-compare-") as scratch:
-        result = compare(args, vllm_python, Path(scratch))
+        try:
+            result = compare(args, vllm_python, Path(scratch))
+        finally:
+            if args.log_dir:  # the arms' logs outlive the scratch directory
+                Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+                for log in Path(scratch).glob("*.log"):
+                    shutil.copy(log, Path(args.log_dir) / log.name)
     print(format_result(result))
     if vllm_python is None:
         print(f"vLLM left out: give --vllm-python or ${VLLM_PYTHON_ENV} (see bench/README.md)")
@@ -264,4 +270,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--hf", action=argparse.BooleanOptionalAction, default=True, help="HF reference run")
     add("--hf-batch-size", type=positive_int, default=16)
     add("--json", metavar="FILE", default=None, help="also write the results here")
+    add("--log-dir", default=None, help="keep each arm's log (stderr) here")
     parser.set_defaults(func=run, _parser=parser)

@@ -5,7 +5,9 @@ loads the model, runs the warm-up requests, and prints ``ready``. Then for each 
 its stdin it generates every prompt once, greedily, exactly ``max_tokens`` tokens each
 (``ignore_eos``), and prints one `ArmRun` as a JSON line; ``quit`` ends it.
 
-Only `generate` is timed: process start, model loading and the warm-up are not. The vLLM arm
+Only `generate` is timed: process start, model loading and the warm-up are not. Prefix
+caching is off in every arm: each timed run repeats the same prompts, and a cache kept from the
+run before would turn the later runs' prefills into hits. The vLLM arm
 (`compare_vllm_arm.py`) speaks the same protocol with no import from this package, since it
 runs in vLLM's own virtual environment.
 """

@@ -28,8 +28,7 @@ def standard_library_text() -> str:
     for name in TEXT_MODULES:
         module = importlib.import_module(name)
         parts.append(inspect.getdoc(module) or "")
-        for attr in sorted(vars(module)):
-            value = getattr(module, attr)
+        for attr, value in sorted(vars(module).items()):
             if attr.startswith("_") or not (inspect.isclass(value) or inspect.isfunction(value)):
                 continue
             doc = inspect.getdoc(value)
