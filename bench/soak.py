@@ -51,6 +51,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--max-inflight", type=int, default=24, help="router: requests streamed at most")
     add("--max-waiting", type=int, help="worker: new requests queued at most (core: 16, grpc: 6)")
     add("--no-faults", action="store_true", help="no kill, event loss or burst")
+    add(
+        "--stall-at",
+        type=float,
+        default=None,
+        help="core: also stall a worker's engine at this fraction of the run (off by default)",
+    )
     add("--json", default=None, help="write the summary and problems here")
     parser.set_defaults(func=run)
 
@@ -66,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
 
     no_faults = ("kill_at", "stall_at", "drop_events_at", "burst_at")
     faults = dict.fromkeys(no_faults) if args.no_faults else {}
+    if args.stall_at is not None:
+        faults["stall_at"] = args.stall_at
     spec = SoakSpec(
         num_requests=args.num_requests,
         concurrency=args.concurrency,
