@@ -2,5 +2,3 @@
 configs and command lines can list them without importing torch."""
 
 BACKENDS = ("auto", "triton", "cpu", "torch")
-# How the model's linear layers run (`workers/cpu_linear.py`).
-LINEAR_BACKENDS = ("auto", "torch", "onednn")

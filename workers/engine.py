@@ -110,7 +110,7 @@ class Engine:
             ),
             self.kv,
         )
-        self.runner = ModelRunner(self.loaded, self.kv_cache, ops, config.linear_backend)
+        self.runner = ModelRunner(self.loaded, self.kv_cache, ops)
         self.sampler = Sampler(config.seed)
         self._groups: dict[str, RequestGroup] = {}
         self._paused: set[str] = set()  # ids of paused groups (see `pause`)

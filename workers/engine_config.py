@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedserve.kernels.backends import BACKENDS, LINEAR_BACKENDS
+from pagedserve.kernels.backends import BACKENDS
 from pagedserve.workers.kv_cache_manager import ALLOCATION_MODES
 from pagedserve.workers.model_registry import DEFAULT_MODEL
 from pagedserve.workers.scheduling_policy import PREEMPTION_MODES, SchedulingPolicy
@@ -32,8 +32,6 @@ class EngineConfig:
             `swap` preemption, else none).
         attention_backend: `auto` (Triton on CUDA; on the CPU the C++ `cpu` kernel, or `torch`
             where it cannot be built), `triton`, `cpu` or `torch` (the plain-torch reference).
-        linear_backend: `auto` (on the CPU, oneDNN over weights packed once at load, where
-            this torch has it; else `torch`), `onednn` or `torch` (`nn.functional.linear`).
         enable_prefix_caching: reuse cached KV blocks of equal prefixes.
         kv_allocation: `paged` (blocks as tokens arrive) or `reserve-max` (a whole context per
             request, the baseline paging is measured against).
@@ -62,7 +60,6 @@ class EngineConfig:
     kv_cache_bytes: int | None = None
     num_swap_blocks: int | None = None
     attention_backend: str = field(default="auto", metadata={"choices": BACKENDS})
-    linear_backend: str = field(default="auto", metadata={"choices": LINEAR_BACKENDS})
     enable_prefix_caching: bool = True
     kv_allocation: str = field(default="paged", metadata={"choices": ALLOCATION_MODES})
     watermark: float = 0.01
@@ -84,10 +81,6 @@ class EngineConfig:
             raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
         if self.num_swap_blocks is not None and self.num_swap_blocks < 0:
             raise ValueError(f"num_swap_blocks must be >= 0, got {self.num_swap_blocks}")
-        if self.linear_backend not in LINEAR_BACKENDS:
-            raise ValueError(
-                f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}"
-            )
         if self.kv_allocation not in ALLOCATION_MODES:
             raise ValueError(
                 f"kv_allocation must be one of {ALLOCATION_MODES}, got {self.kv_allocation!r}"

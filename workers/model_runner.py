@@ -21,7 +21,6 @@ from transformers import AttentionInterface
 
 from pagedserve.kernels import KernelOps
 from pagedserve.workers.attention_metadata import AttentionMetadata
-from pagedserve.workers.cpu_linear import pack_linears, resolve_linear_backend
 from pagedserve.workers.kv_cache import KVCache
 from pagedserve.workers.model_loader import LoadedModel
 
@@ -102,15 +101,8 @@ class ModelRunner:
     through this runner (build a separate copy for reference forwards).
     """
 
-    def __init__(
-        self,
-        loaded: LoadedModel,
-        kv_cache: KVCache,
-        ops: KernelOps,
-        linear_backend: str = "torch",
-    ) -> None:
-        """Bind the model to the pool; with `linear_backend` resolving to `onednn`, also pack
-        its linear layers (`cpu_linear.pack_linears`: for good, like the attention switch).
+    def __init__(self, loaded: LoadedModel, kv_cache: KVCache, ops: KernelOps) -> None:
+        """Bind the model to the pool.
 
         Raises:
             ValueError: the pool does not fit the model, or the model's code does not go
@@ -121,9 +113,6 @@ class ModelRunner:
         self.model = loaded.model
         self.kv_cache = kv_cache
         self.ops = ops
-        self.linear_backend = resolve_linear_backend(linear_backend, loaded.device, loaded.dtype)
-        if self.linear_backend == "onednn":
-            pack_linears(self.model)
         # Registration is global but idempotent: it maps a name to a pure function.
         AttentionInterface.register(PAGED_ATTENTION_NAME, paged_attention_forward)
         self.model.set_attn_implementation(PAGED_ATTENTION_NAME)
