@@ -1,7 +1,8 @@
 """`pagedserve bench compare`: our engine beside vLLM's CPU build and HF `generate`.
 
 The same checkpoint, the same prompts (token ids), greedy decoding of exactly ``--max-tokens``
-tokens per prompt (``ignore_eos``) on every side. Our engine and vLLM each run in a child
+tokens per prompt (``ignore_eos``) on every side, and the same KV pool (``--kv-cache-gib``)
+for our engine and vLLM. Our engine and vLLM each run in a child
 process of their own, loaded and warmed up before anything is timed; then the two arms take
 turns (ours, vLLM, vLLM, ours, ...) for ``--repeats`` timed runs each, so that a change in the
 machine's load falls on both. HF ``generate`` runs once, as the reference for agreement.
@@ -100,6 +101,7 @@ def compare(args: argparse.Namespace, vllm_python: str | None, scratch: Path) ->
         warmup,
         WARMUP_TOKENS,
         tokenizer is not None,
+        args.kv_cache_gib,
     )
     spec_path = scratch / "spec.json"
     spec_path.write_text(spec.to_json())
@@ -115,7 +117,7 @@ def compare(args: argparse.Namespace, vllm_python: str | None, scratch: Path) ->
     if vllm_python:
         script = scratch / VLLM_ARM_SCRIPT.name
         shutil.copy(VLLM_ARM_SCRIPT, script)
-        env = child_env({"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")})
+        env = child_env({"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)})
         arms.append(
             Arm("vllm", [vllm_python, str(script), str(spec_path)], str(scratch), env,
                 str(scratch / "vllm.log"))
@@ -265,6 +267,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--min-len", type=positive_int, default=16, help="shortest prompt")
     add("--max-len", type=positive_int, default=300, help="longest prompt")
     add("--max-tokens", type=positive_int, default=64, help="greedy tokens per prompt")
+    add("--kv-cache-gib", type=positive_int, default=2, help="KV pool of every arm, GiB")
     add("--repeats", type=positive_int, default=3, help="timed runs per arm, alternated")
     add("--seed", type=int, default=0)
     add("--hf", action=argparse.BooleanOptionalAction, default=True, help="HF reference run")

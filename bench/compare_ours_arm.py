@@ -19,7 +19,12 @@ def main(argv: Sequence[str]) -> int:
     with open(argv[0], encoding="utf-8") as f:
         spec = ArmSpec.from_json(f.read())
     # Each timed run repeats the prompts: no prefix hits carried over from the run before.
-    llm = LLM(spec.model_dir, dtype=spec.dtype, enable_prefix_caching=False)
+    llm = LLM(
+        spec.model_dir,
+        dtype=spec.dtype,
+        enable_prefix_caching=False,
+        kv_cache_bytes=spec.kv_cache_gib << 30,
+    )
 
     def generate(prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
