@@ -156,7 +156,8 @@ class Migrations:
                 matches = await asyncio.wait_for(self.index.match.remote(chain), timeout)
                 if any(n == len(chain) for wid, n in matches.items() if wid != source.worker_id):
                     continue  # someone else holds it already
-                await self.transfer("push", source, target, chain)
+                if not await self.transfer("push", source, target, chain):
+                    break  # the target took nothing: no more chains to it this round
         except (*WORKER_LOST_ERRORS, TimeoutError):
             logger.warning("push from %s failed", source.worker_id, exc_info=True)
 

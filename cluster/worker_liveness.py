@@ -39,7 +39,8 @@ class WorkerLiveness:
         workers: worker id → the router's `WorkerState` of it (shared with the router).
         router_id: whose lease the loops renew.
         counters: where lost and restarted workers are counted.
-        on_polled: awaited after each successful poll of an alive worker (push pressure).
+        on_polled: run after each successful poll of an alive worker (push pressure), beside
+            the poll loop, one at a time per worker.
     """
 
     def __init__(
@@ -59,6 +60,7 @@ class WorkerLiveness:
         self.on_polled = on_polled
         self._tasks: list[asyncio.Task] = []
         self._removals: dict[str, asyncio.Future] = {}  # worker id → its index removal
+        self._hooks: dict[str, asyncio.Task] = {}  # worker id → its running `on_polled`
 
     async def start(self) -> list[WorkerState]:
         """Wait (up to `startup_timeout_s`) for every worker's `ready()`, then start the poll
@@ -73,7 +75,7 @@ class WorkerLiveness:
         return alive
 
     def close(self) -> None:
-        for task in self._tasks:
+        for task in (*self._tasks, *self._hooks.values()):
             task.cancel()
 
     async def revive(self, worker: WorkerState, timeout_s: float | None = None) -> None:
@@ -105,7 +107,24 @@ class WorkerLiveness:
         worker.stats = stats
         self._judge_progress(worker, stats)
         if worker.alive and self.on_polled is not None:
+            self._start_hook(worker)
+
+    def _start_hook(self, worker: WorkerState) -> None:
+        """Run `on_polled` beside the poll loop, one at a time per worker: a push to a peer
+        that hangs (stalled, or slow to answer) must not hold up the polls, which are what
+        judge that peer stalled in the first place."""
+        running = self._hooks.get(worker.worker_id)
+        if running is not None and not running.done():
+            return  # the last round still runs; the next poll tries again
+        assert self.on_polled is not None
+        self._hooks[worker.worker_id] = asyncio.ensure_future(self._run_hook(worker))
+
+    async def _run_hook(self, worker: WorkerState) -> None:
+        assert self.on_polled is not None
+        try:
             await self.on_polled(worker)
+        except Exception:  # the next poll tries again; the loop must live on
+            logger.exception("after-poll hook for %s failed", worker.worker_id)
 
     def _judge_progress(self, worker: WorkerState, stats: WorkerStats) -> None:
         """Stalled: runnable work and no engine step for `stall_timeout_s` (the worker's own

@@ -1,14 +1,18 @@
-"""`WorkerLiveness.drop` without Ray: a lost worker leaves the index before any caller of
-`drop` goes on, even when the poll loop and a stream see the loss at the same time."""
+"""`WorkerLiveness` without Ray: a lost worker leaves the index before any caller of `drop`
+goes on, even when the poll loop and a stream see the loss at the same time; a hanging
+after-poll hook (a push into a stalled peer) never holds up the polls."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.router_types import RouterCounters
 from pagedserve.cluster.worker_liveness import WorkerLiveness
 from pagedserve.cluster.worker_state import WorkerState
+from pagedserve.workers.kv_cache_manager import KVUsage
+from pagedserve.workers.worker_types import WorkerInfo, WorkerStats
 
 
 class SlowIndex:
@@ -45,5 +49,52 @@ def test_a_second_drop_waits_for_the_first_one_s_index_removal():
         assert index.removed == ["w0"] and counters.workers_lost == 1
         await liveness.drop(worker)  # a dead worker dropped again: nothing more
         assert index.removed == ["w0"] and counters.workers_lost == 1
+
+    asyncio.run(main())
+
+
+class Remote:
+    """`handle.<method>.remote(...)` over a plain coroutine function."""
+
+    def __init__(self, fn) -> None:
+        self.remote = fn
+
+
+def stalled_stats(seconds_without_progress: float) -> WorkerStats:
+    kv = KVUsage(**{f.name: 0 for f in dataclasses.fields(KVUsage)})
+    return WorkerStats("w1", "e", kv, seconds_without_progress=seconds_without_progress)
+
+
+def test_a_hanging_after_poll_hook_does_not_hold_up_the_polls():
+    """A push into a stalled peer hangs; the polls that judge that peer go on meanwhile."""
+
+    async def main():
+        info = WorkerInfo("w1", "e", "m", 8, 256, 64, 10)
+        stalled = WorkerState("w1", handle=None, alive=True, info=info)
+        progress = iter([0.0, 100.0])
+
+        async def stats(router_id):
+            return stalled_stats(next(progress))
+
+        stalled.handle = type("Handle", (), {"stats": Remote(stats)})()
+        hook_started, never = asyncio.Event(), asyncio.Event()
+        calls = []
+
+        async def hanging_push(worker):
+            calls.append(worker.worker_id)
+            hook_started.set()
+            await never.wait()
+
+        config = ClusterConfig(stall_timeout_s=5.0)
+        liveness = WorkerLiveness(
+            config, None, {"w1": stalled}, "router", RouterCounters(), on_polled=hanging_push
+        )
+        await asyncio.wait_for(liveness.poll(stalled), 5)
+        await asyncio.wait_for(hook_started.wait(), 5)
+        # The hook hangs; the next poll still returns, and judges the stall.
+        await asyncio.wait_for(liveness.poll(stalled), 5)
+        assert stalled.stalled and liveness.counters.workers_stalled == 1
+        assert calls == ["w1"], "a second hook started while the first one still ran"
+        liveness.close()
 
     asyncio.run(main())
