@@ -16,6 +16,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "pagedserve.bench.block_sweep",
     "pagedserve.bench.soak",
     "pagedserve.bench.grpc_burst",
+    "pagedserve.bench.serve_compare",
 )
 
 
