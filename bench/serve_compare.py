@@ -14,8 +14,9 @@ starts. Every timed run gets a fresh server, so no prefix cache carries over; th
 turns (ours, vLLM, vLLM, ours, ...) for ``--repeats`` runs each, so that a change in the
 machine's load falls on both.
 Both get the same KV pool (``--kv-cache-gib``: our ``--kv-cache-bytes``, vLLM's
-``VLLM_CPU_KVCACHE_SPACE``), every core of the machine (our worker's ``OMP_NUM_THREADS``, which
-Ray would otherwise set to 1) and the same served model name.
+``VLLM_CPU_KVCACHE_SPACE``), every core of the machine (our worker's ``--worker-threads``, default
+the core count: Ray would otherwise give the engine one thread per reserved CPU, 1, while vLLM's
+CPU build uses every core) and the same served model name.
 
 vLLM is the peer when ``--vllm-python`` (or ``$PAGEDSERVE_VLLM_PYTHON``) names the Python of a
 virtual environment with ``vllm-cpu`` installed (see bench/README.md); without it, or for
@@ -195,11 +196,9 @@ def our_server(args: argparse.Namespace, scratch: Path, log_path: Path) -> Serve
         "--model", args.model, "--served-model-name", args.model,
         "--http-port", str(http_port), "--grpc-port", str(grpc_port),
         "--kv-cache-bytes", str(args.kv_cache_gib << 30),
+        "--worker-threads", str(args.worker_threads),
     ]  # fmt: skip
-    # Ray gives an actor OMP_NUM_THREADS = its num_cpus (1) unless the variable is set; vLLM's
-    # CPU build uses every core, so our one worker is given every core too.
-    threads = os.environ.get("OMP_NUM_THREADS") or str(os.cpu_count() or 1)
-    env = child_env({"OMP_NUM_THREADS": threads})
+    env = child_env({})
     return Server("ours", command, env, str(scratch), http_port, log_path)
 
 
@@ -452,6 +451,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--output-len", type=positive_int, default=32, help="greedy tokens per request")
     add("--request-rate", type=float, default=1.0, help="Poisson arrivals, requests/s")
     add("--repeats", type=positive_int, default=2, help="timed runs per arm, alternated")
+    add(
+        "--worker-threads",
+        type=positive_int,
+        default=os.cpu_count() or 1,
+        help="our worker's torch threads (default: every core, as vLLM's CPU build uses)",
+    )
     add("--warmup-requests", type=int, default=2, help="untimed requests after each start")
     add("--kv-cache-gib", type=positive_int, default=_kv_gib_default(),
         help=f"KV pool of both servers, GiB (default: ${VLLM_KV_ENV} or 2)")  # fmt: skip

@@ -22,7 +22,12 @@ class ClusterConfig:
         engine: the config every worker's engine is built from.
         num_workers: worker actors (one per GPU where there are GPUs).
         worker_num_gpus: GPUs per worker actor (1 on GPU machines, 0 on CPU).
-        worker_num_cpus: CPUs per worker actor.
+        worker_num_cpus: CPUs per worker actor (what Ray reserves for it).
+        worker_threads: torch intra-op threads of each worker's engine (its
+            `OMP_NUM_THREADS`). None: Ray's default, which is `worker_num_cpus` rounded down
+            (at least 1), so each worker keeps to the cores it reserved and the router, proxy
+            and index keep the rest. On a machine that only serves, set it to the cores a
+            worker may really use (e.g. every core for one worker).
         worker_resources: custom Ray resources per worker actor (to pin workers to nodes).
         routing_policy: a registered routing policy (`cluster/routing.py`).
         routing_options: keyword options of the policy (e.g. `prefill_weight`).
@@ -73,6 +78,7 @@ class ClusterConfig:
     num_workers: int = 2
     worker_num_gpus: float = 0.0
     worker_num_cpus: float = 1.0
+    worker_threads: int | None = None
     worker_resources: dict[str, float] = field(default_factory=dict)
     routing_policy: str = field(
         default=DEFAULT_POLICY, metadata={"choices": RoutingPolicy.registry}
@@ -109,7 +115,7 @@ class ClusterConfig:
             )
         if self.pull_min_blocks < 1:
             raise ValueError(f"pull_min_blocks must be >= 1, got {self.pull_min_blocks}")
-        for name in ("max_waiting_per_worker", "max_inflight"):
+        for name in ("max_waiting_per_worker", "max_inflight", "worker_threads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {getattr(self, name)}")
         timeouts = ("pull_timeout_s", "stats_interval_s", "rpc_timeout_s", "startup_timeout_s")

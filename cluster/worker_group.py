@@ -26,10 +26,13 @@ def start_worker_group(
     Actors are detached and named, so router replicas share them and they outlive a router
     restart; `stop_worker_group` removes them. Ray restarts a crashed worker (max_restarts),
     and the router re-registers it once it answers again. Workers get the telemetry settings
-    at creation and this process's OTEL_* variables in their runtime env.
+    at creation and this process's OTEL_* variables in their runtime env, and
+    `OMP_NUM_THREADS` when `worker_threads` is set.
     """
     telemetry = telemetry or TelemetryConfig()
     env = otel_env()
+    if config.worker_threads is not None:  # torch reads it at import: set it before the actor
+        env["OMP_NUM_THREADS"] = str(config.worker_threads)
     runtime_env = {"env_vars": env} if env else None
     names = [config.worker_name(i) for i in range(config.num_workers)]
     # The index gets the names so that, restarted by Ray, it resyncs from every worker at once.

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import ray
+import torch
 
 from pagedserve.workers.block import BlockKey
 from pagedserve.workers.engine import Engine
@@ -136,6 +137,7 @@ class Worker:
             vocab_size=engine.loaded.vocab_size,
             max_model_len=engine.max_model_len,
             num_blocks=engine.kv.pool.num_blocks,
+            num_threads=torch.get_num_threads(),
         )
 
     @ray.method(_generator_backpressure_num_objects=STREAM_BACKPRESSURE_OBJECTS)

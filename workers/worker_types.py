@@ -36,6 +36,7 @@ class WorkerInfo:
     vocab_size: int
     max_model_len: int
     num_blocks: int
+    num_threads: int = 1  # torch intra-op threads of its engine (`ClusterConfig.worker_threads`)
 
 
 @dataclass(frozen=True)

@@ -88,3 +88,20 @@ async def index_agrees(core, worker) -> bool:
     cached = set((await worker.handle.kv_snapshot.remote()).block_hashes)
     indexed = await core.index.snapshot_of.remote(worker.worker_id)
     return bool(cached) and indexed == cached
+
+
+def test_worker_threads_set_each_engine_s_torch_threads():
+    """`worker_threads` overrides Ray's one-thread-per-reserved-CPU default for the engine."""
+    config = cluster_config("t-threads", num_workers=1, worker_threads=2)
+
+    async def main():
+        core = await start_router(config)
+        infos = [w.info for w in core.workers.values()]
+        await core.close()
+        return infos
+
+    try:
+        infos = run(main())
+    finally:
+        stop_worker_group(config)
+    assert [info.num_threads for info in infos] == [2]
