@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -31,8 +30,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pagedserve.bench.bench_io import positive_int
+from pagedserve.bench.compare_arm import VLLM_PYTHON_ENV, vllm_python_of
 
-VLLM_PYTHON_ENV = "PAGEDSERVE_VLLM_PYTHON"
 WARMUP_PROMPTS = 4
 WARMUP_LEN = 24
 WARMUP_TOKENS = 8
@@ -67,9 +66,7 @@ class CompareResult:
 def run(args: argparse.Namespace) -> int:
     if args.min_len > args.max_len:
         args._parser.error(f"--min-len ({args.min_len}) is above --max-len ({args.max_len})")
-    vllm_python = args.vllm_python or os.environ.get(VLLM_PYTHON_ENV) or None
-    if vllm_python and not os.access(vllm_python, os.X_OK):
-        args._parser.error(f"--vllm-python {vllm_python!r} is not an executable file")
+    vllm_python = vllm_python_of(args)
     with tempfile.TemporaryDirectory(prefix="pagedserve-compare-") as scratch:
         try:
             result = compare(args, vllm_python, Path(scratch))

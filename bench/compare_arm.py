@@ -95,6 +95,19 @@ class Arm:
             return "(no log)"
 
 
+VLLM_PYTHON_ENV = "PAGEDSERVE_VLLM_PYTHON"
+
+
+def vllm_python_of(args) -> str | None:
+    """vLLM's Python: `--vllm-python`, else `$PAGEDSERVE_VLLM_PYTHON`, else None (no peer arm).
+
+    A path that is not an executable file is refused through the command's own parser."""
+    vllm_python = args.vllm_python or os.environ.get(VLLM_PYTHON_ENV) or None
+    if vllm_python and not os.access(vllm_python, os.X_OK):
+        args._parser.error(f"--vllm-python {vllm_python!r} is not an executable file")
+    return vllm_python
+
+
 def child_env(extra: dict[str, str]) -> dict[str, str]:
     """This process's environment without PYTHONPATH (the checkout must not leak in), plus extra."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pagedserve.bench.bench_io import positive_int
-from pagedserve.bench.compare import VLLM_PYTHON_ENV
+from pagedserve.bench.compare_arm import VLLM_PYTHON_ENV, vllm_python_of
 
 if TYPE_CHECKING:
     from pagedserve.bench.openai_load import LoadSummary, RequestRecord
@@ -411,9 +411,7 @@ def run(args: argparse.Namespace) -> int:
         args._parser.error("--request-rate must be > 0")
     if args.warmup_requests < 0:
         args._parser.error("--warmup-requests must be >= 0")
-    vllm_python = args.vllm_python or os.environ.get(VLLM_PYTHON_ENV) or None
-    if vllm_python and not os.access(vllm_python, os.X_OK):
-        args._parser.error(f"--vllm-python {vllm_python!r} is not an executable file")
+    vllm_python = vllm_python_of(args)
     with tempfile.TemporaryDirectory(prefix="pagedserve-serve-compare-") as scratch:
         try:
             runs, workload = serve_compare(args, vllm_python, Path(scratch))
