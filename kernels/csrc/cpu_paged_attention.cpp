@@ -68,6 +68,23 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// The same exp, eight or sixteen lanes at a time (the scalar one's polynomial and rounding).
+inline Vec exp_nonpositive(Vec x) {
+  const Vec t = at::vec::maximum(x, Vec(-87.0f)) * Vec(1.44269504088896341f);
+  const Vec n = (t + Vec(0.5f)).floor();
+  const Vec f = t - n;
+  Vec p(1.535336188319500e-4f);
+  p = at::vec::fmadd(p, f, Vec(1.339887440266574e-3f));
+  p = at::vec::fmadd(p, f, Vec(9.618437357674640e-3f));
+  p = at::vec::fmadd(p, f, Vec(5.550332471162809e-2f));
+  p = at::vec::fmadd(p, f, Vec(2.402264791363012e-1f));
+  p = at::vec::fmadd(p, f, Vec(6.931472028550421e-1f));
+  p = at::vec::fmadd(p, f, Vec(1.0f));
+  using IVec = at::vec::Vectorized<int32_t>;
+  const IVec bits = (at::vec::convert_to_int_of_same_size(n) + IVec(127)) << IVec(23);
+  return p * at::vec::cast<float>(bits);
+}
+
 struct Dims {
   int64_t num_heads;
   int64_t num_kv_heads;
@@ -81,12 +98,14 @@ struct Item {
   int64_t kv_head;
   int64_t q_lo;  // first query token of the tile, counted within the sequence's new tokens
   int64_t q_hi;
+  int64_t q_len;  // the sequence's new tokens (a decode item: q_len 1)
   int64_t cost;  // query rows * keys read: the work the bins balance
 };
 
 // One thread's scratch, sized once for the largest tile.
 struct Scratch {
   std::vector<float> q, acc, kt, scores, row_max, row_sum;
+  std::vector<float> logits;  // decode: [rows, context], grown to the longest context seen
 
   Scratch(int64_t rows, const Dims& d)
       : q(rows * d.head_dim),
@@ -189,6 +208,94 @@ void accumulate_values(
 #pragma omp simd
       for (int64_t c = 0; c < D; ++c) acc[c] += pj * static_cast<float>(vrow[c]);
     }
+  }
+}
+
+// A decode item (one query token, its G heads) of a float pool, in two passes over the context
+// instead of an online softmax per block: every score first (each key row read once, for all
+// G rows), then one max, exp and sum per row, vectorised, then every value row read once into
+// each row's register accumulator. No rescaling per block, no scalar exp.
+template <int64_t kD>
+void attend_decode_float(
+    const Item& item, const float* query, float* out, const float* key_cache,
+    const float* value_cache, const int32_t* block_tables, const int32_t* query_start_loc,
+    const int32_t* seq_lens, const Dims& d, float scale, Scratch& s) {
+  constexpr int64_t kChunks = kD / Vec::size();
+  const int64_t BS = d.block_size, G = d.num_heads / d.num_kv_heads;
+  const int64_t token_stride = d.num_kv_heads * kD;
+  const int64_t token = query_start_loc[item.seq];
+  const int64_t num_keys = seq_lens[item.seq];
+  const int32_t* table = block_tables + item.seq * d.max_blocks;
+  float* dst = out + (token * d.num_heads + item.kv_head * G) * kD;
+  if (num_keys <= 0) {  // an empty context: zeros, as in the torch reference
+    std::fill(dst, dst + G * kD, 0.0f);
+    return;
+  }
+  for (int64_t r = 0; r < G; ++r) {
+    const float* src = query + (token * d.num_heads + item.kv_head * G + r) * kD;
+    for (int64_t k = 0; k < kChunks; ++k) {
+      (Vec::loadu(src + k * Vec::size()) * Vec(scale)).store(s.q.data() + r * kD + k * Vec::size());
+    }
+  }
+  if (static_cast<int64_t>(s.logits.size()) < G * num_keys) s.logits.resize(G * num_keys);
+  float* logits = s.logits.data();  // row r at logits + r * num_keys
+
+  const int64_t num_blocks = (num_keys + BS - 1) / BS;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t key0 = b * BS, n = std::min(BS, num_keys - key0);
+    const float* kb = key_cache + static_cast<int64_t>(table[b]) * BS * token_stride +
+                      item.kv_head * kD;
+    for (int64_t j = 0; j < n; ++j) {
+      Vec key[kChunks];
+      for (int64_t k = 0; k < kChunks; ++k) key[k] = Vec::loadu(kb + j * token_stride + k * Vec::size());
+      for (int64_t r = 0; r < G; ++r) {
+        const float* qr = s.q.data() + r * kD;
+        Vec dot = Vec::loadu(qr) * key[0];
+        for (int64_t k = 1; k < kChunks; ++k) dot = at::vec::fmadd(Vec::loadu(qr + k * Vec::size()), key[k], dot);
+        logits[r * num_keys + key0 + j] = dot.reduce_add();
+      }
+    }
+  }
+
+  const int64_t whole = num_keys - num_keys % Vec::size();
+  for (int64_t r = 0; r < G; ++r) {
+    float* lr = logits + r * num_keys;
+    float max = -std::numeric_limits<float>::infinity();
+    Vec vmax(max);
+    for (int64_t j = 0; j < whole; j += Vec::size()) vmax = at::vec::maximum(vmax, Vec::loadu(lr + j));
+    max = vmax.reduce_max();
+    for (int64_t j = whole; j < num_keys; ++j) max = std::max(max, lr[j]);
+    Vec vsum(0.0f);
+    for (int64_t j = 0; j < whole; j += Vec::size()) {
+      const Vec e = exp_nonpositive(Vec::loadu(lr + j) - Vec(max));
+      e.store(lr + j);
+      vsum = vsum + e;
+    }
+    float sum = vsum.reduce_add();
+    for (int64_t j = whole; j < num_keys; ++j) {
+      lr[j] = exp_nonpositive(lr[j] - max);
+      sum += lr[j];
+    }
+    s.row_sum[r] = sum;
+  }
+
+  for (int64_t r = 0; r < G; ++r) {
+    const float* pr = logits + r * num_keys;
+    Vec acc[kChunks];
+    for (int64_t k = 0; k < kChunks; ++k) acc[k] = Vec(0.0f);
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const int64_t key0 = b * BS, n = std::min(BS, num_keys - key0);
+      const float* vb = value_cache + static_cast<int64_t>(table[b]) * BS * token_stride +
+                        item.kv_head * kD;
+      for (int64_t j = 0; j < n; ++j) {
+        const Vec pj(pr[key0 + j]);
+        for (int64_t k = 0; k < kChunks; ++k) {
+          acc[k] = at::vec::fmadd(pj, Vec::loadu(vb + j * token_stride + k * Vec::size()), acc[k]);
+        }
+      }
+    }
+    const Vec inv(1.0f / s.row_sum[r]);
+    for (int64_t k = 0; k < kChunks; ++k) (acc[k] * inv).store(dst + r * kD + k * Vec::size());
   }
 }
 
@@ -297,7 +404,7 @@ std::vector<Item> make_items(
       const int64_t hi = std::min(q_len, lo + kQueryTile);
       const int64_t keys = std::max<int64_t>(ctx - q_len + hi, 1);
       for (int64_t h = 0; h < d.num_kv_heads; ++h) {
-        items.push_back({seq, h, lo, hi, (hi - lo) * G * keys});
+        items.push_back({seq, h, lo, hi, q_len, (hi - lo) * G * keys});
       }
     }
   }
@@ -329,6 +436,16 @@ void run_bins(
     Scratch scratch(max_rows, d);
     for (int64_t bin = begin; bin < end; ++bin) {
       for (const Item& item : bins[bin]) {
+        if constexpr (std::is_same_v<scalar_t, float> && kD > 0 && kD % Vec::size() == 0) {
+          if (item.q_len == 1) {
+            attend_decode_float<kD>(
+                item, query.data_ptr<float>(), out.data_ptr<float>(),
+                key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
+                block_tables.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(),
+                seq_lens.data_ptr<int32_t>(), d, scale, scratch);
+            continue;
+          }
+        }
         attend_item<scalar_t, kD>(
             item, query.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
             key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(),
@@ -379,6 +496,10 @@ void paged_attention(
       at::kHalf, at::kBFloat16, query.scalar_type(), "paged_attention_cpu", [&] {
         // Common head sizes get loops of known length (unrolled); others a generic loop.
         switch (d.head_dim) {
+          case 32:
+            return run_bins<scalar_t, 32>(
+                bins, out, query, key_cache, value_cache, block_tables, query_start_loc,
+                seq_lens, d, fscale);
           case 64:
             return run_bins<scalar_t, 64>(
                 bins, out, query, key_cache, value_cache, block_tables, query_start_loc,
