@@ -21,6 +21,11 @@
 // inner loop runs over keys and each transposed key is reused by every row. Nothing larger
 // than one block of one head is ever copied.
 //
+// Float32 decode items (one new token) whose head_dim fills whole vectors skip the online
+// softmax: `attend_decode_float` scores the whole context first (a row of floats per head),
+// takes one vectorised max/exp/sum per row, then sums the values; every key and value row of
+// the context is read once per item.
+//
 // Items are dealt to at most at::get_num_threads() bins, longest first, so one long prefill
 // does not leave a thread idle behind a run of short decodes.
 
@@ -247,11 +252,14 @@ void attend_decode_float(
                       item.kv_head * kD;
     for (int64_t j = 0; j < n; ++j) {
       Vec key[kChunks];
-      for (int64_t k = 0; k < kChunks; ++k) key[k] = Vec::loadu(kb + j * token_stride + k * Vec::size());
+      const float* krow = kb + j * token_stride;
+      for (int64_t k = 0; k < kChunks; ++k) key[k] = Vec::loadu(krow + k * Vec::size());
       for (int64_t r = 0; r < G; ++r) {
         const float* qr = s.q.data() + r * kD;
         Vec dot = Vec::loadu(qr) * key[0];
-        for (int64_t k = 1; k < kChunks; ++k) dot = at::vec::fmadd(Vec::loadu(qr + k * Vec::size()), key[k], dot);
+        for (int64_t k = 1; k < kChunks; ++k) {
+          dot = at::vec::fmadd(Vec::loadu(qr + k * Vec::size()), key[k], dot);
+        }
         logits[r * num_keys + key0 + j] = dot.reduce_add();
       }
     }
@@ -262,7 +270,9 @@ void attend_decode_float(
     float* lr = logits + r * num_keys;
     float max = -std::numeric_limits<float>::infinity();
     Vec vmax(max);
-    for (int64_t j = 0; j < whole; j += Vec::size()) vmax = at::vec::maximum(vmax, Vec::loadu(lr + j));
+    for (int64_t j = 0; j < whole; j += Vec::size()) {
+      vmax = at::vec::maximum(vmax, Vec::loadu(lr + j));
+    }
     max = vmax.reduce_max();
     for (int64_t j = whole; j < num_keys; ++j) max = std::max(max, lr[j]);
     Vec vsum(0.0f);
