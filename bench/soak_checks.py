@@ -34,20 +34,30 @@ def references_for(engine: EngineConfig, requests: Iterable[SoakRequest]) -> dic
     """Each valid request run alone, offline (greedy: every branch equals this one), by index.
 
     One engine in this process with the workers' config, one request at a time: no batching,
-    prefix sharing, preemption or migration can touch the reference.
+    prefix sharing, preemption or migration can touch the reference. It runs on one torch
+    thread: beside the soak's workers on a loaded machine (load average ~10 on 2 cores),
+    torch's threads waiting on each other at every op kept the gRPC soak's references running
+    for over 10 minutes, past the test's time limit.
     """
+    import torch
+
     from pagedserve.workers.llm import LLM
 
     options = dataclasses.asdict(engine)
     options.update(max_waiting=None, preemption_mode="recompute")
-    llm = LLM(options.pop("model"), **options)
-    references = {}
-    for req in requests:
-        if req.kind == "bad":
-            continue
-        params = dataclasses.replace(req.params, n=1)
-        (output,) = llm.generate([req.token_ids], params)
-        references[req.index] = list(output.outputs[0].token_ids)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        llm = LLM(options.pop("model"), **options)
+        references = {}
+        for req in requests:
+            if req.kind == "bad":
+                continue
+            params = dataclasses.replace(req.params, n=1)
+            (output,) = llm.generate([req.token_ids], params)
+            references[req.index] = list(output.outputs[0].token_ids)
+    finally:
+        torch.set_num_threads(threads)
     return references
 
 

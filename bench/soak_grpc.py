@@ -132,7 +132,9 @@ async def run_grpc_soak(app: SoakApp, spec: GrpcSoakSpec, log: Any = None) -> Gr
     steady, burst = plan_requests(load)
     deadlines = grpc_deadlines(steady, load.deadline_s)
     extra = plan_fault_requests(spec, load.num_requests + len(burst))
-    kill = RouterKillSpec(spec.lease_s, spec.lease_margin_s, spec.restart_timeout_s)
+    kill = RouterKillSpec(
+        spec.lease_s, spec.lease_margin_s, spec.restart_timeout_s, load.hang_timeout_s
+    )
     faults: dict[str, list[FaultRecord]] = {}
     counters: Counter[str] = Counter()
     strikes = {

@@ -3,8 +3,10 @@
 `call_stream` sends a `SoakRequest` as a `GenerateStream` RPC to Serve's gRPC proxy (raw bytes
 for the malformed inputs a typed client cannot even build), reads its deltas, cancels it
 where the request says so, and records the status code, details, trailing metadata and
-latency in a `GrpcOutcome`. It never raises: a call still open after the hang timeout ends as
-`HUNG`, which the checks count as a failure.
+latency in a `GrpcOutcome`. It never raises: a call that receives nothing (no message, no
+status) for the hang timeout ends as `HUNG`, which the checks count as a failure. The bound is
+on silence, not on the whole call, so a stream that keeps streaming on a slow machine is not
+hung, however long it takes.
 """
 
 from __future__ import annotations
@@ -87,19 +89,23 @@ async def call_stream(
     *,
     request_id: str | None = None,
     deadline_s: float | None = None,
-    first_delta: asyncio.Event | None = None,
+    outcome: GrpcOutcome | None = None,
+    queued_timeout_s: float | None = None,
 ) -> GrpcOutcome:
     """Run `req` as a `GenerateStream` call; never raises.
 
     Args:
         channel: a channel to Serve's gRPC proxy.
         req: the request; `cancel_after` deltas are read before the client cancels.
-        hang_timeout_s: a call still open after this long ends as `HUNG`.
+        hang_timeout_s: a call that receives nothing for this long ends as `HUNG`.
         request_id: overrides the request's id (the duplicate-id pair shares one).
         deadline_s: a gRPC deadline for the call (None: none).
-        first_delta: set once the first delta arrived (the router-kill fault waits on it).
+        outcome: the outcome to fill in as the call goes (the router-kill fault watches its
+            victims' deltas arrive); a fresh one by default.
+        queued_timeout_s: how long the call may wait for its first delta (a request queued
+            behind long ones waits for admission, not hung); `hang_timeout_s` by default.
     """
-    outcome = GrpcOutcome(req)
+    outcome = outcome if outcome is not None else GrpcOutcome(req)
     message = to_message(req)
     if request_id is not None and isinstance(message, pb.GenerateRequest):
         message.request_id = request_id
@@ -112,7 +118,7 @@ async def call_stream(
     start = time.monotonic()
     call = rpc(message, timeout=deadline_s)
     try:
-        await asyncio.wait_for(_read(call, req, outcome, first_delta), hang_timeout_s)
+        await _read(call, req, outcome, hang_timeout_s, queued_timeout_s or hang_timeout_s)
     except TimeoutError:
         outcome.code = HUNG
     finally:
@@ -125,16 +131,21 @@ async def _read(
     call: grpc.aio.UnaryStreamCall,
     req: SoakRequest,
     outcome: GrpcOutcome,
-    first_delta: asyncio.Event | None,
+    silence_s: float,
+    first_silence_s: float,
 ) -> None:
+    """Read `call` to its status; TimeoutError once nothing arrived for `silence_s` (for
+    `first_silence_s` before the first delta)."""
+
+    def bound() -> float:
+        return silence_s if outcome.num_deltas else first_silence_s
+
     try:
-        async for delta in call:
+        while (delta := await asyncio.wait_for(call.read(), bound())) is not grpc.aio.EOF:
             outcome.num_deltas += 1
             outcome.tokens.setdefault(delta.index, []).extend(delta.token_ids)
             if delta.finish_reason:
                 outcome.finish_reasons[delta.index] = delta.finish_reason
-            if first_delta is not None:
-                first_delta.set()
             if req.cancel_after is not None and outcome.num_deltas >= req.cancel_after:
                 outcome.client_cancelled = True
                 call.cancel()
@@ -143,7 +154,7 @@ async def _read(
                 await asyncio.sleep(req.read_delay_s)  # a slow client: its stream pauses
     except grpc.aio.AioRpcError:
         pass  # the status is read below, the same way for every ending
-    outcome.code = (await call.code()).name
+    outcome.code = (await asyncio.wait_for(call.code(), bound())).name
     outcome.details = await call.details() or ""
     trailing = await call.trailing_metadata()
     outcome.retry_after = _entry(trailing, "retry-after")

@@ -111,13 +111,16 @@ class RouterKillSpec:
             once it lapses).
         margin_s: slack past the lease for the abort to land (a poll, an engine step).
         restart_timeout_s: how long Serve may take to bring a Router replica back.
-        hang_timeout_s: a victim stream still open after this long is hung.
+        hang_timeout_s: a victim stream silent this long once it streamed is hung.
+        queued_timeout_s: how long a victim may wait for its first delta: the victims outgrow
+            the pool, so some wait in a worker's queue behind the others until the kill.
     """
 
     lease_s: float
     margin_s: float = 3.0
     restart_timeout_s: float = 90.0
     hang_timeout_s: float = 30.0
+    queued_timeout_s: float = 300.0
 
 
 async def router_kill(
@@ -127,20 +130,35 @@ async def router_kill(
     probes: list[SoakRequest],
     spec: RouterKillSpec,
 ) -> FaultRecord:
-    """Kill the Router replica while `victims` stream; then orphans, restart, `probes`."""
+    """Kill the Router replica while `victims` stream; then orphans, restart, `probes`.
+
+    The kill waits for events, not for time: every victim is held by a worker (running or
+    queued), then every victim has streamed or `hang_timeout_s` passed (on a loaded machine
+    some still wait in a queue: they must end UNAVAILABLE all the same), then a victim moved
+    or one streamed half its tokens (bounded the same way), so none has finished.
+    """
     record = FaultRecord("router_kill", {"victims": len(victims)})
-    tasks, started = await _start_victims(app, channel, victims, spec.hang_timeout_s)
+    tasks, outcomes = await _start_victims(app, channel, victims, spec)
 
-    async def moved() -> dict[str, int]:
+    async def all_streaming() -> bool:
+        return all(o.num_deltas or t.done() for o, t in zip(outcomes, tasks, strict=True))
+
+    half = min(v.params.max_tokens for v in victims) // 2
+
+    async def moved_or_halfway() -> bool:
+        if any(len(o.tokens.get(0, ())) >= half for o in outcomes):
+            return True
         counters = await router_counters(app.grpc_address)
-        return counters if counters.get("migrations.move", 0) else {}
+        return counters.get("migrations.move", 0) > 0
 
-    # Kill mid-thrash: the victims outgrow the pool in pairs and move (bounded: if none moved,
-    # the kill still proves the rest, and the run's move count says so).
-    await wait_until(moved, spec.hang_timeout_s)
-    pairs = zip(started, tasks, strict=True)
-    record.facts["streaming_at_kill"] = sum(e.is_set() and not t.done() for e, t in pairs)
+    await wait_until(all_streaming, spec.hang_timeout_s)
+    # Kill mid-thrash when it comes: the victims outgrow the pool in pairs and move.
+    await wait_until(moved_or_halfway, spec.hang_timeout_s)
+    record.facts["streaming_at_kill"] = sum(
+        bool(o.num_deltas) and not t.done() for o, t in zip(outcomes, tasks, strict=True)
+    )
     record.facts["router_counters"] = await router_counters(app.grpc_address)
+    record.facts["moved_before_kill"] = record.facts["router_counters"].get("migrations.move", 0)
     replicas = await asyncio.to_thread(app.router_replicas)
     record.facts["killed"] = replicas
     if not replicas:
@@ -162,27 +180,32 @@ async def router_kill(
 
 
 async def _start_victims(
-    app: SoakApp, channel: grpc.aio.Channel, victims: list[SoakRequest], timeout_s: float
-) -> tuple[list[asyncio.Task], list[asyncio.Event]]:
+    app: SoakApp, channel: grpc.aio.Channel, victims: list[SoakRequest], spec: RouterKillSpec
+) -> tuple[list[asyncio.Task], list[GrpcOutcome]]:
     """Start the victims one at a time, each once the workers hold every one before it (running
     or queued), so that no worker's waiting queue overflows: a refused victim proves nothing.
-    Returns the calls and, for each, an event set once it streamed."""
+    Returns the calls and, for each, the outcome it fills in as its deltas arrive."""
     workers = await asyncio.to_thread(app.worker_handles)
-    tasks, started = [], []
+    tasks, outcomes = [], []
     for victim in victims:
-        event = asyncio.Event()
-        tasks.append(
-            asyncio.create_task(call_stream(channel, victim, timeout_s, first_delta=event))
+        outcome = GrpcOutcome(victim)
+        call = call_stream(
+            channel,
+            victim,
+            spec.hang_timeout_s,
+            outcome=outcome,
+            queued_timeout_s=spec.queued_timeout_s,
         )
-        started.append(event)
+        tasks.append(asyncio.create_task(call))
+        outcomes.append(outcome)
 
         async def held() -> bool:
             stats = await asyncio.gather(*(w.stats.remote() for w in workers.values()))
             open_calls = sum(not t.done() for t in tasks)  # a refused victim is done
             return sum(s.num_streams for s in stats) >= open_calls
 
-        await wait_until(held, timeout_s)
-    return tasks, started
+        await wait_until(held, spec.hang_timeout_s)
+    return tasks, outcomes
 
 
 async def router_counters(address: str) -> dict[str, int]:

@@ -81,6 +81,7 @@ def test_router_kill_ends_streams_unavailable_and_leaves_no_orphan(soak):
     (kill,) = summary["faults"]["router_kill"]
     found = problems_about(problems, "router kill")
     assert not found, failing(f"router kill ({kill})", found)
+    assert kill["streaming_at_kill"] >= 1, kill  # the kill cut a stream mid-way
     assert kill["victim_codes"] == {"UNAVAILABLE": SPEC.kill_victims}, kill
     assert kill["orphans"] == 0 and kill["probe_codes"] == {"OK": SPEC.probes}, kill
 
@@ -113,5 +114,4 @@ def test_the_soak_ran_its_whole_load(soak):
     assert summary["requests"] >= LOAD.num_requests + LOAD.burst_size
     assert set(report.faults) == {"burst", "duplicate_id", "router_kill", "index_kill"}
     assert summary["codes"].get("OK", 0) > LOAD.num_requests // 2, summary["codes"]
-    assert summary["router_counters"].get("migrations.move", 0) > 0, summary["router_counters"]
     assert not problems, failing("all problems", problems)
