@@ -36,7 +36,6 @@ def build_batch(scheduled: dict[Request, int], kv: KVCacheManager, device: torch
     B = kv.block_size
     input_ids: list[int] = []
     positions: list[int] = []
-    slots: list[int] = []
     tables: list[list[int]] = []
     starts = [0]
     seq_lens: list[int] = []
@@ -50,7 +49,6 @@ def build_batch(scheduled: dict[Request, int], kv: KVCacheManager, device: torch
         block_ids = kv.get_block_ids(request.request_id)
         input_ids.extend(request.all_token_ids[start:end])
         positions.extend(range(start, end))
-        slots.extend(block_ids[p // B] * B + p % B for p in range(start, end))
         tables.append(block_ids)
         starts.append(starts[-1] + num_new)
         seq_lens.append(end)
@@ -67,16 +65,19 @@ def build_batch(scheduled: dict[Request, int], kv: KVCacheManager, device: torch
                 prompt_indices.extend(range(first_row, first_row + len(scored)))
     width = max(len(table) for table in tables)
     padded = [table + [0] * (width - len(table)) for table in tables]
+    block_tables = torch.tensor(padded, dtype=torch.int32)
+    position_ids = torch.tensor(positions, dtype=torch.int64)
+    slot_mapping = _slot_mapping(block_tables, position_ids, list(scheduled.values()), B)
     metadata = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+        slot_mapping=slot_mapping.to(device),
+        block_tables=block_tables.to(device),
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         max_query_len=max(scheduled.values()),
     )
     return Batch(
         input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        positions=position_ids.to(device),
         metadata=metadata,
         logits_indices=torch.tensor(
             logits_indices + prompt_indices, dtype=torch.int64, device=device
@@ -84,3 +85,13 @@ def build_batch(scheduled: dict[Request, int], kv: KVCacheManager, device: torch
         sampled=sampled,
         prompt_rows=prompt_rows,
     )
+
+
+def _slot_mapping(
+    block_tables: torch.Tensor, positions: torch.Tensor, num_new: list[int], block_size: int
+) -> torch.Tensor:
+    """The pool slot of each new token, `block_tables[seq, pos // B] * B + pos % B`, in one
+    gather for the whole batch (no Python per token)."""
+    rows = torch.repeat_interleave(torch.arange(len(num_new)), torch.tensor(num_new))
+    blocks = block_tables[rows, positions // block_size].to(torch.int64)
+    return blocks * block_size + positions % block_size
