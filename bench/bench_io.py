@@ -32,8 +32,11 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
     """
     import ray
 
+    from pagedserve.cluster.ray_startup import allow_slow_startup
+
     if ray.is_initialized():
         return False
+    allow_slow_startup()
     if address:
         ray.init(address=address, log_to_driver=False)
     else:

@@ -20,6 +20,7 @@ from pagedserve.bench.ports import free_port
 from pagedserve.cluster.app import build_app
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.grpc_status import proxy_env_vars
+from pagedserve.cluster.ray_startup import allow_slow_startup
 from pagedserve.cluster.serve_options import grpc_options
 from pagedserve.cluster.worker_group import stop_worker_group
 
@@ -72,6 +73,7 @@ def serving_app(config: ClusterConfig, num_cpus: int = 4) -> Iterator[SoakApp]:
     """
     if ray.is_initialized():
         ray.shutdown()
+    allow_slow_startup()
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     app = SoakApp(config, free_port(), config.name)
     try:

@@ -111,11 +111,13 @@ def run(args: argparse.Namespace) -> int:
     from pagedserve.cluster.app import build_app
     from pagedserve.cluster.config import ClusterConfig
     from pagedserve.cluster.grpc_status import proxy_env_vars
+    from pagedserve.cluster.ray_startup import allow_slow_startup
     from pagedserve.cluster.serve_options import grpc_options, http_options
     from pagedserve.workers.model_cli import prepare_in_subprocess
 
     # 'local' starts a fresh cluster even when another one runs on this machine; join an
     # existing one with --address auto (or its address).
+    allow_slow_startup()
     ray.init(address=args.address or "local", include_dashboard=False)
     num_gpus = int(ray.cluster_resources().get("GPU", 0))
     try:

@@ -6,6 +6,11 @@ from support.engine import ReferenceModel, load
 from support.leaks import WATCH
 from support.real_model import SMOLLM2
 
+from pagedserve.cluster.ray_startup import allow_slow_startup
+
+# Every local Ray a test starts inherits this process's environment (cluster/ray_startup.py).
+allow_slow_startup()
+
 
 @pytest.fixture(scope="session")
 def smollm2():
