@@ -78,6 +78,8 @@ class Request:
     movable: bool = False
     # Paused while its stream's reader lags: never scheduled, keeps its blocks, preemptible.
     paused: bool = False
+    # This step's draft tokens (speculative decoding): verified after the forward, then cleared.
+    draft_token_ids: list[int] = field(default_factory=list)
     # What the engine has not yet put in a delta (`Engine._branch_delta` takes it).
     num_reported_tokens: int = 0  # output tokens already reported
     unreported_text: str = ""  # final text produced since the last delta
