@@ -347,13 +347,13 @@ class Engine:
 
     def _max_drafts(self, request: Request) -> int:
         """How many drafts a sequence may verify this step: none unless it is decoding alone
-        (not one of n branches, no log-probabilities asked), and never past `max_tokens` or
-        the context (a verify chunk writes positions up to its last draft)."""
+        (not one of n > 1 branches, no log-probabilities asked), and never past `max_tokens`
+        or the context (a verify chunk writes positions up to its last draft)."""
         params = request.params
         decoding = request.num_computed_tokens == len(request.all_token_ids) - 1
         if request.status is not RequestStatus.RUNNING or request.paused or not decoding:
             return 0
-        if params.n > 1 or params.logprobs is not None or request.pending_branches:
+        if len(self._groups[request.group_id].branches) > 1 or params.logprobs is not None:
             return 0
         return max(
             0,

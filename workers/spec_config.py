@@ -1,7 +1,7 @@
 """Speculative decoding's one typed config (`EngineConfig.speculative`), off by default.
 
-    EngineConfig(speculative={"method": "ngram", "num_tokens": 3})
-    EngineConfig(speculative=SpeculativeConfig("draft", 3, draft_model="tiny-llama"))
+EngineConfig(speculative={"method": "ngram", "num_tokens": 3})
+EngineConfig(speculative=SpeculativeConfig("draft", 3, draft_model="tiny-llama"))
 """
 
 from __future__ import annotations
