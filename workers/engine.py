@@ -383,6 +383,9 @@ class Engine:
                 self.kv.accept_draft_slots(request, verdict.num_accepted)
                 request.num_computed_tokens += verdict.num_accepted
             self.spec_counters.on_verified(len(drafts), verdict.num_accepted, emitted)
+            request.timings.num_verify_steps += 1
+            request.timings.num_draft_tokens += len(drafts)
+            request.timings.num_accepted_tokens += verdict.num_accepted
             request.draft_token_ids = []
             touched[request.group_id] = self._groups[request.group_id]
 
