@@ -3,35 +3,11 @@ not always, and prompts that prompt lookup can hit."""
 
 from __future__ import annotations
 
-import json
-import os
 import random
 
-import torch
+from pagedserve.bench.spec import save_truncated_tiny_llama
 
-from pagedserve.workers.tiny_llama import build_tiny_llama, tiny_llama_config
-from pagedserve.workers.tokenizer import BYTE_TOKENIZER_MARKER, ByteTokenizer
-
-
-def save_truncated_tiny_llama(path: str | os.PathLike[str], num_layers: int = 2) -> str:
-    """tiny-llama (seed 0) cut to its first `num_layers` layers, as a checkpoint directory: a
-    draft with the same vocabulary whose guesses are right only part of the time."""
-    full = build_tiny_llama(0)
-    config = tiny_llama_config()
-    config.num_hidden_layers = num_layers
-    with torch.random.fork_rng(devices=[]):
-        draft = type(full)(config)
-    state = {
-        name: value
-        for name, value in full.state_dict().items()
-        if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers
-    }
-    draft.load_state_dict(state)
-    path = os.fspath(path)
-    draft.eval().save_pretrained(path, safe_serialization=True)
-    with open(os.path.join(path, BYTE_TOKENIZER_MARKER), "w", encoding="utf-8") as f:
-        json.dump({"type": "byte", "vocab_size": ByteTokenizer.vocab_size}, f)
-    return path
+__all__ = ["repetitive_prompts", "save_truncated_tiny_llama"]
 
 
 def repetitive_prompts(vocab: int, count: int, seed: int, prefix: int = 0) -> list[list[int]]:
