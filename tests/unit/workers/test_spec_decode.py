@@ -59,7 +59,7 @@ def test_greedy_output_identical_with_speculation(
     llm, speculated = run(loaded, prompts, speculative=spec, **config)
     assert speculated == plain
     assert_same_as_reference(speculated, prompts, reference)
-    stats = llm.engine.spec_stats()
+    stats = llm.spec_stats()
     assert stats.num_draft_tokens > 0 and stats.num_verified > 0
     if method == "draft-self":  # the target drafting for itself: every draft is accepted
         assert stats.num_accepted_tokens == stats.num_draft_tokens
