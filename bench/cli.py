@@ -17,6 +17,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "pagedserve.bench.soak",
     "pagedserve.bench.grpc_burst",
     "pagedserve.bench.serve_compare",
+    "pagedserve.bench.spec",
 )
 
 

@@ -18,6 +18,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from pagedserve.cluster.config import ClusterConfig
     from pagedserve.workers.config_flags import add_config_flags
     from pagedserve.workers.engine_config import EngineConfig
+    from pagedserve.workers.spec_config import SPEC_METHODS
     from pagedserve.workers.telemetry import EXPORTERS
 
     parser = subparsers.add_parser(
@@ -59,7 +60,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         EngineConfig,
         exclude=ENGINE_FIELDS_SET_BY_THE_CLUSTER,
     )
+    spec = parser.add_argument_group(
+        "speculative decoding (EngineConfig.speculative; off by default)"
+    )
+    spec.add_argument("--speculative-method", choices=SPEC_METHODS, help="ngram or draft")
+    spec.add_argument(
+        "--num-speculative-tokens", type=int, help="draft tokens per step, k (default: 3)"
+    )
+    spec.add_argument("--speculative-draft-model", help="the draft model of method 'draft'")
     parser.set_defaults(func=run)
+
+
+def _speculative_from_args(args: argparse.Namespace, given: dict | None) -> dict | None:
+    """The YAML file's `engine.speculative`, with the speculative flags given on top."""
+    flags = {
+        "method": args.speculative_method,
+        "num_tokens": args.num_speculative_tokens,
+        "draft_model": args.speculative_draft_model,
+    }
+    flags = {name: value for name, value in flags.items() if value is not None}
+    if not flags:
+        return given
+    return {**(given or {}), **flags}
 
 
 def cluster_config_from_args(args: argparse.Namespace, num_gpus: int) -> dict[str, Any]:
@@ -70,6 +92,9 @@ def cluster_config_from_args(args: argparse.Namespace, num_gpus: int) -> dict[st
 
     data = _read_config_file(args.config) if args.config else {}
     engine = {**(data.pop("engine", {}) or {}), **config_flags_set(args, EngineConfig)}
+    speculative = _speculative_from_args(args, engine.get("speculative"))
+    if speculative is not None:
+        engine["speculative"] = speculative
     data.update(config_flags_set(args, ClusterConfig))
     if args.served_model_name is not None:
         data["served_model_name"] = args.served_model_name

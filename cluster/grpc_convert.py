@@ -191,6 +191,7 @@ def stats_to_proto(stats: ClusterStats) -> pb.GetStatsResponse:
     message.num_waiting = sum(w.num_waiting for w in alive)
     message.num_running = sum(w.num_running for w in alive)
     message.num_alive_workers = len(alive)
+    _sum_spec(message.spec, [w.spec for w in alive])
     message.migrations.pulls = counters.pulls
     message.migrations.pulled_blocks = counters.pull_blocks
     message.migrations.pushes = counters.pushes
@@ -217,7 +218,27 @@ def _worker_stats(worker_id: str, view: WorkerView) -> pb.WorkerStats:
     message.prefix_hit_rate = stats.prefix_hit_rate
     for name in _WORKER_COUNTS:
         setattr(message, name, getattr(stats, name))
+    _sum_spec(message.spec, [stats.spec])
     return message
+
+
+_SPEC_SUMS = (
+    "num_verified",
+    "num_draft_tokens",
+    "num_accepted_tokens",
+    "num_emitted_tokens",
+    "draft_time_s",
+    "verify_time_s",
+)
+
+
+def _sum_spec(message: pb.SpecDecodeStats, parts: list) -> None:
+    """Speculative counts summed over `parts` (`SpecStats` or their messages), rates derived."""
+    for name in _SPEC_SUMS:
+        setattr(message, name, sum(getattr(part, name) for part in parts))
+    drafts, verified = message.num_draft_tokens, message.num_verified
+    message.acceptance_rate = message.num_accepted_tokens / drafts if drafts else 0.0
+    message.mean_accepted_length = message.num_emitted_tokens / verified if verified else 0.0
 
 
 def workers_to_proto(workers: list[WorkerState]) -> pb.ListWorkersResponse:

@@ -149,6 +149,24 @@ class _WorkerCollector:
         hits = CounterMetricFamily(
             "pagedserve_prefix_cache_hits_tokens", "Prompt tokens found cached", labels=["worker"]
         )
+        spec = {
+            "num_draft_tokens": "Speculative draft tokens verified",
+            "num_accepted_tokens": "Speculative draft tokens accepted",
+            "num_emitted_tokens": "Tokens emitted by verify steps (accepted + the target's own)",
+            "num_verified": "Request-steps that verified drafts",
+        }
+        spec_counters = {
+            name: CounterMetricFamily(
+                f"pagedserve_spec_{name.removeprefix('num_')}", doc, labels=["worker"]
+            )
+            for name, doc in spec.items()
+        }
+        acceptance = gauge("spec_acceptance_rate", "Accepted / verified draft tokens")
+        spec_seconds = CounterMetricFamily(
+            "pagedserve_spec_seconds",
+            "Time proposing and verifying drafts",
+            labels=["worker", "phase"],
+        )
         for worker_id, (alive, stats) in sorted(self.worker_stats().items()):
             up.add_metric([worker_id], 1.0 if alive else 0.0)
             if stats is None:
@@ -168,4 +186,10 @@ class _WorkerCollector:
             positions.add_metric([worker_id, "tail_waste"], kv.wasted_positions)
             queries.add_metric([worker_id], kv.prefix_queries_tokens)
             hits.add_metric([worker_id], kv.prefix_hits_tokens)
+            for name, family in spec_counters.items():
+                family.add_metric([worker_id], getattr(stats.spec, name))
+            acceptance.add_metric([worker_id], stats.spec.acceptance_rate)
+            spec_seconds.add_metric([worker_id, "draft"], stats.spec.draft_time_s)
+            spec_seconds.add_metric([worker_id, "verify"], stats.spec.verify_time_s)
         yield from (up, running, waiting, usage, blocks, positions, queries, hits)
+        yield from (*spec_counters.values(), acceptance, spec_seconds)

@@ -5,7 +5,8 @@ input_ids       [t0 t1 t2 t9 t4]           (no padding)
 query_start_loc [0, 3, 4, 5]
 seq_lens        [3, 10, 5]                  context after this step
 logits_indices  rows whose last token's logits are sampled, then (prompt log-probabilities only)
-                every prompt position of the chunks that score the prompt
+                every prompt position of the chunks that score the prompt, then (speculative
+                decoding) every position of each verify chunk: last token + its k drafts
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ class Batch:
     sampled: list[Request]  # sequences whose next token this step produces, in logits order
     # After the sampled rows: (request, prompt positions) whose logits score the prompt.
     prompt_rows: list[tuple[Request, range]] = field(default_factory=list)
+    # Last: sequences verifying drafts, each with len(draft_token_ids) + 1 rows of logits.
+    verified: list[Request] = field(default_factory=list)
+
+    @property
+    def num_verify_rows(self) -> int:
+        return sum(len(r.draft_token_ids) + 1 for r in self.verified)
 
 
 def build_batch(scheduled: dict[Request, int], kv: KVCacheManager, device: torch.device) -> Batch:
@@ -43,16 +50,23 @@ def build_batch(scheduled: dict[Request, int], kv: KVCacheManager, device: torch
     sampled: list[Request] = []
     prompt_rows: list[tuple[Request, range]] = []
     prompt_indices: list[int] = []
+    verified: list[Request] = []
+    verify_indices: list[int] = []
     for request, num_new in scheduled.items():
         start = request.num_computed_tokens
         end = start + num_new
+        drafts = request.draft_token_ids
         block_ids = kv.get_block_ids(request.request_id)
-        input_ids.extend(request.all_token_ids[start:end])
+        input_ids.extend(request.all_token_ids[start : end - len(drafts)])
+        input_ids.extend(drafts)
         positions.extend(range(start, end))
         tables.append(block_ids)
         starts.append(starts[-1] + num_new)
         seq_lens.append(end)
-        if end == len(request.all_token_ids):
+        if drafts:
+            verified.append(request)
+            verify_indices.extend(range(starts[-1] - len(drafts) - 1, starts[-1]))
+        elif end == len(request.all_token_ids):
             logits_indices.append(starts[-1] - 1)
             sampled.append(request)
         if request.wants_prompt_logprobs:
@@ -80,10 +94,11 @@ def build_batch(scheduled: dict[Request, int], kv: KVCacheManager, device: torch
         positions=position_ids.to(device),
         metadata=metadata,
         logits_indices=torch.tensor(
-            logits_indices + prompt_indices, dtype=torch.int64, device=device
+            logits_indices + prompt_indices + verify_indices, dtype=torch.int64, device=device
         ),
         sampled=sampled,
         prompt_rows=prompt_rows,
+        verified=verified,
     )
 
 

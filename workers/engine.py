@@ -4,6 +4,14 @@ One `step()` plans a batch (Scheduler), moves blocks (swap, copy-on-write), runs
 forward (ModelRunner), samples one token per finished row (Sampler), and retires sequences that
 stopped. Finished, aborted and timed-out sequences free their blocks in the same step.
 
+With speculative decoding on (`EngineConfig.speculative`), a step first asks the proposer for
+up to k draft tokens per decoding sequence; the scheduler gives each its last token plus the
+drafts as one short chunk (`allocate_slots(..., num_draft_tokens=)`), the same forward yields
+logits at every draft position, `spec_verify` accepts a prefix of the drafts plus one token of
+the target's own, and `KVCacheManager.accept_draft_slots` releases the rejected slots. Tokens
+are appended one by one through the same stop checks as without speculation, so a run that
+stops inside the accepted drafts ends exactly where it would have.
+
 A step returns deltas (`RequestDelta`, see `outputs.py`): per request it touched, only the new
 tokens and final text of each branch. Each `Request` keeps what it has not yet reported, so a
 step costs O(new tokens), never a copy of the whole output.
@@ -43,10 +51,14 @@ from pagedserve.workers.sampler import (
     Sampler,
     apply_penalties,
     make_generator,
+    sampling_probs,
     suppress_stop_tokens,
 )
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedserve.workers.spec_proposer import Proposer, make_proposer
+from pagedserve.workers.spec_stats import SpecCounters, SpecStats
+from pagedserve.workers.spec_verify import Verdict, verify_greedy, verify_sampled
 from pagedserve.workers.stop_checker import FinishReason, check_stop
 
 
@@ -112,6 +124,19 @@ class Engine:
         )
         self.runner = ModelRunner(self.loaded, self.kv_cache, ops)
         self.sampler = Sampler(config.seed)
+        self.proposer: Proposer | None = None
+        if config.speculative is not None:
+            self.proposer = make_proposer(
+                config.speculative,
+                target=self.loaded,
+                ops=ops,
+                target_model=config.model,
+                target_seed=config.seed,
+                block_size=config.block_size,
+                num_blocks=num_blocks,
+                max_model_len=self.max_model_len,
+            )
+        self.spec_counters = SpecCounters()
         self._groups: dict[str, RequestGroup] = {}
         self._paused: set[str] = set()  # ids of paused groups (see `pause`)
         self._arrivals = itertools.count()
@@ -287,6 +312,7 @@ class Engine:
         """Run one scheduling + forward + sampling step; the deltas of requests it touched."""
         touched: dict[str, RequestGroup] = {}
         self._expire_deadlines(touched)
+        drafted = self._propose_drafts()
         plan = self.scheduler.schedule()
         if plan.swap_out:
             self.kv_cache.swap_out(plan.swap_out)
@@ -299,7 +325,84 @@ class Engine:
         if plan.scheduled:
             self.num_steps += 1
             self._run(plan, touched)
+        for request in drafted:  # drafts the plan had no room for
+            request.draft_token_ids = []
         return [self._delta_for(group) for group in touched.values()]
+
+    # ----------------------------------------------------------- speculation
+    def _propose_drafts(self) -> list[Request]:
+        """Ask the proposer for this step's drafts; the sequences that got some."""
+        if self.proposer is None:
+            return []
+        candidates = [(r, k) for r in self.scheduler.running if (k := self._max_drafts(r)) > 0]
+        if not candidates:
+            return []
+        started = time.perf_counter()
+        requests = [r for r, _ in candidates]
+        proposals = self.proposer.propose(requests, [k for _, k in candidates])
+        self.spec_counters.draft_time_s += time.perf_counter() - started
+        for request, drafts in zip(requests, proposals, strict=True):
+            request.draft_token_ids = list(drafts)
+        return [r for r in requests if r.draft_token_ids]
+
+    def _max_drafts(self, request: Request) -> int:
+        """How many drafts a sequence may verify this step: none unless it is decoding alone
+        (not one of n > 1 branches, no log-probabilities asked), and never past `max_tokens`
+        or the context (a verify chunk writes positions up to its last draft)."""
+        params = request.params
+        decoding = request.num_computed_tokens == len(request.all_token_ids) - 1
+        if request.status is not RequestStatus.RUNNING or request.paused or not decoding:
+            return 0
+        if len(self._groups[request.group_id].branches) > 1 or params.logprobs is not None:
+            return 0
+        return max(
+            0,
+            min(
+                self.config.speculative.num_tokens,
+                params.max_tokens - request.num_output_tokens - 1,
+                self.max_model_len - len(request.all_token_ids),
+            ),
+        )
+
+    def _verify(self, requests: list[Request], logits: torch.Tensor, touched, now) -> None:
+        """Accept each sequence's drafts (rows of `logits`, k + 1 per sequence), append its
+        tokens through the stop checks, and release the slots of what was rejected."""
+        offset = 0
+        for request in requests:
+            drafts = request.draft_token_ids
+            rows = logits[offset : offset + len(drafts) + 1].clone()
+            offset += len(drafts) + 1
+            verdict = self._verdict(request, rows)
+            emitted = 0
+            for token in verdict.token_ids:
+                self._append_token(request, token, now)
+                emitted += 1
+                if request.is_finished:  # a stop inside the run: the rest is dropped
+                    break
+            if not request.is_finished:
+                self.kv.accept_draft_slots(request, verdict.num_accepted)
+                request.num_computed_tokens += verdict.num_accepted
+            self.spec_counters.on_verified(len(drafts), verdict.num_accepted, emitted)
+            request.timings.num_verify_steps += 1
+            request.timings.num_draft_tokens += len(drafts)
+            request.timings.num_accepted_tokens += verdict.num_accepted
+            request.draft_token_ids = []
+            touched[request.group_id] = self._groups[request.group_id]
+
+    def _verdict(self, request: Request, rows: torch.Tensor) -> Verdict:
+        """Process each row as the sampler would at that position, then verify."""
+        drafts = request.draft_token_ids
+        params = [request.params] * len(rows)
+        num_out = request.num_output_tokens
+        suppress_stop_tokens(
+            rows, params, [num_out + i for i in range(len(rows))], self.loaded.eos_token_ids
+        )
+        histories = [request.all_token_ids + drafts[:i] for i in range(len(rows))]
+        apply_penalties(rows, params, histories, [request.prompt_len] * len(rows))
+        if request.params.is_greedy:
+            return verify_greedy(rows, drafts)
+        generator = self.sampler.generator_of(request.generator)
+        return verify_sampled(sampling_probs(rows, params), drafts, generator)
 
     def _expire_deadlines(self, touched: dict[str, RequestGroup]) -> None:
         now = time.monotonic()
@@ -317,13 +420,23 @@ class Engine:
             self.kv_cache.copy_blocks(copies)
 
     def _run(self, plan: SchedulerOutput, touched: dict[str, RequestGroup]) -> None:
+        started = time.perf_counter()
         batch = build_batch(plan.scheduled, self.kv, self.loaded.device)
         logits = self.runner.execute(
             batch.input_ids, batch.positions, batch.metadata, batch.logits_indices
         )
+        if batch.verified:
+            num_other = logits.shape[0] - batch.num_verify_rows
+            logits, verify_logits = logits[:num_other], logits[num_other:]
         logits = take_prompt_logprobs(batch, logits, self.tokenizer)
         for request, num_new in plan.scheduled.items():
-            request.num_computed_tokens += num_new
+            request.num_computed_tokens += num_new - len(request.draft_token_ids)
+        if batch.verified:
+            self._verify(batch.verified, verify_logits, touched, time.monotonic())
+            self.spec_counters.verify_time_s += time.perf_counter() - started
+            self.spec_counters.num_steps += 1
+        if not batch.sampled:
+            return
         rows = list(batch.sampled)
         row_logits = list(range(len(rows)))
         for row, request in enumerate(batch.sampled):
@@ -375,6 +488,8 @@ class Engine:
         )
         victim.finish_reason = FinishReason.MOVED
         victim.timings.finished = now
+        if self.proposer is not None:
+            self.proposer.release(victim.request_id)
         touched[group.request_id] = group
         self.num_handoffs += 1
 
@@ -454,6 +569,8 @@ class Engine:
         if request.is_finished:
             return
         self.scheduler.finish(request)
+        if self.proposer is not None:
+            self.proposer.release(request.request_id)
         request.finish_reason = reason
         request.timings.finished = time.monotonic()
         if request.detokenizer is not None:
@@ -487,7 +604,12 @@ class Engine:
             "num_handoffs": self.num_handoffs,
             "kv_cache_device_bytes": self.kv_cache.device_bytes,
             "kv_cache_swap_bytes": self.kv_cache.swap_bytes,
+            "spec": self.spec_stats(),
         }
+
+    def spec_stats(self) -> SpecStats:
+        """Speculative decoding's counts so far (all zero when it is off)."""
+        return self.spec_counters.snapshot()
 
 
 __all__ = [

@@ -8,6 +8,7 @@ from pagedserve.kernels.backends import BACKENDS
 from pagedserve.workers.kv_cache_manager import ALLOCATION_MODES
 from pagedserve.workers.model_registry import DEFAULT_MODEL
 from pagedserve.workers.scheduling_policy import PREEMPTION_MODES, SchedulingPolicy
+from pagedserve.workers.spec_config import SpeculativeConfig
 
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024 * 1024
 CUDA_KV_MEMORY_FRACTION = 0.8
@@ -49,6 +50,8 @@ class EngineConfig:
         split_decodes: Triton: decodes of a mixed prefill+decode batch through the split
             decode kernel (a second launch), so a long decode among prefills is spread over
             many programs.
+        speculative: speculative decoding (`SpeculativeConfig`, or a dict of its fields);
+            None: off.
     """
 
     model: str | None = DEFAULT_MODEL
@@ -71,8 +74,11 @@ class EngineConfig:
     preemption_mode: str = field(default="recompute", metadata={"choices": PREEMPTION_MODES})
     max_waiting: int | None = None
     split_decodes: bool = False
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        # A dict (from `LLM(speculative={...})` or YAML) becomes the typed config here, once.
+        object.__setattr__(self, "speculative", SpeculativeConfig.of(self.speculative))
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

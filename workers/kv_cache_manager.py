@@ -8,6 +8,18 @@
 soon as they are allocated for computation, so a later request with the same prefix reuses them;
 when the step that would compute them drops the request (it was preempted after being
 scheduled), `rollback_slots` takes the hashes and positions back.
+
+Speculative decoding allocates slots for draft tokens past a request's known tokens
+(`num_draft_tokens`); they are written by the verify forward but never hashed. Once the target
+has verified them, `accept_draft_slots` keeps the accepted ones and releases the rest:
+
+    before verify   t0 … t6 t7 | d1 d2 d3 ·  |             num_tokens = 8, draft slots = 3
+    accept 1        t0 … t6 t7 | d1 ·  ·  ·  |             num_tokens = 9; the partial block
+                                                           keeps only accepted slots
+    (k = 5: a block holding only d4 d5 goes back to the free queue, unhashed)
+
+A block is hashed only once every token in it is accepted, so no lookup can hit a rejected
+token; drafts write only private blocks (copy-on-write covers their range too).
 """
 
 from __future__ import annotations
@@ -59,6 +71,8 @@ class _RequestBlocks:
     block_hashes: list[BlockHash]  # chained hashes of the leading full blocks, in order
     num_tokens: int  # positions whose KV is written or being written this step
     swap_slots: list[int] = field(default_factory=list)
+    # Positions past `num_tokens` held this step for draft tokens the target verifies.
+    num_draft_slots: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +196,8 @@ class KVCacheManager:
         request: KVRequest,
         num_new_tokens: int,
         computed: ComputedBlocks = NO_HIT,
+        *,
+        num_draft_tokens: int = 0,
     ) -> SlotAllocation | None:
         """Make room for `num_new_tokens` more tokens of `request`, all or nothing.
 
@@ -189,6 +205,8 @@ class KVCacheManager:
             request: the request; its `all_token_ids` must hold every token to be computed.
             num_new_tokens: tokens whose KV this step computes.
             computed: for a request holding no blocks yet, the prefix-cache hit to reuse.
+            num_draft_tokens: slots after those for draft tokens (not in `all_token_ids`),
+                written this step and resolved by `accept_draft_slots` or `rollback_slots`.
 
         Returns:
             The blocks taken and copy-on-write copies, or None (and nothing changed) when the
@@ -204,19 +222,27 @@ class KVCacheManager:
                 raise ValueError(
                     f"request {request.request_id} holds blocks; a hit cannot be added"
                 )
+            if state.num_draft_slots:
+                raise ValueError(
+                    f"request {request.request_id} still holds {state.num_draft_slots} draft "
+                    "slots; accept or roll them back first"
+                )
             blocks = state.blocks
             num_computed = state.num_tokens
+        if num_draft_tokens < 0:
+            raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
         total = num_computed + num_new_tokens
         if total > len(request.all_token_ids):
             raise ValueError(
                 f"request {request.request_id}: {total} tokens to compute but only "
                 f"{len(request.all_token_ids)} are known"
             )
-        num_target = blocks_needed(total, self.block_size)
+        end = total + num_draft_tokens
+        num_target = blocks_needed(end, self.block_size)
         if admitting and self.allocation_mode == "reserve-max":
             num_target = max(num_target, blocks_needed(self.max_model_len, self.block_size))
         num_grow = max(0, num_target - len(blocks))
-        shared_in_write_range = self._shared_blocks_to_write(blocks, num_computed, total)
+        shared_in_write_range = self._shared_blocks_to_write(blocks, num_computed, end)
         num_revived = sum(1 for block in blocks if block.ref_cnt == 0) if admitting else 0
         needed = num_grow + len(shared_in_write_range) + num_revived
         reserve = self.reserve_blocks if admitting else 0
@@ -235,7 +261,8 @@ class KVCacheManager:
         new_blocks = self.pool.get_new_blocks(num_grow)
         state.blocks.extend(new_blocks)
         state.num_tokens = total
-        self._cache_full_blocks(request, state)
+        state.num_draft_slots = num_draft_tokens
+        self._cache_full_blocks(request, state)  # up to `total`: never a draft position
         new_ids = tuple(b.block_id for b in new_blocks) + tuple(dst for _, dst in copies)
         return SlotAllocation(new_ids, copies)
 
@@ -274,6 +301,47 @@ class KVCacheManager:
             state.block_hashes.append(digest)
             self.pool.cache_full_block(state.blocks[index], digest, key)
 
+    def accept_draft_slots(self, request: KVRequest, num_accepted: int) -> None:
+        """Keep the first `num_accepted` draft slots of this step; release the others.
+
+        The accepted drafts are now tokens of `request` (its `all_token_ids` holds them). Whole
+        blocks past the accepted length go back to the free queue (tail first); the partial
+        last block keeps its accepted slots, and its rejected ones are simply unwritten again.
+        Blocks that became full of accepted tokens are hashed and cached now.
+
+        Args:
+            request: a request that holds draft slots from `allocate_slots`.
+            num_accepted: how many leading draft tokens the target accepted.
+        """
+        state = self._requests[request.request_id]
+        if not 0 <= num_accepted <= state.num_draft_slots:
+            raise ValueError(
+                f"request {request.request_id}: cannot accept {num_accepted} of "
+                f"{state.num_draft_slots} draft slots"
+            )
+        total = state.num_tokens + num_accepted
+        if total > len(request.all_token_ids):
+            raise ValueError(
+                f"request {request.request_id}: {num_accepted} drafts accepted but only "
+                f"{len(request.all_token_ids) - state.num_tokens} new tokens are known"
+            )
+        state.num_tokens = total
+        state.num_draft_slots = 0
+        self._release_blocks_past(state, total)
+        self._cache_full_blocks(request, state)
+
+    def _release_blocks_past(self, state: _RequestBlocks, num_positions: int) -> None:
+        """Free the blocks no position below `num_positions` uses (in `reserve-max`, the
+        reservation stays). None of them is hashed: each holds only unaccepted slots."""
+        keep = blocks_needed(num_positions, self.block_size)
+        if self.allocation_mode == "reserve-max":
+            keep = max(keep, blocks_needed(self.max_model_len, self.block_size))
+        if len(state.blocks) <= keep:
+            return
+        released = state.blocks[keep:]
+        del state.blocks[keep:]
+        self.pool.free_blocks(reversed(released))
+
     def rollback_slots(self, request_id: str, num_computed_tokens: int) -> None:
         """Take a request's table back to its first `num_computed_tokens` tokens.
 
@@ -288,7 +356,8 @@ class KVCacheManager:
           slot holding its last token is never written: a later prefix hit would read it.
 
         Blocks stay in the table (in `reserve-max` they are the reservation); their slots
-        past `num_computed_tokens` are simply unwritten again.
+        past `num_computed_tokens` are simply unwritten again. Draft slots are dropped, and
+        the blocks only they needed go back to the free queue.
 
         Args:
             request_id: a request holding device blocks.
@@ -308,7 +377,16 @@ class KVCacheManager:
             if block.block_hash == state.block_hashes[index]:
                 self.pool.uncache_block(block)
         del state.block_hashes[num_full:]
+        if state.num_draft_slots:
+            self._release_blocks_past(state, state.num_tokens)
+            state.num_draft_slots = 0
         state.num_tokens = num_computed_tokens
+
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Take a request back to its first `num_tokens` positions and free the blocks past
+        them (a draft model's pool, after the target rejected some of its tokens)."""
+        self.rollback_slots(request_id, num_tokens)
+        self._release_blocks_past(self._requests[request_id], num_tokens)
 
     # ------------------------------------------------------------- releasing
     def free(self, request_id: str) -> bool:
@@ -325,8 +403,8 @@ class KVCacheManager:
         if child_id in self._requests:
             raise ValueError(f"request {child_id} already holds blocks")
         parent = self._requests[parent_id]
-        if parent.swap_slots:
-            raise ValueError(f"request {parent_id} is swapped out and cannot be forked")
+        if parent.swap_slots or parent.num_draft_slots:
+            raise ValueError(f"request {parent_id} is swapped out or mid-draft; cannot fork")
         self.pool.touch(parent.blocks)
         self._requests[child_id] = _RequestBlocks(
             list(parent.blocks), list(parent.block_hashes), parent.num_tokens
@@ -348,6 +426,8 @@ class KVCacheManager:
         state = self._requests[request_id]
         if state.swap_slots:
             raise ValueError(f"request {request_id} is already swapped out")
+        if state.num_draft_slots:
+            raise ValueError(f"request {request_id} holds draft slots; roll them back first")
         if len(state.blocks) > len(self._free_swap_slots):
             return None
         slots = [self._free_swap_slots.pop() for _ in state.blocks]

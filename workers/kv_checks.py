@@ -61,11 +61,12 @@ def check_invariants(manager: KVCacheManager) -> None:
 def _check_request(manager: KVCacheManager, request_id: str, state) -> None:
     B = manager.block_size
     if state.swap_slots:
-        if state.blocks:
-            _fail(f"request {request_id} is swapped out but still holds device blocks")
+        if state.blocks or state.num_draft_slots:
+            _fail(f"request {request_id} is swapped out but still holds device blocks or drafts")
         return
-    if len(state.blocks) < blocks_needed(state.num_tokens, B):
-        _fail(f"request {request_id}: {len(state.blocks)} blocks for {state.num_tokens} tokens")
+    positions = state.num_tokens + state.num_draft_slots
+    if len(state.blocks) < blocks_needed(positions, B):
+        _fail(f"request {request_id}: {len(state.blocks)} blocks for {positions} positions")
     if len(state.block_hashes) > state.num_tokens // B:
         _fail(f"request {request_id}: more hashes than full blocks")
     for index, digest in enumerate(state.block_hashes):

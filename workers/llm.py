@@ -11,6 +11,7 @@ from pagedserve.workers.kv_cache_manager import KVUsage
 from pagedserve.workers.model_loader import LoadedModel
 from pagedserve.workers.outputs import OutputBuilder, RequestOutput
 from pagedserve.workers.sampling_params import SamplingParams
+from pagedserve.workers.spec_stats import SpecStats
 
 Prompt = str | Sequence[int]
 
@@ -24,7 +25,7 @@ class LLM:
         loaded_model: an already loaded model to reuse (tests share one across engines).
         **config: any `EngineConfig` field (block_size, num_kv_blocks, kv_cache_bytes,
             attention_backend, enable_prefix_caching, max_num_seqs, max_num_batched_tokens,
-            preemption_mode, kv_allocation, dtype, seed, ...).
+            preemption_mode, kv_allocation, dtype, seed, speculative, ...).
     """
 
     def __init__(
@@ -91,6 +92,11 @@ class LLM:
     def stats(self) -> KVUsage:
         """The KV pool's usage breakdown."""
         return self.engine.usage()
+
+    def spec_stats(self) -> SpecStats:
+        """Speculative decoding so far: acceptance rate, mean accepted length, draft and
+        verify time per step (all zero when `speculative` is off)."""
+        return self.engine.spec_stats()
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -35,6 +35,10 @@ class RequestMetrics:
     e2e: float | None = None
     inter_token_latencies: list[float] = field(default_factory=list)
     num_preemptions: int = 0
+    # Speculative decoding (0 when off): verify steps, drafts they checked, drafts accepted.
+    num_verify_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,10 @@ class SequenceTimings:
     last_token: float | None = None
     finished: float | None = None
     num_preemptions: int = 0
+    # Speculative decoding: verify steps, draft tokens they checked and how many were kept.
+    num_verify_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     inter_token_latencies: list[float] = field(default_factory=list)
 
     def on_token(self, now: float) -> None:
@@ -78,6 +82,8 @@ class Request:
     movable: bool = False
     # Paused while its stream's reader lags: never scheduled, keeps its blocks, preemptible.
     paused: bool = False
+    # This step's draft tokens (speculative decoding): verified after the forward, then cleared.
+    draft_token_ids: list[int] = field(default_factory=list)
     # What the engine has not yet put in a delta (`Engine._branch_delta` takes it).
     num_reported_tokens: int = 0  # output tokens already reported
     unreported_text: str = ""  # final text produced since the last delta
@@ -209,7 +215,10 @@ class RequestGroup:
         """The request's latencies so far, from its first branch (e2e once all finished)."""
         first = self.branches[0].timings
         metrics = RequestMetrics(
-            num_preemptions=sum(b.timings.num_preemptions for b in self.branches)
+            num_preemptions=sum(b.timings.num_preemptions for b in self.branches),
+            num_verify_steps=sum(b.timings.num_verify_steps for b in self.branches),
+            num_draft_tokens=sum(b.timings.num_draft_tokens for b in self.branches),
+            num_accepted_tokens=sum(b.timings.num_accepted_tokens for b in self.branches),
         )
         if first.first_scheduled is not None:
             metrics.queue_time = first.first_scheduled - self.arrival

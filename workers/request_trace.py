@@ -137,6 +137,17 @@ class RequestTrace:
         )
         for i in range(metrics.num_preemptions):
             decode.add_event("preempted", {"pagedserve.preemption": i + 1})
+        if metrics.num_verify_steps:
+            drafts, accepted = metrics.num_draft_tokens, metrics.num_accepted_tokens
+            decode.add_event(
+                "speculative",
+                {
+                    "pagedserve.spec.verify_steps": metrics.num_verify_steps,
+                    "pagedserve.spec.draft_tokens": drafts,
+                    "pagedserve.spec.accepted_tokens": accepted,
+                    "pagedserve.spec.acceptance_rate": accepted / drafts if drafts else 0.0,
+                },
+            )
         decode.end(finished)
 
     def _phase(

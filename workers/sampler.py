@@ -175,6 +175,10 @@ class Sampler:
             tokens[sampled] = _sample_rows(logits[sampled], rows, uniforms)
         return tokens
 
+    def generator_of(self, generator: torch.Generator | None) -> torch.Generator:
+        """The generator a row draws from: its own, or the sampler's for an unseeded row."""
+        return self._generator if generator is None else generator
+
     def _draw_uniforms(
         self, generators: Sequence[torch.Generator | None], device: torch.device
     ) -> Tensor:
@@ -211,6 +215,26 @@ def _sample_rows(logits: Tensor, params: Sequence[SamplingParams], uniforms: Ten
     num_kept = torch.minimum(num_top_k, _top_p_sizes(probs, params))
     chosen = _inverse_cdf(probs, num_kept, uniforms)
     return sorted_ids.gather(1, chosen.unsqueeze(1)).squeeze(1)
+
+
+def sampling_probs(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+    """``[R, V]`` float64: the distribution ``Sampler.sample`` draws each sampled row from
+    (temperature, top-k, top-p applied, renormalised), over the vocabulary in id order.
+
+    Speculative verification compares drafts against exactly this distribution.
+    """
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=device)
+    logits = logits.float() / temperature.unsqueeze(1)
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)
+    num_top_k = _top_k_sizes(params, logits.shape[1], device)
+    positions = torch.arange(logits.shape[1], device=device)
+    sorted_logits = sorted_logits.masked_fill(positions >= num_top_k.unsqueeze(1), float("-inf"))
+    probs = sorted_logits.softmax(dim=-1).double()
+    num_kept = torch.minimum(num_top_k, _top_p_sizes(probs, params))
+    kept = torch.where(positions < num_kept.unsqueeze(1), probs, 0.0)
+    kept = kept / kept.sum(dim=-1, keepdim=True)
+    return torch.zeros_like(kept).scatter_(1, sorted_ids, kept)
 
 
 def _top_k_sizes(params: Sequence[SamplingParams], vocab_size: int, device: torch.device) -> Tensor:

@@ -171,14 +171,23 @@ class Scheduler:
 
     def _schedule_running(self, request: Request, step: SchedulerOutput) -> None:
         num_new = min(request.num_tokens_to_compute, step.budget)
+        # Draft tokens ride along only after the whole known rest, and only as far as the
+        # budget goes; they never cost a preemption: without room they are dropped first.
+        fits = num_new == request.num_tokens_to_compute
+        del request.draft_token_ids[max(0, step.budget - num_new) if fits else 0 :]
         while True:
-            allocation = self.kv.allocate_slots(request, num_new)
+            num_drafts = len(request.draft_token_ids)
+            allocation = self.kv.allocate_slots(request, num_new, num_draft_tokens=num_drafts)
             if allocation is not None:
                 break
+            if num_drafts:
+                request.draft_token_ids.clear()
+                continue
             victim = self._victim()
             self._preempt(victim, step)
             if victim is request:
                 return
+        num_new += num_drafts
         step.scheduled[request] = num_new
         step.budget -= num_new
         if allocation.copies:
@@ -189,6 +198,7 @@ class Scheduler:
         # Its KV as of the start of this step is all that exists: a sequence scheduled earlier
         # in this step (decodes go first, so a low-ranked one can be) leaves the forward.
         unwritten = self._unschedule(victim, step)
+        victim.draft_token_ids.clear()  # their slots went with the rollback
         step.preempted.append(victim)
         victim.timings.num_preemptions += 1
         if self.config.preemption_mode == "move" and victim.movable:

@@ -394,11 +394,11 @@ class WorkerCore:
     def check_pool(self) -> PoolCheck:
         """Pool invariants now; when idle, also that no block is held (free + cached = total)."""
         idle = not self.engine.has_unfinished_requests() and not self._streams
+        proposer = self.engine.proposer
+        pools = [self.engine.kv] + ([proposer.kv] if proposer and proposer.kv else [])
         try:
-            if idle:
-                assert_no_leaks(self.engine.kv)
-            else:
-                check_invariants(self.engine.kv)
+            for kv in pools:  # the engine's, and a speculative draft model's own
+                (assert_no_leaks if idle else check_invariants)(kv)
         except KVInvariantError as error:
             return PoolCheck(ok=False, idle=idle, error=str(error))
         return PoolCheck(ok=True, idle=idle)

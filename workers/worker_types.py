@@ -23,6 +23,7 @@ from pagedserve.workers.handoff import RequestHandoff
 from pagedserve.workers.kv_cache_manager import KVUsage
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.scheduler import SchedulerCounters
+from pagedserve.workers.spec_stats import SpecStats
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class WorkerStats:
     kv_cache_device_bytes: int = 0
     kv_cache_swap_bytes: int = 0
     scheduler: SchedulerCounters = field(default_factory=SchedulerCounters)  # a copy
+    spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding (zero when off)
 
     @property
     def prefix_hit_rate(self) -> float:

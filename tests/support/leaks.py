@@ -3,7 +3,8 @@
 What "clean" means:
 
 - an engine built in the test process: no request in flight, every block free or cached, the
-  pool's invariants hold (`kv_checks.assert_no_leaks`);
+  pool's invariants hold (`kv_checks.assert_no_leaks`), and so for a speculative draft model's
+  own pool;
 - a cluster: every router that served it holds nothing open (`RouterCore.inflight`: no request
   id reserved, no request or token counted on any worker); every worker that is still there is
   idle with a clean pool (`Worker.check_pool`); the prefix index holds, for each such worker,
@@ -59,20 +60,26 @@ class EngineView:
 
     requests: dict[str, Any]  # the engine's own `_groups`: request id → group
     kv: KVCacheManager
+    draft_kv: KVCacheManager | None = None  # the draft model's own pool (speculative `draft`)
 
     @classmethod
     def of(cls, engine: Engine) -> EngineView:
-        return cls(engine._groups, engine.kv)
+        proposer = engine.proposer
+        return cls(engine._groups, engine.kv, proposer.kv if proposer is not None else None)
 
 
 def engine_problems(engine: EngineView) -> list[str]:
     """What an engine built in this process still holds; empty when it is clean."""
     if engine.requests:
         return [f"engine still has requests in flight: {sorted(engine.requests)}"]
-    try:
-        assert_no_leaks(engine.kv)
-    except KVInvariantError as error:
-        return [f"engine pool: {error}"]
+    pools = [("engine pool", engine.kv), ("draft pool", engine.draft_kv)]
+    for name, kv in pools:
+        if kv is None:
+            continue
+        try:
+            assert_no_leaks(kv)
+        except KVInvariantError as error:
+            return [f"{name}: {error}"]
     return []
 
 

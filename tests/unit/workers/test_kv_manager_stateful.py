@@ -9,7 +9,7 @@ block another request shares. At teardown every request ends and the pool must b
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -29,8 +29,13 @@ from pagedserve.workers.kv_checks import KVInvariantError, assert_no_leaks, chec
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 20, 21], [30, 31, 32, 33, 34, 35, 36, 37]]
 SALTS = [(), ("tenant-b",)]
 STEPS_PER_EXAMPLE = 60
-EXAMPLES = 300  # about 14,500 rule steps per run (each example may stop early)
+# max_examples × stateful_step_count = 300 × 60: about 14,500 rule steps per run (an example
+# may stop early), the speculative rules (propose k / accept j, propose then preempt or
+# abort) among them; the test asserts >= 10,000 steps ran, and that the speculative rules did.
+EXAMPLES = 300
 rules_run = 0
+drafts_verified = 0  # propose_k_accept_j steps that verified drafts
+drafts_rolled_back = 0  # propose_then_preempt_or_abort steps that held drafts
 
 
 class KVManagerMachine(RuleBasedStateMachine):
@@ -197,6 +202,120 @@ class KVManagerMachine(RuleBasedStateMachine):
         for block_id, slot in moves:
             self.swap_shadow[slot] = list(self.shadow[unwritten.get(block_id, block_id)])
 
+    # ------------------------------------------------- speculative decoding
+    def _propose(self, request: FakeRequest, token: int, drafts: list[int], write: bool):
+        """A decode step with drafts: the newest token (`token`, sampled now, unless the last
+        step's own token still waits for its KV) plus `drafts` get slots, and (`write`) the
+        verify forward writes them all (drafts are not the request's tokens yet).
+
+        Returns:
+            (start, number of blocks before, allocation, the drafts that fit the context), or
+            None when there is no room or no context left for a draft.
+        """
+        if request.num_computed < len(request.all_token_ids) - 1:  # mid-prefill: finish it
+            start, end = request.num_computed, len(request.all_token_ids) - 1
+            alloc = self.manager.allocate_slots(request, end - start)
+            if alloc is None:
+                return None
+            self._write(request, start, end, alloc.copies)
+        start = request.num_computed
+        sampled_now = start == len(request.all_token_ids)
+        drafts = drafts[: self.manager.max_model_len - start - 1]  # within the context
+        if not drafts:
+            return None
+        if sampled_now:
+            request.all_token_ids.append(token)
+        num_blocks_before = len(self.manager.get_block_ids(request.request_id))
+        alloc = self.manager.allocate_slots(request, 1, num_draft_tokens=len(drafts))
+        if alloc is None:
+            if sampled_now:
+                request.all_token_ids.pop()
+            return None
+        if not write:
+            return start, num_blocks_before, alloc, drafts
+        for src, dst in alloc.copies:
+            self.shadow[dst] = list(self.shadow[src])
+        B = self.manager.block_size
+        block_ids = self.manager.get_block_ids(request.request_id)
+        written = [request.all_token_ids[start], *drafts]
+        for offset, held in enumerate(written):
+            pos = start + offset
+            block_id = block_ids[pos // B]
+            assert self.manager.pool.blocks[block_id].ref_cnt == 1, (
+                f"draft write into shared block {block_id}"
+            )
+            self.shadow[block_id][pos % B] = held
+        return start, num_blocks_before, alloc, drafts
+
+    @precondition(lambda self: self._running())
+    @rule(
+        data=st.data(),
+        token=st.integers(0, 50),
+        drafts=st.lists(st.integers(0, 50), min_size=1, max_size=5),
+        bonus=st.integers(0, 50),
+    )
+    def propose_k_accept_j(self, data, token, drafts, bonus):
+        """Verify k drafts, accept the first j plus the target's own token; the rejected
+        slots go back (whole blocks to the free queue), accepted full blocks get cached."""
+        self._step()
+        request = self.requests[data.draw(st.sampled_from(self._running()))]
+        proposed = self._propose(request, token, drafts, write=True)
+        if proposed is None:
+            return
+        start, num_blocks_before, _, drafts = proposed
+        global drafts_verified
+        drafts_verified += 1
+        accepted = data.draw(st.integers(0, len(drafts)), label="accepted")
+        request.all_token_ids.extend(drafts[:accepted])
+        self.manager.accept_draft_slots(request, accepted)
+        request.num_computed = start + 1 + accepted
+        # The target's own token is sampled now; its KV comes with the next step.
+        request.all_token_ids.append(bonus)
+        held = len(self.manager.get_block_ids(request.request_id))
+        needed = -(-(start + 1 + accepted) // self.manager.block_size)
+        if self.manager.allocation_mode == "paged":
+            assert held == max(num_blocks_before, needed), (
+                f"{request.request_id} holds {held} blocks after accepting {accepted} of "
+                f"{len(drafts)} drafts; {max(num_blocks_before, needed)} expected"
+            )
+
+    @precondition(lambda self: self._running())
+    @rule(
+        data=st.data(),
+        token=st.integers(0, 50),
+        drafts=st.lists(st.integers(0, 50), min_size=1, max_size=5),
+        swap=st.booleans(),
+        abort=st.booleans(),
+    )
+    def propose_then_preempt_or_abort(self, data, token, drafts, swap, abort):
+        """A sequence scheduled with drafts is preempted by a later allocation of the same
+        step (rolled back, then swapped out or freed), or aborted: nothing of its drafts may
+        stay behind."""
+        self._step()
+        request = self.requests[data.draw(st.sampled_from(self._running()))]
+        # An abort lands between steps: after the verify forward wrote the slots. A
+        # preemption happens while the step is planned: nothing was written.
+        proposed = self._propose(request, token, drafts, write=abort)
+        if proposed is None:
+            return
+        start, _, alloc, _ = proposed
+        global drafts_rolled_back
+        drafts_rolled_back += 1
+        if abort:
+            self.manager.free(request.request_id)
+            del self.requests[request.request_id]
+            return
+        self.manager.rollback_slots(request.request_id, start)
+        # The planned copy-on-write never ran: whoever saves this KV reads the source.
+        unwritten = {dst: src for src, dst in alloc.copies}
+        moves = self.manager.swap_out(request.request_id) if swap else None
+        if moves is None:
+            self.manager.free(request.request_id)
+            del self.requests[request.request_id]
+            return
+        for block_id, slot in moves:
+            self.swap_shadow[slot] = list(self.shadow[unwritten.get(block_id, block_id)])
+
     @rule()
     def reset_prefix_cache(self):
         self._step()
@@ -233,10 +352,12 @@ class KVManagerMachine(RuleBasedStateMachine):
         assert_no_leaks(self.manager)
 
 
-def run_machine(examples: int = EXAMPLES) -> None:
+def run_machine(examples: int = EXAMPLES, shrink: bool = True) -> None:
     run_state_machine_as_test(
         KVManagerMachine,
         settings=settings(
+            # A test that breaks the pool on purpose needs the failure, not its smallest form.
+            phases=list(Phase) if shrink else [Phase.generate],
             max_examples=examples,
             stateful_step_count=STEPS_PER_EXAMPLE,
             deadline=None,
@@ -248,10 +369,34 @@ def run_machine(examples: int = EXAMPLES) -> None:
 
 
 def test_block_manager_state_machine_10k_steps():
-    global rules_run
-    rules_run = 0
+    global rules_run, drafts_verified, drafts_rolled_back
+    rules_run = drafts_verified = drafts_rolled_back = 0
     run_machine()
     assert rules_run >= 10_000, f"only {rules_run} rule steps ran"
+    # The rollback rules are a real share of the run, not a rare branch.
+    # (A run sees about 320 and 420: a tiny pool and context refuse many proposals.)
+    assert drafts_verified >= 150, f"only {drafts_verified} verify steps with drafts"
+    assert drafts_rolled_back >= 150, f"only {drafts_rolled_back} preempted/aborted drafts"
+
+
+def test_state_machine_catches_drafts_that_keep_their_blocks(monkeypatch):
+    """Without releasing the blocks past the accepted length the machine must notice."""
+    monkeypatch.setattr(KVCacheManager, "_release_blocks_past", lambda self, state, n: None)
+    with pytest.raises(AssertionError, match="blocks after accepting"):
+        run_machine(examples=50, shrink=False)
+
+
+def test_state_machine_catches_drafts_written_into_a_shared_block(monkeypatch):
+    """Copy-on-write that covers only the first position written (the sampled token, not its
+    drafts): a write lands in a block another table shares, and the machine must notice."""
+    original = KVCacheManager._shared_blocks_to_write
+
+    def only_the_first_token(self, blocks, start, end):
+        return original(self, blocks, start, min(end, start + 1))
+
+    monkeypatch.setattr(KVCacheManager, "_shared_blocks_to_write", only_the_first_token)
+    with pytest.raises(AssertionError, match="write into shared block"):
+        run_machine(examples=100, shrink=False)
 
 
 def test_state_machine_catches_a_skipped_ref_decrement(monkeypatch):
