@@ -1,0 +1,92 @@
+"""Coalesced deltas: a stream whose reader fell behind gets one message for all the steps it
+missed, never one per step, and loses or repeats nothing. No test waits on time: the reader
+simply does not read until the buffer visibly holds several steps."""
+
+from __future__ import annotations
+
+import asyncio
+
+from support.engine import finish_clean
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.workers.logprobs import TokenLogprob
+from pagedserve.workers.outputs import Usage
+from pagedserve.workers.stream import DeltaBuffer, StreamDelta, merge_deltas
+from pagedserve.workers.worker_core import WorkerCore
+from pagedserve.workers.worker_types import RequestMoved
+
+DEADLINE_S = 60.0
+
+
+def delta(tokens, text, index=0, **extra) -> StreamDelta:
+    return StreamDelta("r", index, list(tokens), text, worker_id="w0", **extra)
+
+
+def test_merging_keeps_order_and_takes_the_end_of_the_later():
+    lp = [TokenLogprob(1, -0.5, 1), TokenLogprob(2, -0.1, 1)]
+    first = delta([1], "a", logprobs=lp[:1], prompt_logprobs=[None])
+    usage = Usage(3, 2, 0)
+    then = delta([2], "b", logprobs=lp[1:], finish_reason="length", usage=usage)
+    merged = merge_deltas(first, then)
+    assert merged.token_ids == [1, 2] and merged.text == "ab"
+    assert merged.logprobs == lp and merged.prompt_logprobs == [None]
+    assert merged.finish_reason == "length" and merged.usage == usage
+    assert first.token_ids == [1]  # the inputs are left as they were
+    plain = merge_deltas(delta([1], "a"), delta([], ""))
+    assert plain.logprobs is None and plain.token_ids == [1] and plain.finish_reason is None
+
+
+def test_the_buffer_hands_out_one_message_per_run_of_one_branch():
+    async def main():
+        buffer = DeltaBuffer(16)
+        for i in range(3):
+            buffer.put(delta([i], str(i)))
+        buffer.put(delta([10], "x", index=1))  # another branch ends the run
+        buffer.put(delta([3], "3"))
+        buffer.put(delta([4], "4", finish_reason="length"))
+        buffer.put(delta([5], "5"))  # after a finished delta: a message of its own
+        moved = RequestMoved("r", 0, "w1", None)
+        buffer.put(moved)
+        buffer.put(None)
+        return [await buffer.get_coalesced() for _ in range(6)], len(buffer)
+
+    got, left = asyncio.run(main())
+    assert [(m.index, m.token_ids, m.text) for m in got[:4]] == [
+        (0, [0, 1, 2], "012"),
+        (1, [10], "x"),
+        (0, [3, 4], "34"),
+        (0, [5], "5"),
+    ]
+    assert got[2].finish_reason == "length"
+    assert isinstance(got[4], RequestMoved) and got[5] is None and left == 0
+
+
+def test_a_reader_that_fell_behind_gets_the_missed_steps_as_one_message(tiny_llama):
+    loaded, _ = tiny_llama
+    llm = LLM(loaded_model=loaded, block_size=8, num_kv_blocks=64, attention_backend="torch")
+    core = WorkerCore(llm.engine, "w0", max_buffered_deltas=64)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompt = list(range(20))
+
+    async def main():
+        stream = core.generate("r", prompt, params)
+        messages = [await anext(stream)]
+        end = asyncio.get_running_loop().time() + DEADLINE_S
+        while len(core._streams["r"]) < 3:  # let at least three steps wait unread
+            assert asyncio.get_running_loop().time() < end, "the engine took no steps"
+            await asyncio.sleep(0.01)
+        waiting = len(core._streams["r"])
+        messages.append(await anext(stream))
+        messages += [m async for m in stream]
+        await core.close()
+        return messages, waiting
+
+    messages, waiting = asyncio.run(main())
+    # Every step that had waited (and any that ran meanwhile) came as one message.
+    assert len(messages[1].token_ids) >= waiting >= 3
+    (expected,) = llm.generate([prompt], params)
+    assert [t for m in messages for t in m.token_ids] == expected.outputs[0].token_ids
+    assert "".join(m.text for m in messages) == expected.outputs[0].text
+    assert messages[-1].finish_reason == "length" and messages[-1].usage is not None
+    assert len(messages) < params.max_tokens  # fewer messages than tokens
+    finish_clean(llm)
