@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-# A Ray worker process names itself `ray::<Actor>` (or `ray::<Actor>.<method>` while it runs
-# one): the role is the actor's class. Everything else is named by its executable.
-_RAY_TITLE = re.compile(r"^ray::(?:ServeReplica:[^:]+:)?([A-Za-z_][\w]*)")
+# A Ray worker process names itself `ray::<Class>`, `ray::<Class>.<method>` while it runs one,
+# or `ray::<actor name>:<Class>.<method>` (Serve: `ray::ServeReplica:<app>:<Deployment>`): the
+# role is the class (the deployment). Everything else is named by its executable.
+_RAY_TITLE = re.compile(r"^ray::(?:[^:\s]+:)*([A-Za-z_]\w*)")
 
 
 @dataclass(frozen=True)
@@ -31,8 +32,9 @@ class ProcCpu:
 def role_of(cmdline: str, comm: str) -> str:
     """A short name for what a process does: `Worker`, `Router`, `ProxyActor`, `gcs_server`...
 
-    Ray workers are named by the actor in their title (`ray::Worker.generate` → `Worker`; a
-    Serve replica `ray::ServeReplica:app:Router` → `Router`); an idle pooled Ray worker
+    Ray workers are named by the actor in their title (`ray::Worker.generate` and
+    `ray::pagedserve-worker-0:Worker.generate` → `Worker`; a Serve replica
+    `ray::ServeReplica:app:Router` → `Router`); an idle pooled Ray worker
     (`ray::IDLE`) is `IDLE`; other processes by their program (`python -m x` → `x`).
     """
     match = _RAY_TITLE.match(cmdline)
