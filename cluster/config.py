@@ -40,11 +40,14 @@ class ClusterConfig:
             not pinned. On 2 cores with one worker, `worker_cpus="1"`, `control_cpus="0"` is
             vLLM's CPU layout (engine on one core, front end on the other).
         worker_nice: niceness of each worker's process (-20..19). Ray starts every actor at
-            15, below any ordinary process on the machine, so the engine gets the leftovers of
-            whatever else runs there. None: Ray's. Lowering it needs the privilege to (root or
-            CAP_SYS_NICE); without it the worker logs a warning and runs on at 15.
+            15, below any ordinary process on the machine, so an engine left there gets the
+            leftovers of whatever else runs (a peer server such as vLLM's runs at 0). 0: an
+            ordinary server process. None: Ray's 15. Lowering it needs the privilege to (root
+            or CAP_SYS_NICE); without it the worker logs a warning and runs on at 15 (start
+            Ray with `RAY_worker_niceness=0` instead, as the KubeRay manifests do).
         control_nice: niceness of the router replica and the prefix index (and, under
-            `pagedserve serve`, of Serve's proxy and controller). None: Ray's 15.
+            `pagedserve serve`, of Serve's proxy and controller), so that streaming keeps up
+            with the engine. 0 by default, like the worker; None: Ray's 15.
         worker_resources: custom Ray resources per worker actor (to pin workers to nodes).
         routing_policy: a registered routing policy (`cluster/routing.py`).
         routing_options: keyword options of the policy (e.g. `prefill_weight`).
@@ -98,8 +101,8 @@ class ClusterConfig:
     worker_threads: int | None = None
     worker_cpus: str | None = None
     control_cpus: str | None = None
-    worker_nice: int | None = None
-    control_nice: int | None = None
+    worker_nice: int | None = 0
+    control_nice: int | None = 0
     worker_resources: dict[str, float] = field(default_factory=dict)
     routing_policy: str = field(
         default=DEFAULT_POLICY, metadata={"choices": RoutingPolicy.registry}

@@ -13,9 +13,11 @@ from pagedserve.workers.cpu_placement import (
     check_available,
     descendants,
     format_cpu_list,
+    niceness,
     parse_cpu_list,
     pin_process,
     process_cpus,
+    set_niceness,
     worker_share,
 )
 
@@ -91,3 +93,18 @@ def test_pinning_moves_every_thread_of_a_process():
 
 def test_descendants_are_found_from_proc():
     assert os.getpid() in descendants(os.getppid())
+
+
+def test_workers_and_the_control_plane_run_at_an_ordinary_priority_by_default():
+    config = ClusterConfig()
+    assert (config.worker_nice, config.control_nice) == (0, 0)  # not Ray's 15
+    assert ClusterConfig(worker_nice=None, control_nice=None).worker_nice is None
+    for bad in ({"worker_nice": 20}, {"control_nice": -21}):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))} must be in -20..19"):
+            ClusterConfig(**bad)
+
+
+def test_setting_a_process_s_niceness_to_what_it_has_is_allowed():
+    assert set_niceness(niceness()) is True
+    with pytest.raises(ValueError, match="-20..19"):
+        set_niceness(40)
