@@ -302,7 +302,8 @@ class WorkerCore:
             self.leases.attach(request_id, owner_id)
             self._wakeup.set()
             while remaining:
-                delta = await buffer.get_coalesced()  # one message for steps not yet read
+                # One message per step, not `get_coalesced()`: see `DeltaBuffer.get_coalesced`.
+                delta = await buffer.get()
                 if delta is None:  # `drain` ran out of grace: the router replays the rest
                     raise HandedOff(f"worker {self.worker_id} drained before this request ended")
                 if isinstance(delta, RequestMoved) or delta.finish_reason is not None:
