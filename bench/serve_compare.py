@@ -37,6 +37,7 @@ import contextlib
 import json
 import os
 import random
+import shlex
 import shutil
 import signal
 import statistics
@@ -46,7 +47,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -76,6 +77,9 @@ class ArmRun:
     startup_s: float
     records: tuple[RequestRecord, ...]
     summary: LoadSummary
+    # CPU seconds per process role of the server's session during the timed run (`proc_cpu`),
+    # and the client's own: where the cores went while tokens streamed.
+    cpu_s: dict[str, float] = field(default_factory=dict)
 
 
 class Server:
@@ -91,6 +95,11 @@ class Server:
         self.base_url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
         self._process: subprocess.Popen | None = None
+
+    @property
+    def session(self) -> int | None:
+        """The session (and process group) the server leads, while it runs."""
+        return self._process.pid if self._process is not None else None
 
     def start(self) -> None:
         with open(self.log_path, "w", encoding="utf-8") as log:  # the child keeps its own fd
@@ -186,20 +195,30 @@ def _session_gone(session: int, timeout_s: float) -> bool:
 
 
 # ------------------------------------------------------------------- the arms
-def our_server(args: argparse.Namespace, scratch: Path, log_path: Path) -> Server:
+def our_server(
+    args: argparse.Namespace,
+    scratch: Path,
+    log_path: Path,
+    arm: str = "ours",
+    extra: str = "",
+    python: str = sys.executable,
+) -> Server:
+    """`pagedserve serve` with one worker; `extra`: more of its flags (a variant arm's);
+    `python`: whose install serves (another checkout's, for the `base` arm)."""
     from pagedserve.bench.compare_arm import child_env
     from pagedserve.bench.ports import free_port
 
     http_port, grpc_port = free_port(), free_port()
     command = [
-        sys.executable, "-m", "pagedserve", "serve", "--num-workers", "1",
+        python, "-m", "pagedserve", "serve", "--num-workers", "1",
         "--model", args.model, "--served-model-name", args.model,
         "--http-port", str(http_port), "--grpc-port", str(grpc_port),
         "--kv-cache-bytes", str(args.kv_cache_gib << 30),
         "--worker-threads", str(args.worker_threads),
     ]  # fmt: skip
+    command += shlex.split(extra)
     env = child_env({})
-    return Server("ours", command, env, str(scratch), http_port, log_path)
+    return Server(arm, command, env, str(scratch), http_port, log_path)
 
 
 def vllm_server(
@@ -241,6 +260,7 @@ def make_workload(
 def run_arm(server: Server, workload, warmup, args: argparse.Namespace, repeat: int) -> ArmRun:
     """Starts the server, warms it up, times the workload, and stops it (always)."""
     from pagedserve.bench.openai_load import run_load, summarize
+    from pagedserve.bench.proc_cpu import client_cpu_s, cpu_by_role, session_cpu
 
     print(f"starting the {server.name} server (log: {server.log_path})", flush=True)
     server.start()
@@ -250,17 +270,73 @@ def run_arm(server: Server, workload, warmup, args: argparse.Namespace, repeat: 
         for record in asyncio.run(run_load(server.base_url, args.model, warmup, 300.0)):
             if not record.ok:
                 raise ServerFailed(f"the {server.name} server failed a warm-up: {record.error}")
+        session = server.session
+        before, client_before = session_cpu(session), client_cpu_s()
         records = asyncio.run(run_load(server.base_url, args.model, workload, args.request_timeout))
+        cpu_s = cpu_by_role(before, session_cpu(session))
+        cpu_s["client"] = client_cpu_s() - client_before
     finally:
         stopping = time.monotonic()
         server.stop()
         print(f"  stopped (with every process it started) in {time.monotonic() - stopping:.0f} s")
     summary = summarize(records)
     print(f"  run {repeat + 1} {server.name}: " + _row_cells(summary), flush=True)
+    print(f"    CPU s over {summary.duration_s:.1f} s: " + _cpu_cells(cpu_s), flush=True)
     for record in records:
         if not record.ok:
             print(f"    request {record.index} failed: {record.error}", flush=True)
-    return ArmRun(server.name, repeat, startup_s, tuple(records), summary)
+    return ArmRun(server.name, repeat, startup_s, tuple(records), summary, cpu_s)
+
+
+def run_engine_arm(
+    args: argparse.Namespace, workload, warmup, scratch: Path, log_path: Path, repeat: int
+) -> ArmRun:
+    """Our engine alone in a child process (`engine_arrivals`), the same requests added at
+    the same arrival times, as many torch threads as our worker gets."""
+    from pagedserve.bench.compare_arm import child_env
+    from pagedserve.bench.openai_load import RequestRecord, summarize
+
+    def as_json(planned) -> list[dict]:
+        return [
+            {"index": p.index, "arrival_s": p.arrival_s, "token_ids": list(p.token_ids),
+             "max_tokens": p.max_tokens}
+            for p in planned
+        ]  # fmt: skip
+
+    spec_path, out_path = scratch / "engine-spec.json", scratch / f"engine-{repeat}.json"
+    spec = {"model": args.model, "kv_cache_bytes": args.kv_cache_gib << 30,
+            "requests": as_json(workload), "warmup": as_json(warmup)}  # fmt: skip
+    spec_path.write_text(json.dumps(spec))
+    env = child_env({"OMP_NUM_THREADS": str(args.worker_threads)})
+    command = [sys.executable, "-m", "pagedserve.bench.engine_arrivals", str(spec_path),
+               str(out_path)]  # fmt: skip
+    print("running the engine arm (our engine alone, same arrivals)", flush=True)
+    started = time.monotonic()
+    with open(log_path, "w", encoding="utf-8") as log:
+        process = subprocess.Popen(
+            command, cwd=str(scratch), env=env, stdin=subprocess.DEVNULL, stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        process.wait()
+    if process.returncode != 0:
+        tail = "".join(log_path.read_text(errors="replace").splitlines(True)[-40:])
+        raise ServerFailed(f"the engine arm exited with {process.returncode}:\n{tail}")
+    out = json.loads(out_path.read_text())
+    records = tuple(RequestRecord(**{**r, "chunk_times_s": tuple(r["chunk_times_s"])})
+                    for r in out["records"])  # fmt: skip
+    summary = summarize(records)
+    steps = sorted(out["step_s"])
+    cpu_s = {"engine steps": sum(steps)}
+    print(f"  run {repeat + 1} engine: " + _row_cells(summary), flush=True)
+    print(f"    {len(steps)} steps, median {steps[len(steps) // 2] * 1e3:.1f} ms, "
+          f"{time.monotonic() - started:.0f} s with loading", flush=True)  # fmt: skip
+    return ArmRun("engine", repeat, 0.0, records, summary, cpu_s)
+
+
+def _cpu_cells(cpu_s: dict[str, float], shown: int = 8) -> str:
+    """The roles that spent the most CPU, then the total."""
+    top = list(cpu_s.items())[:shown]
+    return ", ".join(f"{role} {s:.1f}" for role, s in top) + f"; total {sum(cpu_s.values()):.1f}"
 
 
 def serve_compare(args: argparse.Namespace, vllm_python: str | None, scratch: Path):
@@ -285,14 +361,24 @@ def serve_compare(args: argparse.Namespace, vllm_python: str | None, scratch: Pa
     )
     warmup = make_workload(tokenizer, args.warmup_requests, WARMUP_LEN, WARMUP_LEN,
                            WARMUP_TOKENS, float("inf"), args.seed + 1)  # fmt: skip
-    arms = ["ours"] + (["vllm"] if vllm_python else [])
+    variants = dict(parse_variant(v) for v in args.variant)
+    base = ["base"] if args.baseline_python else []
+    engine = ["engine"] if args.engine_arm else []
+    arms = ["ours", *variants, *base, *engine] + (["vllm"] if vllm_python else [])
     runs = []
     for repeat in range(args.repeats):
         for arm in arms if repeat % 2 == 0 else arms[::-1]:
             log_path = scratch / f"{arm}-{repeat + 1}.log"
+            if arm == "engine":
+                runs.append(run_engine_arm(args, workload, warmup, scratch, log_path, repeat))
+                continue
             server = (
-                our_server(args, scratch, log_path)
+                our_server(args, scratch, log_path, python=args.ours_python)
                 if arm == "ours"
+                else our_server(args, scratch, log_path, arm, variants[arm])
+                if arm in variants
+                else our_server(args, scratch, log_path, arm, python=args.baseline_python)
+                if arm == "base"
                 else vllm_server(args, vllm_python, model_dir, scratch, log_path)
             )
             runs.append(run_arm(server, workload, warmup, args, repeat))
@@ -320,15 +406,26 @@ def median_summary(summaries: list[LoadSummary]) -> dict[str, float]:
     return figures
 
 
-def pair_ratios(runs: list[ArmRun]) -> dict[str, list[float]]:
-    """ours / vLLM of TTFT p50 and TPOT p50, one per alternated pair (empty without vLLM)."""
-    ours = [r.summary for r in runs if r.arm == "ours"]
-    peer = [r.summary for r in runs if r.arm == "vllm"]
-    if not peer:
+def parse_variant(text: str) -> tuple[str, str]:
+    """`NAME=FLAGS` of `--variant`: another arm of ours, with FLAGS added to its command."""
+    name, sep, flags = text.partition("=")
+    if not sep or not name.isidentifier() or name in ("ours", "vllm"):
+        raise ValueError(f"--variant wants NAME=FLAGS with a new NAME, got {text!r}")
+    return name, flags
+
+
+def pair_ratios(
+    runs: list[ArmRun], arm: str = "ours", peer: str = "vllm"
+) -> dict[str, list[float]]:
+    """`arm` / `peer` of TTFT p50, TPOT p50 and tok/s, one per alternated pair (empty without
+    either)."""
+    mine = [r.summary for r in runs if r.arm == arm]
+    theirs = [r.summary for r in runs if r.arm == peer]
+    if not theirs or not mine:
         return {}
     return {
-        name: [getattr(o, name) / getattr(p, name) for o, p in zip(ours, peer, strict=True)]
-        for name in ("ttft_p50_ms", "tpot_p50_ms")
+        name: [getattr(o, name) / getattr(p, name) for o, p in zip(mine, theirs, strict=True)]
+        for name in ("ttft_p50_ms", "tpot_p50_ms", "output_tokens_per_s")
     }
 
 
@@ -352,10 +449,14 @@ def format_report(args: argparse.Namespace, runs: list[ArmRun], workload) -> str
             + "".join(f"{v:>10.1f}" for k, v in m.items() if k.endswith("_ms"))
             + f"{m['output_tokens_per_s']:>11.1f}{m['failures']:>10d}"
         )
-    for name, ratios in pair_ratios(runs).items():
+    arms = list(dict.fromkeys(r.arm for r in runs))
+    peer = "vllm" if "vllm" in arms else "ours"
+    pairs = [(a, pair_ratios(runs, a, peer)) for a in arms if a != peer]
+    for arm, name, ratios in [(a, n, r) for a, of in pairs for n, r in of.items()]:
         label = name.removesuffix("_ms").replace("_", " ").upper().replace(" P", " p")
+        label = "out tok/s" if name == "output_tokens_per_s" else label
         lines.append(
-            f"ours/vLLM {label} per pair: median {statistics.median(ratios):.2f} "
+            f"{arm}/{peer} {label} per pair: median {statistics.median(ratios):.2f} "
             f"(min {min(ratios):.2f}, max {max(ratios):.2f}; "
             + " ".join(f"{r:.2f}" for r in ratios) + ")"
         )  # fmt: skip
@@ -383,6 +484,7 @@ def to_json(args: argparse.Namespace, runs: list[ArmRun], workload) -> dict:
                 "repeat": r.repeat,
                 "startup_s": r.startup_s,
                 "summary": asdict(r.summary),
+                "cpu_s": r.cpu_s,
                 "records": [
                     asdict(x) | {"ttft_s": x.ttft_s, "tpot_s": x.tpot_s, "e2e_s": x.e2e_s}
                     for x in r.records
@@ -394,7 +496,11 @@ def to_json(args: argparse.Namespace, runs: list[ArmRun], workload) -> dict:
             arm: median_summary([r.summary for r in runs if r.arm == arm])
             for arm in dict.fromkeys(r.arm for r in runs)
         },
-        "pair_ratios": pair_ratios(runs),
+        "pair_ratios": {
+            arm: pair_ratios(runs, arm)
+            for arm in dict.fromkeys(r.arm for r in runs)
+            if arm != "vllm"
+        },
     }
 
 
@@ -454,6 +560,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=positive_int,
         default=os.cpu_count() or 1,
         help="our worker's torch threads (default: every core, as vLLM's CPU build uses)",
+    )
+    add("--variant", action="append", default=[], metavar="NAME=FLAGS",
+        help="another arm of ours: `pagedserve serve` with FLAGS added (repeatable)")  # fmt: skip
+    add("--engine-arm", action="store_true",
+        help="an arm `engine`: our engine alone in one process, the same requests at the "
+        "same arrival times (no Ray, router, proxy or HTTP)")  # fmt: skip
+    add(
+        "--ours-python",
+        default=sys.executable,
+        metavar="PYTHON",
+        help="the Python whose install serves the `ours` arm (default: this one)",
+    )
+    add(
+        "--baseline-python",
+        default=None,
+        metavar="PYTHON",
+        help="an arm `base`: the same server from another install (e.g. a checkout of main)",
     )
     add("--warmup-requests", type=int, default=2, help="untimed requests after each start")
     add("--kv-cache-gib", type=positive_int, default=_kv_gib_default(),

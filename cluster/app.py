@@ -37,6 +37,7 @@ from pagedserve.cluster.router import RouterCore
 from pagedserve.cluster.router_types import ClusterStats, GenerateRequest, RouterInflight
 from pagedserve.cluster.serve_options import ROUTER_ENV_VARS
 from pagedserve.cluster.worker_group import start_worker_group
+from pagedserve.workers.cpu_placement import pin_process, set_niceness
 from pagedserve.workers.model_registry import DEFAULT_MODEL
 from pagedserve.workers.stream import StreamDelta
 from pagedserve.workers.telemetry import ROUTER_SERVICE, get_tracing
@@ -70,6 +71,10 @@ class Router:
 
     def __init__(self, config: ClusterConfig, api: ApiConfig | None = None) -> None:
         self.config = config
+        if config.control_cpus is not None:  # before the worker group: nothing heavy yet
+            pin_process(config.control_cpu_set, what="router")
+        if config.control_nice is not None:
+            set_niceness(config.control_nice, what="router")
         api_config = api or ApiConfig()
         telemetry = api_config.telemetry
         index, workers = start_worker_group(self.config, telemetry)

@@ -118,6 +118,57 @@ def cluster_config_from_args(args: argparse.Namespace, num_gpus: int) -> dict[st
     return data
 
 
+def check_local_cores(config) -> None:
+    """Raise ValueError if `worker_cpus` or `control_cpus` names a core this machine lacks."""
+    from pagedserve.workers.cpu_placement import check_available, parse_cpu_list
+
+    for name in ("worker_cpus", "control_cpus"):
+        if (text := getattr(config, name)) is not None:
+            check_available(parse_cpu_list(text, name), name)
+
+
+def place_local_cluster(config) -> None:
+    """Pin this process and the local Ray cluster it started (GCS, raylet, Serve's proxy and
+    controller, pooled workers: every process under this one) to `control_cpus`, and give the
+    Ray actors among them (niceness 15) `control_nice`; the worker actors are left as they
+    placed themselves."""
+    import ray
+
+    from pagedserve.workers.cpu_placement import (
+        descendants,
+        format_cpu_list,
+        niceness,
+        pin_process,
+        set_niceness,
+    )
+
+    handles = [
+        ray.get_actor(config.worker_name(i), namespace=config.namespace)
+        for i in range(config.num_workers)
+    ]
+    workers = {info.pid for info in ray.get([h.describe.remote() for h in handles])}
+    cpus, nice = config.control_cpu_set, config.control_nice
+    placed = 0
+    for pid in [os.getpid(), *descendants(os.getpid())]:
+        if pid in workers:
+            continue
+        try:
+            if cpus is not None:
+                pin_process(cpus, pid, what="control plane")
+            if nice is not None and niceness(pid) > nice:  # Ray's actors, not its daemons
+                set_niceness(nice, pid, what="control plane")
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # ended meanwhile
+        placed += 1
+    where = "any core" if cpus is None else f"cores {format_cpu_list(cpus)}"
+    print(
+        f"pagedserve: control plane ({placed} processes) on {where}, niceness "
+        f"{'as Ray set it' if nice is None else f'<= {nice}'}; workers on "
+        f"{config.worker_cpus or 'any core'}, niceness {config.worker_nice}",
+        flush=True,
+    )
+
+
 def _read_config_file(path: str) -> dict[str, Any]:
     import yaml
 
@@ -148,6 +199,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         data = cluster_config_from_args(args, num_gpus)
         build_app(data)  # validate the cluster and API config before starting anything
+        if args.address is None:  # a cluster on this machine: its cores must exist here
+            check_local_cores(ClusterConfig.from_dict(split_app_args(data)[0]))
         prepare_in_subprocess(data["engine"].get("model"))  # a GGUF model: convert it once here
     except (OSError, ValueError, TypeError) as error:
         print(f"pagedserve serve: error: {error}", file=sys.stderr)
@@ -160,6 +213,8 @@ def run(args: argparse.Namespace) -> int:
         controller_options={"runtime_env": {"env_vars": env_vars}},
     )
     serve.run(build_app(data), name="pagedserve", route_prefix="/")
+    if args.address is None and (config.control_cpus, config.control_nice) != (None, None):
+        place_local_cluster(config)
     print(
         f"pagedserve: serving on http://{args.host}:{args.http_port} and gRPC :{args.grpc_port}"
         f" with {data['num_workers']} workers; Ctrl-C stops",

@@ -9,6 +9,7 @@ from typing import Any
 
 from pagedserve.cluster.router_types import BackpressureLimits
 from pagedserve.cluster.routing import DEFAULT_POLICY, RoutingPolicy
+from pagedserve.workers.cpu_placement import parse_cpu_list, worker_share
 from pagedserve.workers.engine_config import EngineConfig
 
 FAILURE_MODES = ("replay", "fail")
@@ -28,6 +29,25 @@ class ClusterConfig:
             (at least 1), so each worker keeps to the cores it reserved and the router, proxy
             and index keep the rest. On a machine that only serves, set it to the cores a
             worker may really use (e.g. every core for one worker).
+        worker_cpus: cores the workers' engines run on, as a Linux CPU list (`"1"`, `"0-3"`,
+            `"0,2-3"`); with several workers on one machine, worker i gets the i-th equal
+            slice. Each worker pins its whole process there, and gets one torch thread per
+            core of its slice unless `worker_threads` says otherwise. None: not pinned (the
+            scheduler places every process anywhere). See `workers/cpu_placement.py`.
+        control_cpus: cores of the control plane, as a CPU list: the router replica and the
+            prefix index pin themselves there, and `pagedserve serve` pins the local Ray
+            cluster it starts (Serve's proxy and controller, Ray's daemons) there too. None:
+            not pinned. On 2 cores with one worker, `worker_cpus="1"`, `control_cpus="0"` is
+            vLLM's CPU layout (engine on one core, front end on the other).
+        worker_nice: niceness of each worker's process (-20..19). Ray starts every actor at
+            15, below any ordinary process on the machine, so an engine left there gets the
+            leftovers of whatever else runs (a peer server such as vLLM's runs at 0). 0: an
+            ordinary server process. None: Ray's 15. Lowering it needs the privilege to (root
+            or CAP_SYS_NICE); without it the worker logs a warning and runs on at 15 (start
+            Ray with `RAY_worker_niceness=0` instead, as the KubeRay manifests do).
+        control_nice: niceness of the router replica and the prefix index (and, under
+            `pagedserve serve`, of Serve's proxy and controller), so that streaming keeps up
+            with the engine. 0 by default, like the worker; None: Ray's 15.
         worker_resources: custom Ray resources per worker actor (to pin workers to nodes).
         routing_policy: a registered routing policy (`cluster/routing.py`).
         routing_options: keyword options of the policy (e.g. `prefill_weight`).
@@ -79,6 +99,10 @@ class ClusterConfig:
     worker_num_gpus: float = 0.0
     worker_num_cpus: float = 1.0
     worker_threads: int | None = None
+    worker_cpus: str | None = None
+    control_cpus: str | None = None
+    worker_nice: int | None = 0
+    control_nice: int | None = 0
     worker_resources: dict[str, float] = field(default_factory=dict)
     routing_policy: str = field(
         default=DEFAULT_POLICY, metadata={"choices": RoutingPolicy.registry}
@@ -128,6 +152,7 @@ class ClusterConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         self._check_lease()
+        self._check_placement()
         if self.max_buffered_deltas < 1:
             raise ValueError(f"max_buffered_deltas must be >= 1, got {self.max_buffered_deltas}")
 
@@ -140,6 +165,44 @@ class ClusterConfig:
                 f"lease_timeout_s ({lease}) must be >= 4 x stats_interval_s "
                 f"({self.stats_interval_s}): the router renews leases every stats interval"
             )
+
+    def _check_placement(self) -> None:
+        for name in ("worker_nice", "control_nice"):
+            value = getattr(self, name)
+            if value is not None and not -20 <= value <= 19:
+                raise ValueError(f"{name} must be in -20..19 (a niceness) or None, got {value}")
+        if self.control_cpus is not None:
+            parse_cpu_list(self.control_cpus, "control_cpus")
+        if self.worker_cpus is None:
+            return
+        cpus = parse_cpu_list(self.worker_cpus, "worker_cpus")
+        shares = [worker_share(cpus, i, self.num_workers) for i in range(self.num_workers)]
+        smallest = min(len(share) for share in shares)
+        if self.worker_threads is not None and self.worker_threads > smallest:
+            raise ValueError(
+                f"worker_threads ({self.worker_threads}) is more than the {smallest} core(s) "
+                f"each worker gets of worker_cpus {self.worker_cpus!r}: its threads would "
+                "fight over them"
+            )
+
+    def worker_cpu_share(self, index: int) -> tuple[int, ...] | None:
+        """The cores worker `index` is pinned to (None: not pinned)."""
+        if self.worker_cpus is None:
+            return None
+        return worker_share(parse_cpu_list(self.worker_cpus), index, self.num_workers)
+
+    def worker_thread_count(self, index: int) -> int | None:
+        """Torch threads of worker `index`: `worker_threads`, else one per core of its share,
+        else None (Ray's default)."""
+        if self.worker_threads is not None:
+            return self.worker_threads
+        share = self.worker_cpu_share(index)
+        return len(share) if share is not None else None
+
+    @property
+    def control_cpu_set(self) -> tuple[int, ...] | None:
+        """The control plane's cores (None: not pinned)."""
+        return None if self.control_cpus is None else parse_cpu_list(self.control_cpus)
 
     @property
     def worker_engine(self) -> EngineConfig:

@@ -44,6 +44,7 @@ from pagedserve.cluster.prefix_index_state import (
     PublishResult,
 )
 from pagedserve.workers.block import BlockHash
+from pagedserve.workers.cpu_placement import pin_process, set_niceness
 from pagedserve.workers.kv_events import KVEvent, KVSnapshot
 
 __all__ = ["KVSnapshot", "PrefixIndexActor", "PrefixIndexState", "PublishResult"]
@@ -75,6 +76,9 @@ class PrefixIndexActor:
         snapshot_timeout_s: deadline for one `kv_snapshot()` call.
         worker_names: the named worker actors to resync from on start.
         namespace: their Ray namespace (None: the index's own).
+        cpus: the cores to pin this actor's process to (`ClusterConfig.control_cpus`; None:
+            not pinned).
+        nice: its niceness (`ClusterConfig.control_nice`; None: Ray's).
     """
 
     def __init__(
@@ -83,7 +87,13 @@ class PrefixIndexActor:
         snapshot_timeout_s: float = DEFAULT_SNAPSHOT_TIMEOUT_S,
         worker_names: Sequence[str] = (),
         namespace: str | None = None,
+        cpus: tuple[int, ...] | None = None,
+        nice: int | None = None,
     ) -> None:
+        if cpus is not None:
+            pin_process(cpus, what="prefix index")
+        if nice is not None:
+            set_niceness(nice, what="prefix index")
         if snapshot_timeout_s <= 0:
             raise ValueError(f"snapshot_timeout_s must be > 0, got {snapshot_timeout_s}")
         self._state = PrefixIndexState(max_entries)
@@ -225,6 +235,8 @@ def get_or_create_prefix_index(
     max_entries: int = DEFAULT_MAX_ENTRIES,
     snapshot_timeout_s: float = DEFAULT_SNAPSHOT_TIMEOUT_S,
     worker_names: Sequence[str] = (),
+    cpus: tuple[int, ...] | None = None,
+    nice: int | None = None,
 ) -> ActorHandle:
     """The cluster's prefix index actor, started if no actor of that name exists yet.
 
@@ -239,6 +251,8 @@ def get_or_create_prefix_index(
         max_entries: the LRU bound on hash entries.
         snapshot_timeout_s: deadline for one worker snapshot during a resync.
         worker_names: the named worker actors to resync from whenever the index (re)starts.
+        cpus: the cores the index pins itself to (None: not pinned).
+        nice: its niceness (None: Ray's).
 
     Returns:
         The actor's handle.
@@ -251,4 +265,6 @@ def get_or_create_prefix_index(
         snapshot_timeout_s=snapshot_timeout_s,
         worker_names=tuple(worker_names),
         namespace=namespace,
+        cpus=cpus,
+        nice=nice,
     )

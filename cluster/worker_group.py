@@ -27,21 +27,27 @@ def start_worker_group(
     restart; `stop_worker_group` removes them. Ray restarts a crashed worker (max_restarts),
     and the router re-registers it once it answers again. Workers get the telemetry settings
     at creation and this process's OTEL_* variables in their runtime env, and
-    `OMP_NUM_THREADS` when `worker_threads` is set.
+    `OMP_NUM_THREADS` when `worker_threads` or `worker_cpus` is set; with `worker_cpus` each
+    pins itself to its share of those cores.
     """
     telemetry = telemetry or TelemetryConfig()
-    env = otel_env()
-    if config.worker_threads is not None:  # torch reads it at import: set it before the actor
-        env["OMP_NUM_THREADS"] = str(config.worker_threads)
-    runtime_env = {"env_vars": env} if env else None
     names = [config.worker_name(i) for i in range(config.num_workers)]
     # The index gets the names so that, restarted by Ray, it resyncs from every worker at once.
     index = get_or_create_prefix_index(
-        name=config.index_name, namespace=config.namespace, worker_names=names
+        name=config.index_name,
+        namespace=config.namespace,
+        worker_names=names,
+        cpus=config.control_cpu_set,
+        nice=config.control_nice,
     )
     remote_worker = ray.remote(Worker)
     workers = {}
-    for worker_id in names:
+    for i, worker_id in enumerate(names):
+        env = otel_env()
+        threads = config.worker_thread_count(i)
+        if threads is not None:  # torch reads it at import: set it before the actor starts
+            env["OMP_NUM_THREADS"] = str(threads)
+        runtime_env = {"env_vars": env} if env else None
         workers[worker_id] = remote_worker.options(
             name=worker_id,
             namespace=config.namespace,
@@ -62,6 +68,8 @@ def start_worker_group(
             telemetry,
             lease_timeout_s=config.lease_timeout_s,
             max_buffered_deltas=config.max_buffered_deltas,
+            cpus=config.worker_cpu_share(i),
+            nice=config.worker_nice,
         )
     return index, workers
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -15,6 +16,7 @@ import ray
 import torch
 
 from pagedserve.workers.block import BlockKey
+from pagedserve.workers.cpu_placement import niceness, pin_process, process_cpus, set_niceness
 from pagedserve.workers.engine import Engine
 from pagedserve.workers.engine_config import EngineConfig
 from pagedserve.workers.kv_events import KVEvent, KVSnapshot
@@ -61,6 +63,9 @@ class Worker:
         lease_timeout_s: how long an owner's requests live without a renewal (see
             `workers/lease.py`).
         max_buffered_deltas: deltas a stream buffers before its request is paused.
+        cpus: the cores this worker's process is pinned to (None: not pinned); see
+            `workers/cpu_placement.py`.
+        nice: this worker's niceness (None: Ray's, 15).
     """
 
     def __init__(
@@ -73,7 +78,14 @@ class Worker:
         *,
         lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
         max_buffered_deltas: int = DEFAULT_MAX_BUFFERED_DELTAS,
+        cpus: tuple[int, ...] | None = None,
+        nice: int | None = None,
     ) -> None:
+        # First: every thread the engine starts later inherits the mask and the niceness.
+        if cpus is not None:
+            pin_process(cpus, what=f"worker {worker_id}")
+        if nice is not None:
+            set_niceness(nice, what=f"worker {worker_id}")
         self._index = ray.get_actor(index_name, namespace=namespace) if index_name else None
         sink = self._publish if self._index is not None else None
         tracing = worker_tracing(telemetry, worker_id)
@@ -138,6 +150,9 @@ class Worker:
             max_model_len=engine.max_model_len,
             num_blocks=engine.kv.pool.num_blocks,
             num_threads=torch.get_num_threads(),
+            pid=os.getpid(),
+            cpus=process_cpus(),
+            nice=niceness(),
         )
 
     @ray.method(_generator_backpressure_num_objects=STREAM_BACKPRESSURE_OBJECTS)

@@ -302,6 +302,7 @@ class WorkerCore:
             self.leases.attach(request_id, owner_id)
             self._wakeup.set()
             while remaining:
+                # One message per step, not `get_coalesced()`: see `DeltaBuffer.get_coalesced`.
                 delta = await buffer.get()
                 if delta is None:  # `drain` ran out of grace: the router replays the rest
                     raise HandedOff(f"worker {self.worker_id} drained before this request ended")

@@ -38,6 +38,9 @@ class WorkerInfo:
     max_model_len: int
     num_blocks: int
     num_threads: int = 1  # torch intra-op threads of its engine (`ClusterConfig.worker_threads`)
+    pid: int = 0  # its process (placement pins the control plane around it)
+    cpus: tuple[int, ...] = ()  # the cores its process may run on (`ClusterConfig.worker_cpus`)
+    nice: int = 0  # its niceness (`ClusterConfig.worker_nice`; Ray's default is 15)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from support.cluster import cluster_config, greedy, run_request, start_router
 from support.wait import until
 
 from pagedserve.cluster.worker_group import stop_worker_group
+from pagedserve.workers.cpu_placement import available_cpus
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 PIN = 10_000_000  # router-side demand that makes a worker look full, to steer routing
@@ -105,3 +106,23 @@ def test_worker_threads_set_each_engine_s_torch_threads():
     finally:
         stop_worker_group(config)
     assert [info.num_threads for info in infos] == [2]
+
+
+def test_worker_cpus_pin_each_worker_to_its_share_with_a_thread_per_core():
+    """`worker_cpus` is split between the workers; each pins its process there and, without
+    `worker_threads`, runs one torch thread per core of its share."""
+    last = max(available_cpus())
+    config = cluster_config("t-pinned", num_workers=1, worker_cpus=str(last))
+
+    async def main():
+        core = await start_router(config)
+        infos = [w.info for w in core.workers.values()]
+        await core.close()
+        return infos
+
+    try:
+        infos = run(main())
+    finally:
+        stop_worker_group(config)
+    assert [(info.cpus, info.num_threads) for info in infos] == [((last,), 1)]
+    assert infos[0].pid > 0

@@ -1,0 +1,56 @@
+"""Coalesced deltas (`DeltaBuffer.get_coalesced`, not yet wired into WorkerCore streams): a
+run of one branch's waiting deltas comes out as one message that loses or repeats nothing."""
+
+from __future__ import annotations
+
+import asyncio
+
+from pagedserve.workers.logprobs import TokenLogprob
+from pagedserve.workers.outputs import Usage
+from pagedserve.workers.stream import DeltaBuffer, StreamDelta, merge_deltas
+from pagedserve.workers.worker_types import RequestMoved
+
+DEADLINE_S = 60.0
+
+
+def delta(tokens, text, index=0, **extra) -> StreamDelta:
+    return StreamDelta("r", index, list(tokens), text, worker_id="w0", **extra)
+
+
+def test_merging_keeps_order_and_takes_the_end_of_the_later():
+    lp = [TokenLogprob(1, -0.5, 1), TokenLogprob(2, -0.1, 1)]
+    first = delta([1], "a", logprobs=lp[:1], prompt_logprobs=[None])
+    usage = Usage(3, 2, 0)
+    then = delta([2], "b", logprobs=lp[1:], finish_reason="length", usage=usage)
+    merged = merge_deltas(first, then)
+    assert merged.token_ids == [1, 2] and merged.text == "ab"
+    assert merged.logprobs == lp and merged.prompt_logprobs == [None]
+    assert merged.finish_reason == "length" and merged.usage == usage
+    assert first.token_ids == [1]  # the inputs are left as they were
+    plain = merge_deltas(delta([1], "a"), delta([], ""))
+    assert plain.logprobs is None and plain.token_ids == [1] and plain.finish_reason is None
+
+
+def test_the_buffer_hands_out_one_message_per_run_of_one_branch():
+    async def main():
+        buffer = DeltaBuffer(16)
+        for i in range(3):
+            buffer.put(delta([i], str(i)))
+        buffer.put(delta([10], "x", index=1))  # another branch ends the run
+        buffer.put(delta([3], "3"))
+        buffer.put(delta([4], "4", finish_reason="length"))
+        buffer.put(delta([5], "5"))  # after a finished delta: a message of its own
+        moved = RequestMoved("r", 0, "w1", None)
+        buffer.put(moved)
+        buffer.put(None)
+        return [await buffer.get_coalesced() for _ in range(6)], len(buffer)
+
+    got, left = asyncio.run(main())
+    assert [(m.index, m.token_ids, m.text) for m in got[:4]] == [
+        (0, [0, 1, 2], "012"),
+        (1, [10], "x"),
+        (0, [3, 4], "34"),
+        (0, [5], "5"),
+    ]
+    assert got[2].finish_reason == "length"
+    assert isinstance(got[4], RequestMoved) and got[5] is None and left == 0
