@@ -107,7 +107,7 @@ def compare(args: argparse.Namespace, vllm_python: str | None, scratch: Path) ->
             "ours",
             [sys.executable, "-m", "pagedserve.bench.compare_ours_arm", str(spec_path)],
             str(scratch),
-            child_env({}),
+            child_env(ours_threads_env(args.ours_threads)),
             str(scratch / "ours.log"),
         )
     ]
@@ -271,4 +271,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--hf-batch-size", type=positive_int, default=16)
     add("--json", metavar="FILE", default=None, help="also write the results here")
     add("--log-dir", default=None, help="keep each arm's log (stderr) here")
+    add(
+        "--ours-threads",
+        type=positive_int,
+        default=None,
+        help="torch threads of our arm (OMP_NUM_THREADS; default: torch's, one per core). vLLM's "
+        "CPU build takes one OpenMP thread per core less one, which it leaves to its front end",
+    )
     parser.set_defaults(func=run, _parser=parser)
+
+
+def ours_threads_env(threads: int | None) -> dict[str, str]:
+    """Our arm's environment additions: its torch thread count, when one is chosen."""
+    return {} if threads is None else {"OMP_NUM_THREADS": str(threads)}

@@ -53,3 +53,10 @@ def test_our_arm_runs_the_protocol_end_to_end(tmp_path):
     assert ours["name"] == "ours" and len(ours["tokens_per_s"]) == 2
     assert result["agreement"] == {"ours=hf": 3} and result["stable"] == {"ours": True}
     assert "vLLM left out" in run.stdout
+
+
+def test_our_arm_threads_go_to_its_environment_only_when_chosen():
+    from pagedserve.bench.compare import ours_threads_env
+
+    assert ours_threads_env(None) == {}
+    assert ours_threads_env(1) == {"OMP_NUM_THREADS": "1"}
