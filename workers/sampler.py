@@ -203,16 +203,7 @@ def _sample_rows(logits: Tensor, params: Sequence[SamplingParams], uniforms: Ten
     Returns:
         ``[R]`` int64 token ids.
     """
-    device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=device)
-    logits = logits / temperature.unsqueeze(1)
-    # Stable, so equal logits keep id order and a given draw always picks the same token.
-    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)
-    num_top_k = _top_k_sizes(params, logits.shape[1], device)
-    positions = torch.arange(logits.shape[1], device=device)
-    sorted_logits = sorted_logits.masked_fill(positions >= num_top_k.unsqueeze(1), float("-inf"))
-    probs = sorted_logits.softmax(dim=-1).double()
-    num_kept = torch.minimum(num_top_k, _top_p_sizes(probs, params))
+    probs, sorted_ids, num_kept = _sorted_filtered_probs(logits, params)
     chosen = _inverse_cdf(probs, num_kept, uniforms)
     return sorted_ids.gather(1, chosen.unsqueeze(1)).squeeze(1)
 
@@ -223,18 +214,34 @@ def sampling_probs(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
 
     Speculative verification compares drafts against exactly this distribution.
     """
+    probs, sorted_ids, num_kept = _sorted_filtered_probs(logits, params)
+    positions = torch.arange(probs.shape[1], device=probs.device)
+    kept = torch.where(positions < num_kept.unsqueeze(1), probs, 0.0)
+    kept = kept / kept.sum(dim=-1, keepdim=True)
+    return torch.zeros_like(kept).scatter_(1, sorted_ids, kept)
+
+
+def _sorted_filtered_probs(
+    logits: Tensor, params: Sequence[SamplingParams]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Temperature, top-k and top-p over each row sorted by logit: the part sampling and
+    speculative verification share.
+
+    Returns:
+        ``[R, V]`` float64 probabilities in sorted order (top-k's cut rows zero), ``[R, V]``
+        the token id at each sorted place, and ``[R]`` how many sorted tokens top-k and top-p
+        keep.
+    """
     device = logits.device
     temperature = torch.tensor([p.temperature for p in params], device=device)
     logits = logits.float() / temperature.unsqueeze(1)
+    # Stable, so equal logits keep id order and a given draw always picks the same token.
     sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)
     num_top_k = _top_k_sizes(params, logits.shape[1], device)
     positions = torch.arange(logits.shape[1], device=device)
     sorted_logits = sorted_logits.masked_fill(positions >= num_top_k.unsqueeze(1), float("-inf"))
     probs = sorted_logits.softmax(dim=-1).double()
-    num_kept = torch.minimum(num_top_k, _top_p_sizes(probs, params))
-    kept = torch.where(positions < num_kept.unsqueeze(1), probs, 0.0)
-    kept = kept / kept.sum(dim=-1, keepdim=True)
-    return torch.zeros_like(kept).scatter_(1, sorted_ids, kept)
+    return probs, sorted_ids, torch.minimum(num_top_k, _top_p_sizes(probs, params))
 
 
 def _top_k_sizes(params: Sequence[SamplingParams], vocab_size: int, device: torch.device) -> Tensor:
