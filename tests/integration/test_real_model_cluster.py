@@ -11,6 +11,7 @@ import pytest
 import ray
 from support.cluster import assert_cluster_clean, cluster_config, greedy, run_request, start_router
 from support.real_model import SMOLLM2, prompt_ids
+from support.wait import until
 
 from pagedserve.cluster.router_types import GenerateRequest
 from pagedserve.cluster.worker_group import stop_worker_group
@@ -62,17 +63,29 @@ def test_moved_request_gives_hf_ids(smollm2, prompts):
     chosen = prompts[6:9] + prompts[-4:]  # French, Japanese, emoji, the chats: 23-137 tokens
     engine = {"num_kv_blocks": 14, "preemption_mode": "move", "watermark": 0.0}
     engine["enable_prefix_caching"] = False
-    config = real_config("t-real-move", engine, enable_push=False, enable_pull=False)
+    # No stall judgment while `busy` is held still on purpose (below).
+    config = real_config(
+        "t-real-move", engine, enable_push=False, enable_pull=False, stall_timeout_s=600.0
+    )
 
     async def main():
         core = await start_router(config)
         busy, target = core.workers.values()
         target.begin(PIN)  # everything lands on `busy`, whose 14 blocks cannot hold it all
+        # `busy` takes no step until it holds every request: they contend for its pool however
+        # fast the machine is (a quick engine had finished the first ones before the last came).
+        await busy.handle.chaos_stall.remote(True)
         try:
-            results = await asyncio.gather(
-                *(run_request(core, p, greedy(MAX_TOKENS)) for p in chosen)
-            )
+            calls = [asyncio.create_task(run_request(core, p, greedy(MAX_TOKENS))) for p in chosen]
+
+            async def holds_all() -> bool:
+                return (await busy.handle.stats.remote()).num_streams == len(chosen)
+
+            await until(holds_all, f"{busy.worker_id} to hold all {len(chosen)} requests")
+            await busy.handle.chaos_stall.remote(False)
+            results = await asyncio.gather(*calls)
         finally:
+            await busy.handle.chaos_stall.remote(False)
             target.end(PIN)
         await assert_cluster_clean(core)
         return results, core.counters.as_dict()
