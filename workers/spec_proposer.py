@@ -13,6 +13,7 @@ the draft distribution `q` as one-hot; rejection sampling stays exact for any su
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import ClassVar, Protocol
 
@@ -30,7 +31,7 @@ class DraftRequest(Protocol):
     cache_extra_keys: tuple[str, ...]
 
 
-class Proposer:
+class Proposer(ABC):
     """Proposes up to `max_tokens[i]` draft tokens for each request of a step.
 
     Subclasses register under their method name. A proposer that holds per-request state
@@ -47,17 +48,20 @@ class Proposer:
             Proposer.registry[cls.method] = cls
 
     @classmethod
+    @abstractmethod
     def from_config(cls, config: SpeculativeConfig, **resources) -> Proposer:
-        raise NotImplementedError
+        """Build the proposer from its config and what it needs of the target."""
 
+    @abstractmethod
     def propose(
         self, requests: Sequence[DraftRequest], max_tokens: Sequence[int]
     ) -> list[list[int]]:
         """One list of draft tokens per request (possibly empty: nothing to propose)."""
-        raise NotImplementedError
 
     def release(self, request_id: str) -> None:
-        """The request left the engine (finished, aborted, moved): drop what is held for it."""
+        """The request left the engine (finished, aborted, moved): drop what is held for it.
+        Stateless proposers hold nothing."""
+        return None
 
 
 class NgramProposer(Proposer):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -65,12 +66,4 @@ class SpecCounters:
         self.num_emitted_tokens += num_emitted
 
     def snapshot(self) -> SpecStats:
-        return SpecStats(
-            self.num_verified,
-            self.num_draft_tokens,
-            self.num_accepted_tokens,
-            self.num_emitted_tokens,
-            self.draft_time_s,
-            self.verify_time_s,
-            self.num_steps,
-        )
+        return SpecStats(**dataclasses.asdict(self))

@@ -91,9 +91,8 @@ async def index_agrees(core, worker) -> bool:
     return bool(cached) and indexed == cached
 
 
-def test_worker_threads_set_each_engine_s_torch_threads():
-    """`worker_threads` overrides Ray's one-thread-per-reserved-CPU default for the engine."""
-    config = cluster_config("t-threads", num_workers=1, worker_threads=2)
+def worker_infos(config) -> list:
+    """Start the cluster, read each worker's `WorkerInfo` as the router registered it, stop."""
 
     async def main():
         core = await start_router(config)
@@ -102,9 +101,16 @@ def test_worker_threads_set_each_engine_s_torch_threads():
         return infos
 
     try:
-        infos = run(main())
+        return run(main())
     finally:
         stop_worker_group(config)
+
+
+def test_worker_threads_set_each_engine_s_torch_threads():
+    """`worker_threads` overrides Ray's one-thread-per-reserved-CPU default for the engine."""
+    config = cluster_config("t-threads", num_workers=1, worker_threads=2)
+
+    infos = worker_infos(config)
     assert [info.num_threads for info in infos] == [2]
 
 
@@ -114,15 +120,6 @@ def test_worker_cpus_pin_each_worker_to_its_share_with_a_thread_per_core():
     last = max(available_cpus())
     config = cluster_config("t-pinned", num_workers=1, worker_cpus=str(last))
 
-    async def main():
-        core = await start_router(config)
-        infos = [w.info for w in core.workers.values()]
-        await core.close()
-        return infos
-
-    try:
-        infos = run(main())
-    finally:
-        stop_worker_group(config)
+    infos = worker_infos(config)
     assert [(info.cpus, info.num_threads) for info in infos] == [((last,), 1)]
     assert infos[0].pid > 0
