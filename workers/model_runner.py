@@ -6,6 +6,11 @@ transformers' ``AttentionInterface``) for ``paged_attention_forward``, which per
     1. writes this step's new K/V into the pool at ``slot_mapping``;
     2. attends each new query to its sequence's whole context, read through ``block_tables``.
 
+Llama-style decoders (Llama, Mistral, Qwen2) skip HF's module stack altogether: they run through
+``FusedDecoder`` (q/k/v and gate/up as one matmul each, the kernels' token-major layout, HF's
+arithmetic), which matches HF's forward and is the faster path on every backend. Other models keep
+HF's modelling code with the attention function swapped.
+
 The packed batch goes in as one "sample" of T tokens (``[1, T]`` ids and per-token position ids),
 so HF sees no padding and builds no mask; everything attention needs travels explicitly in a
 ``PagedAttentionContext`` keyword argument (no module-level state).
@@ -21,6 +26,7 @@ from transformers import AttentionInterface
 
 from pagedserve.kernels import KernelOps
 from pagedserve.workers.attention_metadata import AttentionMetadata
+from pagedserve.workers.fused_decoder import FusedDecoder, unfusable_reason
 from pagedserve.workers.kv_cache import KVCache
 from pagedserve.workers.model_loader import LoadedModel
 
@@ -101,8 +107,13 @@ class ModelRunner:
     through this runner (build a separate copy for reference forwards).
     """
 
-    def __init__(self, loaded: LoadedModel, kv_cache: KVCache, ops: KernelOps) -> None:
+    def __init__(
+        self, loaded: LoadedModel, kv_cache: KVCache, ops: KernelOps, *, fuse: bool = True
+    ) -> None:
         """Bind the model to the pool.
+
+        Args:
+            fuse: run a fusable model through ``FusedDecoder`` (False: always HF's modules).
 
         Raises:
             ValueError: the pool does not fit the model, or the model's code does not go
@@ -120,6 +131,11 @@ class ModelRunner:
             raise ValueError(
                 f"model {loaded.name!r} ({type(self.model).__name__}) does not support "
                 "custom attention functions (transformers' AttentionInterface)"
+            )
+        self.fused: FusedDecoder | None = None
+        if fuse and unfusable_reason(self.model) is None:
+            self.fused = FusedDecoder(
+                self.model, loaded.num_heads, loaded.num_kv_heads, loaded.head_dim
             )
 
     @torch.inference_mode()
@@ -145,6 +161,16 @@ class ModelRunner:
         _check_inputs(input_ids, positions, metadata, logits_indices)
         device = self.loaded.device
         metadata = metadata.to(device, non_blocking=True)
+        if self.fused is not None:
+            logits = self.fused.forward(
+                input_ids.to(device, non_blocking=True),
+                positions.to(device, non_blocking=True),
+                metadata,
+                self.kv_cache,
+                self.ops,
+                logits_indices.to(device, non_blocking=True),
+            )
+            return logits.float()
         context = PagedAttentionContext(metadata, self.kv_cache, self.ops)
         # logits_to_keep selects the rows before lm_head, so the full [T, vocab] is never made;
         # going through the CausalLM forward keeps any model-specific logit post-processing.

@@ -1,4 +1,5 @@
-"""ModelRunner: paged-attention logits equal HF's own full-sequence forward.
+"""ModelRunner: paged-attention logits equal HF's own full-sequence forward, through both the
+fused decoder (Llama, Mistral, Qwen2) and HF's own modules with the attention swapped.
 
 Each scenario runs a packed batch through chunked prefill, a mixed prefill+decode step and
 decode-only steps, with block tables drawn from a shuffled pool, and checks the logits of every
@@ -73,7 +74,7 @@ class _Seq:
 class _PagedHarness:
     """A stand-in for the block manager and engine: tables, slots, packing, reference logits."""
 
-    def __init__(self, loaded: LoadedModel, block_size: int, seed: int) -> None:
+    def __init__(self, loaded: LoadedModel, block_size: int, seed: int, fuse: bool = True) -> None:
         self.reference = copy.deepcopy(loaded.model)  # before the runner swaps its attention
         self.block_size = block_size
         self.kv_cache = KVCache(
@@ -86,7 +87,8 @@ class _PagedHarness:
             device="cpu",
             ops=OPS,
         )
-        self.runner = ModelRunner(loaded, self.kv_cache, OPS)
+        self.runner = ModelRunner(loaded, self.kv_cache, OPS, fuse=fuse)
+        assert (self.runner.fused is not None) == fuse
         self.free_blocks = list(range(NUM_BLOCKS))
         random.Random(seed).shuffle(self.free_blocks)
         self.seqs: dict[str, _Seq] = {}
@@ -145,10 +147,13 @@ def _prompt(rng: random.Random, vocab: int, length: int) -> list[int]:
     return [rng.randrange(vocab) for _ in range(length)]
 
 
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "hf-modules"])
 @pytest.mark.parametrize("block_size", [8, 16])
-def test_logits_match_hf_through_chunked_prefill_and_decode(model_path: str, block_size: int):
+def test_logits_match_hf_through_chunked_prefill_and_decode(
+    model_path: str, block_size: int, fuse: bool
+):
     loaded = load_model(model_path)
-    harness = _PagedHarness(loaded, block_size, seed=block_size)
+    harness = _PagedHarness(loaded, block_size, seed=block_size, fuse=fuse)
     rng = random.Random(block_size)
     for name, length in (("a", 37), ("b", 21), ("c", 5)):
         harness.seqs[name] = _Seq(_prompt(rng, loaded.vocab_size, length))
@@ -176,9 +181,9 @@ def test_prefix_blocks_shared_between_sequences():
     harness.step({"b": 1, "a": 1})
 
 
-def test_no_mask_is_built_and_only_wanted_logits_are_computed():
+def test_hf_modules_build_no_mask_and_compute_only_wanted_logits():
     loaded = load_model(TINY_LLAMA_NAME)
-    harness = _PagedHarness(loaded, block_size=8, seed=2)
+    harness = _PagedHarness(loaded, block_size=8, seed=2, fuse=False)
     masks, lm_head_rows = [], []
 
     def spy(module, query, key, value, attention_mask, **kwargs):
@@ -233,3 +238,59 @@ def test_execute_rejects_bad_inputs():
     with pytest.raises(ValueError, match="slot_mapping has 2 slots"):
         metadata.slot_mapping = metadata.slot_mapping[:2]
         harness.runner.execute(input_ids, positions, metadata, wanted)
+
+
+def test_fused_decoder_computes_only_wanted_logits_and_shares_the_weights(monkeypatch):
+    loaded = load_model(TINY_LLAMA_NAME)
+    before = {name: p.detach().clone() for name, p in loaded.model.named_parameters()}
+    harness = _PagedHarness(loaded, block_size=8, seed=2)
+    fused = harness.runner.fused
+    lm_head_rows = []
+    original_linear = torch.nn.functional.linear
+
+    def spy_linear(x, weight, bias=None):
+        if weight is fused.lm_head:
+            lm_head_rows.append(x.shape[0])
+        return original_linear(x, weight, bias)
+
+    harness.seqs["a"] = _Seq(list(range(30)))
+    harness.seqs["b"] = _Seq(list(range(40, 52)))
+    input_ids, positions, metadata = harness._pack(
+        [("a", harness.seqs["a"], 30), ("b", harness.seqs["b"], 12)]
+    )
+    monkeypatch.setattr(torch.nn.functional, "linear", spy_linear)
+    logits = harness.runner.execute(
+        input_ids, positions, metadata, torch.tensor([29, 41], dtype=torch.int64)
+    )
+    monkeypatch.undo()
+    assert lm_head_rows == [2]
+    torch.testing.assert_close(logits[1], harness._reference_logits(list(range(40, 52)))[-1])
+    # The HF linears are views of the fused weights (no second copy), with unchanged values.
+    for layer, fused_layer in zip(loaded.model.model.layers, fused.layers, strict=True):
+        attention = layer.self_attn
+        storage = fused_layer.qkv_weight.untyped_storage().data_ptr()
+        for linear in (attention.q_proj, attention.k_proj, attention.v_proj):
+            assert linear.weight.untyped_storage().data_ptr() == storage
+    for name, param in loaded.model.named_parameters():
+        assert torch.equal(param, before[name]), name
+
+
+def test_a_model_the_fused_decoder_does_not_know_keeps_hf_modules(tmp_path):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from pagedserve.workers.fused_decoder import unfusable_reason
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Qwen3ForCausalLM(Qwen3Config(**SMALL, head_dim=16))
+        for param in model.parameters():
+            param.data.normal_(0.0, 0.3)
+    assert "qwen3" in unfusable_reason(model)
+    model.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path))
+    harness = _PagedHarness(loaded, block_size=8, seed=4, fuse=False)
+    assert ModelRunner(loaded, harness.kv_cache, OPS).fused is None
+    rng = random.Random(4)
+    harness.seqs["a"] = _Seq(_prompt(rng, loaded.vocab_size, 11))
+    harness.step({"a": 11})
+    harness.step({"a": 1})
