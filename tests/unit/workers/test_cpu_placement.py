@@ -97,7 +97,7 @@ def test_descendants_are_found_from_proc():
 
 def test_workers_and_the_control_plane_run_at_an_ordinary_priority_by_default():
     config = ClusterConfig()
-    assert (config.worker_nice, config.control_nice) == (0, 0)  # not Ray's 15
+    assert (config.worker_nice, config.control_nice) == (0, 5)  # not Ray's 15
     assert ClusterConfig(worker_nice=None, control_nice=None).worker_nice is None
     for bad in ({"worker_nice": 20}, {"control_nice": -21}):
         with pytest.raises(ValueError, match=f"{next(iter(bad))} must be in -20..19"):
