@@ -18,6 +18,14 @@ the Router replica and everything it starts, which build no gRPC server.
 
 A burst past `max_pending_grpc_calls` still loses calls this way: gRPC core drops them before
 they reach anything we can change.
+
+gRPC core also bounds how long a call may wait in that queue
+(`grpc.server_max_unrequested_time_in_server`, 30 s by default) and cancels it, again as a bare
+CANCELLED, past that. On a loaded machine a proxy took longer than 30 s to take up a burst of
+1,200 calls, and the last 135 ended this way (the gRPC API test under a busy loop). The wait is
+raised to `MAX_PENDING_SECONDS`: a call held is taken up however slowly the proxy's loop turns,
+and then served or refused with a retry hint by the router; the client's own deadline still
+ends it sooner if it has one.
 """
 
 from __future__ import annotations
@@ -29,6 +37,10 @@ PENDING_CALLS_ENV = "PAGEDSERVE_GRPC_MAX_PENDING_CALLS"
 SETUP_HOOK = "pagedserve.cluster.grpc_backlog.raise_pending_limit"
 _SOFT_LIMIT = "grpc.server.max_pending_requests"
 _HARD_LIMIT = "grpc.server.max_pending_requests_hard_limit"
+_MAX_WAIT = "grpc.server_max_unrequested_time_in_server"
+_OPTION_NAMES = (_SOFT_LIMIT, _HARD_LIMIT, _MAX_WAIT)
+# How long gRPC core holds a call our proxy has not taken up yet, in seconds (gRPC's own: 30).
+MAX_PENDING_SECONDS = 600
 
 
 def setup_hook_env_var() -> str:
@@ -44,10 +56,17 @@ def backlog_env_vars(max_pending_calls: int) -> dict[str, str]:
     return {setup_hook_env_var(): SETUP_HOOK, PENDING_CALLS_ENV: str(max_pending_calls)}
 
 
-def pending_backlog_options(max_pending_calls: int) -> list[tuple[str, int]]:
+def pending_backlog_options(
+    max_pending_calls: int, max_pending_s: int = MAX_PENDING_SECONDS
+) -> list[tuple[str, int]]:
     """gRPC server options: hold up to `max_pending_calls` calls not yet taken up, dropping
-    none below it (soft limit = hard limit: no random drops before the limit)."""
-    return [(_SOFT_LIMIT, max_pending_calls), (_HARD_LIMIT, max_pending_calls)]
+    none below it (soft limit = hard limit: no random drops before the limit), each for up to
+    `max_pending_s` seconds."""
+    return [
+        (_SOFT_LIMIT, max_pending_calls),
+        (_HARD_LIMIT, max_pending_calls),
+        (_MAX_WAIT, max_pending_s),
+    ]
 
 
 def raise_pending_limit() -> None:
@@ -57,7 +76,7 @@ def raise_pending_limit() -> None:
     if not limit:
         return
     options = serve_grpc_server_options()
-    options[:] = [o for o in options if o[0] not in (_SOFT_LIMIT, _HARD_LIMIT)]
+    options[:] = [o for o in options if o[0] not in _OPTION_NAMES]
     options.extend(pending_backlog_options(int(limit)))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -14,6 +15,10 @@ from ray.serve._private import constants
 from support.api_app import wait_until
 
 from pagedserve.cluster.grpc_backlog import (
+    _MAX_WAIT as MAX_WAIT_OPTION,
+)
+from pagedserve.cluster.grpc_backlog import (
+    MAX_PENDING_SECONDS,
     PENDING_CALLS_ENV,
     SETUP_HOOK,
     backlog_env_vars,
@@ -112,6 +117,23 @@ def test_a_held_server_serves_the_calls_within_the_limit_and_drops_the_rest(limi
     assert codes(calls).count(grpc.StatusCode.OK) == limit + 2
     assert codes(calls).count(grpc.StatusCode.CANCELLED) == extra
     assert {call.details() for call in dropped(calls)} <= {"", "CANCELLED"}
+
+
+def test_a_held_call_waits_as_long_as_the_options_say_and_no_longer():
+    # gRPC's own bound is 30 s, past which a call nobody took up ends as a bare CANCELLED (a
+    # slow proxy under load lost the tail of a burst this way); ours is MAX_PENDING_SECONDS.
+    assert dict(pending_backlog_options(10))[MAX_WAIT_OPTION] == MAX_PENDING_SECONDS >= 600
+    with held_server(pending_backlog_options(10, max_pending_s=1)) as (server, echo):
+        calls = send(echo, 3)
+        # gRPC core checks a call's age when the server takes it up, so the calls must have
+        # waited past the bound before the loop turns again: this sleep is the time under
+        # test (a lower bound on the wait, whatever the machine's speed), not a guess at how
+        # long something takes.
+        time.sleep(3)
+        server.release.set()
+        finish(calls)
+    # One was taken before the loop was held; the two that waited past 1 s are cancelled.
+    assert sorted(code.name for code in codes(calls)) == ["CANCELLED", "CANCELLED", "OK"]
 
 
 # ---------------------------------------------------------------- the setup hook
