@@ -49,8 +49,8 @@ class ClusterConfig:
             `pagedserve serve`, of Serve's proxy and controller). 5 by default: a little below
             the worker, so that where they share cores the engine's threads run first (a
             preempted OpenMP thread stalls its whole team at the next barrier) and the
-            control plane's per-token work fills the gaps; on 2 shared cores this cut the
-            streamed TPOT p50 by a third against 0 (bench/README.md). None: Ray's 15.
+            control plane's per-token work fills the gaps (on 2 shared cores: streamed TPOT
+            p50 0.66x of 0's in two alternated pairs, bench/README.md). None: Ray's 15.
         worker_resources: custom Ray resources per worker actor (to pin workers to nodes).
         routing_policy: a registered routing policy (`cluster/routing.py`).
         routing_options: keyword options of the policy (e.g. `prefill_weight`).

@@ -10,8 +10,9 @@ then transpose back. For the decoders whose layers are exactly
 this module runs the same arithmetic with q/k/v as one matmul and gate/up as one, in the
 kernels' token-major ``[T, heads, D]`` layout, with no module dispatch per layer. Every
 elementwise operation is HF's own, in HF's order (RMSNorm in float32 then back, RoPE from the
-model's own rotary module, ``residual + update``), so logits match HF's forward; the fused
-matmuls compute each output column from the same weights and inputs as the separate ones.
+model's own rotary module, ``residual + update``) and each fused matmul's output column comes
+from the same weights and inputs as the separate matmul's, so logits match HF's forward to
+float rounding (the tests hold them to 1e-4, and greedy ids equal HF's).
 
 The fused weights are the model's own storage: q/k/v (and gate/up) are concatenated once and
 the HF linears' weights become views into the concatenation, so no weight is held twice and the

@@ -8,8 +8,9 @@ transformers' ``AttentionInterface``) for ``paged_attention_forward``, which per
 
 Llama-style decoders (Llama, Mistral, Qwen2) skip HF's module stack altogether: they run through
 ``FusedDecoder`` (q/k/v and gate/up as one matmul each, the kernels' token-major layout, HF's
-arithmetic), which matches HF's forward and is the faster path on every backend. Other models keep
-HF's modelling code with the attention function swapped.
+arithmetic), which matches HF's forward and is the faster path on the CPU (bench/README.md; not
+yet measured on a GPU). Other models keep HF's modelling code with the attention function
+swapped.
 
 The packed batch goes in as one "sample" of T tokens (``[1, T]`` ids and per-token position ids),
 so HF sees no padding and builds no mask; everything attention needs travels explicitly in a
