@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from pagedserve.kernels import KernelOps
 from pagedserve.workers.attention_metadata import AttentionMetadata
 from pagedserve.workers.kv_cache import KVCache
+from pagedserve.workers.paged_attend import write_and_attend
 
 # HF ``model_type``s whose decoder layers are the plain pre-norm Llama block (no QK-norm, no
 # logit soft-capping, no sliding window inside the context we serve).
@@ -78,6 +79,7 @@ class FusedDecoder:
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self._qkv_split = (q_size, kv_size, kv_size)
         self._intermediate = int(config.intermediate_size)
+        self._scale = head_dim**-0.5
 
     def forward(
         self,
@@ -131,22 +133,7 @@ class FusedDecoder:
         q = _rope(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
         k = _rope(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
-        ops.write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
-        scale = self.head_dim**-0.5
-        if metadata.is_decode_only:
-            out = ops.paged_decode_attention(
-                q, key_cache, value_cache, metadata.block_tables, metadata.seq_lens, scale
-            )
-        else:
-            out = ops.paged_prefill_attention(
-                q,
-                key_cache,
-                value_cache,
-                metadata.block_tables,
-                metadata.query_start_loc,
-                metadata.seq_lens,
-                scale,
-            )
+        out = write_and_attend(q, k, v, key_cache, value_cache, metadata, ops, self._scale)
         return out.reshape(tokens, self.num_heads * self.head_dim)
 
 

@@ -30,6 +30,7 @@ from pagedserve.workers.attention_metadata import AttentionMetadata
 from pagedserve.workers.fused_decoder import FusedDecoder, unfusable_reason
 from pagedserve.workers.kv_cache import KVCache
 from pagedserve.workers.model_loader import LoadedModel
+from pagedserve.workers.paged_attend import write_and_attend
 
 PAGED_ATTENTION_NAME = "pagedserve_paged"
 # The keyword argument that carries the context from ``model(...)`` down to every layer.
@@ -83,21 +84,7 @@ def paged_attention_forward(
     v = value[0].transpose(0, 1).contiguous()
     key_cache = kv_cache.key_caches[module.layer_idx]
     value_cache = kv_cache.value_caches[module.layer_idx]
-    ops.write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
-    if metadata.is_decode_only:
-        out = ops.paged_decode_attention(
-            q, key_cache, value_cache, metadata.block_tables, metadata.seq_lens, scaling
-        )
-    else:
-        out = ops.paged_prefill_attention(
-            q,
-            key_cache,
-            value_cache,
-            metadata.block_tables,
-            metadata.query_start_loc,
-            metadata.seq_lens,
-            scaling,
-        )
+    out = write_and_attend(q, k, v, key_cache, value_cache, metadata, ops, scaling)
     return out.unsqueeze(0), None
 
 
