@@ -153,8 +153,9 @@ fi
 
 # --- 3 tests -----------------------------------------------------------------------------
 if [ "$dry" = 1 ]; then
+    # One xdist worker rehearses the -n path; two cost the suite ~20 s more on a 2-core CI box.
     tests=(tests/gpu tests/unit/kernels/test_jit_specialisations.py)
-    workers=2
+    workers=1
 else
     tests=(tests/gpu tests/unit/kernels)
     workers=${GPU_CHECK_TEST_WORKERS:-8}
