@@ -25,7 +25,7 @@ from pagedserve.cluster.worker_group import stop_worker_group
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 PIN = 10_000_000  # router-side demand that makes a worker look full, to steer routing
-LONG = 2_000  # decode steps: a request that only ends when aborted
+LONG = 1_000  # decode steps (within the test model's context): it only ends when aborted
 
 
 def prompt(seed: int, length: int) -> list[int]:
@@ -61,7 +61,10 @@ def test_a_request_streamed_by_one_router_is_aborted_through_the_other(replicas)
                     finish.append(delta.finish_reason)
 
         streaming = asyncio.ensure_future(stream())
-        await first_token.wait()
+        started = asyncio.ensure_future(first_token.wait())
+        await asyncio.wait((streaming, started), return_when=asyncio.FIRST_COMPLETED)
+        if streaming.done():
+            streaming.result()  # it failed before its first token: say why
         assert "acme:r1" not in b.inflight().request_ids
         other_tenant = await b.abort("r1", tenant="other")  # the scoped id differs: no-op
         aborted = await b.abort("r1", tenant="acme")
