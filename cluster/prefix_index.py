@@ -25,11 +25,24 @@ Rules, in the order `publish` checks them:
 
 Memory is bounded by `max_entries` hash entries. Stored events and `match` hits refresh an entry;
 the least recent is evicted, which loses routing information only.
+
+Routers do not ask the actor on the request path: each router replica keeps its own copy
+(`cluster/prefix_view.py`), fed by the actor's change feed (`cluster/prefix_feed.py`). Every
+change the state applies is logged in order with a contiguous offset; `read_feed(epoch,
+cursor, wait_s)` long-polls for the entries after a subscriber's cursor, or answers with a
+dump of the whole state when the cursor is older than the log keeps or belongs to another
+epoch (each start of the actor is a new feed epoch, so a restarted index resets every view).
+
+    state ──changes, in apply order──► FeedLog ──read_feed──► each router's PrefixView
+
+Since routing now matches against the routers' copies, an entry's recency in the index comes
+from stores alone (a `match` call still refreshes, for the tools that make one).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Sequence
@@ -38,6 +51,7 @@ import ray
 from ray.actor import ActorHandle
 
 from pagedserve.cluster.index_stats import IndexStats
+from pagedserve.cluster.prefix_feed import DEFAULT_FEED_CAPACITY, FeedBatch
 from pagedserve.cluster.prefix_index_state import (
     DEFAULT_MAX_ENTRIES,
     PrefixIndexState,
@@ -74,6 +88,7 @@ class PrefixIndexActor:
     Args:
         max_entries: the state's LRU bound.
         snapshot_timeout_s: deadline for one `kv_snapshot()` call.
+        feed_capacity: changes the feed keeps; a router further behind resets from a dump.
         worker_names: the named worker actors to resync from on start.
         namespace: their Ray namespace (None: the index's own).
         cpus: the cores to pin this actor's process to (`ClusterConfig.control_cpus`; None:
@@ -89,6 +104,7 @@ class PrefixIndexActor:
         namespace: str | None = None,
         cpus: tuple[int, ...] | None = None,
         nice: int | None = None,
+        feed_capacity: int = DEFAULT_FEED_CAPACITY,
     ) -> None:
         if cpus is not None:
             pin_process(cpus, what="prefix index")
@@ -96,7 +112,10 @@ class PrefixIndexActor:
             set_niceness(nice, what="prefix index")
         if snapshot_timeout_s <= 0:
             raise ValueError(f"snapshot_timeout_s must be > 0, got {snapshot_timeout_s}")
-        self._state = PrefixIndexState(max_entries)
+        self._state = PrefixIndexState(max_entries, feed_capacity)
+        # Set on every feed append and replaced by a fresh one: what `read_feed` waits on.
+        self._feed_changed = asyncio.Event()
+        self._state.feed.on_append = self._wake_feed_readers
         self._handles: dict[str, ActorHandle] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._snapshot_timeout_s = snapshot_timeout_s
@@ -152,6 +171,26 @@ class PrefixIndexActor:
 
     async def match(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
         return self._state.match(block_hashes)
+
+    async def read_feed(self, epoch: str | None, cursor: int, wait_s: float) -> FeedBatch:
+        """The feed's entries from `cursor` on, as soon as there is one (an empty batch after
+        `wait_s`), or at once a dump when the cursor cannot be served (see `FeedLog.read`).
+
+        Args:
+            epoch: the feed epoch the subscriber follows (None: it has nothing yet).
+            cursor: the offset it needs next.
+            wait_s: how long to wait for a change when there is none yet.
+        """
+        feed = self._state.feed
+        if epoch == feed.epoch and cursor == feed.next_offset and wait_s > 0:
+            changed = self._feed_changed
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), wait_s)
+        return feed.read(epoch, cursor)
+
+    def _wake_feed_readers(self) -> None:
+        self._feed_changed.set()
+        self._feed_changed = asyncio.Event()
 
     async def remove_worker(self, worker_id: str) -> int:
         """Forget a dead worker: its handle and all its entries, at once."""

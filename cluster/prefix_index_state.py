@@ -4,6 +4,11 @@
 worker, the incarnation (`epoch`) and event sequence number it has applied up to. Every rule is
 unit-tested here alone; `cluster/prefix_index.py` (the actor) and its docstring say how the
 state is fed and resynced.
+
+Every change the state applies to the map is also appended, in apply order, to its `FeedLog`
+(`cluster/prefix_feed.py`): a block stored for a worker or removed from it, a worker's entries
+replaced by a snapshot, a worker dropped or cleared, an entry evicted by the LRU bound. Router
+replicas follow that feed to keep their own copy (`cluster/prefix_view.py`).
 """
 
 from __future__ import annotations
@@ -14,6 +19,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pagedserve.cluster.index_stats import IndexStats
+from pagedserve.cluster.prefix_feed import (
+    DEFAULT_FEED_CAPACITY,
+    Evicted,
+    FeedLog,
+    Removed,
+    Stored,
+    WorkerCleared,
+    WorkerReplaced,
+)
 from pagedserve.workers.block import BlockHash
 from pagedserve.workers.kv_events import (
     AllCleared,
@@ -72,14 +86,17 @@ class _Counters:
 class PrefixIndexState:
     """The `block hash → workers` map with per-worker event bookkeeping; no Ray.
 
-    Owns the entries (in LRU order), the per-worker views and the counters. Not thread-safe:
-    the actor calls it from one event loop.
+    Owns the entries (in LRU order), the per-worker views, the counters and the change feed
+    (`feed`). Not thread-safe: the actor calls it from one event loop.
 
     Args:
         max_entries: most hash entries kept; beyond it the least recently used is evicted.
+        feed_capacity: changes the feed keeps for subscribers that fall behind.
     """
 
-    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
+    def __init__(
+        self, max_entries: int = DEFAULT_MAX_ENTRIES, feed_capacity: int = DEFAULT_FEED_CAPACITY
+    ) -> None:
         if max_entries < 1:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         self.max_entries = max_entries
@@ -87,6 +104,7 @@ class PrefixIndexState:
         self._entries: OrderedDict[BlockHash, set[str]] = OrderedDict()
         self._views: dict[str, _WorkerView] = {}
         self._counters = _Counters()
+        self.feed = FeedLog(self._dump, feed_capacity)
 
     # ----------------------------------------------------------------- updates
     def publish(
@@ -146,11 +164,15 @@ class PrefixIndexState:
         view = self._views.get(snapshot.worker_id)
         if view is not None and view.epoch == snapshot.epoch and snapshot.next_seq < view.next_seq:
             return False
-        self.remove_worker(snapshot.worker_id)
+        worker_id = snapshot.worker_id
+        self._drop(worker_id)
         view = _WorkerView(epoch=snapshot.epoch, next_seq=snapshot.next_seq)
-        self._views[snapshot.worker_id] = view
+        self._views[worker_id] = view
         for block_hash in snapshot.block_hashes:
-            self._store(snapshot.worker_id, view, block_hash)
+            self._store(worker_id, view, block_hash, logged=False)
+        # One entry for the whole snapshot, after any evictions it caused: what it left.
+        hashes = frozenset(view.hashes)
+        self.feed.append(WorkerReplaced, worker_id, hashes)
         self._counters.resyncs += 1
         return True
 
@@ -160,11 +182,10 @@ class PrefixIndexState:
         Returns:
             How many entries it held.
         """
-        view = self._views.pop(worker_id, None)
+        view = self._drop(worker_id)
         if view is None:
             return 0
-        for block_hash in view.hashes:
-            self._unlink(worker_id, block_hash)
+        self.feed.append(WorkerCleared, worker_id)
         return len(view.hashes)
 
     # ----------------------------------------------------------------- queries
@@ -233,21 +254,42 @@ class PrefixIndexState:
         if isinstance(event, BlockStored):
             self._store(worker_id, view, event.block_hash)
         elif isinstance(event, BlockRemoved):
-            view.hashes.discard(event.block_hash)
-            self._unlink(worker_id, event.block_hash)
+            block_hash = event.block_hash
+            if block_hash in view.hashes:  # else already gone (LRU): nothing changes
+                view.hashes.discard(block_hash)
+                self._unlink(worker_id, block_hash)
+                self.feed.append(Removed, worker_id, block_hash)
         elif isinstance(event, AllCleared):
             for block_hash in view.hashes:
                 self._unlink(worker_id, block_hash)
             view.hashes.clear()
+            self.feed.append(WorkerCleared, worker_id)
         else:
             raise TypeError(f"not a KV event: {event!r}")
 
-    def _store(self, worker_id: str, view: _WorkerView, block_hash: BlockHash) -> None:
+    def _drop(self, worker_id: str) -> _WorkerView | None:
+        """Forget a worker and unlink its entries, unlogged; its old view (None: unknown)."""
+        view = self._views.pop(worker_id, None)
+        if view is not None:
+            for block_hash in view.hashes:
+                self._unlink(worker_id, block_hash)
+        return view
+
+    def _dump(self) -> dict[str, frozenset[BlockHash]]:
+        """Worker id → the hashes it holds: the feed's reset point."""
+        return {worker_id: frozenset(view.hashes) for worker_id, view in self._views.items()}
+
+    def _store(
+        self, worker_id: str, view: _WorkerView, block_hash: BlockHash, logged: bool = True
+    ) -> None:
+        """Link `worker_id` to `block_hash`; `logged=False` when the caller logs the change."""
         holders = self._entries.get(block_hash)
         if holders is None:
             holders = self._entries[block_hash] = set()
         else:
             self._entries.move_to_end(block_hash)
+        if logged and worker_id not in holders:
+            self.feed.append(Stored, worker_id, block_hash)
         holders.add(worker_id)
         view.hashes.add(block_hash)
         self._evict_over_bound()
@@ -266,6 +308,7 @@ class PrefixIndexState:
             block_hash, holders = self._entries.popitem(last=False)
             for worker_id in holders:
                 self._views[worker_id].hashes.discard(block_hash)
+            self.feed.append(Evicted, block_hash)
             self._counters.evictions += 1
 
 

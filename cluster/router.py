@@ -1,20 +1,29 @@
-"""The router: validate, tokenize, hash, consult the prefix index, pick a worker, stream back.
+"""The router: validate, tokenize, hash, match its prefix view, pick a worker, stream back.
 
 `RouterCore` holds the logic and runs wherever an event loop does (tests drive it directly);
 `Router` in `cluster/app.py` is the Ray Serve deployment around it. It keeps route, generate,
 replay and abort; the watch over workers (ready, polled, leased, dropped) is
 `cluster/worker_liveness.py`, and KV migration (pull, push, move) is `cluster/migration.py`.
 
+Routing makes no remote call: each `RouterCore` keeps its own copy of the prefix index
+(`PrefixView`, `cluster/prefix_view.py`), and a background task (`FeedFollower`, started by
+`start` on the running event loop, cancelled by `close`) follows the index actor's change
+feed into it. A new replica resyncs from the feed's dump before it serves; an index that does
+not answer leaves the last view in place (counted as `index_unavailable`).
+
 Load is counted here as well as reported by workers: every request sent to a worker counts in
 its `inflight` until its stream ends, so the policy sees a burst before any report shows it.
-A worker that stops answering is dropped from routing and from the index at once; its requests
-are replayed on a peer from their tokens (or failed with UNAVAILABLE, by config).
+A worker that stops answering is dropped from routing, from this router's view and from the
+index at once; its requests are replayed on a peer from their tokens (or failed with
+UNAVAILABLE, by config).
 
 Request ids are the router's: a request's id is checked and reserved in one step, before any
 await, so two requests can never share one; with auth on, an id is scoped to its tenant (the
 token that sent it): what the workers see is `tenant:id`, so a tenant can neither see, abort
-nor squat another's request. Prompts are length-checked before they are tokenized, and
-tokenized in a thread, so a huge prompt cannot stall the event loop every request shares.
+nor squat another's request. Any replica can abort any request: one that does not stream it
+asks every alive worker to abort the scoped id. Prompts are length-checked before they are
+tokenized, and tokenized in a thread, so a huge prompt cannot stall the event loop every
+request shares.
 
 Backpressure: past `max_inflight` open requests the router refuses at once with `Overloaded`
 (RESOURCE_EXHAUSTED, HTTP 429, a retry hint), as each worker does past its waiting-queue bound.
@@ -38,6 +47,7 @@ from ray.actor import ActorHandle
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.metrics import RouterMetrics
 from pagedserve.cluster.migration import Migrations
+from pagedserve.cluster.prefix_view import FeedFollower, PrefixView
 from pagedserve.cluster.router_types import (
     ClusterStats,
     GenerateRequest,
@@ -115,7 +125,8 @@ def params_left(handoff) -> int:
 
 
 class RouterCore:
-    """Owns the routing policy, the view of every worker and the requests in flight.
+    """Owns the routing policy, the view of every worker, its prefix view and the requests in
+    flight.
 
     Args:
         config: the cluster config.
@@ -151,6 +162,15 @@ class RouterCore:
         self._inflight_ids: dict[str, WorkerState | None] = {}
         self.num_inflight = 0  # requests between admission and their stream's end
         self._started: asyncio.Task | None = None
+        self.view = PrefixView()
+        self.feed = FeedFollower(
+            self.view,
+            index,
+            config.rpc_timeout_s,
+            on_error=self._count_index_unavailable,
+            lost_errors=WORKER_LOST_ERRORS,
+        )
+        self._following: asyncio.Task | None = None
         self.metrics = RouterMetrics(
             metrics, lambda: {w.worker_id: (w.alive, w.stats) for w in self.workers.values()}
         )
@@ -164,14 +184,28 @@ class RouterCore:
             self.router_id,
             self.counters,
             on_polled=self.migrations.push_if_under_pressure,
+            on_dropped=self.view.drop_worker,
         )
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        """Wait for every worker to be ready, then keep their loads fresh. Idempotent."""
+        """Wait for every worker to be ready and the prefix view to sync once, then keep loads
+        and the view fresh. Idempotent."""
         if self._started is None:
             self._started = asyncio.get_running_loop().create_task(self._start())
         await asyncio.shield(self._started)
+        self._follow_feed()
+
+    def _follow_feed(self) -> None:
+        """Run the feed follower on the running event loop (again, when the one it ran on is
+        gone: a caller may drive this core from one `asyncio.run` after another)."""
+        loop = asyncio.get_running_loop()
+        task = self._following
+        if task is None or task.done() or task.get_loop() is not loop:
+            self._following = loop.create_task(self.feed.run())
+
+    def _count_index_unavailable(self) -> None:
+        self.counters.index_unavailable += 1
 
     async def _start(self) -> None:
         try:
@@ -181,11 +215,13 @@ class RouterCore:
             raise
         self.model_name = alive[0].info.model
         self.block_size = alive[0].info.block_size
+        await self.feed.read_once(wait_s=0)  # the dump: serve with what the index knows
 
     async def close(self) -> None:
         self.liveness.close()
-        if self._started is not None:
-            self._started.cancel()
+        for task in (self._started, self._following):
+            if task is not None:
+                task.cancel()
 
     # -------------------------------------------------------------- routing
     async def _tokenize(self, request: GenerateRequest) -> list[int]:
@@ -227,15 +263,7 @@ class RouterCore:
             raise NoWorkerAvailable("no worker is alive and admitting")
         extra = (self.model_name,) + ((cache_salt,) if cache_salt else ())
         hashes = hash_full_blocks(token_ids, self.block_size, extra)
-        try:
-            matches = (
-                await asyncio.wait_for(self.index.match.remote(hashes), self.config.rpc_timeout_s)
-                if hashes
-                else {}
-            )
-        except (*WORKER_LOST_ERRORS, TimeoutError):
-            self.counters.index_unavailable += 1
-            matches = {}
+        matches = self.view.match(hashes)  # local: no remote call on the request path
         loads = [w.load() for w in alive]
         decision = self.policy.choose(len(hashes), matches, loads)
         chosen = self.workers[decision.worker_id]
@@ -490,14 +518,31 @@ class RouterCore:
             worker.handle.abort.remote(request_id)
 
     async def abort(self, request_id: str, tenant: str = "") -> bool:
-        """Abort a request this router streams, by the id its client gave, within its tenant."""
+        """Abort a request by the id its client gave, within its tenant, wherever it runs.
+
+        A request this router streams is aborted on its worker; any other id (another replica
+        streams it) goes to every alive worker, each call under `rpc_timeout_s`.
+
+        Returns:
+            Whether a worker aborted it.
+        """
         scoped_id = scoped_request_id(tenant, request_id)
-        worker = self._inflight_ids.get(scoped_id)
-        if worker is None:
+        if scoped_id in self._inflight_ids:
+            worker = self._inflight_ids[scoped_id]
+            return worker is not None and await self._abort_on(worker, scoped_id)
+        alive = [w for w in self.workers.values() if w.alive]
+        aborted = await asyncio.gather(*(self._abort_on(w, scoped_id) for w in alive))
+        return any(aborted)
+
+    async def _abort_on(self, worker: WorkerState, scoped_id: str) -> bool:
+        """One worker's abort of `scoped_id`; False when it does not answer in time."""
+        try:
+            return await asyncio.wait_for(
+                worker.handle.abort.remote(scoped_id), self.config.rpc_timeout_s
+            )
+        except (*WORKER_LOST_ERRORS, TimeoutError):
+            logger.warning("abort of %s on %s got no answer", scoped_id, worker.worker_id)
             return False
-        return await asyncio.wait_for(
-            worker.handle.abort.remote(scoped_id), self.config.rpc_timeout_s
-        )
 
     async def drain_worker(self, worker_id: str, grace_s: float) -> DrainResult:
         """Take a worker out of routing first, then drain it (see `Worker.drain`): its open
@@ -540,6 +585,7 @@ class RouterCore:
             limits=self.config.limits,
             index=index,
             policy=self.config.routing_policy,
+            view=self.view.stats(),
         )
 
 

@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, field
 
 from pagedserve.cluster.index_stats import IndexStats
+from pagedserve.cluster.prefix_view import ViewStats
 from pagedserve.workers.errors import RequestRejected
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.worker_types import WorkerInfo, WorkerStats
@@ -80,7 +81,7 @@ class RouterCounters:
     refused_worker: int = 0  # a worker's waiting queue was full
     refused_draining: int = 0  # a draining worker refused a new request (replayed)
     refused_duplicate_id: int = 0
-    index_unavailable: int = 0  # routed without prefix hints: the index did not answer
+    index_unavailable: int = 0  # prefix feed reads that failed: routing kept its last view
 
     def count_routed(self, policy: str) -> None:
         self.routed[policy] = self.routed.get(policy, 0) + 1
@@ -157,10 +158,12 @@ class RouterInflight:
 
 @dataclass(frozen=True)
 class ClusterStats:
-    """`RouterCore.cluster_stats()`: every worker, the router's counters, the index."""
+    """`RouterCore.cluster_stats()`: every worker, the router's counters, the index (as the
+    index actor reports it) and this router's own prefix view of it."""
 
     workers: dict[str, WorkerView]
     router: RouterCounters
     limits: BackpressureLimits
     index: IndexStats | None
     policy: str
+    view: ViewStats | None = None

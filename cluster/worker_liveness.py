@@ -41,6 +41,8 @@ class WorkerLiveness:
         counters: where lost and restarted workers are counted.
         on_polled: run after each successful poll of an alive worker (push pressure), beside
             the poll loop, one at a time per worker.
+        on_dropped: run with a dropped worker's id at once (the router's prefix view forgets
+            it before the index's removal comes through the feed).
     """
 
     def __init__(
@@ -51,6 +53,7 @@ class WorkerLiveness:
         router_id: str,
         counters: RouterCounters,
         on_polled: PolledHook | None = None,
+        on_dropped: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
         self.index = index
@@ -58,6 +61,7 @@ class WorkerLiveness:
         self.router_id = router_id
         self.counters = counters
         self.on_polled = on_polled
+        self.on_dropped = on_dropped
         self._tasks: list[asyncio.Task] = []
         self._removals: dict[str, asyncio.Future] = {}  # worker id → its index removal
         self._hooks: dict[str, asyncio.Task] = {}  # worker id → its running `on_polled`
@@ -155,6 +159,8 @@ class WorkerLiveness:
             worker.alive = False
             worker.lost_at = time.monotonic()
             self.counters.workers_lost += 1
+            if self.on_dropped is not None:
+                self.on_dropped(worker.worker_id)
             logger.warning("worker %s lost; dropped from routing and the index", worker.worker_id)
             removal = asyncio.ensure_future(self._remove_from_index(worker.worker_id))
             self._removals[worker.worker_id] = removal

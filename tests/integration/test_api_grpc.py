@@ -19,7 +19,9 @@ from support.api_app import (
     VOCAB,
     assert_app_clean,
     running_app,
+    view_entries,
     wait_until,
+    wait_viewed,
 )
 
 from pagedserve.bench.grpc_burst import run_burst
@@ -323,8 +325,10 @@ def test_bad_inputs_get_their_errors_while_a_good_request_completes(app, client)
 
 
 # -------------------------------------------------------------- stats + CLI
-def test_stats_and_workers(client):
+def test_stats_and_workers(app, client):
+    entries = view_entries(app)
     client.generate("stats prefix " * 4, max_tokens=2)
+    wait_viewed(app, entries, 1)  # the second is routed on the first's blocks
     client.generate("stats prefix " * 4, max_tokens=2)
     stats = client.stats()
     assert stats.num_alive_workers == 2 and len(stats.workers) == 2

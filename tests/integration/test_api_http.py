@@ -9,7 +9,15 @@ import threading
 import openai
 import pytest
 import requests
-from support.api_app import CONTEXT, POOL_TOKENS, VOCAB, assert_app_clean, running_app, wait_until
+from support.api_app import (
+    CONTEXT,
+    POOL_TOKENS,
+    VOCAB,
+    assert_app_clean,
+    running_app,
+    view_entries,
+    wait_viewed,
+)
 
 from pagedserve.cluster.client import Client
 
@@ -45,17 +53,6 @@ def cached_tokens(app, token: str, prompt: list[int]) -> int:
     client = openai.OpenAI(base_url=f"{app.http_url}/v1", api_key=token, max_retries=0, timeout=60)
     completion = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, **GREEDY)
     return completion.usage.prompt_tokens_details.cached_tokens
-
-
-def wait_indexed(grpc_client: Client, entries_before: int, blocks: int) -> int:
-    """Until the prefix index holds `blocks` more entries (the last request's KV events
-    arrived), so the next request is routed by them. Returns the new count."""
-
-    def indexed() -> int | None:
-        entries = grpc_client.stats().index.entries
-        return entries if entries >= entries_before + blocks else None
-
-    return wait_until(indexed, 120, f"{blocks} new prefix index entries")
 
 
 # ------------------------------------------------------ the openai client
@@ -279,12 +276,12 @@ def test_tenants_never_hit_each_others_prefix_cache(app, grpc_client):
     hit, so no timing side channel); tokens of one cache group share their cache."""
     full_blocks = 8
     prompt = [(7 * i + 3) % 250 for i in range(full_blocks * 8 + 1)]  # block_size 8
-    entries = grpc_client.stats().index.entries
+    entries = view_entries(app)
     assert cached_tokens(app, TOKEN, prompt) == 0
-    entries = wait_indexed(grpc_client, entries, full_blocks)
+    entries = wait_viewed(app, entries, full_blocks)
     assert cached_tokens(app, TOKEN, prompt) == full_blocks * 8, "a tenant hits its own cache"
     assert cached_tokens(app, OTHER_TENANT, prompt) == 0, "another tenant must not hit it"
     assert cached_tokens(app, TEAM[0], prompt) == 0
-    wait_indexed(grpc_client, entries, 2 * full_blocks)  # the other tenant's and the team's
+    wait_viewed(app, entries, 2 * full_blocks)  # the other tenant's and the team's
     assert cached_tokens(app, TEAM[1], prompt) == full_blocks * 8, "a cache group shares"
     assert cached_tokens(app, OTHER_TENANT, prompt) == full_blocks * 8

@@ -6,7 +6,14 @@ import asyncio
 import random
 
 import pytest
-from support.cluster import cluster_config, greedy, run_request, start_router
+from support.cluster import (
+    cluster_config,
+    greedy,
+    run_request,
+    start_router,
+    until_view_mirrors,
+    view_mirrors,
+)
 from support.wait import until
 
 from pagedserve.cluster.worker_group import stop_worker_group
@@ -40,6 +47,7 @@ def test_shared_prefix_requests_land_on_the_holder(shared_router):
     async def main():
         _, first = await run_request(core, system + prompt(2, 5), greedy(4))
         holder = first[0].worker_id
+        await until_view_mirrors(core, holder)  # what routing matches against knows it
         landed = []
         for user in range(4):
             _, final = await run_request(core, system + prompt(10 + user, 7), greedy(4))
@@ -64,6 +72,7 @@ def test_lost_event_batch_is_detected_and_resynced(shared_router):
             # what follows is the lost batch's doing alone.
             await run_request(core, prompt(19, 40), greedy(3))
             await until(lambda: index_agrees(core, worker), "the index to mirror the pool")
+            await until(lambda: view_mirrors(core, worker.worker_id), "the view to follow")
             before = await core.index.stats.remote()
             dropped_before = (await worker.handle.stats.remote()).event_batches_dropped
             await worker.handle.chaos_drop_next_event_batch.remote()
@@ -71,6 +80,7 @@ def test_lost_event_batch_is_detected_and_resynced(shared_router):
                 _, final = await run_request(core, prompt(seed, 40), greedy(3))
                 assert final[0].worker_id == worker.worker_id
             await until(lambda: index_agrees(core, worker), "the index to resync")
+            await until_view_mirrors(core, worker.worker_id)  # and the router's view with it
         finally:
             other.end(PIN)
         after = await core.index.stats.remote()

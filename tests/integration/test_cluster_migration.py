@@ -9,7 +9,7 @@ import random
 from dataclasses import dataclass
 
 import pytest
-from support.cluster import cluster_config, greedy, run_request, start_router
+from support.cluster import cluster_config, greedy, run_request, start_router, until_view_mirrors
 from support.wait import until
 
 from pagedserve.cluster.worker_group import stop_worker_group
@@ -119,6 +119,7 @@ def test_a_pulled_prefix_is_imported_not_recomputed_and_gives_the_same_output(hf
         core = await start_router(config)
         tokens_here, final = await run_request(core, system + suffix, greedy(10))
         holder = core.workers[final[0].worker_id]
+        await until_view_mirrors(core, holder.worker_id)  # the pull is decided on the view
         other = next(w for w in core.workers.values() if w is not holder)
         before = (await worker_stats(core))[other.worker_id]
         holder.begin(PIN)  # the holder looks busy: the router picks the other, which pulls
@@ -164,6 +165,8 @@ def test_pressure_pushes_cached_prefixes_that_later_hit_on_the_receiver(hf_refer
             await until(lambda: core.counters.pushes, "a push")
         finally:
             receiver.end(PIN)
+        # Hits on the receiver are routed by the view: wait until it lists the pushed blocks.
+        await until_view_mirrors(core, receiver.worker_id)
         source.begin(PIN)
         try:
             hit_runs = [await run_request(core, p + [4, 5, 6], greedy(8)) for p in prefixes]

@@ -1,6 +1,6 @@
 """A prefix index killed and restarted by Ray resyncs from every live worker at once: with no
-request sent, its entries come back equal to the workers' cached blocks, and routing finds
-cached prefixes again.
+request sent, its entries come back equal to the workers' cached blocks, the router's prefix
+view resets from the new feed epoch to the same, and routing finds cached prefixes again.
 
 Own module so that the module-scoped Ray cluster is fresh: every worker slot is free.
 """
@@ -10,7 +10,7 @@ import random
 import time
 
 import ray
-from support.cluster import cluster_config, greedy, run_request, start_router
+from support.cluster import cluster_config, greedy, run_request, start_router, view_mirrors
 
 from pagedserve.cluster.worker_group import stop_worker_group
 
@@ -45,9 +45,12 @@ def test_a_restarted_index_resyncs_from_every_worker_without_new_requests(ray_cl
                 await run_request(core, prompts[0], greedy(4), cache_salt=worker.worker_id)
         await wait_for(lambda: index_agrees(core), "the index to mirror the pools")
         before = await core.index.stats.remote()
+        epoch, resets = core.view.epoch, core.view.resets
         ray.kill(core.index, no_restart=False)
         # No request from here on: only the restarted index's own resync can refill it.
         await wait_for(lambda: index_agrees(core), "the restarted index to resync")
+        await wait_for(lambda: view_reset(core, epoch), "the router's view to reset and follow")
+        assert core.view.resets > resets
         after = await core.index.stats.remote()
         # Every worker's entries came back from a snapshot (no request was sent). Most come
         # from the restart's own resync; a worker whose publish was in flight when the index
@@ -63,6 +66,11 @@ def test_a_restarted_index_resyncs_from_every_worker_without_new_requests(ray_cl
         asyncio.run(main())
     finally:
         stop_worker_group(config)
+
+
+async def view_reset(core, old_epoch: str | None) -> bool:
+    """Whether the view follows a new feed epoch and mirrors every worker's pool again."""
+    return core.view.epoch not in (None, old_epoch) and await view_mirrors(core)
 
 
 async def wait_for(condition, what: str) -> None:

@@ -9,7 +9,14 @@ import asyncio
 
 import pytest
 import ray
-from support.cluster import assert_cluster_clean, cluster_config, greedy, run_request, start_router
+from support.cluster import (
+    assert_cluster_clean,
+    cluster_config,
+    greedy,
+    run_request,
+    start_router,
+    until_view_mirrors,
+)
 from support.real_model import SMOLLM2, prompt_ids
 from support.wait import until
 
@@ -41,6 +48,7 @@ def test_pulled_prefix_gives_hf_ids(smollm2, prompts):
         _, first = await run_request(core, shorter, greedy(MAX_TOKENS))
         holder = core.workers[first[0].worker_id]
         other = next(w for w in core.workers.values() if w is not holder)
+        await until_view_mirrors(core, holder.worker_id)  # the pull is decided on the view
         holder.begin(PIN)  # the router picks the other worker, which pulls the prefix
         try:
             tokens, final = await run_request(core, long, greedy(MAX_TOKENS))

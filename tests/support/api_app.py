@@ -86,6 +86,24 @@ def assert_app_clean(app: RunningApp, deadline_s: float = DEADLINE_S) -> None:
     assert_cluster_clean(app.config, [serve_router(app.name)], deadline_s)
 
 
+def view_entries(app: RunningApp) -> int:
+    """Block hashes in the prefix view of the app's Router (what it routes on; one replica)."""
+    stats = serve.get_app_handle(app.name).stats.remote().result(timeout_s=60)
+    return stats.view.entries
+
+
+def wait_viewed(app: RunningApp, entries_before: int, blocks: int) -> int:
+    """Until the Router's prefix view holds `blocks` more entries than `entries_before` (the
+    last request's KV events reached it), so the next request is routed by them. Returns the
+    new count."""
+
+    def viewed() -> int | None:
+        entries = view_entries(app)
+        return entries if entries >= entries_before + blocks else None
+
+    return wait_until(viewed, 120, f"{blocks} new entries in the router's prefix view")
+
+
 def wait_until(condition: Callable[[], Any], timeout_s: float, what: str) -> Any:
     """Poll `condition` until it returns something truthy; fail after `timeout_s`."""
     deadline = time.monotonic() + timeout_s

@@ -17,6 +17,7 @@ from pagedserve.workers.engine_config import EngineConfig
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.telemetry import NOOP, TelemetryConfig, Tracing
 from support.leaks import DEADLINE_S, cluster_problems, in_process_router
+from support.wait import until
 
 WORKER_RESOURCE = "pagedserve_test_worker"
 TEST_MODEL = "tiny-llama"
@@ -83,3 +84,25 @@ async def assert_cluster_clean(core: RouterCore, deadline_s: float = DEADLINE_S)
     while problems := cluster_problems(core.config, [in_process_router(core)]):
         assert time.monotonic() < end, "cluster not clean:\n  " + "\n  ".join(problems)
         await asyncio.sleep(0.1)
+
+
+async def view_mirrors(core: RouterCore, *worker_ids: str) -> bool:
+    """Whether the router's prefix view (what routing matches against) holds exactly the
+    cached blocks of each of `worker_ids` (default: all of them), and some blocks at all.
+
+    Starts `core` on the running loop first (a no-op when it runs there already), so that its
+    feed follower runs on this loop too (a test may drive one core from several `asyncio.run`).
+    """
+    await core.start()
+    held_any = False
+    for worker_id in worker_ids or tuple(core.workers):
+        cached = set((await core.workers[worker_id].handle.kv_snapshot.remote()).block_hashes)
+        if core.view.hashes_of(worker_id) != cached:
+            return False
+        held_any = held_any or bool(cached)
+    return held_any
+
+
+async def until_view_mirrors(core: RouterCore, *worker_ids: str) -> None:
+    """Wait until `view_mirrors(core, *worker_ids)`: the next request is routed on it."""
+    await until(lambda: view_mirrors(core, *worker_ids), "the router's view to mirror the pools")

@@ -12,7 +12,11 @@ What "clean" means:
   missing), no worker is stale, the index's own invariants hold, and a worker that is gone for
   good has no entry left. Requests being aborted, and KV events on their way to the index, may
   still be in flight when a test ends: the check polls until the cluster is clean, under a
-  generous deadline that is a failsafe only (it never measures anything).
+  generous deadline that is a failsafe only (it never measures anything);
+- each router built in the test process also has a prefix view (what routing matches
+  against) equal to the pools, worker by worker. When that router's event loop is gone (a
+  test drove it from an `asyncio.run` that has returned) nothing follows the feed for it, so
+  the check reads the feed from the view's cursor and applies it, as the follower would.
 
 How it cannot be forgotten (`LeakWatch`, installed for the whole session by tests/conftest.py):
 
@@ -41,6 +45,7 @@ from ray import serve
 
 from pagedserve.cluster import worker_group
 from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.prefix_view import PrefixView
 from pagedserve.cluster.router import RouterCore
 from pagedserve.cluster.router_types import RouterInflight
 from pagedserve.workers.engine import Engine
@@ -86,14 +91,29 @@ def engine_problems(engine: EngineView) -> list[str]:
 # ----------------------------------------------------------------------- clusters
 @dataclass(frozen=True)
 class RouterView:
-    """How the check reads one router's in-flight table."""
+    """How the check reads one router's in-flight table and, in process, its prefix view."""
 
     name: str
     read: Callable[[], RouterInflight]
+    prefix_view: Callable[[], PrefixView] | None = None
 
 
 def in_process_router(core: RouterCore) -> RouterView:
-    return RouterView(f"router {core.router_id[:8]}", core.inflight)
+    # A router built over no index (a unit test's) has no view to check.
+    view = functools.partial(_caught_up_view, core) if core.index is not None else None
+    return RouterView(f"router {core.router_id[:8]}", core.inflight, view)
+
+
+def _caught_up_view(core: RouterCore) -> PrefixView:
+    """The router's prefix view; brought up to the feed here when no loop follows it for the
+    router (its follower's loop is not running)."""
+    task = core._following
+    if task is None or task.done() or not task.get_loop().is_running():
+        batch = ray.get(
+            core.index.read_feed.remote(core.view.epoch, core.view.next_offset, 0), timeout=RPC_S
+        )
+        core.view.apply(batch)
+    return core.view
 
 
 def serve_router(app_name: str) -> RouterView:
@@ -107,10 +127,13 @@ def serve_router(app_name: str) -> RouterView:
 def cluster_problems(config: ClusterConfig, routers: list[RouterView] = ()) -> list[str]:
     """One look at a cluster: what is not clean now (see the module docstring)."""
     problems = []
+    views = []
     for router in routers:
         try:
             table = router.read()
-        except Exception as error:  # a router replica restarting: look again
+            if router.prefix_view is not None:
+                views.append((router.name, router.prefix_view()))
+        except Exception as error:  # a router replica (or the index) restarting: look again
             problems.append(f"{router.name} did not answer: {error!r}")
             continue
         if not table.idle:
@@ -129,18 +152,26 @@ def cluster_problems(config: ClusterConfig, routers: list[RouterView] = ()) -> l
     if stats.stale_workers:
         problems.append(f"{config.name}: prefix index stale for {stats.stale_workers}")
     for i in range(config.num_workers):
-        problems += _worker_problems(config.worker_name(i), config.namespace, index)
+        problems += _worker_problems(config.worker_name(i), config.namespace, index, views)
     return problems
 
 
-def _worker_problems(worker_id: str, namespace: str, index: Any) -> list[str]:
+def _worker_problems(
+    worker_id: str, namespace: str, index: Any, views: list[tuple[str, PrefixView]]
+) -> list[str]:
+    """The worker's pool against the index and against each router's prefix view."""
     indexed = set(ray.get(index.snapshot_of.remote(worker_id), timeout=RPC_S))
+    mirrors = [("index", indexed)] + [
+        (f"{name}'s view", v.hashes_of(worker_id)) for name, v in views
+    ]
     try:
         handle = ray.get_actor(worker_id, namespace=namespace)
-    except ValueError:  # killed for good: the index must have forgotten it
-        if indexed:
-            return [f"{worker_id} is gone, yet the index lists {len(indexed)} blocks on it"]
-        return []
+    except ValueError:  # killed for good: the index and every view must have forgotten it
+        return [
+            f"{worker_id} is gone, yet the {what} lists {len(held)} blocks on it"
+            for what, held in mirrors
+            if held
+        ]
     try:
         pool = ray.get(handle.check_pool.remote(), timeout=RPC_S)
         cached = set(ray.get(handle.kv_snapshot.remote(), timeout=RPC_S).block_hashes)
@@ -149,10 +180,11 @@ def _worker_problems(worker_id: str, namespace: str, index: Any) -> list[str]:
     problems = []
     if not pool.clean:
         problems.append(f"{worker_id} pool: {pool.error or 'a request or stream is still open'}")
-    if indexed - cached:
-        problems.append(f"index lists {len(indexed - cached)} blocks {worker_id} does not hold")
-    if cached - indexed:
-        problems.append(f"index misses {len(cached - indexed)} blocks {worker_id} holds")
+    for what, held in mirrors:
+        if held - cached:
+            problems.append(f"{what} lists {len(held - cached)} blocks {worker_id} does not hold")
+        if cached - held:
+            problems.append(f"{what} misses {len(cached - held)} blocks {worker_id} holds")
     return problems
 
 

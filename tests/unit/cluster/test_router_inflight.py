@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.router import RouterCore
 from pagedserve.cluster.router_types import RouterInflight
@@ -21,3 +23,32 @@ def test_any_open_part_makes_the_table_not_idle():
     assert not RouterInflight(request_ids=("t:r1",), num_requests=0, workers={}).idle
     assert not RouterInflight(request_ids=(), num_requests=1, workers={}).idle
     assert not RouterInflight(request_ids=(), num_requests=0, workers={"w0": (0, 5)}).idle
+
+
+class _Abortable:
+    """A worker handle whose `abort` answers from the ids it runs (tenant-scoped)."""
+
+    def __init__(self, running: set[str], asked: list[str]) -> None:
+        async def abort(request_id: str) -> bool:
+            asked.append(request_id)
+            return request_id in running
+
+        self.abort = type("Method", (), {"remote": staticmethod(abort)})()
+
+
+def test_abort_of_an_id_another_replica_streams_asks_every_alive_worker_tenant_scoped():
+    asked: list[str] = []
+    workers = {"w0": _Abortable(set(), asked), "w1": _Abortable({"acme:r1"}, asked)}
+    core = RouterCore(ClusterConfig(num_workers=2), index=None, workers=workers)
+    for worker in core.workers.values():
+        worker.alive = True
+
+    assert asyncio.run(core.abort("r1", tenant="acme"))
+    assert sorted(asked) == ["acme:r1", "acme:r1"]
+    asked.clear()
+    assert not asyncio.run(core.abort("r1", tenant="other"))  # another tenant's id: nothing
+    assert asked == ["other:r1", "other:r1"]
+    core.workers["w1"].alive = False
+    asked.clear()
+    assert not asyncio.run(core.abort("r1", tenant="acme"))  # a dead worker is not asked
+    assert asked == ["acme:r1"]
