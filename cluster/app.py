@@ -176,8 +176,28 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     config = ClusterConfig.from_dict(cluster)
     TokenAuth.from_config(api.auth)  # fail here, not in every replica, on a bad tokens file
     ongoing = max_ongoing_requests(config)
-    router = Router.options(max_ongoing_requests=ongoing, max_queued_requests=ongoing)
+    router = Router.options(
+        max_ongoing_requests=ongoing, max_queued_requests=ongoing, **router_scaling(config)
+    )
     return router.bind(config, api)  # frozen dataclasses: Serve pickles them to each replica
+
+
+def router_scaling(config: ClusterConfig) -> dict[str, Any]:
+    """How many Router replicas Serve runs: a fixed `router_replicas`, or Serve's autoscaling
+    between it and `router_max_replicas`, aiming at half of `max_inflight` streams per
+    replica so that a replica gets company well before it refuses. A `serveConfigV2`'s own
+    `deployments` entry overrides this, as Serve's config always does."""
+    ceiling = config.router_max_replicas
+    if ceiling is None or ceiling == config.router_replicas:
+        return {"num_replicas": config.router_replicas}
+    per_replica = config.max_inflight or DEFAULT_INFLIGHT
+    return {
+        "autoscaling_config": {
+            "min_replicas": config.router_replicas,
+            "max_replicas": ceiling,
+            "target_ongoing_requests": max(1, per_replica // 2),
+        }
+    }
 
 
 def max_ongoing_requests(config: ClusterConfig) -> int:

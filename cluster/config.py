@@ -93,6 +93,12 @@ class ClusterConfig:
             this long is stalled: out of routing, and the router's streams on it end as if it
             were lost (replayed on a peer, or UNAVAILABLE), so no stream waits on it forever.
             It rejoins routing once it steps again. Longer than any one step may take.
+        router_replicas: Router replicas Serve runs (each one ingress of both proxies, with its
+            own prefix view, liveness watch and `max_inflight`; any replica serves any call,
+            Abort included). The floor when `router_max_replicas` is set.
+        router_max_replicas: the ceiling of Serve's autoscaling of the Router between
+            `router_replicas` and this (target: half of `max_inflight` streams per replica,
+            so a replica scales out well before it refuses). None: a fixed `router_replicas`.
         namespace: Ray namespace of the named actors (index, workers).
         name: prefix of the actors' names, so two apps can share a Ray cluster.
     """
@@ -130,6 +136,8 @@ class ClusterConfig:
     lease_timeout_s: float = 10.0
     max_buffered_deltas: int = 64
     stall_timeout_s: float = 60.0
+    router_replicas: int = 1
+    router_max_replicas: int | None = None
     namespace: str = "pagedserve"
     name: str = "pagedserve"
 
@@ -156,6 +164,7 @@ class ClusterConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         self._check_lease()
         self._check_placement()
+        self._check_router_replicas()
         if self.max_buffered_deltas < 1:
             raise ValueError(f"max_buffered_deltas must be >= 1, got {self.max_buffered_deltas}")
 
@@ -167,6 +176,16 @@ class ClusterConfig:
             raise ValueError(
                 f"lease_timeout_s ({lease}) must be >= 4 x stats_interval_s "
                 f"({self.stats_interval_s}): the router renews leases every stats interval"
+            )
+
+    def _check_router_replicas(self) -> None:
+        if self.router_replicas < 1:
+            raise ValueError(f"router_replicas must be >= 1, got {self.router_replicas}")
+        ceiling = self.router_max_replicas
+        if ceiling is not None and ceiling < self.router_replicas:
+            raise ValueError(
+                f"router_max_replicas ({ceiling}) must be >= router_replicas "
+                f"({self.router_replicas}) or None"
             )
 
     def _check_placement(self) -> None:

@@ -1,0 +1,147 @@
+"""Two Router replicas behind Serve's gRPC proxy (`router_replicas: 2`): any replica aborts
+any request, and killing one replica mid-stream ends only its own streams (UNAVAILABLE, no
+internals) while the other replica's streams finish with the tokens they have alone.
+
+Own module: it kills a Router replica of its app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import grpc
+import pytest
+import ray
+from support.api_app import assert_app_clean, running_app, wait_until
+
+from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
+from pagedserve.proto.pagedserve.v1 import serving_pb2_grpc
+
+# Every stream's reader is held after its first delta, so its request pauses on its worker
+# once the path's buffers fill (gRPC's windows, the router's and the worker's: well under a
+# thousand deltas, see test_api_grpc_backpressure.py): with this many tokens none can finish
+# while held, by construction.
+TOKENS = 2000
+LEASE_S = 3.0
+NUM_STREAMS = 6
+INTERNALS = re.compile(r"Traceback|\.py\b|pid=|\d+\.\d+\.\d+\.\d+:\d+|actor_id|File \"")
+
+
+@pytest.fixture(scope="module")
+def app():
+    engine = {"num_kv_blocks": 1024, "block_size": 8, "attention_backend": "torch"}
+    with running_app(
+        "api-router-replicas", engine=engine, lease_timeout_s=LEASE_S, router_replicas=2
+    ) as running:
+        yield running
+
+
+def router_replicas() -> list[str]:
+    return sorted(
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if "SERVE_REPLICA" in a["name"] and "#Router#" in a["name"]
+    )
+
+
+def request(prompt: str, max_tokens: int = TOKENS, request_id: str = "") -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return pb.GenerateRequest(prompt=prompt, sampling=sampling, request_id=request_id)
+
+
+async def open_streams(stub, prompts: list[str], ids: list[str] | None = None) -> list:
+    """Start one stream per prompt, each once the one before has streamed its first delta
+    (so the proxy sees each replica's load before it places the next: its power-of-two
+    choice over two replicas then alternates). Returns (call, tokens so far) per stream."""
+    streams = []
+    for i, prompt in enumerate(prompts):
+        call = stub.GenerateStream(request(prompt, request_id=ids[i] if ids else ""), timeout=300)
+        first = await call.read()
+        streams.append((call, list(first.token_ids)))
+    return streams
+
+
+async def finish(call, tokens: list[int]) -> tuple[grpc.StatusCode, str, list[int], str]:
+    """Read a stream to its end: (code, details, every token, last finish reason)."""
+    finish_reason = ""
+    try:
+        while (delta := await call.read()) is not grpc.aio.EOF:
+            tokens.extend(delta.token_ids)
+            finish_reason = delta.finish_reason or finish_reason
+        return grpc.StatusCode.OK, "", tokens, finish_reason
+    except grpc.aio.AioRpcError as error:
+        return error.code(), error.details() or "", tokens, finish_reason
+
+
+def test_abort_through_any_replica(app):
+    """Each request is aborted by one Abort call, wherever the proxy sends it: a replica that
+    does not stream the request asks every worker to abort its id."""
+    ids = [f"replicas-abort-{i}" for i in range(4)]
+
+    async def main():
+        async with grpc.aio.insecure_channel(app.grpc_address) as channel:
+            stub = serving_pb2_grpc.GenerationStub(channel)
+            streams = await open_streams(stub, [f"abort {i}" for i in range(4)], ids)
+            aborted = [
+                (await stub.Abort(pb.AbortRequest(request_id=i), timeout=30)).aborted for i in ids
+            ]
+            return aborted, [await finish(call, tokens) for call, tokens in streams]
+
+    assert len(router_replicas()) == 2
+    aborted, ends = asyncio.run(main())
+    assert aborted == [True] * len(ids)
+    assert [(code, reason) for code, _, _, reason in ends] == [(grpc.StatusCode.OK, "abort")] * len(
+        ids
+    )
+    assert all(len(tokens) < TOKENS for _, _, tokens, _ in ends)
+    assert_app_clean(app)
+
+
+def test_a_killed_replica_ends_only_its_own_streams(app):
+    prompts = [f"replica kill {i}" for i in range(NUM_STREAMS)]
+    references = asyncio.run(run_alone(app.grpc_address, prompts))
+    (victim, survivor) = router_replicas()
+
+    async def main():
+        async with grpc.aio.insecure_channel(app.grpc_address) as channel:
+            streams = await open_streams(serving_pb2_grpc.GenerationStub(channel), prompts)
+            ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=False)
+            return [await finish(call, tokens) for call, tokens in streams]
+
+    ends = asyncio.run(main())
+    codes = [code for code, _, _, _ in ends]
+    assert set(codes) == {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}, ends
+    for (code, details, tokens, _), reference in zip(ends, references, strict=True):
+        assert not INTERNALS.search(details), details
+        if code is grpc.StatusCode.OK:  # the survivor's stream: untouched by the kill
+            assert tokens == reference
+        else:  # the victim's: what it streamed is a prefix of the answer
+            assert tokens == reference[: len(tokens)]
+    assert survivor in router_replicas()
+
+    def two_replicas_serve_again() -> bool:
+        return len(router_replicas()) == 2 and serves(app.grpc_address)
+
+    wait_until(two_replicas_serve_again, 120, "Serve to replace the killed Router replica")
+    assert_app_clean(app)
+
+
+async def run_alone(address: str, prompts: list[str]) -> list[list[int]]:
+    """Each prompt's greedy tokens, unary (greedy: the same whatever runs beside it)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = serving_pb2_grpc.GenerationStub(channel)
+        replies = await asyncio.gather(*(stub.Generate(request(p), timeout=300) for p in prompts))
+    return [list(reply.completions[0].token_ids) for reply in replies]
+
+
+def serves(address: str) -> bool:
+    channel = grpc.insecure_channel(address)
+    try:
+        stub = serving_pb2_grpc.GenerationStub(channel)
+        response = stub.Generate(request("probe", max_tokens=4), timeout=30)
+        return len(response.completions[0].token_ids) == 4
+    except grpc.RpcError:
+        return False
+    finally:
+        channel.close()
