@@ -108,8 +108,13 @@ def test_cpu_demo_is_small(rendered):
 
 
 @pytest.mark.parametrize("name", ALL)
-def test_router_is_one_replica(rendered, name):
-    """Requests in flight, Abort and the routing view live in one Router replica."""
-    (router,) = the_app(serve_config(rendered[name]))["deployments"]
-    assert router["num_replicas"] == 1
-    assert "autoscaling_config" not in router
+def test_router_is_autoscaled_from_two_replicas(rendered, name):
+    """Two Routers at least (a replica's death cuts only its own streams), autoscaled below
+    the point where a replica refuses: its target is at most its `max_inflight`."""
+    app = the_app(serve_config(rendered[name]))
+    config = ClusterConfig.from_dict(split_app_args(app["args"])[0])
+    (router,) = app["deployments"]
+    scaling = router["autoscaling_config"]
+    assert "num_replicas" not in router
+    assert 2 <= scaling["min_replicas"] <= scaling["max_replicas"]
+    assert 0 < scaling["target_ongoing_requests"] <= (config.max_inflight or 1024)
