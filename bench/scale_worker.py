@@ -61,7 +61,7 @@ class SimWorkerConfig:
 
 
 @dataclass(eq=False)  # identity: `in self.waiting` must not compare token lists
-class _SimRequest:
+class SimRequest:
     """One request on a simulated worker (what `KVCacheManager` needs, plus its stream)."""
 
     request_id: str
@@ -102,14 +102,14 @@ class SimWorkerCore:
         self.epoch = uuid.uuid4().hex
         self.sink = sink
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.max_model_len)
-        self.waiting: deque[_SimRequest] = deque()
-        self.running: dict[str, _SimRequest] = {}
+        self.waiting: deque[SimRequest] = deque()
+        self.running: dict[str, SimRequest] = {}
         self.num_steps = 0
         self._wake = asyncio.Event()
         self._loop: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ steps
-    def step(self) -> list[tuple[_SimRequest, StreamDelta]]:
+    def step(self) -> list[tuple[SimRequest, StreamDelta]]:
         """One engine step without a model: admit what fits, grow every running request by
         one token, end those at `max_tokens`. Returns the deltas to send."""
         self._admit()
@@ -135,7 +135,7 @@ class SimWorkerCore:
             request.cached_tokens = computed.num_tokens
             self.running[request.request_id] = request
 
-    def _emit(self, request: _SimRequest) -> StreamDelta:
+    def _emit(self, request: SimRequest) -> StreamDelta:
         token = fake_token(len(request.all_token_ids))
         request.all_token_ids.append(token)
         done = request.num_output_tokens >= request.max_tokens
@@ -148,7 +148,7 @@ class SimWorkerCore:
             self._finish(request)
         return delta
 
-    def _finish(self, request: _SimRequest) -> None:
+    def _finish(self, request: SimRequest) -> None:
         """The one place a request's blocks are freed (finished, aborted or cancelled)."""
         if request.finished:
             return
@@ -183,18 +183,23 @@ class SimWorkerCore:
             self.publish_events()
 
     # --------------------------------------------------------------- requests
-    async def generate(self, request: WorkerRequest) -> AsyncIterator[StreamDelta]:
-        """Stream one fresh request's deltas (one token each); freed when it ends or the
-        reader goes away."""
+    def submit(self, request: WorkerRequest) -> SimRequest:
+        """Queue one fresh request (token-id prompt) for the next step's admission."""
         if request.handoff is not None or isinstance(request.prompt, str):
             raise ValueError("simulated workers take fresh token-id prompts only")
         if request.request_id in self.running:
             raise ValueError(f"request {request.request_id} is already running here")
         extra = (SIM_MODEL,) + ((request.cache_salt,) if request.cache_salt else ())
         prompt = list(request.prompt)
-        sim = _SimRequest(request.request_id, prompt, extra, len(prompt), request.params.max_tokens)
+        sim = SimRequest(request.request_id, prompt, extra, len(prompt), request.params.max_tokens)
         self.waiting.append(sim)
         self._wake.set()
+        return sim
+
+    async def generate(self, request: WorkerRequest) -> AsyncIterator[StreamDelta]:
+        """Stream one fresh request's deltas (one token each); freed when it ends or the
+        reader goes away."""
+        sim = self.submit(request)
         try:
             while True:
                 delta = await sim.queue.get()
