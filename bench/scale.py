@@ -22,6 +22,10 @@ run with no error, routing p99 ≤ `--route-p99-ms` and end-to-end p99 ≤ `--e2
 simulated workers kept up; unloaded, a request takes about (max_tokens + 1) steps). Routing
 time is given as wall time and as the router thread's CPU time over the decision.
 
+First, before any Ray process starts, the routing decision is timed alone in this process
+(`bench/scale_route.py`, `--route-only` stops there), over a view filled from the same
+workload by in-process simulated workers.
+
 Every process shares this machine's cores: on a small machine the figures are a lower bound.
 
     $ pagedserve bench scale --json scale.json
@@ -198,6 +202,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--route-p99-ms", type=float, default=d.route_p99_ms, help="'held': routing bound")
     add("--e2e-p99-ms", type=float, default=d.e2e_p99_ms, help="'held': workers kept up")
     add("--seed", type=int, default=d.seed, help="seeds prompts and arrivals")
+    add("--route-only", action="store_true", help="only time routing alone, in process")
     add("--ray-address", default=None, help="join this Ray cluster instead of a local one")
     add("--json", metavar="FILE", default=None, help="write config and cells")
     parser.set_defaults(func=run)
@@ -222,10 +227,19 @@ def run(args: argparse.Namespace) -> int:
         e2e_p99_ms=args.e2e_p99_ms,
         seed=args.seed,
     )
-    ensure_ray(args.ray_address)
-    cells, unclean = run_scale_bench(config)
-    print(format_report(cells, config.route_p99_ms, config.e2e_p99_ms))
-    print(f"\nsimulated workers not clean at the end: {unclean}")
+    from pagedserve.bench.scale_route import format_route_cost, route_cost
+
+    alone = route_cost(config, config.num_workers)
+    print(format_route_cost(alone))
+    cells, unclean = [], 0
+    if not args.route_only:
+        ensure_ray(args.ray_address)
+        cells, unclean = run_scale_bench(config)
+        print(format_report(cells, config.route_p99_ms, config.e2e_p99_ms))
+        print(f"\nsimulated workers not clean at the end: {unclean}")
     if args.json:
-        write_json(args.json, {"config": asdict(config), "cells": [asdict(c) for c in cells]})
+        cells_json = [asdict(c) for c in cells]
+        write_json(
+            args.json, {"config": asdict(config), "route_alone": asdict(alone), "cells": cells_json}
+        )
     return 0 if unclean == 0 and all(c.errors == 0 for c in cells) else 1
