@@ -51,7 +51,7 @@ class ScaleBenchConfig:
     workers_per_host: int = 8
     routers: tuple[int, ...] = (1, 2, 4)
     rates: tuple[float, ...] = (20.0, 40.0, 80.0)
-    duration_s: float = 6.0
+    duration_s: float = 4.0
     num_system_prompts: int = 16
     system_prompt_len: int = 512
     user_len: int = 32
