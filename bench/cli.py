@@ -18,6 +18,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "pagedserve.bench.grpc_burst",
     "pagedserve.bench.serve_compare",
     "pagedserve.bench.spec",
+    "pagedserve.bench.scale",
 )
 
 
