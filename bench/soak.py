@@ -46,6 +46,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--seed", type=int, default=d.seed, help="the workload's seed")
     add("--front-end", choices=("core", "grpc"), default="core", help="what the load drives")
     add("--num-workers", type=int, default=2, help="worker actors")
+    add(
+        "--router-replicas",
+        type=int,
+        default=2,
+        help="Router replicas (grpc front end; the router-kill fault kills one)",
+    )
     add("--num-kv-blocks", type=int, help="KV blocks per worker (core: 24, grpc: 64)")
     add("--block-size", type=int, default=8, help="tokens per KV block")
     add("--max-inflight", type=int, default=24, help="router: requests streamed at most")
@@ -165,6 +171,7 @@ def _run_grpc(args: argparse.Namespace) -> int:
     spec = GrpcSoakSpec(load=load, **faults)
     config = grpc_soak_config(
         num_workers=args.num_workers,
+        router_replicas=args.router_replicas,
         num_kv_blocks=args.num_kv_blocks or 64,
         block_size=args.block_size,
         max_inflight=args.max_inflight,

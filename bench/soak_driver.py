@@ -73,6 +73,10 @@ class SoakSpec:
     drop_events_at: float | None = 0.5
     burst_at: float | None = 0.7
     burst_size: int = 40
+    # Output lengths of the burst's requests (None: `max_tokens`). Longer ones stay in flight
+    # while the rest of the burst arrives, so the burst meets the limits even where the
+    # front end admits calls slowly (Serve's proxy choosing among several Router replicas).
+    burst_max_tokens: tuple[int, int] | None = None
     hang_timeout_s: float = 60.0
 
 
@@ -138,8 +142,12 @@ def plan_requests(spec: SoakSpec) -> tuple[list[SoakRequest], list[SoakRequest]]
     def request(index: int, kind: str) -> SoakRequest:
         suffix = [rng.randrange(1, spec.vocab_size) for _ in range(rng.randint(*spec.suffix_len))]
         n = 2 if rng.random() < spec.multi_branch_fraction else 1
+        lengths = spec.burst_max_tokens if kind == "burst" and spec.burst_max_tokens else None
         params = SamplingParams(
-            max_tokens=rng.randint(*spec.max_tokens), temperature=0.0, ignore_eos=True, n=n
+            max_tokens=rng.randint(*(lengths or spec.max_tokens)),
+            temperature=0.0,
+            ignore_eos=True,
+            n=n,
         )
         prefix = rng.randrange(len(prefixes))
         req = SoakRequest(index, kind, params, prefixes[prefix] + suffix, prefix=prefix)

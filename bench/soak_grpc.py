@@ -166,7 +166,11 @@ async def run_grpc_soak(app: SoakApp, spec: GrpcSoakSpec, log: Any = None) -> Gr
             await asyncio.gather(*tasks)  # a quiet cluster: what the fault proves is exact
             if name == "duplicate_id":
                 pairs = zip(extra["dup"][::2], extra["dup"][1::2], strict=True)
-                return [await duplicate_pair(channel, a, b, load.hang_timeout_s) for a, b in pairs]
+                replicas = app.config.router_replicas
+                return [
+                    await duplicate_pair(channel, a, b, load.hang_timeout_s, replicas)
+                    for a, b in pairs
+                ]
             if name == "router_kill":
                 record = await router_kill(app, channel, extra["victim"], extra["probe"], kill)
                 counters.update(record.facts["router_counters"])  # they died with the replica
@@ -280,6 +284,7 @@ def grpc_soak_config(
     *,
     model: str = "tiny-llama",
     num_workers: int = 2,
+    router_replicas: int = 1,
     num_kv_blocks: int = 64,
     block_size: int = 8,
     max_inflight: int = 24,
@@ -320,6 +325,7 @@ def grpc_soak_config(
         # A push publishes KV events on a quiet cluster, which would let a restarted index
         # catch up by accident; the index-kill fault must see it resync with no event at all.
         enable_push=False,
+        router_replicas=router_replicas,
         **lease_options(lease_s),
     )
 

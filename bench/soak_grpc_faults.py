@@ -72,9 +72,20 @@ async def wait_until(condition: Callable[[], Awaitable[Any]], timeout_s: float) 
 
 # ---------------------------------------------------------------- duplicate id
 async def duplicate_pair(
-    channel: grpc.aio.Channel, first: SoakRequest, second: SoakRequest, hang_timeout_s: float
+    channel: grpc.aio.Channel,
+    first: SoakRequest,
+    second: SoakRequest,
+    hang_timeout_s: float,
+    num_replicas: int = 1,
 ) -> FaultRecord:
-    """Two concurrent streams with one request_id (and different prompts, so cross-talk shows)."""
+    """Two concurrent streams with one request_id (and different prompts, so cross-talk shows).
+
+    One Router replica refuses the second by id. With several, the two may land on two
+    replicas: the second is then refused by the worker if both chose the same one, and both
+    run if they chose two (each replica and each worker keeps ids unique; nothing shares them
+    across replicas without a remote call per request), so two complete runs pass too, their
+    outputs checked like every other request's. Never an INTERNAL, and never one ending the
+    other (an abort by id of a refused request's id used to end the one that ran)."""
     request_id = f"soak-dup-{first.index}"
     record = FaultRecord("duplicate_id", {"request_id": request_id})
     outcomes = await asyncio.gather(
@@ -85,6 +96,11 @@ async def duplicate_pair(
     codes = sorted(o.code for o in outcomes)
     record.facts["codes"] = codes
     where = f"duplicate-id pair {request_id} (requests {first.index}, {second.index})"
+    if num_replicas > 1 and codes == ["OK", "OK"]:
+        for o in outcomes:
+            if not o.finished:
+                record.problems.append(f"{where}: one was cut off: {o.finish_reasons}")
+        return record
     if codes != ["INVALID_ARGUMENT", "OK"]:
         record.problems.append(
             f"{where}: want one OK and one INVALID_ARGUMENT, got {_describe(outcomes)}"
@@ -157,23 +173,43 @@ async def router_kill(
     record.facts["router_counters"] = await router_counters(app.grpc_address)
     record.facts["moved_before_kill"] = record.facts["router_counters"].get("migrations.move", 0)
     replicas = await asyncio.to_thread(app.router_replicas)
-    record.facts["killed"] = replicas
+    killed, survivors = replicas[:1], replicas[1:]  # one replica: the others serve on
+    record.facts["killed"] = killed
+    record.facts["survivors"] = survivors
     if not replicas:
         record.problems.append("router kill: no Router replica actor found to kill")
-    for name in replicas:
+    for name in killed:
         handle = await asyncio.to_thread(ray.get_actor, name, SERVE_NAMESPACE)
         await asyncio.to_thread(ray.kill, handle, no_restart=False)
     killed_at = time.monotonic()
     record.outcomes = list(await asyncio.gather(*tasks))
-    record.facts["victim_codes"] = dict(Counter(o.code for o in record.outcomes))
+    codes = Counter(o.code for o in record.outcomes)
+    record.facts["victim_codes"] = dict(codes)
+    _check_victim_codes(codes, bool(survivors), record)
     await _check_orphans(app, victims, killed_at, spec, record)
-    await _check_restart(app, channel, replicas, killed_at, spec, record)
+    await _check_restart(app, channel, killed, len(replicas), killed_at, spec, record)
     probe_outcomes = await asyncio.gather(
         *(call_stream(channel, p, spec.hang_timeout_s) for p in probes)
     )
     record.outcomes += probe_outcomes
     record.facts["probe_codes"] = dict(Counter(o.code for o in probe_outcomes))
     return record
+
+
+def _check_victim_codes(codes: Counter[str], survivors: bool, record: FaultRecord) -> None:
+    """The killed replica's streams end UNAVAILABLE; with another replica left, the streams it
+    carried finish OK (their outputs are checked with every other request's). Each side must
+    have had some victims, else the fault proved less than it claims."""
+    if not codes.get("UNAVAILABLE"):
+        record.problems.append(f"router kill: no victim ended UNAVAILABLE: {dict(codes)}")
+    if survivors and not codes.get("OK"):
+        record.problems.append(
+            f"router kill: no victim streamed through the surviving replica: {dict(codes)}"
+        )
+    if not survivors and codes.get("OK"):
+        record.problems.append(
+            f"router kill: {codes['OK']} victims of the only replica ended OK: {dict(codes)}"
+        )
 
 
 async def _start_victims(
@@ -265,16 +301,18 @@ async def _check_restart(
     app: SoakApp,
     channel: grpc.aio.Channel,
     killed: list[str],
+    num_replicas: int,
     killed_at: float,
     spec: RouterKillSpec,
     record: FaultRecord,
 ) -> None:
-    """Serve brings a Router replica back and it answers SERVING through the gRPC proxy."""
+    """Serve brings the app back to `num_replicas` Router replicas, and it answers SERVING
+    through the gRPC proxy."""
     health = health_pb2_grpc.HealthStub(channel)
 
     async def serving() -> bool:
         replicas = await asyncio.to_thread(app.router_replicas)
-        if not replicas:
+        if len(replicas) < num_replicas or set(replicas) & set(killed):
             return False
         try:
             reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=5)

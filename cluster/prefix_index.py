@@ -142,8 +142,19 @@ class PrefixIndexActor:
         await asyncio.gather(*(resync(worker_id) for worker_id in handles))
 
     async def register_worker(self, worker_id: str, handle: ActorHandle) -> None:
-        """Remember the handle used to resync `worker_id`; its entries come with its publishes."""
-        self._handles[worker_id] = handle
+        """Remember the handle used to resync `worker_id` and, when the index has no view of
+        the worker yet, resync it from its snapshot now.
+
+        Under the worker's lock, like publishes and resyncs: a registration that arrived while
+        a resync of the same worker waited for its snapshot used to swap the handle under it,
+        so that resync was dropped as moot and nothing resynced the worker until it next
+        published (a restarted index stayed blind on a quiet cluster: the gRPC soak with two
+        Router replicas caught it).
+        """
+        async with self._locks.setdefault(worker_id, asyncio.Lock()):
+            self._handles[worker_id] = handle
+            if worker_id not in self._state.workers():
+                await self._resync(worker_id)
 
     async def publish(
         self,

@@ -469,13 +469,23 @@ class RouterCore:
         worker.begin(demand)
         stream = worker.handle.generate.remote(request)
         remaining = request.num_branches
+        taken = False  # the worker streamed something: it holds the request under its id
         try:
             while True:
                 try:
                     ref = await self._next_from(worker, stream)
                 except StopAsyncIteration:
                     break
-                delta = await ref
+                try:
+                    delta = await ref
+                except RequestRejected:
+                    if not taken:
+                        # Refused before it started: the worker holds nothing of ours, and
+                        # the id may be another replica's request there (an abort by id
+                        # would end that one), so there is nothing to cancel.
+                        remaining = 0
+                    raise
+                taken = True
                 if isinstance(delta, RequestMoved) or delta.finish_reason is not None:
                     remaining -= 1
                 yield delta

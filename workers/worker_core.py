@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 from pagedserve.workers.block import BlockKey
 from pagedserve.workers.engine import Engine
-from pagedserve.workers.errors import Draining, HandedOff, Overloaded
+from pagedserve.workers.errors import Draining, HandedOff, Overloaded, RequestRejected
 from pagedserve.workers.handoff import RequestHandoff
 from pagedserve.workers.kv_cache_manager import PrefixTransfer
 from pagedserve.workers.kv_checks import KVInvariantError, assert_no_leaks, check_invariants
@@ -293,7 +293,9 @@ class WorkerCore:
             self._refuse_next -= 1
             raise Overloaded(f"worker {self.worker_id} refused on purpose (chaos)")
         if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already streaming on this worker")
+            # Typed (INVALID_ARGUMENT at the front ends, not INTERNAL): two router replicas
+            # can each admit a request under one id, and the second must be refused by name.
+            raise RequestRejected(f"request_id {request_id!r} is already in flight")
         buffer = DeltaBuffer(self.max_buffered_deltas)
         self._streams[request_id] = buffer
         remaining = num_branches

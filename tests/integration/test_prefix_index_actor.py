@@ -96,11 +96,11 @@ def test_gap_resyncs_from_the_workers_snapshot_and_agrees_with_its_pool():
     index = _index("resync")
     worker = StandInWorker.remote("w0", index)
     ray.get(index.register_worker.remote("w0", worker))
-
-    # First contact: the index does not know w0 yet, so it pulls a snapshot.
+    # Registration pulls the snapshot at once (nothing cached yet), so the first batch of
+    # events is in step.
+    assert ray.get(index.snapshot_of.remote("w0")) == set()
     chain = ray.get(worker.cache_chain.remote([[1, 2], [3, 4]]))
-    first = ray.get(worker.flush.remote())
-    assert first.needs_resync and first.resynced
+    assert ray.get(worker.flush.remote()) == PublishResult(2, False)
     assert ray.get(index.snapshot_of.remote("w0")) == set(chain)
 
     ray.get(worker.cache_chain.remote([[9, 9]]))
@@ -140,16 +140,19 @@ def test_restarted_worker_resyncs_and_a_dead_one_is_dropped():
 def test_a_stuck_snapshot_hits_the_deadline_and_the_publish_returns():
     index = _index("stuck")
     stuck = StuckWorker.remote()
-    ray.get(index.register_worker.remote("w9", stuck))
+    # The snapshot would take an hour: registration (which pulls it) and then a publish (which
+    # tries again) each return at the deadline, not after it (the 60 s here only stops a
+    # hang; how soon after the deadline depends on the machine).
     started = time.monotonic()
-    # The snapshot would take an hour: the publish returns at its deadline, not after it (the
-    # 60 s here only stops a hang; how soon after the deadline depends on the machine).
+    ray.get(index.register_worker.remote("w9", stuck), timeout=60)
+    assert time.monotonic() - started >= SNAPSHOT_TIMEOUT_S * 0.9
+    started = time.monotonic()
     result = ray.get(index.publish.remote("w9", "e1", []), timeout=60)
     elapsed = time.monotonic() - started
     assert result == PublishResult(0, needs_resync=True, resynced=False)
     assert elapsed >= SNAPSHOT_TIMEOUT_S * 0.9  # it did wait for the snapshot, up to the deadline
     stats = ray.get(index.stats.remote())
-    assert stats.snapshot_failures == 1 and stats.workers == {}
+    assert stats.snapshot_failures == 2 and stats.workers == {}
     # The index still serves everyone else meanwhile.
     assert ray.get(index.match.remote([b"x"]), timeout=60) == {}
 

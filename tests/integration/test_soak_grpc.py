@@ -1,7 +1,8 @@
-"""The CI soak through the real gRPC front end (Serve's gRPC proxy, the Router replica, two
+"""The CI soak through the real gRPC front end (Serve's gRPC proxy, two Router replicas, two
 workers): ~250 requests of the soak load (shared prefixes, n > 1, cancellations, gRPC and
 worker deadlines, malformed inputs) with a burst past the router's and the workers' limits,
-duplicate-id pairs, a Router replica kill and a prefix index kill (`bench/soak_grpc.py`).
+duplicate-id pairs, the kill of one of the two Router replicas and a prefix index kill
+(`bench/soak_grpc.py`).
 
 Each check fails on its own with examples, so a red run says which defect is back:
 codes and details of every request, every refusal RESOURCE_EXHAUSTED with retry-after, the
@@ -18,7 +19,16 @@ import pytest
 from pagedserve.bench.soak_driver import SoakSpec
 from pagedserve.bench.soak_grpc import GrpcSoakSpec, grpc_soak_config, soak_over_grpc
 
-LOAD = SoakSpec(num_requests=200, concurrency=12, burst_at=0.3, burst_size=60, hang_timeout_s=60)
+# The burst's requests are long (96-128 tokens): Serve's proxy admits calls one by one while
+# it chooses between the two replicas, so short ones would end before the rest arrived.
+LOAD = SoakSpec(
+    num_requests=200,
+    concurrency=12,
+    burst_at=0.3,
+    burst_size=60,
+    burst_max_tokens=(96, 128),
+    hang_timeout_s=60,
+)
 SPEC = GrpcSoakSpec(load=LOAD, dup_pairs=3, kill_victims=14, probes=4)
 COMMAND = "pytest tests/integration/test_soak_grpc.py"
 
@@ -26,7 +36,12 @@ COMMAND = "pytest tests/integration/test_soak_grpc.py"
 @pytest.fixture(scope="module")
 def soak():
     report, problems, summary = soak_over_grpc(
-        grpc_soak_config("t-soak-grpc"), SPEC, COMMAND, log=print
+        # Two replicas of 12 streams each: the router limit the burst must meet is 24, as
+        # with one replica of 24.
+        grpc_soak_config("t-soak-grpc", router_replicas=2, max_inflight=12),
+        SPEC,
+        COMMAND,
+        log=print,
     )
     print(summary)
     return report, problems, summary
@@ -71,7 +86,7 @@ def test_burst_refusals_are_resource_exhausted_with_retry_after(soak):
 
 
 @pytest.mark.slow
-def test_duplicate_ids_one_runs_the_other_is_invalid(soak):
+def test_duplicate_ids_are_refused_or_both_run_and_never_collide(soak):
     _, problems, summary = soak
     found = problems_about(problems, "duplicate-id pair")
     assert not found, failing("duplicate-id pairs", found)
@@ -85,7 +100,11 @@ def test_router_kill_ends_streams_unavailable_and_leaves_no_orphan(soak):
     found = problems_about(problems, "router kill")
     assert not found, failing(f"router kill ({kill})", found)
     assert kill["streaming_at_kill"] >= 1, kill  # the kill cut a stream mid-way
-    assert kill["victim_codes"] == {"UNAVAILABLE": SPEC.kill_victims}, kill
+    # One of the two replicas died: its streams ended UNAVAILABLE, the other's finished OK
+    # (their outputs are checked with the rest).
+    assert len(kill["killed"]) == 1 and len(kill["survivors"]) == 1, kill
+    codes = kill["victim_codes"]
+    assert set(codes) == {"UNAVAILABLE", "OK"} and sum(codes.values()) == SPEC.kill_victims, kill
     assert kill["orphans"] == 0 and kill["probe_codes"] == {"OK": SPEC.probes}, kill
 
 

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
+
+import pytest
 
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.router import RouterCore
 from pagedserve.cluster.router_types import RouterInflight
+from pagedserve.workers.errors import RequestRejected
 
 
 def test_an_idle_router_holds_nothing_and_a_counted_request_shows():
@@ -52,3 +56,46 @@ def test_abort_of_an_id_another_replica_streams_asks_every_alive_worker_tenant_s
     asked.clear()
     assert not asyncio.run(core.abort("r1", tenant="acme"))  # a dead worker is not asked
     assert asked == ["acme:r1"]
+
+
+class _RefusingWorker:
+    """A worker handle whose stream is refused before its first delta (as a worker refuses a
+    request id it already streams for another replica); `abort` records what it is asked."""
+
+    def __init__(self, asked: list[str]) -> None:
+        class Stream:
+            def __anext__(self):
+                async def next_ref():
+                    async def refused():
+                        raise RequestRejected("request_id 'r1' is already in flight")
+
+                    return refused()  # what awaiting the object ref raises
+
+                return next_ref()
+
+        async def abort(request_id: str) -> bool:
+            asked.append(request_id)
+            return True
+
+        self.generate = type("Method", (), {"remote": staticmethod(lambda request: Stream())})()
+        self.abort = type("Method", (), {"remote": staticmethod(abort)})()
+
+
+def test_a_request_refused_before_it_started_is_not_aborted_by_id():
+    """The id may be another replica's request on that worker: aborting it would end that one."""
+    asked: list[str] = []
+    core = RouterCore(
+        ClusterConfig(num_workers=1), index=None, workers={"w0": _RefusingWorker(asked)}
+    )
+    worker = core.workers["w0"]
+    worker.alive = True
+    request = SimpleNamespace(request_id="acme:r1", num_branches=1)
+
+    async def stream() -> None:
+        async for _ in core._stream(worker, request, demand=8):
+            pass
+
+    with pytest.raises(RequestRejected, match="already in flight"):
+        asyncio.run(stream())
+    assert asked == []
+    assert (worker.inflight, worker.inflight_tokens) == (0, 0)  # the id is `generate`'s to free
