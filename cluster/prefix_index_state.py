@@ -28,6 +28,7 @@ from pagedserve.cluster.prefix_feed import (
     WorkerCleared,
     WorkerReplaced,
 )
+from pagedserve.cluster.prefix_match import leading_matches
 from pagedserve.workers.block import BlockHash
 from pagedserve.workers.kv_events import (
     AllCleared,
@@ -196,20 +197,7 @@ class PrefixIndexState:
         no leading block are omitted. Matched entries become most recently used. Costs
         O(len(block_hashes) × holders) and stops as soon as no worker is still matching.
         """
-        matched: dict[str, int] = {}
-        still_matching: set[str] | None = None
-        for depth, block_hash in enumerate(block_hashes):
-            holders = self._entries.get(block_hash)
-            if not holders:
-                break
-            survivors = set(holders) if still_matching is None else still_matching & holders
-            if not survivors:
-                break
-            self._entries.move_to_end(block_hash)
-            for worker_id in survivors:
-                matched[worker_id] = depth + 1
-            still_matching = survivors
-        return matched
+        return leading_matches(block_hashes, self._entries, self._entries.move_to_end)
 
     def workers(self) -> list[str]:
         """Workers the index has a view of (stale ones included), sorted."""

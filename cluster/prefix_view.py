@@ -35,6 +35,7 @@ from pagedserve.cluster.prefix_feed import (
     WorkerCleared,
     WorkerReplaced,
 )
+from pagedserve.cluster.prefix_match import leading_matches
 from pagedserve.workers.block import BlockHash
 
 logger = logging.getLogger(__name__)
@@ -114,19 +115,7 @@ class PrefixView:
         A hash a worker lacks ends that worker's prefix; workers with no leading block are
         omitted; stops as soon as no worker is still matching.
         """
-        matched: dict[str, int] = {}
-        still_matching: set[str] | None = None
-        for depth, block_hash in enumerate(block_hashes):
-            holders = self._holders.get(block_hash)
-            if not holders:
-                break
-            survivors = set(holders) if still_matching is None else still_matching & holders
-            if not survivors:
-                break
-            for worker_id in survivors:
-                matched[worker_id] = depth + 1
-            still_matching = survivors
-        return matched
+        return leading_matches(block_hashes, self._holders)
 
     def hashes_of(self, worker_id: str) -> set[BlockHash]:
         """Hashes the view believes `worker_id` holds (a copy)."""
