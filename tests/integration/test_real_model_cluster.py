@@ -84,12 +84,18 @@ def test_moved_request_gives_hf_ids(smollm2, prompts):
         # fast the machine is (a quick engine had finished the first ones before the last came).
         await busy.handle.chaos_stall.remote(True)
         try:
-            calls = [asyncio.create_task(run_request(core, p, greedy(MAX_TOKENS))) for p in chosen]
+            # One at a time, each once `busy` holds the one before: the engine then admits them
+            # in this order, whatever the machine's speed. (Sent at once they reached it in any
+            # order, and in some orders the admitted ones fit to the end: no preemption, no
+            # move; the fresh-check caught one such run.)
+            calls = []
+            for i, p in enumerate(chosen):
+                calls.append(asyncio.create_task(run_request(core, p, greedy(MAX_TOKENS))))
 
-            async def holds_all() -> bool:
-                return (await busy.handle.stats.remote()).num_streams == len(chosen)
+                async def holds(count: int = i + 1) -> bool:
+                    return (await busy.handle.stats.remote()).num_streams == count
 
-            await until(holds_all, f"{busy.worker_id} to hold all {len(chosen)} requests")
+                await until(holds, f"{busy.worker_id} to hold {i + 1} requests")
             await busy.handle.chaos_stall.remote(False)
             results = await asyncio.gather(*calls)
         finally:
