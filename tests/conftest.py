@@ -62,8 +62,28 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
+# Under pytest-xdist (scripts/test.sh) each worker process has its own WATCH: it sends what
+# its checks covered home, and the controller's summary adds them up.
+COVERED_FROM_WORKERS: dict[str, set[str]] = {}
+
+
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker
+        workeroutput["leak_checks_covered"] = {k: sorted(v) for k, v in WATCH.covered.items()}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """xdist's hook, on the controller: a worker finished (only called under xdist)."""
+    for kind, tests in getattr(node, "workeroutput", {}).get("leak_checks_covered", {}).items():
+        COVERED_FROM_WORKERS.setdefault(kind, set()).update(tests)
+
+
 def pytest_terminal_summary(terminalreporter):
-    covered = {kind: len(tests) for kind, tests in WATCH.covered.items() if tests}
+    kinds = set(WATCH.covered) | set(COVERED_FROM_WORKERS)
+    tests = {k: WATCH.covered.get(k, set()) | COVERED_FROM_WORKERS.get(k, set()) for k in kinds}
+    covered = {kind: len(tests[kind]) for kind in sorted(kinds) if tests[kind]}
     if covered:
         counts = ", ".join(f"{n} checked {kind}s" for kind, n in covered.items())
         terminalreporter.write_line(f"leak checks: {counts} (tests)")

@@ -28,6 +28,9 @@ from pagedserve.cluster.worker_group import stop_worker_group
 from pagedserve.workers.model_cli import prepare_in_subprocess
 
 MAX_TOKENS = 8
+# A failsafe, not a measure: the real model's workers load in seconds on a quiet machine, and
+# the suite runs two test processes at once (scripts/test.sh), so leave room for a busy one.
+DEPLOY_TIMEOUT_S = 300
 
 
 def wait_running(app_name: str, timeout_s: float) -> None:
@@ -73,7 +76,7 @@ def test_cpu_demo_serve_config_streams_tokens_over_grpc(cpu_demo_config):
     try:
         # What KubeRay does with serveConfigV2: PUT it to the dashboard's Serve API.
         ServeSubmissionClient(f"http://127.0.0.1:{dashboard_port}").deploy_applications(config)
-        wait_running(app["name"], timeout_s=90)
+        wait_running(app["name"], timeout_s=DEPLOY_TIMEOUT_S)
 
         with Client(f"127.0.0.1:{grpc_port}", timeout=60) as client:
             assert client.health() == "SERVING"
