@@ -167,6 +167,7 @@ class _WorkerCollector:
             "Time proposing and verifying drafts",
             labels=["worker", "phase"],
         )
+        tier_families = _tier_families(gauge, CounterMetricFamily)
         for worker_id, (alive, stats) in sorted(self.worker_stats().items()):
             up.add_metric([worker_id], 1.0 if alive else 0.0)
             if stats is None:
@@ -191,5 +192,38 @@ class _WorkerCollector:
             acceptance.add_metric([worker_id], stats.spec.acceptance_rate)
             spec_seconds.add_metric([worker_id, "draft"], stats.spec.draft_time_s)
             spec_seconds.add_metric([worker_id, "verify"], stats.spec.verify_time_s)
+            _add_tier_metrics(tier_families, worker_id, stats.tiers)
         yield from (up, running, waiting, usage, blocks, positions, queries, hits)
         yield from (*spec_counters.values(), acceptance, spec_seconds)
+        yield from tier_families.values()
+
+
+# The host and disk KV tiers (`TierStats`): metric name → (TierUsage field, help, is a counter).
+_TIER_METRICS: dict[str, tuple[str, str, bool]] = {
+    "kv_tier_blocks": ("blocks", "KV blocks held in a lower tier", False),
+    "kv_tier_bytes": ("bytes", "Bytes held in a lower tier", False),
+    "kv_tier_capacity_bytes": ("capacity_bytes", "A lower tier's bound in bytes", False),
+    "kv_tier_hit_blocks": ("hit_blocks", "Blocks loaded back from a lower tier", True),
+    "kv_tier_stored_blocks": ("stored_blocks", "Blocks written into a lower tier", True),
+    "kv_tier_evicted_blocks": ("evicted_blocks", "Blocks a lower tier's bound pushed out", True),
+    "kv_tier_bytes_in": ("bytes_in", "KV bytes written into a lower tier", True),
+    "kv_tier_bytes_out": ("bytes_out", "KV bytes loaded from a lower tier", True),
+    "kv_tier_load_seconds": ("load_time_s", "Time reading a lower tier's blocks", True),
+}
+
+
+def _tier_families(gauge, counter) -> dict[str, Any]:
+    return {
+        name: (
+            counter(f"pagedserve_{name}", doc, labels=["worker", "tier"])
+            if is_counter
+            else gauge(name, doc, ["tier"])
+        )
+        for name, (_, doc, is_counter) in _TIER_METRICS.items()
+    }
+
+
+def _add_tier_metrics(families: dict[str, Any], worker_id: str, tiers) -> None:
+    for usage in tiers.tiers:
+        for name, (field_name, _, _) in _TIER_METRICS.items():
+            families[name].add_metric([worker_id, usage.tier], getattr(usage, field_name))

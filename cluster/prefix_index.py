@@ -212,6 +212,10 @@ class PrefixIndexActor:
     async def snapshot_of(self, worker_id: str) -> set[BlockHash]:
         return self._state.hashes_of(worker_id)
 
+    async def tier_counts(self, worker_id: str) -> dict[str, int]:
+        """How many of the worker's blocks the index has per tier (`device`, `host`, `disk`)."""
+        return self._state.tier_counts(worker_id)
+
     async def stats(self) -> IndexStats:
         return dataclasses.replace(
             self._state.stats(),

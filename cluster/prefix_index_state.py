@@ -14,7 +14,7 @@ replicas follow that feed to keep their own copy (`cluster/prefix_view.py`).
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -31,6 +31,7 @@ from pagedserve.cluster.prefix_feed import (
 from pagedserve.cluster.prefix_match import leading_matches
 from pagedserve.workers.block import BlockHash
 from pagedserve.workers.kv_events import (
+    TIER_NAMES,
     AllCleared,
     BlockRemoved,
     BlockStored,
@@ -69,6 +70,8 @@ class _WorkerView:
     # The inverse of the entry map for this worker, so that `remove_worker` and `AllCleared`
     # cost O(worker's entries) rather than a scan of the whole index.
     hashes: set[BlockHash] = field(default_factory=set)
+    # The tier of each held block that is not on the device (`host`, `disk`); the rest are.
+    lower_tiers: dict[BlockHash, str] = field(default_factory=dict)
     stale: bool = False
 
 
@@ -169,8 +172,8 @@ class PrefixIndexState:
         self._drop(worker_id)
         view = _WorkerView(epoch=snapshot.epoch, next_seq=snapshot.next_seq)
         self._views[worker_id] = view
-        for block_hash in snapshot.block_hashes:
-            self._store(worker_id, view, block_hash, logged=False)
+        for block_hash, tier in zip(snapshot.block_hashes, snapshot.tiers(), strict=True):
+            self._store(worker_id, view, block_hash, logged=False, tier=tier)
         # One entry for the whole snapshot, after any evictions it caused: what it left.
         hashes = frozenset(view.hashes)
         self.feed.append(WorkerReplaced, worker_id, hashes)
@@ -215,6 +218,22 @@ class PrefixIndexState:
         view = self._views.get(worker_id)
         return set(view.hashes) if view is not None else set()
 
+    def tier_of(self, worker_id: str, block_hash: BlockHash) -> str | None:
+        """Where `worker_id` holds `block_hash` at best (`device`, `host`, `disk`), or None."""
+        view = self._views.get(worker_id)
+        if view is None or block_hash not in view.hashes:
+            return None
+        return view.lower_tiers.get(block_hash, "device")
+
+    def tier_counts(self, worker_id: str) -> dict[str, int]:
+        """How many of `worker_id`'s blocks the index has in each tier."""
+        view = self._views.get(worker_id)
+        if view is None:
+            return {}
+        counts = Counter(view.lower_tiers.values())
+        counts["device"] = len(view.hashes) - len(view.lower_tiers)
+        return {tier: counts[tier] for tier in TIER_NAMES}
+
     def is_stale(self, worker_id: str) -> bool:
         view = self._views.get(worker_id)
         return view is not None and view.stale
@@ -236,21 +255,25 @@ class PrefixIndexState:
         links = {(w, h) for h, holders in self._entries.items() for w in holders}
         assert all(holders for holders in self._entries.values()), "empty entry kept"
         assert links == {(w, h) for w, view in self._views.items() for h in view.hashes}
+        for view in self._views.values():
+            assert view.lower_tiers.keys() <= view.hashes, "a tier kept for a block not held"
 
     # ----------------------------------------------------------------- internals
     def _apply(self, worker_id: str, view: _WorkerView, event: KVEvent) -> None:
         if isinstance(event, BlockStored):
-            self._store(worker_id, view, event.block_hash)
+            self._store(worker_id, view, event.block_hash, tier=event.tier)
         elif isinstance(event, BlockRemoved):
             block_hash = event.block_hash
             if block_hash in view.hashes:  # else already gone (LRU): nothing changes
                 view.hashes.discard(block_hash)
+                view.lower_tiers.pop(block_hash, None)
                 self._unlink(worker_id, block_hash)
                 self.feed.append(Removed, worker_id, block_hash)
         elif isinstance(event, AllCleared):
             for block_hash in view.hashes:
                 self._unlink(worker_id, block_hash)
             view.hashes.clear()
+            view.lower_tiers.clear()
             self.feed.append(WorkerCleared, worker_id)
         else:
             raise TypeError(f"not a KV event: {event!r}")
@@ -268,9 +291,19 @@ class PrefixIndexState:
         return {worker_id: frozenset(view.hashes) for worker_id, view in self._views.items()}
 
     def _store(
-        self, worker_id: str, view: _WorkerView, block_hash: BlockHash, logged: bool = True
+        self,
+        worker_id: str,
+        view: _WorkerView,
+        block_hash: BlockHash,
+        logged: bool = True,
+        tier: str = "device",
     ) -> None:
-        """Link `worker_id` to `block_hash`; `logged=False` when the caller logs the change."""
+        """Link `worker_id` to `block_hash` (held at best in `tier`); `logged=False` when the
+        caller logs the change. The feed carries no tier: router views treat every tier alike."""
+        if tier == "device":
+            view.lower_tiers.pop(block_hash, None)
+        else:
+            view.lower_tiers[block_hash] = tier
         holders = self._entries.get(block_hash)
         if holders is None:
             holders = self._entries[block_hash] = set()
@@ -296,6 +329,7 @@ class PrefixIndexState:
             block_hash, holders = self._entries.popitem(last=False)
             for worker_id in holders:
                 self._views[worker_id].hashes.discard(block_hash)
+                self._views[worker_id].lower_tiers.pop(block_hash, None)
             self.feed.append(Evicted, block_hash)
             self._counters.evictions += 1
 

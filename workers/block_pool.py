@@ -4,14 +4,26 @@
 last owner lets go goes back to the free queue; if it holds a full, hashed block of KV it stays
 in the map ("cached, evictable") until the queue hands it out again. Blocks holding nothing worth
 keeping go to the head of the queue so they are reused before any cached content is evicted.
+
+With lower tiers attached (`attach_lower_tiers`, a `TierStore`), a cached block that is evicted
+is first handed to the tiers (`TierStore.spill`, which copies its KV out before anyone can write
+the block), and the events say where each block now is at best: `BlockStored(tier=...)` when it
+is still held in a lower tier, `BlockRemoved` only once no tier holds it.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from pagedserve.workers.block import Block, BlockHash, BlockKey, FreeBlockQueue
 from pagedserve.workers.kv_events import AllCleared, BlockRemoved, BlockStored, KVEvent
+
+if TYPE_CHECKING:
+    from pagedserve.workers.kv_tiers import TierStore
+
+logger = logging.getLogger(__name__)
 
 
 class BlockPool:
@@ -33,6 +45,16 @@ class BlockPool:
         self._events: list[KVEvent] = []
         self._next_event_seq = 0
         self.num_events_published = 0
+        self.lower: TierStore | None = None
+
+    def attach_lower_tiers(self, lower: TierStore) -> None:
+        """Spill evicted cached blocks into `lower`, and announce what it already holds (a
+        disk tier that survived a restart)."""
+        self.lower = lower
+        lower.announce = self._announce_lower
+        for block_hash, key, tier in lower.held_blocks():
+            if block_hash not in self.cached:
+                self._emit(BlockStored(self._take_seq(), block_hash, key.parent_hash, -1, tier))
 
     # ----------------------------------------------------------------- queries
     @property
@@ -61,12 +83,23 @@ class BlockPool:
         if num_blocks > len(self.free_queue):
             raise ValueError(f"asked for {num_blocks} blocks, only {len(self.free_queue)} are free")
         taken = []
+        evicted: list[tuple[int, BlockHash, BlockKey]] = []
         for _ in range(num_blocks):
             block = self.free_queue.popleft()
             assert block.ref_cnt == 0, f"free block {block.block_id} has ref_cnt {block.ref_cnt}"
-            self._evict(block)
+            if block.block_hash is not None:
+                evicted.append((block.block_id, block.block_hash, block.key))
+                del self.cached[block.block_hash]
+                block.reset_hash()
             block.ref_cnt = 1
             taken.append(block)
+        if evicted and self.lower is not None:
+            try:  # the blocks still hold their KV: nothing writes them before the caller
+                self.lower.spill(evicted)
+            except Exception:  # a lost spill costs a prefill later, never the allocation
+                logger.exception("spilling %d evicted blocks down a tier failed", len(evicted))
+        for block_id, digest, key in evicted:
+            self._announce_gone(digest, key.parent_hash, block_id)
         return taken
 
     def touch(self, blocks: Iterable[Block]) -> None:
@@ -118,15 +151,39 @@ class BlockPool:
     def _evict(self, block: Block) -> None:
         if block.block_hash is None:
             return
-        del self.cached[block.block_hash]
-        self._emit(BlockRemoved(self._take_seq(), block.block_hash, block.block_id))
+        digest, parent = block.block_hash, block.key.parent_hash
+        del self.cached[digest]
         block.reset_hash()
+        self._announce_gone(digest, parent, block.block_id)
+
+    def _announce_gone(self, digest: BlockHash, parent: BlockHash | None, block_id: int) -> None:
+        """The device no longer holds `digest`: say where it is now, if anywhere."""
+        tier = None if self.lower is None else self.lower.tier_of(digest)
+        if tier is None:
+            self._emit(BlockRemoved(self._take_seq(), digest, block_id))
+        else:
+            self._emit(BlockStored(self._take_seq(), digest, parent, -1, tier))
+
+    def _announce_lower(self, digest: BlockHash, parent: BlockHash | None) -> None:
+        """A lower tier's copy of `digest` moved or left (the `TierStore` callback)."""
+        if digest not in self.cached:  # while the device holds it, that is its tier
+            self._announce_gone(digest, parent, -1)
+
+    def held_blocks(self) -> list[tuple[BlockHash, str]]:
+        """(hash, fastest tier) of every block this pool can give back: its prefix snapshot."""
+        held = [(digest, "device") for digest in self.cached]
+        if self.lower is not None:
+            held += [(h, tier) for h, _, tier in self.lower.held_blocks() if h not in self.cached]
+        return held
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached hash. Blocks in use keep their KV; only sharing is lost."""
+        """Forget every cached hash, in every tier. Blocks in use keep their KV; only sharing
+        is lost."""
         for block in self.cached.values():
             block.reset_hash()
         self.cached.clear()
+        if self.lower is not None:
+            self.lower.clear()
         self._emit(AllCleared(self._take_seq()))
 
     # ----------------------------------------------------------------- events

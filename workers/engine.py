@@ -38,12 +38,16 @@ from pagedserve.workers.errors import Overloaded, RequestRejected, RequestTooLar
 from pagedserve.workers.handoff import RequestHandoff, adopt_kv
 from pagedserve.workers.kv_cache import KVCache
 from pagedserve.workers.kv_cache_manager import KVCacheManager, KVUsage
+from pagedserve.workers.kv_tier_file import KVLayout
+from pagedserve.workers.kv_tier_load import build_tier_store, load_prefix_from_tiers
+from pagedserve.workers.kv_tiers import TierStats
 from pagedserve.workers.logprobs import (
     raw_logits,
     record_sample_logprobs,
     take_prompt_logprobs,
 )
 from pagedserve.workers.model_loader import LoadedModel, load_model
+from pagedserve.workers.model_registry import TINY_LLAMA_NAME
 from pagedserve.workers.model_runner import ModelRunner
 from pagedserve.workers.outputs import RequestDelta
 from pagedserve.workers.request import Request, RequestGroup, RequestStatus
@@ -136,12 +140,41 @@ class Engine:
                 num_blocks=num_blocks,
                 max_model_len=self.max_model_len,
             )
+        self.tiers = build_tier_store(
+            self.kv_cache,
+            self._kv_layout(),
+            host_bytes=config.kv_host_tier_bytes,
+            disk_dir=config.kv_disk_tier_dir,
+            disk_bytes=config.kv_disk_tier_bytes,
+        )
+        if self.tiers is not None:
+            self.kv.pool.attach_lower_tiers(self.tiers)
         self.spec_counters = SpecCounters()
         self._groups: dict[str, RequestGroup] = {}
         self._paused: set[str] = set()  # ids of paused groups (see `pause`)
         self._arrivals = itertools.count()
         self.num_steps = 0
         self.num_handoffs = 0
+
+    def _kv_layout(self) -> KVLayout:
+        """What a disk-tier block must match to be loaded here (a random model's weights
+        depend on the seed, so its seed is part of the name)."""
+        model = self.loaded.name
+        if model == TINY_LLAMA_NAME:
+            model = f"{model}#seed={self.config.seed}"
+        return KVLayout(
+            model=model,
+            num_layers=self.loaded.num_layers,
+            block_size=self.config.block_size,
+            num_kv_heads=self.loaded.num_kv_heads,
+            head_dim=self.loaded.head_dim,
+            dtype=str(self.loaded.dtype).removeprefix("torch."),
+        )
+
+    def close(self) -> None:
+        """Finish the disk tier's queued writes and release its directory."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -313,6 +346,7 @@ class Engine:
         touched: dict[str, RequestGroup] = {}
         self._expire_deadlines(touched)
         drafted = self._propose_drafts()
+        self._load_from_tiers()
         plan = self.scheduler.schedule()
         if plan.swap_out:
             self.kv_cache.swap_out(plan.swap_out)
@@ -328,6 +362,24 @@ class Engine:
         for request in drafted:  # drafts the plan had no room for
             request.draft_token_ids = []
         return [self._delta_for(group) for group in touched.values()]
+
+    def _load_from_tiers(self) -> None:
+        """Before admission: bring the lower-tier prefixes of the waiting requests this step
+        can admit back into the device pool, so the scheduler sees them as prefix hits."""
+        tiers = self.tiers
+        if tiers is None:
+            return
+        tiers.reap_failed()
+        if not tiers.num_blocks:
+            return
+        slots = self.config.max_num_seqs - self.scheduler.num_active
+        for request in self.scheduler.waiting:
+            if slots <= 0:
+                return
+            if request.paused:
+                continue
+            slots -= 1 + len(request.pending_branches)
+            load_prefix_from_tiers(self.kv, self.kv_cache, tiers, request)
 
     # ----------------------------------------------------------- speculation
     def _propose_drafts(self) -> list[Request]:
@@ -605,7 +657,12 @@ class Engine:
             "kv_cache_device_bytes": self.kv_cache.device_bytes,
             "kv_cache_swap_bytes": self.kv_cache.swap_bytes,
             "spec": self.spec_stats(),
+            "tiers": self.tier_stats(),
         }
+
+    def tier_stats(self) -> TierStats:
+        """The host and disk tiers' occupancy and traffic (empty when neither is on)."""
+        return TierStats() if self.tiers is None else self.tiers.stats()
 
     def spec_stats(self) -> SpecStats:
         """Speculative decoding's counts so far (all zero when it is off)."""

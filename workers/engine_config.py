@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import re
 from dataclasses import dataclass, field
 
 from pagedserve.kernels.backends import BACKENDS
@@ -52,6 +55,15 @@ class EngineConfig:
             many programs.
         speculative: speculative decoding (`SpeculativeConfig`, or a dict of its fields);
             None: off.
+        kv_host_tier_bytes: bytes of CPU memory for cached KV blocks evicted from the device
+            pool (the host tier; 0: off). Evicted blocks are copied there instead of dropped
+            and loaded back when a request's prefix hits them.
+        kv_disk_tier_dir: directory of the disk tier (None: off): cached blocks evicted from
+            the host tier (or from the device, without one) are written there in the
+            background, survive a restart and are announced again. In a cluster each worker
+            uses its own subdirectory, named after the worker.
+        kv_disk_tier_bytes: bytes of files the disk tier may hold (required with
+            kv_disk_tier_dir).
     """
 
     model: str | None = DEFAULT_MODEL
@@ -75,6 +87,9 @@ class EngineConfig:
     max_waiting: int | None = None
     split_decodes: bool = False
     speculative: SpeculativeConfig | None = None
+    kv_host_tier_bytes: int = 0
+    kv_disk_tier_dir: str | None = None
+    kv_disk_tier_bytes: int = 0
 
     def __post_init__(self) -> None:
         # A dict (from `LLM(speculative={...})` or YAML) becomes the typed config here, once.
@@ -93,3 +108,33 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        self._check_tiers()
+
+    def _check_tiers(self) -> None:
+        for name in ("kv_host_tier_bytes", "kv_disk_tier_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.kv_disk_tier_dir is not None:
+            if not str(self.kv_disk_tier_dir).strip():
+                raise ValueError("kv_disk_tier_dir must not be empty")
+            if self.kv_disk_tier_bytes == 0:
+                raise ValueError("kv_disk_tier_bytes must be > 0 when kv_disk_tier_dir is set")
+        elif self.kv_disk_tier_bytes:
+            raise ValueError("kv_disk_tier_bytes is set but kv_disk_tier_dir is not")
+        if (self.kv_host_tier_bytes or self.kv_disk_tier_dir) and not self.enable_prefix_caching:
+            raise ValueError("the KV host and disk tiers need enable_prefix_caching")
+
+    def for_worker(self, worker_id: str) -> EngineConfig:
+        """This config for one worker of a cluster: its own disk-tier subdirectory, so that
+        workers on one machine never share files and a restarted worker finds its own."""
+        if self.kv_disk_tier_dir is None:
+            return self
+        directory = os.path.join(self.kv_disk_tier_dir, _safe_path_part(worker_id))
+        return dataclasses.replace(self, kv_disk_tier_dir=directory)
+
+
+def _safe_path_part(name: str) -> str:
+    """`name` usable as one path component (worker names are `[A-Za-z0-9_.-]` already)."""
+    part = re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+    return "_" if part in ("", ".", "..") else part

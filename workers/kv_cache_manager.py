@@ -24,7 +24,7 @@ token; drafts write only private blocks (copy-on-write covers their range too).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -164,24 +164,30 @@ class KVCacheManager:
         the request's next token. A request that needs the logits of every prompt position
         (``skip_prefix_cache``: prompt log-probabilities) gets no hit.
         """
-        num_tokens = len(request.all_token_ids)
-        if not self.pool.enable_caching or getattr(request, "skip_prefix_cache", False):
-            return NO_HIT
-        B = self.block_size
         blocks: list[Block] = []
         hashes: list[BlockHash] = []
-        parent: BlockHash | None = None
-        for start in range(0, num_tokens - 1 - B + 1, B):
-            tokens = tuple(request.all_token_ids[start : start + B])
-            key = BlockKey(parent, tokens, request.cache_extra_keys)
-            digest = block_hash(parent, key.token_ids, key.extra_keys)
+        for digest, key in self.iter_prefix_keys(request):
             block = self.pool.get_cached_block(digest, key)
             if block is None:
                 break
             blocks.append(block)
             hashes.append(digest)
+        return ComputedBlocks(tuple(blocks), tuple(hashes), len(blocks) * self.block_size)
+
+    def iter_prefix_keys(self, request: KVRequest) -> Iterator[tuple[BlockHash, BlockKey]]:
+        """(chained hash, key) of each full block a prefix hit of `request` may cover, in
+        order, computed lazily (a caller stops at its first miss). None when the request
+        takes no hit at all (caching off, or ``skip_prefix_cache``)."""
+        if not self.pool.enable_caching or getattr(request, "skip_prefix_cache", False):
+            return
+        B = self.block_size
+        parent: BlockHash | None = None
+        for start in range(0, len(request.all_token_ids) - 1 - B + 1, B):
+            tokens = tuple(request.all_token_ids[start : start + B])
+            key = BlockKey(parent, tokens, request.cache_extra_keys)
+            digest = block_hash(parent, key.token_ids, key.extra_keys)
+            yield digest, key
             parent = digest
-        return ComputedBlocks(tuple(blocks), tuple(hashes), len(blocks) * B)
 
     # ------------------------------------------------------------ allocation
     def can_fit_ever(self, num_tokens: int) -> bool:

@@ -1,7 +1,8 @@
 """Invariant and leak checks over a `KVCacheManager`, for tests, soak runs and `stats()`.
 
 `check_invariants` holds after every operation; `assert_no_leaks` holds once every request
-has ended. Both raise `KVInvariantError` naming the first broken rule.
+has ended. Both raise `KVInvariantError` naming the first broken rule. Both also check the
+pool's lower tiers, if any (`check_tiers`: bounds, byte counts, keys, files).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from collections import Counter
 from pagedserve.workers.block_hash import block_hash
 from pagedserve.workers.kv_cache_manager import KVCacheManager
 from pagedserve.workers.kv_memory import blocks_needed
+from pagedserve.workers.kv_tier_file import SUFFIX, file_name
+from pagedserve.workers.kv_tiers import TierStore
 
 
 class KVInvariantError(AssertionError):
@@ -56,6 +59,43 @@ def check_invariants(manager: KVCacheManager) -> None:
     all_slots = swap_free + swap_used
     if sorted(all_slots) != list(range(manager.num_swap_blocks)):
         _fail(f"swap slots lost or doubled: free {swap_free}, used {swap_used}")
+    if pool.lower is not None:
+        check_tiers(pool.lower)
+
+
+def check_tiers(store: TierStore, *, flushed: bool = False) -> None:
+    """Each lower tier within its bound, with exact byte counts and keys that hash to their
+    entries; every written disk entry has its file. With `flushed` (after `store.flush()`), no
+    write is pending and the directory holds exactly the indexed files."""
+    host, disk = store.host, store.disk
+    if host is not None:
+        if len(host) > host.capacity_blocks or host.num_bytes > host.capacity_bytes:
+            _fail(f"host tier holds {len(host)} blocks, over its {host.capacity_blocks}")
+        for digest, entry in host._entries.items():
+            _check_key("host tier", digest, entry.key)
+    if disk is None:
+        return
+    if disk.num_bytes > disk.capacity_bytes:
+        _fail(f"disk tier holds {disk.num_bytes} bytes, over its {disk.capacity_bytes}")
+    if disk.num_bytes != sum(entry.num_bytes for entry in disk._entries.values()):
+        _fail(f"disk tier counts {disk.num_bytes} bytes, its entries add up to another sum")
+    for digest, entry in disk._entries.items():
+        _check_key("disk tier", digest, entry.key)
+        pending = entry.pending is not None
+        if pending and flushed:
+            _fail(f"disk tier: block {digest.hex()[:12]} still pending after a flush")
+        if not pending and not entry.failed and not disk.file_path(digest).exists():
+            _fail(f"disk tier: block {digest.hex()[:12]} has no file")
+    if flushed:
+        on_disk = {path.name for path in disk.directory.glob("*" + SUFFIX)}
+        indexed = {file_name(digest) for digest in disk._entries}
+        if on_disk != indexed or list(disk.directory.glob("*.tmp")):
+            _fail(f"disk tier: files {sorted(on_disk ^ indexed)} are not what it indexes")
+
+
+def _check_key(tier: str, digest: bytes, key) -> None:
+    if block_hash(key.parent_hash, key.token_ids, key.extra_keys) != digest:
+        _fail(f"{tier}: the key of block {digest.hex()[:12]} does not hash to its entry")
 
 
 def _check_request(manager: KVCacheManager, request_id: str, state) -> None:

@@ -10,20 +10,28 @@ from dataclasses import dataclass
 
 from pagedserve.workers.block import BlockHash
 
+TIER_NAMES: tuple[str, ...] = ("device", "host", "disk")  # fastest first
+
 
 @dataclass(frozen=True, slots=True)
 class BlockStored:
-    """A full block's KV is now cached under `block_hash`."""
+    """A full block's KV is now cached under `block_hash`, at best in `tier`.
+
+    `tier` is `device` (the pool; `block_id` is its block), `host` or `disk` (a lower tier;
+    `block_id` is -1). A block that moves down a tier is stored again with its new tier; it is
+    removed only once no tier holds it.
+    """
 
     seq: int
     block_hash: BlockHash
     parent_hash: BlockHash | None
     block_id: int
+    tier: str = "device"
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
-    """The block cached under `block_hash` was evicted; its KV is gone."""
+    """The block cached under `block_hash` was evicted from every tier; its KV is gone."""
 
     seq: int
     block_hash: BlockHash
@@ -45,10 +53,16 @@ class KVSnapshot:
     """Everything a pool holds in its prefix cache, for an index to resync from.
 
     `epoch` names the worker incarnation (new on every start); `next_seq` is the sequence number
-    of the pool's next event, so events below it are already reflected here.
+    of the pool's next event, so events below it are already reflected here. `block_tiers`
+    gives each block's fastest tier (same order; empty: every block is on the device).
     """
 
     worker_id: str
     epoch: str
     next_seq: int
     block_hashes: tuple[BlockHash, ...]
+    block_tiers: tuple[str, ...] = ()
+
+    def tiers(self) -> tuple[str, ...]:
+        """Each block's tier, `device` where `block_tiers` is empty."""
+        return self.block_tiers or ("device",) * len(self.block_hashes)

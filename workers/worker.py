@@ -90,7 +90,7 @@ class Worker:
         sink = self._publish if self._index is not None else None
         tracing = worker_tracing(telemetry, worker_id)
         self.core = WorkerCore(
-            Engine(config),
+            Engine(config.for_worker(worker_id)),
             worker_id,
             sink,
             tracing,

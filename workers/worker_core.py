@@ -426,7 +426,9 @@ class WorkerCore:
     def kv_snapshot(self) -> KVSnapshot:
         pool = self.engine.kv.pool
         self._publish_events()  # events below next_seq are reflected in the snapshot
-        return KVSnapshot(self.worker_id, self.epoch, pool.next_event_seq, tuple(pool.cached))
+        held = pool.held_blocks()  # every tier's blocks, each with its fastest tier
+        hashes, tiers = tuple(h for h, _ in held), tuple(t for _, t in held)
+        return KVSnapshot(self.worker_id, self.epoch, pool.next_event_seq, hashes, tiers)
 
     # ----------------------------------------------------------- migration
     async def export_prefix(self, block_hashes: Sequence[bytes]) -> tuple[list[BlockKey], Any]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pagedserve.workers.errors import RequestRejected
 from pagedserve.workers.handoff import RequestHandoff
 from pagedserve.workers.kv_cache_manager import KVUsage
+from pagedserve.workers.kv_tiers import TierStats
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.scheduler import SchedulerCounters
 from pagedserve.workers.spec_stats import SpecStats
@@ -69,6 +70,7 @@ class WorkerStats:
     kv_cache_swap_bytes: int = 0
     scheduler: SchedulerCounters = field(default_factory=SchedulerCounters)  # a copy
     spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding (zero when off)
+    tiers: TierStats = field(default_factory=TierStats)  # host and disk KV tiers (empty: off)
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -4,11 +4,17 @@ The shadow records which token each pool slot holds. After every rule we check t
 invariants (`check_invariants`) and the data ones: every request still reads exactly its own
 tokens, every cached block's key matches what the block holds, and no write ever lands in a
 block another request shares. At teardown every request ends and the pool must be clean.
+
+Some runs attach a host tier: evicted cached blocks spill into it (their shadow content goes
+with them), `admit_after_tier_load` loads a prefix back before admitting, and every host
+entry must hold exactly its key's tokens. (The disk tier is the same `TierStore` path with
+files; its own tests cover those.)
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -24,6 +30,9 @@ from support.kv import FakeRequest
 from pagedserve.workers.block_pool import BlockPool
 from pagedserve.workers.kv_cache_manager import KVCacheManager
 from pagedserve.workers.kv_checks import KVInvariantError, assert_no_leaks, check_invariants
+from pagedserve.workers.kv_tier_host import HostTier
+from pagedserve.workers.kv_tier_load import load_prefix_from_tiers
+from pagedserve.workers.kv_tiers import TierStore
 
 # Prompts start from a few shared prefixes so that prefix hits, forks and evictions are common.
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 20, 21], [30, 31, 32, 33, 34, 35, 36, 37]]
@@ -34,8 +43,27 @@ STEPS_PER_EXAMPLE = 60
 # abort) among them; the test asserts >= 10,000 steps ran, and that the speculative rules did.
 EXAMPLES = 300
 rules_run = 0
+tier_loads = 0  # blocks admit_after_tier_load brought back from the host tier
 drafts_verified = 0  # propose_k_accept_j steps that verified drafts
 drafts_rolled_back = 0  # propose_then_preempt_or_abort steps that held drafts
+
+
+class ShadowKV:
+    """The KV tensors of the machine's pool as the tiers see them: each slot holds its token
+    (-1: never written), so a block's KV moves with its content through every tier."""
+
+    def __init__(self, machine: KVManagerMachine) -> None:
+        self.machine = machine
+
+    def export_blocks(self, block_ids) -> torch.Tensor:
+        rows = [[-1 if t is None else t for t in self.machine.shadow[i]] for i in block_ids]
+        tokens = torch.tensor(rows, dtype=torch.float32)  # [M, B]
+        return tokens[None, None, :, :, None, None].expand(1, 2, -1, -1, 1, 1).clone()
+
+    def import_blocks(self, packed: torch.Tensor, block_ids) -> None:
+        for index, block_id in enumerate(block_ids):
+            slots = packed[0, 0, index, :, 0, 0].tolist()
+            self.machine.shadow[block_id] = [None if v < 0 else int(v) for v in slots]
 
 
 class KVManagerMachine(RuleBasedStateMachine):
@@ -46,8 +74,9 @@ class KVManagerMachine(RuleBasedStateMachine):
         caching=st.booleans(),
         num_swap=st.integers(0, 12),
         watermark=st.sampled_from([0.0, 0.1]),
+        host_blocks=st.sampled_from([0, 3, 8, 16]),
     )
-    def setup(self, num_blocks, block_size, mode, caching, num_swap, watermark):
+    def setup(self, num_blocks, block_size, mode, caching, num_swap, watermark, host_blocks):
         self.manager = KVCacheManager(
             num_blocks,
             block_size,
@@ -63,6 +92,12 @@ class KVManagerMachine(RuleBasedStateMachine):
         self.swap_shadow: dict[int, list[int | None]] = {}
         self.requests: dict[str, FakeRequest] = {}
         self.next_id = 0
+        self.kv_cache = ShadowKV(self)
+        self.tiers = None
+        if host_blocks and caching:
+            host = HostTier(host_blocks, bytes_per_block=1)
+            self.tiers = TierStore(host, None, self.kv_cache.export_blocks, bytes_per_block=1)
+            self.manager.pool.attach_lower_tiers(self.tiers)
 
     # ------------------------------------------------------------ helpers
     def _new_id(self) -> str:
@@ -113,6 +148,39 @@ class KVManagerMachine(RuleBasedStateMachine):
         self.requests[request.request_id] = request
         self._write(request, hit.num_tokens, hit.num_tokens + num_new, alloc.copies)
 
+    def _evicted_chains(self) -> list[tuple[list[int], tuple[str, ...]]]:
+        """Token prefixes whose last block is only in the host tier (ancestors anywhere)."""
+        pool = self.manager.pool
+        keys = dict(self.tiers.host.items()) | {h: b.key for h, b in pool.cached.items()}
+        chains = []
+        for leaf in sorted(h for h in keys if h not in pool.cached):
+            chain, digest = [], leaf
+            while digest is not None and digest in keys:
+                chain.append(keys[digest])
+                digest = keys[digest].parent_hash
+            if digest is None:  # the whole chain is known: its tokens can be asked for
+                tokens = [t for key in reversed(chain) for t in key.token_ids]
+                chains.append((tokens, chain[0].extra_keys))
+        return chains
+
+    @precondition(lambda self: self.tiers is not None and self.tiers.num_blocks)
+    @rule(data=st.data(), tail=st.integers(0, 50), chunk=st.integers(1, 12))
+    def admit_after_tier_load(self, data, tail, chunk):
+        """A request for a prefix evicted to the host tier is loaded back, then admitted (as
+        `Engine._load_from_tiers` does before the scheduler runs)."""
+        chains = self._evicted_chains()
+        if not chains:
+            return
+        tokens, salt = data.draw(st.sampled_from(chains))
+        manager = self.manager
+        while self.requests and manager.pool.num_free_blocks <= manager.reserve_blocks:
+            self._end(next(iter(self.requests)))  # it waits for room, as in an engine
+        tokens = (tokens + [tail])[: self.manager.max_model_len - 2]
+        probe = FakeRequest("probe", tokens, salt)
+        global tier_loads
+        tier_loads += load_prefix_from_tiers(self.manager, self.kv_cache, self.tiers, probe)
+        self.admit(tokens, [], salt, chunk)
+
     @precondition(lambda self: self._running())
     @rule(data=st.data(), chunk=st.integers(1, 8), token=st.integers(0, 50))
     def advance(self, data, chunk, token):
@@ -150,7 +218,9 @@ class KVManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def finish_or_abort(self, data):
         self._step()
-        request_id = data.draw(st.sampled_from(sorted(self.requests)))
+        self._end(data.draw(st.sampled_from(sorted(self.requests))))
+
+    def _end(self, request_id: str) -> None:
         for slot in self.manager._requests[request_id].swap_slots:
             self.swap_shadow.pop(slot)
         assert self.manager.free(request_id)
@@ -343,6 +413,13 @@ class KVManagerMachine(RuleBasedStateMachine):
                 f"cached block {block.block_id} holds {self.shadow[block.block_id]}, "
                 f"key says {block.key.token_ids}"
             )
+        if self.tiers is not None:
+            for digest, entry in self.tiers.host._entries.items():
+                held = tuple(int(v) for v in entry.kv[0, 0, :, 0, 0].tolist())
+                assert held == entry.key.token_ids, (
+                    f"host tier block {digest.hex()[:8]} holds {held}, "
+                    f"key says {entry.key.token_ids}"
+                )
 
     def teardown(self):
         if not hasattr(self, "manager"):
@@ -372,10 +449,12 @@ def run_machine(examples: int = EXAMPLES, shrink: bool = True) -> None:
 
 
 def test_block_manager_state_machine_10k_steps():
-    global rules_run, drafts_verified, drafts_rolled_back
-    rules_run = drafts_verified = drafts_rolled_back = 0
+    global rules_run, drafts_verified, drafts_rolled_back, tier_loads
+    rules_run = drafts_verified = drafts_rolled_back = tier_loads = 0
     run_machine()
     assert rules_run >= 10_000, f"only {rules_run} rule steps ran"
+    # (A run loads about 110: only runs with caching and a host tier that has filled qualify.)
+    assert tier_loads >= 50, f"only {tier_loads} blocks loaded back from the host tier"
     # The rollback rules are a real share of the run, not a rare branch.
     # (A run sees about 320 and 420: a tiny pool and context refuse many proposals.)
     assert drafts_verified >= 150, f"only {drafts_verified} verify steps with drafts"
@@ -415,6 +494,20 @@ def test_state_machine_catches_a_skipped_ref_decrement(monkeypatch):
     monkeypatch.setattr(BlockPool, "free_blocks", free_but_forget_one)
     with pytest.raises(KVInvariantError, match="ref_cnt"):
         run_machine(examples=50)
+
+
+def test_state_machine_catches_a_tier_load_into_the_wrong_blocks(monkeypatch):
+    """A tier read that hands a run's blocks back in the wrong order: a loaded block is
+    cached under a key whose tokens it does not hold, and the machine must notice."""
+    original = TierStore.read
+
+    def read_reversed(self, run):
+        packed = original(self, run)
+        return None if packed is None else packed.flip(2)
+
+    monkeypatch.setattr(TierStore, "read", read_reversed)
+    with pytest.raises(AssertionError, match="reads|cached block"):
+        run_machine(examples=100, shrink=False)
 
 
 def test_state_machine_catches_a_preemption_that_keeps_unwritten_slots(monkeypatch):
