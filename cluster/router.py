@@ -47,6 +47,7 @@ from ray.actor import ActorHandle
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.metrics import RouterMetrics
 from pagedserve.cluster.migration import Migrations
+from pagedserve.cluster.pool_follower import PoolFollower
 from pagedserve.cluster.prefix_view import FeedFollower, PrefixView
 from pagedserve.cluster.router_types import (
     ClusterStats,
@@ -134,6 +135,10 @@ class RouterCore:
         workers: worker id → actor handle.
         tracing: where request spans go (no-op by default).
         metrics: whether to keep Prometheus metrics (`self.metrics.render()`).
+        pool: the worker pool actor; with it, the workers follow its membership (joins and
+            leaves learnt on each stats poll: `cluster/pool_follower.py`). None: `workers` is
+            all there is.
+        config_revision: the revision of `config` (a newer one reconfigures the pool).
     """
 
     def __init__(
@@ -143,6 +148,8 @@ class RouterCore:
         workers: dict[str, ActorHandle],
         tracing: Tracing = NOOP,
         metrics: bool = False,
+        pool: ActorHandle | None = None,
+        config_revision: float = 0.0,
     ) -> None:
         self.config = config
         self.router_id = uuid.uuid4().hex
@@ -186,6 +193,18 @@ class RouterCore:
             on_polled=self.migrations.push_if_under_pressure,
             on_dropped=self.view.drop_worker,
         )
+        self.pool = None
+        if pool is not None:
+            self.pool = PoolFollower(
+                pool,
+                config,
+                config_revision,
+                self.router_id,
+                self.workers,
+                self.liveness,
+                self.view,
+            )
+            self.liveness.sync = self.pool.sync
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:

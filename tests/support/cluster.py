@@ -12,7 +12,7 @@ import time
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.router import RouterCore
 from pagedserve.cluster.router_types import GenerateRequest
-from pagedserve.cluster.worker_group import start_worker_group
+from pagedserve.cluster.worker_group import start_pool
 from pagedserve.workers.engine_config import EngineConfig
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.telemetry import NOOP, TelemetryConfig, Tracing
@@ -54,8 +54,8 @@ async def start_router(
     config: ClusterConfig, telemetry: TelemetryConfig | None = None, tracing: Tracing = NOOP
 ) -> RouterCore:
     """A router in this process over the (new or existing) worker group of `config`, started."""
-    index, workers = start_worker_group(config, telemetry)
-    core = RouterCore(config, index, workers, tracing)
+    group = start_pool(config, telemetry)
+    core = RouterCore(config, group.index, group.workers, tracing, pool=group.pool)
     await core.start()
     return core
 
