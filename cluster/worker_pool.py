@@ -30,7 +30,9 @@ of the workers' stats. Each router replica asks for the membership on its stats 
 Restart: Ray restarts the actor with its first arguments. It then adopts the workers that
 exist under the app's name pattern (counting past their numbers) and decides nothing until a
 router configures it again (routers do on their next poll when the pool says it is not
-configured), so a restarted pool never rolls the workers back to its creation config.
+configured, or follows an older revision than theirs) and two stats intervals have passed
+(every live router has polled by then), so a restarted pool follows the newest config and
+never rolls the workers back to its creation config.
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ class WorkerPoolActor:
         )
         self.counters = PoolCounters()
         self._configured = False  # decides nothing until a router (re)configures it
+        self._configured_at = 0.0
         self._slots: dict[str, int] = {}
         self._ready: dict[str, asyncio.Task] = {}
         self._action: asyncio.Task | None = None
@@ -183,7 +186,8 @@ class WorkerPoolActor:
         target = self.planner.target if same_size else config.num_workers
         self.planner.configure(ScalingSettings.of(config), self._spec.fingerprint, target)
         self.members.config_revision = revision
-        self._configured = True
+        if not self._configured:
+            self._configured, self._configured_at = True, time.monotonic()
         return self._published()
 
     def _published(self) -> Membership:
@@ -192,7 +196,7 @@ class WorkerPoolActor:
     async def stats(self) -> PoolStats:
         await self._started
         return PoolStats(
-            membership=self.members.membership(),
+            membership=self._published(),
             target=self.planner.target,
             fingerprint=self._spec.fingerprint,
             retired=tuple(self.members.retired),
@@ -205,7 +209,7 @@ class WorkerPoolActor:
         await self._started
         while True:
             await asyncio.sleep(self._config.scale_interval_s)
-            if not self._configured or (self._action is not None and not self._action.done()):
+            if not self._settled() or (self._action is not None and not self._action.done()):
                 continue
             try:
                 action = self.planner.decide(time.monotonic(), await self._observe())
@@ -216,6 +220,13 @@ class WorkerPoolActor:
                 self._last_action = action.describe()
                 logger.info("pool: %s", self._last_action)
                 self._action = asyncio.ensure_future(self._run(action))
+
+    def _settled(self) -> bool:
+        """Configured, two stats intervals ago at least: by then every live router has polled
+        and sent its config if it was newer, so a restarted pool acts on the newest config
+        and not on whichever router (of an older deployment, maybe) reached it first."""
+        wait_s = 2 * self._config.stats_interval_s
+        return self._configured and time.monotonic() - self._configured_at >= wait_s
 
     async def _observe(self) -> list[Observation]:
         async def observe(member) -> Observation:

@@ -81,8 +81,12 @@ def test_scale_up_under_a_burst_then_scale_down_hands_the_cache_over(ray_cluster
         # Scale-down on: the newest idle worker (the second) leaves, its cache first.
         idle_soon = dataclasses.replace(config, scale_down_idle_s=0.2)
         await core.pool.pool.configure.remote(idle_soon)
-        await until(lambda: list(core.workers) == [first], "the second worker to leave")
-        removed = await pool_stats(core)
+
+        async def second_gone():
+            stats = await pool_stats(core)
+            return stats.counters.workers_removed == 1 and list(core.workers) == [first] and stats
+
+        removed = await until(second_gone, "the second worker to leave")
         receiver = await core.workers[first].handle.stats.remote()
         again_tokens, again_finals = await run_request(core, warm, greedy(16))
         await assert_cluster_clean(core)
@@ -146,11 +150,11 @@ def test_a_config_change_replaces_the_workers_one_at_a_time_without_a_dropped_re
     prompts = [prompt(i, 24) for i in range(3)]
 
     async def main():
-        core = await start_router(config)
+        core = await start_router(config, config_revision=1.0)
         alone = [(await run_request(core, p, greedy(MAX_TOKENS)))[0][0] for p in prompts]
         held = [await hold(core, p, f"r{i}") for i, p in enumerate(prompts)]
         # A redeploy with a changed engine config: a new Router replica configures the pool.
-        redeployed = await start_router(changed)
+        redeployed = await start_router(changed, config_revision=2.0)
 
         async def rolled() -> bool:
             stats = await redeployed.pool.pool.stats.remote()
@@ -158,25 +162,38 @@ def test_a_config_change_replaces_the_workers_one_at_a_time_without_a_dropped_re
                 list(c.workers) == [new] for c in (core, redeployed)
             )
 
-        async def old_drains() -> bool:
-            return (await core.workers[old].handle.stats.remote()).draining
-
-        # Read only once the old worker drains (out of routing on both routers by then): the
-        # held streams cannot finish there, its drain hands them back, and the old router
-        # replays them on the new worker.
-        await until(old_drains, "the old worker to drain")
-        outputs = await asyncio.gather(*(read_rest(s, h) for s, h in held))
+        # The held streams cannot finish on the old worker while unread: its drain hands
+        # them back. Read once it is gone: the old router replays them on the new worker.
         await until(rolled, "the old worker to be replaced")
+        outputs = [await read_rest(stream, head) for stream, head in held]
+
+        # The pool restarts (Ray restarts it with its first config, the old one): it adopts
+        # the new worker and follows the newest config the routers send, rolling nothing back.
+        pool = redeployed.pool.pool
+        before = await pool.stats.remote()
+        ray.kill(pool, no_restart=False)
+
+        async def restarted():
+            try:
+                stats = await pool.stats.remote()
+            except ray.exceptions.RayActorError:
+                return None
+            version, members = stats.membership.version, stats.membership.members
+            fresh = version.incarnation != before.membership.version.incarnation
+            adopted = [(m.worker_id, m.state) for m in members] == [(new, MemberState.SERVING)]
+            return fresh and adopted and stats.membership.config_revision == 2.0 and stats
+
+        await until(restarted, "the pool to restart and adopt the new worker")
         after, finals = await run_request(redeployed, prompts[0], greedy(MAX_TOKENS))
-        stats = await redeployed.pool.pool.stats.remote()
+        stats = await pool.stats.remote()
         await assert_cluster_clean(redeployed)
         router_stats = await core.cluster_stats()
         await core.close()
         await redeployed.close()
-        return alone, list(outputs), after, finals, stats, router_stats
+        return alone, outputs, after, finals, before, stats, router_stats
 
     try:
-        alone, outputs, after, finals, stats, router_stats = asyncio.run(main())
+        alone, outputs, after, finals, before, stats, router_stats = asyncio.run(main())
     finally:
         stop_worker_group(config)
     assert outputs == alone and after[0] == alone[0]  # none dropped, none changed
@@ -184,6 +201,8 @@ def test_a_config_change_replaces_the_workers_one_at_a_time_without_a_dropped_re
     (member,) = stats.membership.members
     assert member.state == MemberState.SERVING
     assert member.fingerprint == WorkerSpec.of(changed).fingerprint == stats.fingerprint
-    assert stats.counters.workers_replaced == 1 and stats.retired == (old,)
-    assert stats.counters.drain_handed_off == len(prompts)
-    assert router_stats.router.drain_handoffs == len(prompts)
+    assert before.counters.workers_replaced == 1 and before.retired == (old,)
+    assert before.counters.drain_handed_off == len(prompts)
+    assert router_stats.router.replays == len(prompts)
+    # After the restart: the adopted worker, current, and no decision since (no roll back).
+    assert (stats.counters.workers_added, stats.last_action) == (1, "")

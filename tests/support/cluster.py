@@ -51,11 +51,22 @@ def cluster_config(
 
 
 async def start_router(
-    config: ClusterConfig, telemetry: TelemetryConfig | None = None, tracing: Tracing = NOOP
+    config: ClusterConfig,
+    telemetry: TelemetryConfig | None = None,
+    tracing: Tracing = NOOP,
+    config_revision: float = 0.0,
 ) -> RouterCore:
-    """A router in this process over the (new or existing) worker group of `config`, started."""
-    group = start_pool(config, telemetry)
-    core = RouterCore(config, group.index, group.workers, tracing, pool=group.pool)
+    """A router in this process over the (new or existing) worker group of `config`, started;
+    it follows the pool's membership and hands it `config` at `config_revision`."""
+    group = start_pool(config, telemetry, config_revision)
+    core = RouterCore(
+        config,
+        group.index,
+        group.workers,
+        tracing,
+        pool=group.pool,
+        config_revision=config_revision,
+    )
     await core.start()
     return core
 
