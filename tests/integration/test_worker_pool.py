@@ -121,13 +121,14 @@ def test_scale_up_under_a_burst_then_scale_down_hands_the_cache_over(ray_cluster
     assert warm_finals[0].worker_id == second  # the added worker takes requests
     assert added.counters.workers_added == 2 and added.last_action == "add (load)"
     assert [m.worker_id for m in added.membership.members] == [first, second]
-    # The handover: the warm prefix went to the first worker before the second drained ...
+    # The handover: the warm prompt (48 tokens, 6 blocks), never run on the first worker,
+    # hits its cache there after the second left, with the same answer ...
+    assert again_finals[0].worker_id == first and again_tokens == warm_tokens
+    assert again_finals[0].usage.cached_tokens >= 40
+    # ... because the second pushed it there before it drained.
     assert [m.worker_id for m in removed.membership.members] == [first]
     assert removed.retired == (second,) and removed.counters.handover_blocks >= 6
     assert receiver.blocks_imported >= 6
-    # ... and hits there: the same answer, its prompt (48 tokens, 6 blocks) from the cache.
-    assert again_finals[0].worker_id == first and again_tokens == warm_tokens
-    assert again_finals[0].usage.cached_tokens >= 40
     with_pytest_raises_value_error(lambda: ray.get_actor(second, namespace=config.namespace))
 
 
