@@ -13,9 +13,11 @@ not answer leaves the last view in place (counted as `index_unavailable`).
 
 Load is counted here as well as reported by workers: every request sent to a worker counts in
 its `inflight` until its stream ends, so the policy sees a burst before any report shows it.
-A worker that stops answering is dropped from routing, from this router's view and from the
-index at once; its requests are replayed on a peer from their tokens (or failed with
-UNAVAILABLE, by config).
+Which workers there are is the worker pool's to say (`cluster/worker_pool.py`): each stats
+poll round first asks it for the membership (`cluster/pool_follower.py`), so joins and leaves
+reach every replica without a remote call on the request path. A worker that stops answering
+is dropped from routing, from this router's view and from the index at once; its requests
+are replayed on a peer from their tokens (or failed with UNAVAILABLE, by config).
 
 Request ids are the router's: a request's id is checked and reserved in one step, before any
 await, so two requests can never share one; with auth on, an id is scoped to its tenant (the
@@ -193,9 +195,9 @@ class RouterCore:
             on_polled=self.migrations.push_if_under_pressure,
             on_dropped=self.view.drop_worker,
         )
-        self.pool = None
+        self.membership = None
         if pool is not None:
-            self.pool = PoolFollower(
+            self.membership = PoolFollower(
                 pool,
                 config,
                 config_revision,
@@ -204,7 +206,7 @@ class RouterCore:
                 self.liveness,
                 self.view,
             )
-            self.liveness.sync = self.pool.sync
+            self.liveness.sync = self.membership.sync
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:

@@ -44,7 +44,7 @@ async def read_rest(stream, head) -> list[int]:
 
 
 async def pool_stats(core):
-    return await core.pool.pool.stats.remote()
+    return await core.membership.pool.stats.remote()
 
 
 def test_scale_up_under_a_burst_then_scale_down_hands_the_cache_over(ray_cluster):
@@ -80,7 +80,7 @@ def test_scale_up_under_a_burst_then_scale_down_hands_the_cache_over(ray_cluster
 
         # Scale-down on: the newest idle worker (the second) leaves, its cache first.
         idle_soon = dataclasses.replace(config, scale_down_idle_s=0.2)
-        await core.pool.pool.configure.remote(idle_soon)
+        await core.membership.pool.configure.remote(idle_soon)
 
         async def second_gone():
             stats = await pool_stats(core)
@@ -158,7 +158,7 @@ def test_a_config_change_replaces_the_workers_one_at_a_time_without_a_dropped_re
         redeployed = await start_router(changed, config_revision=2.0)
 
         async def rolled() -> bool:
-            stats = await redeployed.pool.pool.stats.remote()
+            stats = await redeployed.membership.pool.stats.remote()
             return [m.worker_id for m in stats.membership.members] == [new] and all(
                 list(c.workers) == [new] for c in (core, redeployed)
             )
@@ -170,7 +170,7 @@ def test_a_config_change_replaces_the_workers_one_at_a_time_without_a_dropped_re
 
         # The pool restarts (Ray restarts it with its first config, the old one): it adopts
         # the new worker and follows the newest config the routers send, rolling nothing back.
-        pool = redeployed.pool.pool
+        pool = redeployed.membership.pool
         before = await pool.stats.remote()
         ray.kill(pool, no_restart=False)
 
