@@ -115,10 +115,11 @@ class Migrations:
     ) -> int:
         """Pull the prompt's prefix into `chosen` from the alive peer holding most of it, when
         that peer holds `pull_min_blocks` more. Returns the blocks `chosen` now holds."""
+        # `.get`: the view may still list a worker that just left the pool.
         holders = [
             (n, wid)
             for wid, n in matches.items()
-            if wid != chosen.worker_id and self.workers[wid].alive
+            if wid != chosen.worker_id and (w := self.workers.get(wid)) is not None and w.alive
         ]
         if not holders:
             return matched

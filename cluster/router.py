@@ -13,9 +13,11 @@ not answer leaves the last view in place (counted as `index_unavailable`).
 
 Load is counted here as well as reported by workers: every request sent to a worker counts in
 its `inflight` until its stream ends, so the policy sees a burst before any report shows it.
-A worker that stops answering is dropped from routing, from this router's view and from the
-index at once; its requests are replayed on a peer from their tokens (or failed with
-UNAVAILABLE, by config).
+Which workers there are is the worker pool's to say (`cluster/worker_pool.py`): each stats
+poll round first asks it for the membership (`cluster/pool_follower.py`), so joins and leaves
+reach every replica without a remote call on the request path. A worker that stops answering
+is dropped from routing, from this router's view and from the index at once; its requests
+are replayed on a peer from their tokens (or failed with UNAVAILABLE, by config).
 
 Request ids are the router's: a request's id is checked and reserved in one step, before any
 await, so two requests can never share one; with auth on, an id is scoped to its tenant (the
@@ -47,6 +49,7 @@ from ray.actor import ActorHandle
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.metrics import RouterMetrics
 from pagedserve.cluster.migration import Migrations
+from pagedserve.cluster.pool_follower import PoolFollower
 from pagedserve.cluster.prefix_view import FeedFollower, PrefixView
 from pagedserve.cluster.router_types import (
     ClusterStats,
@@ -134,6 +137,10 @@ class RouterCore:
         workers: worker id → actor handle.
         tracing: where request spans go (no-op by default).
         metrics: whether to keep Prometheus metrics (`self.metrics.render()`).
+        pool: the worker pool actor; with it, the workers follow its membership (joins and
+            leaves learnt on each stats poll: `cluster/pool_follower.py`). None: `workers` is
+            all there is.
+        config_revision: the revision of `config` (a newer one reconfigures the pool).
     """
 
     def __init__(
@@ -143,6 +150,8 @@ class RouterCore:
         workers: dict[str, ActorHandle],
         tracing: Tracing = NOOP,
         metrics: bool = False,
+        pool: ActorHandle | None = None,
+        config_revision: float = 0.0,
     ) -> None:
         self.config = config
         self.router_id = uuid.uuid4().hex
@@ -186,6 +195,18 @@ class RouterCore:
             on_polled=self.migrations.push_if_under_pressure,
             on_dropped=self.view.drop_worker,
         )
+        self.membership = None
+        if pool is not None:
+            self.membership = PoolFollower(
+                pool,
+                config,
+                config_revision,
+                self.router_id,
+                self.workers,
+                self.liveness,
+                self.view,
+            )
+            self.liveness.sync = self.membership.sync
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:

@@ -1,84 +1,81 @@
-"""Starting, finding and stopping the named actors of one app: the prefix index and workers."""
+"""Starting, finding and stopping the named actors of one app: the prefix index, the worker
+pool and the workers it owns (`cluster/worker_pool.py`)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from dataclasses import dataclass
 
 import ray
 from ray.actor import ActorHandle
 
 from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.pool_types import MemberState
 from pagedserve.cluster.prefix_index import get_or_create_prefix_index
-from pagedserve.workers.telemetry import TelemetryConfig, otel_env
-from pagedserve.workers.worker import Worker
+from pagedserve.cluster.worker_pool import existing_workers, get_or_create_worker_pool
+from pagedserve.cluster.worker_spec import WORKER_MAX_CONCURRENCY
+from pagedserve.workers.telemetry import TelemetryConfig
+
+__all__ = ["WORKER_MAX_CONCURRENCY", "WorkerGroup", "start_pool", "start_worker_group"]
 
 logger = logging.getLogger(__name__)
+CALL_TIMEOUT_S = 60.0  # the pool's first answer: it creates the first workers' actors first
 
-# Generous: a worker streams many requests at once, each a long-lived generator call.
-WORKER_MAX_CONCURRENCY = 4096
+
+@dataclass(frozen=True)
+class WorkerGroup:
+    """An app's actors: the index, the pool, and the pool's members now (starting or serving)."""
+
+    index: ActorHandle
+    pool: ActorHandle
+    workers: dict[str, ActorHandle]
+
+
+def start_pool(
+    config: ClusterConfig, telemetry: TelemetryConfig | None = None, revision: float = 0.0
+) -> WorkerGroup:
+    """Get or create the index and the worker pool, and hand the pool this config.
+
+    Actors are detached and named, so router replicas share them and they outlive a router
+    restart; `stop_worker_group` removes them. The pool creates the first `num_workers`
+    workers (or adopts those that exist) and, from `configure`, follows `config` at
+    `revision` unless it already follows a newer one: an engine config that differs from
+    the workers' makes it replace them one at a time.
+    """
+    telemetry = telemetry or TelemetryConfig()
+    # The index gets the first names so that, restarted by Ray, it resyncs from them at once
+    # (a worker added later registers again when its next publish finds the index behind).
+    index = get_or_create_prefix_index(
+        name=config.index_name,
+        namespace=config.namespace,
+        worker_names=[config.worker_name(i) for i in range(config.num_workers)],
+        cpus=config.control_cpu_set,
+        nice=config.control_nice,
+    )
+    pool = get_or_create_worker_pool(config, telemetry)
+    membership = ray.get(pool.configure.remote(config, revision), timeout=CALL_TIMEOUT_S)
+    current = membership.in_state(MemberState.STARTING, MemberState.SERVING)
+    return WorkerGroup(index, pool, {w: m.handle for w, m in current.items()})
 
 
 def start_worker_group(
     config: ClusterConfig, telemetry: TelemetryConfig | None = None
 ) -> tuple[ActorHandle, dict[str, ActorHandle]]:
-    """Get or create the index and every worker; returns (index, {worker_id: handle}).
-
-    Actors are detached and named, so router replicas share them and they outlive a router
-    restart; `stop_worker_group` removes them. Ray restarts a crashed worker (max_restarts),
-    and the router re-registers it once it answers again. Workers get the telemetry settings
-    at creation and this process's OTEL_* variables in their runtime env, and
-    `OMP_NUM_THREADS` when `worker_threads` or `worker_cpus` is set; with `worker_cpus` each
-    pins itself to its share of those cores.
-    """
-    telemetry = telemetry or TelemetryConfig()
-    names = [config.worker_name(i) for i in range(config.num_workers)]
-    # The index gets the names so that, restarted by Ray, it resyncs from every worker at once.
-    index = get_or_create_prefix_index(
-        name=config.index_name,
-        namespace=config.namespace,
-        worker_names=names,
-        cpus=config.control_cpu_set,
-        nice=config.control_nice,
-    )
-    remote_worker = ray.remote(Worker)
-    workers = {}
-    for i, worker_id in enumerate(names):
-        env = otel_env()
-        threads = config.worker_thread_count(i)
-        if threads is not None:  # torch reads it at import: set it before the actor starts
-            env["OMP_NUM_THREADS"] = str(threads)
-        runtime_env = {"env_vars": env} if env else None
-        workers[worker_id] = remote_worker.options(
-            name=worker_id,
-            namespace=config.namespace,
-            get_if_exists=True,
-            lifetime="detached",
-            max_restarts=-1,
-            max_task_retries=0,
-            num_gpus=config.worker_num_gpus,
-            num_cpus=config.worker_num_cpus,
-            resources=dict(config.worker_resources),
-            max_concurrency=WORKER_MAX_CONCURRENCY,
-            runtime_env=runtime_env,
-        ).remote(
-            worker_id,
-            config.worker_engine,
-            config.index_name,
-            config.namespace,
-            telemetry,
-            lease_timeout_s=config.lease_timeout_s,
-            max_buffered_deltas=config.max_buffered_deltas,
-            cpus=config.worker_cpu_share(i),
-            nice=config.worker_nice,
-        )
-    return index, workers
+    """`start_pool`, as (index, {worker_id: handle}) for callers that follow no membership."""
+    group = start_pool(config, telemetry)
+    return group.index, group.workers
 
 
 def stop_worker_group(config: ClusterConfig) -> None:
-    """Kill the app's named actors (no restart). Missing ones are skipped."""
-    names = [config.worker_name(i) for i in range(config.num_workers)] + [config.index_name]
-    for name in names:
-        try:
-            ray.kill(ray.get_actor(name, namespace=config.namespace), no_restart=True)
-        except ValueError:
-            continue
+    """Kill the app's named actors (no restart): the pool first, so that it starts no more
+    workers, then every worker of the app's name pattern, then the index."""
+    _kill(config.pool_name, config.namespace)
+    for name in existing_workers(config):
+        _kill(name, config.namespace)
+    _kill(config.index_name, config.namespace)
+
+
+def _kill(name: str, namespace: str) -> None:
+    with contextlib.suppress(ValueError):  # missing: nothing to stop
+        ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)

@@ -43,6 +43,8 @@ class WorkerLiveness:
             the poll loop, one at a time per worker.
         on_dropped: run with a dropped worker's id at once (the router's prefix view forgets
             it before the index's removal comes through the feed).
+        sync: run at the start of every poll round (the worker pool's membership: joins and
+            leaves change `workers` between rounds, never during one).
     """
 
     def __init__(
@@ -54,6 +56,7 @@ class WorkerLiveness:
         counters: RouterCounters,
         on_polled: PolledHook | None = None,
         on_dropped: Callable[[str], None] | None = None,
+        sync: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.config = config
         self.index = index
@@ -62,6 +65,7 @@ class WorkerLiveness:
         self.counters = counters
         self.on_polled = on_polled
         self.on_dropped = on_dropped
+        self.sync = sync
         self._tasks: list[asyncio.Task] = []
         self._removals: dict[str, asyncio.Future] = {}  # worker id → its index removal
         self._hooks: dict[str, asyncio.Task] = {}  # worker id → its running `on_polled`
@@ -81,6 +85,12 @@ class WorkerLiveness:
     def close(self) -> None:
         for task in (*self._tasks, *self._hooks.values()):
             task.cancel()
+
+    def forget(self, worker_id: str) -> None:
+        """A worker left the pool: stop its running after-poll hook, if any."""
+        hook = self._hooks.pop(worker_id, None)
+        if hook is not None:
+            hook.cancel()
 
     async def revive(self, worker: WorkerState, timeout_s: float | None = None) -> None:
         """`ready()` the worker (starting its loop, rejoining the index) and mark it alive."""
@@ -177,6 +187,11 @@ class WorkerLiveness:
 
     async def _poll_loop(self) -> None:
         while True:
+            if self.sync is not None:
+                try:
+                    await self.sync()
+                except Exception:  # the next round tries again; the loop must live on
+                    logger.exception("membership sync failed")
             await self.poll_all()
             await asyncio.sleep(self.config.stats_interval_s)
 

@@ -23,11 +23,12 @@ class WorkerState:
     inflight_tokens: int = 0
     draining: bool = False  # alive, but taking nothing new: routing skips it
     stalled: bool = False  # alive, with work, but no engine step for `stall_timeout_s`
+    leaving: bool = False  # the worker pool is taking it out: routing skips it, streams run on
     lost_at: float | None = None  # monotonic time it was dropped as unanswering (alive False)
 
     @property
     def routable(self) -> bool:
-        return self.alive and not self.draining and not self.stalled
+        return self.alive and not self.draining and not self.stalled and not self.leaving
 
     def hung(self, now: float, stall_timeout_s: float) -> bool:
         """Its streams cannot progress: stalled, or unanswering for `stall_timeout_s` (a

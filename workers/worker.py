@@ -66,6 +66,9 @@ class Worker:
         cpus: the cores this worker's process is pinned to (None: not pinned); see
             `workers/cpu_placement.py`.
         nice: this worker's niceness (None: Ray's, 15).
+        config_fingerprint: the fingerprint of the spec it was built from
+            (`cluster/worker_spec.py`), reported in `WorkerInfo` so the worker pool can tell
+            a worker of an older config from a current one.
     """
 
     def __init__(
@@ -80,12 +83,14 @@ class Worker:
         max_buffered_deltas: int = DEFAULT_MAX_BUFFERED_DELTAS,
         cpus: tuple[int, ...] | None = None,
         nice: int | None = None,
+        config_fingerprint: str = "",
     ) -> None:
         # First: every thread the engine starts later inherits the mask and the niceness.
         if cpus is not None:
             pin_process(cpus, what=f"worker {worker_id}")
         if nice is not None:
             set_niceness(nice, what=f"worker {worker_id}")
+        self.config_fingerprint = config_fingerprint
         self._index = ray.get_actor(index_name, namespace=namespace) if index_name else None
         sink = self._publish if self._index is not None else None
         tracing = worker_tracing(telemetry, worker_id)
@@ -153,6 +158,7 @@ class Worker:
             pid=os.getpid(),
             cpus=process_cpus(),
             nice=niceness(),
+            config_fingerprint=self.config_fingerprint,
         )
 
     @ray.method(_generator_backpressure_num_objects=STREAM_BACKPRESSURE_OBJECTS)
@@ -220,6 +226,10 @@ class Worker:
 
     async def push_candidates(self, max_blocks: int) -> list[list[bytes]]:
         return self.core.push_candidates(max_blocks)
+
+    async def hot_chains(self, max_blocks: int) -> list[list[bytes]]:
+        """Its cached prefixes, hottest first, for a handover before it leaves the pool."""
+        return await self.core.hot_chains(max_blocks)
 
     async def pull_prefix(
         self,

@@ -33,6 +33,7 @@ from pagedserve.workers.block import BlockKey
 from pagedserve.workers.engine import Engine
 from pagedserve.workers.errors import Draining, HandedOff, Overloaded, RequestRejected
 from pagedserve.workers.handoff import RequestHandoff
+from pagedserve.workers.hot_chains import hot_chains
 from pagedserve.workers.kv_cache_manager import PrefixTransfer
 from pagedserve.workers.kv_checks import KVInvariantError, assert_no_leaks, check_invariants
 from pagedserve.workers.kv_events import KVEvent, KVSnapshot
@@ -465,6 +466,12 @@ class WorkerCore:
             if parent is None:  # the whole chain is here: worth pushing
                 chains.append(chain[::-1])
         return chains
+
+    async def hot_chains(self, max_blocks: int) -> list[list[bytes]]:
+        """Its cached prefixes as whole chains, hottest first (`workers/hot_chains.py`), read
+        on the engine's thread so that no step changes the pool under the walk."""
+        pool = self.engine.kv.pool
+        return await self._on_engine(lambda: hot_chains(pool, max_blocks))
 
     async def import_prefix(self, keys: Sequence[BlockKey], packed: Any) -> int:
         """Store exported blocks as cached here; returns how many were new. 0 without room."""

@@ -42,6 +42,7 @@ class WorkerInfo:
     pid: int = 0  # its process (placement pins the control plane around it)
     cpus: tuple[int, ...] = ()  # the cores its process may run on (`ClusterConfig.worker_cpus`)
     nice: int = 0  # its niceness (`ClusterConfig.worker_nice`; Ray's default is 15)
+    config_fingerprint: str = ""  # of the spec it was built from (`cluster/worker_spec.py`)
 
 
 @dataclass(frozen=True)
