@@ -206,8 +206,8 @@ class Worker:
     async def chaos_refuse_next(self, count: int) -> None:
         self.core.chaos_refuse_next(count)
 
-    async def chaos_stall(self, stalled: bool) -> None:
-        self.core.chaos_stall(stalled)
+    async def chaos_stall(self, stalled: bool, after_steps: int = 0) -> None:
+        self.core.chaos_stall(stalled, after_steps)
 
     async def chaos_drop_next_event_batch(self) -> None:
         self.core.chaos_drop_next_event_batch()
