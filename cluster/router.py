@@ -51,6 +51,7 @@ from pagedserve.cluster.metrics import RouterMetrics
 from pagedserve.cluster.migration import Migrations
 from pagedserve.cluster.pool_follower import PoolFollower
 from pagedserve.cluster.prefix_view import FeedFollower, PrefixView
+from pagedserve.cluster.routable import RoutableWorkers
 from pagedserve.cluster.router_types import (
     ClusterStats,
     GenerateRequest,
@@ -162,6 +163,7 @@ class RouterCore:
         if config.routing_policy == "kv_aware":  # it converts router token counts to blocks
             options.setdefault("block_size", config.engine.block_size)
         self.policy = make_policy(config.routing_policy, **options)
+        self.routable = RoutableWorkers(self.workers, self.policy.new_ranking())
         self.tokenizer = load_tokenizer(config.engine.model or DEFAULT_MODEL)
         self.model_name = ""
         self.block_size = config.engine.block_size
@@ -279,14 +281,19 @@ class RouterCore:
         `span`: the `route` span, given the decision (and parent of a pull), if traced.
         `exclude`: workers not to pick (they refused this request already).
         """
-        alive = [w for w in self.workers.values() if w.routable and w.worker_id not in exclude]
-        if not alive:
+        ranking = self.routable.current()  # loads kept current per worker change
+        others = None  # a retry after refusals (rare) scores the workers not excluded in full
+        if exclude:
+            others = [w for w in self.workers.values() if w.routable and w.worker_id not in exclude]
+        if not (ranking if others is None else others):
             raise NoWorkerAvailable("no worker is alive and admitting")
         extra = (self.model_name,) + ((cache_salt,) if cache_salt else ())
         hashes = hash_full_blocks(token_ids, self.block_size, extra)
         matches = self.view.match(hashes)  # local: no remote call on the request path
-        loads = [w.load() for w in alive]
-        decision = self.policy.choose(len(hashes), matches, loads)
+        if others is None:
+            decision = self.policy.choose_ranked(len(hashes), matches, ranking)
+        else:
+            decision = self.policy.choose(len(hashes), matches, [w.load() for w in others])
         chosen = self.workers[decision.worker_id]
         matched = matches.get(chosen.worker_id, 0)
         self.counters.count_routed(decision.policy)

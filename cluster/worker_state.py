@@ -1,8 +1,14 @@
-"""The router's view of one worker: handle, liveness, last report and its own in-flight count."""
+"""The router's view of one worker: handle, liveness, last report and its own in-flight count.
+
+Every assignment to a `WorkerState` attribute drops its cached `WorkerLoad` and calls its
+`on_change` (the router's `RoutableWorkers` listens): routing re-reads a worker only after
+something of it changed, whoever changed it (a poll, a request begun or ended, liveness).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.cluster.routing import WorkerLoad
@@ -25,6 +31,17 @@ class WorkerState:
     stalled: bool = False  # alive, with work, but no engine step for `stall_timeout_s`
     leaving: bool = False  # the worker pool is taking it out: routing skips it, streams run on
     lost_at: float | None = None  # monotonic time it was dropped as unanswering (alive False)
+    on_change: Callable[[WorkerState], None] | None = field(default=None, repr=False, compare=False)
+    _load: WorkerLoad | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name in _NOT_STATE:
+            return
+        object.__setattr__(self, "_load", None)
+        listener = self.__dict__.get("on_change")  # absent while __init__ sets the fields
+        if listener is not None:
+            listener(self)
 
     @property
     def routable(self) -> bool:
@@ -59,6 +76,13 @@ class WorkerState:
         return min(self.info.max_model_len, pool_tokens)
 
     def load(self) -> WorkerLoad:
+        """Its load now; built once and kept until an attribute changes (so it must depend
+        on this state's attributes alone: nothing read from a clock or another object)."""
+        if self._load is None:
+            object.__setattr__(self, "_load", self._current_load())
+        return self._load
+
+    def _current_load(self) -> WorkerLoad:
         stats = self.stats
         total = stats.kv.total_blocks if stats else (self.info.num_blocks if self.info else 0)
         used = stats.kv.used_blocks if stats else 0
@@ -72,3 +96,6 @@ class WorkerState:
             inflight=self.inflight,
             inflight_tokens=self.inflight_tokens,
         )
+
+
+_NOT_STATE = frozenset({"_load", "on_change"})  # assignments that change nothing routing reads

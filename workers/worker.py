@@ -7,6 +7,7 @@ without Ray): it joins the prefix index, streams deltas and serves the migration
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from collections.abc import AsyncIterator, Sequence
@@ -15,6 +16,7 @@ from typing import Any
 import ray
 import torch
 
+from pagedserve.workers import handoff_ref
 from pagedserve.workers.block import BlockKey
 from pagedserve.workers.cpu_placement import niceness, pin_process, process_cpus, set_niceness
 from pagedserve.workers.engine import Engine
@@ -170,8 +172,9 @@ class Worker:
         it is aborted once the owner has not renewed (`stats(owner_id)`, `renew_lease`)
         within `lease_timeout_s`. None: no lease.
         """
-        if request.handoff is not None:
-            deltas = self.core.adopt(request.handoff, request.trace_context, request.owner_id)
+        if request.handoff is not None:  # its KV, by reference, comes from the source now
+            handoff = await handoff_ref.resolved(request.handoff)
+            deltas = self.core.adopt(handoff, request.trace_context, request.owner_id)
         else:
             deltas = self.core.generate(
                 request.request_id,
@@ -184,6 +187,11 @@ class Worker:
                 owner_id=request.owner_id,
             )
         async for delta in deltas:
+            if isinstance(delta, RequestMoved):  # the router gets a ref, never the KV bytes
+                handoff = handoff_ref.by_reference(delta.handoff)
+                delta = dataclasses.replace(
+                    delta, handoff=dataclasses.replace(handoff, source_worker=delta.worker_id)
+                )
             yield delta
 
     async def abort(self, request_id: str) -> bool:
@@ -212,8 +220,8 @@ class Worker:
     async def chaos_refuse_next(self, count: int) -> None:
         self.core.chaos_refuse_next(count)
 
-    async def chaos_stall(self, stalled: bool) -> None:
-        self.core.chaos_stall(stalled)
+    async def chaos_stall(self, stalled: bool, after_steps: int = 0) -> None:
+        self.core.chaos_stall(stalled, after_steps)
 
     async def chaos_drop_next_event_batch(self) -> None:
         self.core.chaos_drop_next_event_batch()

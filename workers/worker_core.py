@@ -14,6 +14,10 @@ Two guards keep a request from running on when nobody wants it:
 - owner leases (`LeaseTable`): a request sent with an `owner_id` is aborted once that owner
   (a router replica) has not renewed within `lease_timeout_s`. A housekeeping task checks every
   quarter of that, engine busy or idle.
+
+A stream sends at most one message per branch per engine step, and fewer when its reader lags:
+the deltas of one branch waiting in a row go out as one (`DeltaBuffer.get_coalesced`), so a
+reader k steps behind gets one message carrying k steps' tokens, not k messages.
 """
 
 from __future__ import annotations
@@ -109,6 +113,7 @@ class WorkerCore:
         self._waiting_for_work = False
         self._unstalled = threading.Event()  # cleared by `chaos_stall`: steps block
         self._unstalled.set()
+        self._stall_after_steps: int | None = None  # `chaos_stall(True, n)`: steps left
         self._refuse_next = 0  # set by `chaos_refuse_next`: new streams refused as Overloaded
 
     # ------------------------------------------------------------ the loop
@@ -165,7 +170,13 @@ class WorkerCore:
 
     def _step(self) -> list[RequestDelta]:
         self._unstalled.wait()  # only `chaos_stall` ever makes this wait
-        return self.engine.step()
+        deltas = self.engine.step()
+        if self._stall_after_steps is not None:
+            self._stall_after_steps -= 1
+            if self._stall_after_steps <= 0:  # `chaos_stall(True, after_steps)`: stall now
+                self._stall_after_steps = None
+                self._unstalled.clear()
+        return deltas
 
     def seconds_without_progress(self) -> float:
         """How long the engine has had runnable work and taken no step: 0 when it is idle or
@@ -305,8 +316,7 @@ class WorkerCore:
             self.leases.attach(request_id, owner_id)
             self._wakeup.set()
             while remaining:
-                # One message per step, not `get_coalesced()`: see `DeltaBuffer.get_coalesced`.
-                delta = await buffer.get()
+                delta = await buffer.get_coalesced()  # what waits of one branch, as one
                 if delta is None:  # `drain` ran out of grace: the router replays the rest
                     raise HandedOff(f"worker {self.worker_id} drained before this request ended")
                 if isinstance(delta, RequestMoved) or delta.finish_reason is not None:
@@ -407,10 +417,18 @@ class WorkerCore:
             return PoolCheck(ok=False, idle=idle, error=str(error))
         return PoolCheck(ok=True, idle=idle)
 
-    def chaos_stall(self, stalled: bool) -> None:
+    def chaos_stall(self, stalled: bool, after_steps: int = 0) -> None:
         """Hang every engine step from the next one on (True) until released (False): a
-        worker alive and answering, whose requests make no progress (stall tests)."""
-        if stalled:
+        worker alive and answering, whose requests make no progress (stall tests).
+
+        `after_steps` > 0: take that many more steps first, then hang; so a test knows a
+        stream cannot have run past them whatever the machine's speed."""
+        if after_steps < 0:
+            raise ValueError(f"after_steps must be >= 0, got {after_steps}")
+        self._stall_after_steps = None
+        if stalled and after_steps:
+            self._stall_after_steps = after_steps
+        elif stalled:
             self._unstalled.clear()
         else:
             self._unstalled.set()

@@ -104,7 +104,7 @@ def test_hot_prefix_moves_off_an_overloaded_holder():
     holder = idle("a", used_blocks=60)
     loads = [holder, idle("b", used_blocks=10), idle("c", used_blocks=20)]
     # mean 30 -> bound 1.5 * 30 + 8 = 53: a (60) is out even though it saves all 40 blocks.
-    assert policy.guard_bound([60, 10, 20]) == 53
+    assert policy.guard_bound(60 + 10 + 20, 0, 3) == 53
     decision = policy.choose(40, {"a": 40}, loads)
     assert decision.worker_id == "b" and decision.matched_blocks == 0
     assert [c.excluded for c in decision.candidates] == ["overloaded", None, None]
