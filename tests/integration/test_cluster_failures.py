@@ -16,7 +16,14 @@ import time
 
 import pytest
 import ray
-from support.cluster import assert_cluster_clean, cluster_config, greedy, run_request, start_router
+from support.cluster import (
+    PIN,
+    assert_cluster_clean,
+    cluster_config,
+    greedy,
+    run_request,
+    start_router,
+)
 
 from pagedserve.cluster.router_types import GenerateRequest, NoWorkerAvailable
 from pagedserve.cluster.worker_group import stop_worker_group
@@ -31,7 +38,6 @@ def run(coro):
     return asyncio.run(coro)
 
 
-PIN = 10_000_000  # router-side demand that makes a worker look full, to steer routing
 STEPS_BEFORE_FAULT = 5  # of a 60-token answer: the victim stops long before its end
 
 

@@ -13,7 +13,14 @@ from dataclasses import dataclass
 import pytest
 import ray
 import torch
-from support.cluster import cluster_config, greedy, run_request, start_router, until_view_mirrors
+from support.cluster import (
+    PIN,
+    cluster_config,
+    greedy,
+    run_request,
+    start_router,
+    until_view_mirrors,
+)
 from support.wait import until
 
 from pagedserve.cluster.worker_group import stop_worker_group
@@ -23,7 +30,6 @@ from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.worker_types import RequestMoved, WorkerStats
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
-PIN = 10_000_000  # router-side demand that makes a worker look full, to steer routing
 
 
 def prompt(seed: int, length: int) -> list[int]:

@@ -11,6 +11,7 @@ import random
 import pytest
 import ray
 from support.cluster import (
+    PIN,
     cluster_config,
     greedy,
     run_request,
@@ -24,7 +25,6 @@ from pagedserve.cluster.router_types import GenerateRequest
 from pagedserve.cluster.worker_group import stop_worker_group
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
-PIN = 10_000_000  # router-side demand that makes a worker look full, to steer routing
 LONG = 1_000  # decode steps (within the test model's context): it only ends when aborted
 
 

@@ -21,6 +21,7 @@ from support.wait import until
 
 WORKER_RESOURCE = "pagedserve_test_worker"
 TEST_MODEL = "tiny-llama"
+PIN = 10_000_000  # router-side demand that makes a worker look full, to steer routing
 
 
 def cluster_config(
