@@ -12,7 +12,9 @@ feed into it. A new replica resyncs from the feed's dump before it serves; an in
 not answer leaves the last view in place (counted as `index_unavailable`).
 
 Load is counted here as well as reported by workers: every request sent to a worker counts in
-its `inflight` until its stream ends, so the policy sees a burst before any report shows it.
+its `inflight` until its stream ends, so the policy sees a burst before any report shows it;
+a request count adds to the report only the requests it does not show yet (`WorkerState`), so
+the other replicas' requests come from the report and this one's are not counted twice.
 A worker that stops answering is dropped from routing, from this router's view and from the
 index at once; its requests are replayed on a peer from their tokens (or failed with
 UNAVAILABLE, by config).
@@ -466,7 +468,7 @@ class RouterCore:
     ) -> AsyncIterator[StreamDelta | RequestMoved]:
         request_id = request.request_id
         self._inflight_ids[request_id] = worker
-        worker.begin(demand)
+        worker.begin(demand, request_id)
         stream = worker.handle.generate.remote(request)
         remaining = request.num_branches
         taken = False  # the worker streamed something: it holds the request under its id
@@ -502,7 +504,7 @@ class RouterCore:
                 self.counters.refused_draining += 1
             raise WorkerLost(str(error)) from error
         finally:
-            worker.end(demand)
+            worker.end(demand, request_id)
             if remaining:  # cancelled or failed: the worker must free the blocks now
                 self._cancel(stream, worker, request_id)
 

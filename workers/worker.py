@@ -222,7 +222,7 @@ class Worker:
         """The worker's state; also renews `owner_id`'s lease (the router polls this)."""
         if owner_id is not None:
             self.core.renew_lease(owner_id)
-        return self.core.stats()
+        return self.core.stats(owner_id)
 
     async def renew_lease(self, owner_id: str) -> None:
         self.core.renew_lease(owner_id)
