@@ -221,7 +221,7 @@ class RouterCore:
                 self.index.report_router.remote(self.report()), self.config.rpc_timeout_s
             )
         except (*WORKER_LOST_ERRORS, TimeoutError):  # the next round sends a newer one
-            logger.warning("the prefix index did not take this router's counters")
+            logger.debug("the prefix index did not take this router's counters")
 
     async def _report_loop(self) -> None:
         while True:

@@ -12,15 +12,16 @@ first, then reads the sum (`ClusterRouters`).
                                              └── (the one answering GetStats reports first)
 
 A replica that has not reported for its report's `expires_after_s` (its lease timeout: by then
-every worker has aborted its requests too) is gone: its last counters are folded into
-`retired`, so cluster totals never go back when a replica dies or scales in. What is lost: a
+every worker has aborted its requests too) is gone: its last counters are kept as retired, so
+cluster totals never go back when a replica dies or scales in (and one that reports again
+after all, a replica stalled that long, replaces its retired counters: its reports are
+cumulative, so it is never counted twice). What is lost: a
 dead replica's counts after its last report (one stats interval at most), and every count when
 the index actor itself restarts (a counter reset, as a restarted process's).
 """
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -56,7 +57,7 @@ class ClusterRouters:
 
 
 class RouterReports:
-    """Owns the latest report of each live replica and the summed counters of gone ones.
+    """Owns the latest report of each live replica and the last counters of each gone one.
 
     Args:
         clock: monotonic seconds (tests inject one).
@@ -65,22 +66,25 @@ class RouterReports:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self._latest: dict[str, tuple[float, RouterReport]] = {}  # router → (when, report)
-        self.retired = RouterCounters()
+        self.retired: dict[str, RouterCounters] = {}  # router → its last counters
 
     def put(self, report: RouterReport) -> None:
+        self.retired.pop(report.router_id, None)  # back after all: this report has it all
         self._latest[report.router_id] = (self.clock(), report)
 
     def _retire_expired(self) -> None:
         now = self.clock()
         for router_id, (at, report) in list(self._latest.items()):
             if now - at > report.expires_after_s:
-                self.retired.add(report.counters)
+                self.retired[router_id] = report.counters
                 del self._latest[router_id]
 
     def cluster(self) -> ClusterRouters:
         """The sum over every replica, after retiring those gone silent."""
         self._retire_expired()
-        counters = copy.deepcopy(self.retired)
+        counters = RouterCounters()
+        for gone in self.retired.values():
+            counters.add(gone)
         inflight: dict[str, int] = {}
         for _, report in self._latest.values():
             counters.add(report.counters)

@@ -61,6 +61,9 @@ def test_reports_sum_the_live_replicas_and_keep_the_gone_ones_counts():
     clock.now = 100.0
     assert reports.cluster().counters == counters(routed={"kv_aware": 10}, moves=1)
     assert reports.cluster().replicas == ()
+    # b was only stalled: its next report (cumulative) replaces its retired counts.
+    reports.put(RouterReport("b", counters(routed={"kv_aware": 5}), {}, 10.0))
+    assert reports.cluster().counters == counters(routed={"kv_aware": 11}, moves=1)
 
 
 def test_get_stats_answers_with_the_cluster_sum_not_the_answering_replica_s_own():
