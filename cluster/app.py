@@ -165,6 +165,7 @@ class Router:
             return error_response(error)
         if not self.core.metrics.enabled:
             return JSONResponse({"error": "metrics are off"}, status_code=404)
+        await self.core.cluster_routers()  # every replica's counters, for this scrape
         return Response(self.core.metrics.render(), media_type=CONTENT_TYPE)
 
     @http_app.get("/health")

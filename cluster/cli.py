@@ -229,6 +229,9 @@ def run(args: argparse.Namespace) -> int:
         print("pagedserve: stopping", flush=True)
     from pagedserve.cluster.worker_group import stop_worker_group
 
-    serve.shutdown()
+    # Workers first: they drain while the Routers still stream what they finish (new requests
+    # are refused meanwhile), then nothing is left in flight when Serve stops.
+    print(f"pagedserve: draining workers (up to {config.drain_grace_s:g} s)", flush=True)
     stop_worker_group(config)
+    serve.shutdown()
     return 0

@@ -111,6 +111,10 @@ class ClusterConfig:
             this long is stalled: out of routing, and the router's streams on it end as if it
             were lost (replayed on a peer, or UNAVAILABLE), so no stream waits on it forever.
             It rejoins routing once it steps again. Longer than any one step may take.
+        drain_grace_s: how long a draining worker's open streams get to finish before the
+            rest are handed back to the router (which replays them on a peer): on SIGTERM to
+            the worker's process (`pagedserve drain-node`, a pod's removal) and when
+            `stop_worker_group` stops the app (`pagedserve serve`'s Ctrl-C).
         router_replicas: Router replicas Serve runs (each one ingress of both proxies, with its
             own prefix view, liveness watch and `max_inflight`; any replica serves any call,
             Abort included). The floor when `router_max_replicas` is set.
@@ -161,6 +165,7 @@ class ClusterConfig:
     lease_timeout_s: float = 10.0
     max_buffered_deltas: int = 64
     stall_timeout_s: float = 60.0
+    drain_grace_s: float = 30.0
     router_replicas: int = 1
     router_max_replicas: int | None = None
     namespace: str = "pagedserve"
@@ -179,7 +184,8 @@ class ClusterConfig:
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {getattr(self, name)}")
         timeouts = ("pull_timeout_s", "stats_interval_s", "rpc_timeout_s", "startup_timeout_s")
-        for name in (*timeouts, "retry_after_s", "push_free_fraction", "stall_timeout_s"):
+        others = ("retry_after_s", "push_free_fraction", "stall_timeout_s", "drain_grace_s")
+        for name in (*timeouts, *others):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):  # NaN fails every comparison
                 raise ValueError(f"{name} must be a finite number > 0, got {value}")

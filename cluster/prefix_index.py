@@ -37,6 +37,9 @@ epoch (each start of the actor is a new feed epoch, so a restarted index resets 
 
 Since routing now matches against the routers' copies, an entry's recency in the index comes
 from stores alone (a `match` call still refreshes, for the tools that make one).
+
+Being the one actor every router replica already talks to, it also keeps the replicas' counter
+reports (`cluster/router_reports.py`), so any replica answers GetStats for all of them.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from pagedserve.cluster.prefix_index_state import (
     PrefixIndexState,
     PublishResult,
 )
+from pagedserve.cluster.router_reports import ClusterRouters, RouterReport, RouterReports
 from pagedserve.workers.block import BlockHash
 from pagedserve.workers.cpu_placement import pin_process, set_niceness
 from pagedserve.workers.kv_events import KVEvent, KVSnapshot
@@ -121,6 +125,7 @@ class PrefixIndexActor:
         self._snapshot_timeout_s = snapshot_timeout_s
         self._snapshot_failures = 0
         self._startup_resyncs = 0
+        self._routers = RouterReports()
         # Ray runs an async actor's __init__ on the actor's event loop, so the resync starts
         # now and methods are served meanwhile (match answers from what has arrived so far).
         self._startup = asyncio.get_running_loop().create_task(
@@ -223,6 +228,14 @@ class PrefixIndexActor:
             snapshot_failures=self._snapshot_failures,
             startup_resyncs=self._startup_resyncs,
         )
+
+    async def report_router(self, report: RouterReport) -> None:
+        """A router replica's latest counters (sent every stats interval)."""
+        self._routers.put(report)
+
+    async def routers(self) -> ClusterRouters:
+        """Every router replica's counters summed, and their requests open on each worker."""
+        return self._routers.cluster()
 
     async def check_invariants(self) -> str | None:
         """The state's invariants (`PrefixIndexState.check_invariants`): None when they hold,

@@ -6,6 +6,9 @@ what the worker last reported with what the router itself has sent there and not
 finish (`inflight`, `inflight_tokens`): reports lag, and a router blind between them would send a
 burst of requests to the same "idle" worker. The caller counts those: after each decision it
 adds the request to the chosen worker's `inflight` and removes it when the request ends.
+With several router replicas the report is what carries the others' requests (a worker reports
+its whole queue); a request count adds only this router's `unreported` ones to it, so its own
+requests the report already shows are not counted twice.
 
 Policies are small classes registered by `name`; `make_policy` builds one from config.
 
@@ -54,6 +57,7 @@ class WorkerLoad:
         free_blocks: KV blocks free, as last reported.
         inflight: requests this router sent there and has not seen finish.
         inflight_tokens: prompt + max_tokens of those requests: their KV demand at most.
+        unreported: those of `inflight` that the last report does not count yet.
     """
 
     worker_id: str
@@ -64,15 +68,13 @@ class WorkerLoad:
     free_blocks: int
     inflight: int = 0
     inflight_tokens: int = 0
+    unreported: int = 0
 
     @property
     def num_requests(self) -> int:
-        """Reported running + waiting plus the router's in-flight count.
-
-        The two overlap for requests the worker has already reported; counting both errs on
-        the side of seeing load, which is the failure that matters (a router that sees none).
-        """
-        return self.inflight + self.num_running + self.num_waiting
+        """Reported running + waiting (every router's requests, as of the report) plus this
+        router's requests the report does not show yet."""
+        return self.unreported + self.num_running + self.num_waiting
 
 
 @dataclass(frozen=True)
@@ -369,7 +371,8 @@ class KvAwarePolicy(RoutingPolicy):
 
 
 class LeastLoadedPolicy(RoutingPolicy):
-    """Fewest requests: in-flight from this router + reported running + waiting; then id."""
+    """Fewest requests: reported running + waiting, plus this router's not yet reported; then
+    id."""
 
     name = "least_loaded"
 

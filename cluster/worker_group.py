@@ -16,8 +16,16 @@ from pagedserve.cluster.prefix_index import get_or_create_prefix_index
 from pagedserve.cluster.worker_pool import existing_workers, get_or_create_worker_pool
 from pagedserve.cluster.worker_spec import WORKER_MAX_CONCURRENCY
 from pagedserve.workers.telemetry import TelemetryConfig
+from pagedserve.workers.worker_types import DrainResult
 
-__all__ = ["WORKER_MAX_CONCURRENCY", "WorkerGroup", "start_pool", "start_worker_group"]
+__all__ = [
+    "WORKER_MAX_CONCURRENCY",
+    "WorkerGroup",
+    "drain_worker_group",
+    "start_pool",
+    "start_worker_group",
+    "stop_worker_group",
+]
 
 logger = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 60.0  # the pool's first answer: it creates the first workers' actors first
@@ -67,13 +75,65 @@ def start_worker_group(
     return group.index, group.workers
 
 
-def stop_worker_group(config: ClusterConfig) -> None:
-    """Kill the app's named actors (no restart): the pool first, so that it starts no more
-    workers, then every worker of the app's name pattern, then the index."""
+def stop_worker_group(config: ClusterConfig, drain_grace_s: float | None = None) -> None:
+    """Stop the app's named actors (no restart), losing nothing that can finish: the pool
+    first, so that it starts and retires no more workers; then every worker of the app's name
+    pattern drains (`drain_worker_group`) and is killed (one that does not drain is killed
+    anyway); then the index."""
     _kill(config.pool_name, config.namespace)
+    drain_worker_group(config, drain_grace_s)
     for name in existing_workers(config):
         _kill(name, config.namespace)
     _kill(config.index_name, config.namespace)
+
+
+def drain_worker_group(
+    config: ClusterConfig, drain_grace_s: float | None = None
+) -> dict[str, DrainResult]:
+    """`Worker.drain` on every worker of the app at once: each refuses new requests and gives
+    its open streams `drain_grace_s` (the config's by default) to finish; what does not
+    finish is handed back to its router, as on SIGTERM. Waits at most the grace plus
+    `rpc_timeout_s`.
+
+    Returns:
+        worker id → its drain, for the workers that answered in time.
+    """
+    grace_s = config.drain_grace_s if drain_grace_s is None else drain_grace_s
+    workers = _existing(config, list(existing_workers(config)))
+    refs = {name: handle.drain.remote(grace_s) for name, handle in workers.items()}
+    if not refs:
+        return {}
+    deadline_s = grace_s + config.rpc_timeout_s
+    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=deadline_s)
+    results = {}
+    for name, ref in refs.items():
+        if ref not in ready:
+            logger.warning("worker %s did not drain within %.0f s", name, deadline_s)
+            continue
+        try:
+            results[name] = ray.get(ref)
+        except Exception as error:  # dead or restarting: nothing of it to wait for
+            logger.warning("worker %s could not drain: %r", name, error)
+            continue
+        if results[name].handed_off:
+            logger.warning(
+                "worker %s: %d streams did not finish within %.0f s and were handed back",
+                name,
+                results[name].handed_off,
+                grace_s,
+            )
+    return results
+
+
+def _existing(config: ClusterConfig, names: list[str]) -> dict[str, ActorHandle]:
+    """The named actors among `names` that exist now."""
+    handles = {}
+    for name in names:
+        try:
+            handles[name] = ray.get_actor(name, namespace=config.namespace)
+        except ValueError:
+            continue
+    return handles
 
 
 def _kill(name: str, namespace: str) -> None:

@@ -5,7 +5,8 @@ then a poll loop refreshes each worker's `WorkerStats` every `stats_interval_s` 
 that stops answering is dropped from routing and from the index at once; one that answers
 with a new epoch was restarted by Ray and is revived: its loop started, the index rejoined;
 one that answers but has taken no engine step with work queued for `stall_timeout_s` is
-stalled: out of routing until it steps again, and the router ends its streams as lost),
+stalled: out of routing until it steps again, and the router ends its streams as lost; one
+that reports draining leaves routing until a new incarnation of it is ready),
 and a lease loop renews this router's lease on every worker (a worker aborts the requests of
 a router whose lease lapsed, so a dead router leaves no orphan).
 """
@@ -119,6 +120,8 @@ class WorkerLiveness:
         if not worker.alive or worker.info is None or stats.epoch != worker.info.epoch:
             await self.revive(worker)  # restarted by Ray: start its loop, rejoin the index
         worker.stats = stats
+        if stats.draining:  # draining for any reason (SIGTERM, another replica): leaving
+            worker.draining = True
         self._judge_progress(worker, stats)
         if worker.alive and self.on_polled is not None:
             self._start_hook(worker)

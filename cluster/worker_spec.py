@@ -13,12 +13,13 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import ray
 from ray.actor import ActorHandle
 
 from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.grpc_backlog import setup_hook_env_var
+from pagedserve.workers import drain_signal
 from pagedserve.workers.engine_config import EngineConfig
 from pagedserve.workers.telemetry import TelemetryConfig, otel_env
 from pagedserve.workers.worker import Worker
@@ -38,6 +39,7 @@ class WorkerSpec:
             (`ClusterConfig.worker_thread_count` / `worker_cpu_share`).
         nice: each worker's niceness.
         lease_timeout_s, max_buffered_deltas: the worker's stream settings.
+        drain_grace_s: how long its open streams get to finish when SIGTERM drains it.
         index_name, namespace: where its prefix index and its name live.
     """
 
@@ -51,6 +53,7 @@ class WorkerSpec:
     nice: int | None
     lease_timeout_s: float
     max_buffered_deltas: int
+    drain_grace_s: float
     index_name: str
     namespace: str
 
@@ -67,6 +70,7 @@ class WorkerSpec:
             nice=config.worker_nice,
             lease_timeout_s=config.lease_timeout_s,
             max_buffered_deltas=config.max_buffered_deltas,
+            drain_grace_s=config.drain_grace_s,
             index_name=config.index_name,
             namespace=config.namespace,
         )
@@ -93,14 +97,14 @@ def create_worker(
 
     Ray restarts a crashed worker (max_restarts) and a router revives it once it answers. The
     worker gets the telemetry settings, this process's OTEL_* variables in its runtime env, and
-    `OMP_NUM_THREADS` when threads or pinning are set (torch reads it at import).
+    `OMP_NUM_THREADS` when threads or pinning are set (torch reads it at import). Its process
+    runs the setup hook that makes SIGTERM drain it (`workers/drain_signal.py`).
     """
     placement = spec._placement()
-    env = otel_env()
+    env = {**otel_env(), setup_hook_env_var(): drain_signal.SETUP_HOOK}
     threads = placement.worker_thread_count(slot)
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
-    options: dict[str, Any] = {"env_vars": env} if env else {}
     return (
         ray.remote(Worker)
         .options(
@@ -114,7 +118,7 @@ def create_worker(
             num_cpus=spec.num_cpus,
             resources=dict(spec.resources),
             max_concurrency=WORKER_MAX_CONCURRENCY,
-            runtime_env=options or None,
+            runtime_env={"env_vars": env},
         )
         .remote(
             worker_id,
@@ -127,5 +131,6 @@ def create_worker(
             cpus=placement.worker_cpu_share(slot),
             nice=spec.nice,
             config_fingerprint=spec.fingerprint,
+            drain_grace_s=spec.drain_grace_s,
         )
     )

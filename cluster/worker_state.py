@@ -3,6 +3,12 @@
 Every assignment to a `WorkerState` attribute drops its cached `WorkerLoad` and calls its
 `on_change` (the router's `RoutableWorkers` listens): routing re-reads a worker only after
 something of it changed, whoever changed it (a poll, a request begun or ended, liveness).
+
+Load without double counting: the worker's report (`WorkerStats`: running and waiting) covers
+every router replica's requests there, this one's included; so what this router adds on top is
+only what it sent that the report does not show yet. The report names the polling router's
+requests it holds (`owned_requests`), and `unreported` is the rest of this router's open
+requests there (sent after the report was taken, or not yet admitted when it was).
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ class WorkerState:
     stats: WorkerStats | None = None  # last `Worker.stats()`
     inflight: int = 0
     inflight_tokens: int = 0
+    # Request id → legs of it this router has open here (one, but for a retried leg). A leg
+    # begun without an id (a test's pin) is never in a report: it always counts as unreported.
+    open_legs: dict[str, int] = field(default_factory=dict)
     draining: bool = False  # alive, but taking nothing new: routing skips it
     stalled: bool = False  # alive, with work, but no engine step for `stall_timeout_s`
     leaving: bool = False  # the worker pool is taking it out: routing skips it, streams run on
@@ -59,13 +68,28 @@ class WorkerState:
         self.lost_at = None
         self.draining = False  # a (re)started worker admits again
 
-    def begin(self, tokens: int) -> None:
+    def begin(self, tokens: int, request_id: str | None = None) -> None:
+        # `open_legs` changes in place, which drops no cached load: the assignments after it do.
+        if request_id is not None:
+            self.open_legs[request_id] = self.open_legs.get(request_id, 0) + 1
         self.inflight += 1
         self.inflight_tokens += tokens
 
-    def end(self, tokens: int) -> None:
+    def end(self, tokens: int, request_id: str | None = None) -> None:
+        if request_id is not None:  # in place first, as in `begin`
+            legs = self.open_legs.pop(request_id) - 1
+            if legs:
+                self.open_legs[request_id] = legs
         self.inflight -= 1
         self.inflight_tokens -= tokens
+
+    @property
+    def unreported(self) -> int:
+        """This router's requests here that the last report does not count yet."""
+        reported = set(self.stats.owned_requests) if self.stats is not None else set()
+        named = sum(n for rid, n in self.open_legs.items() if rid not in reported)
+        anonymous = self.inflight - sum(self.open_legs.values())
+        return named + anonymous
 
     def capacity_tokens(self) -> int:
         """Tokens one request can hold here: the context, and the pool less its reserve."""
@@ -95,6 +119,7 @@ class WorkerState:
             free_blocks=total - used,
             inflight=self.inflight,
             inflight_tokens=self.inflight_tokens,
+            unreported=self.unreported,
         )
 
 

@@ -16,13 +16,14 @@ from typing import Any
 import ray
 import torch
 
-from pagedserve.workers import handoff_ref
+from pagedserve.workers import drain_signal, handoff_ref
 from pagedserve.workers.block import BlockKey
 from pagedserve.workers.cpu_placement import niceness, pin_process, process_cpus, set_niceness
 from pagedserve.workers.engine import Engine
 from pagedserve.workers.engine_config import EngineConfig
 from pagedserve.workers.kv_events import KVEvent, KVSnapshot
 from pagedserve.workers.lease import DEFAULT_LEASE_TIMEOUT_S
+from pagedserve.workers.pid_files import DEFAULT_PID_DIR, register_pid
 from pagedserve.workers.request_trace import migration_span
 from pagedserve.workers.stream import DEFAULT_MAX_BUFFERED_DELTAS, StreamDelta
 from pagedserve.workers.telemetry import TelemetryConfig, worker_tracing
@@ -47,6 +48,13 @@ __all__ = ["Worker", "WorkerCore"]
 STREAM_BACKPRESSURE_OBJECTS = 8
 # Deadline of each call to the prefix index (register, publish): it must never hang a worker.
 INDEX_CALL_TIMEOUT_S = 30.0
+# A worker drained on SIGTERM gives its open streams this long to finish (`ClusterConfig`).
+DEFAULT_DRAIN_GRACE_S = 30.0
+# After a drain on SIGTERM, how long the process stays up before it exits: Ray reports the
+# handed-off streams' `HandedOff` to their callers after our generators have ended, and an
+# exit at once would turn those into lost-worker errors (replayed all the same, but counted as
+# a lost worker and without the drain's reason).
+EXIT_LINGER_S = 1.0
 
 
 class Worker:
@@ -71,6 +79,10 @@ class Worker:
         config_fingerprint: the fingerprint of the spec it was built from
             (`cluster/worker_spec.py`), reported in `WorkerInfo` so the worker pool can tell
             a worker of an older config from a current one.
+        drain_grace_s: on SIGTERM, how long open streams get to finish before the rest are
+            handed back (see `workers/drain_signal.py`); then the process exits.
+        pid_dir: where this worker writes its pid file for `pagedserve drain-node` (None:
+            none).
     """
 
     def __init__(
@@ -86,6 +98,8 @@ class Worker:
         cpus: tuple[int, ...] | None = None,
         nice: int | None = None,
         config_fingerprint: str = "",
+        drain_grace_s: float = DEFAULT_DRAIN_GRACE_S,
+        pid_dir: str | None = DEFAULT_PID_DIR,
     ) -> None:
         # First: every thread the engine starts later inherits the mask and the niceness.
         if cpus is not None:
@@ -104,6 +118,9 @@ class Worker:
             lease_timeout_s=lease_timeout_s,
             max_buffered_deltas=max_buffered_deltas,
         )
+        self.drain_grace_s = drain_grace_s
+        if pid_dir is not None:
+            register_pid(worker_id, pid_dir)
 
     def _publish(self, worker_id: str, epoch: str, events: list[KVEvent]) -> None:
         """Send a batch to the index without waiting for it; its answer is checked aside.
@@ -139,8 +156,10 @@ class Worker:
         return True
 
     async def ready(self) -> WorkerInfo:
-        """Start the step loop and join the index (which resyncs from our snapshot)."""
+        """Start the step loop, drain on SIGTERM from now on, and join the index (which
+        resyncs from our snapshot)."""
         self.core.start()
+        drain_signal.HANDLER.arm(asyncio.get_running_loop(), self._drain_on_sigterm)
         if self._index is not None:
             await self._register()
         return self.describe()
@@ -202,11 +221,21 @@ class Worker:
         then end the rest for the router to replay. The caller then stops the actor."""
         return await self.core.drain(grace_s)
 
+    async def _drain_on_sigterm(self) -> None:
+        result = await self.core.drain(self.drain_grace_s)
+        logger.warning(
+            "worker %s drained on SIGTERM: %d streams finished, %d handed back; exiting",
+            self.core.worker_id,
+            result.finished,
+            result.handed_off,
+        )
+        await asyncio.sleep(EXIT_LINGER_S)
+
     async def stats(self, owner_id: str | None = None) -> WorkerStats:
         """The worker's state; also renews `owner_id`'s lease (the router polls this)."""
         if owner_id is not None:
             self.core.renew_lease(owner_id)
-        return self.core.stats()
+        return self.core.stats(owner_id)
 
     async def renew_lease(self, owner_id: str) -> None:
         self.core.renew_lease(owner_id)

@@ -386,7 +386,8 @@ class WorkerCore:
         return aborted
 
     # --------------------------------------------------------------- state
-    def stats(self) -> WorkerStats:
+    def stats(self, owner_id: str | None = None) -> WorkerStats:
+        """The worker's state; with `owner_id`, also which of that owner's requests it holds."""
         engine = self.engine.stats()
         return WorkerStats(
             worker_id=self.worker_id,
@@ -398,6 +399,7 @@ class WorkerCore:
             blocks_exported=self.num_blocks_exported,
             event_batches_dropped=self.num_event_batches_dropped,
             draining=self.draining,
+            owned_requests=self.leases.held_by(owner_id) if owner_id is not None else (),
             lease_expired=self.leases.num_expired,
             lease_owners=self.leases.num_owners,
             seconds_without_progress=self.seconds_without_progress(),

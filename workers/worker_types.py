@@ -67,6 +67,9 @@ class WorkerStats:
     lease_owners: int = 0
     seconds_without_progress: float = 0.0  # runnable work, and no engine step for this long
     draining: bool = False
+    # The polling owner's (router replica's) requests open here at this report: that router
+    # counts the rest of what it sent as not yet reported (`WorkerState.unreported`).
+    owned_requests: tuple[str, ...] = ()
     kv_cache_device_bytes: int = 0
     kv_cache_swap_bytes: int = 0
     scheduler: SchedulerCounters = field(default_factory=SchedulerCounters)  # a copy
