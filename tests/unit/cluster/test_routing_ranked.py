@@ -122,7 +122,8 @@ def test_other_policies_score_the_ranked_loads_in_full():
 def stats(rng: random.Random, total: int) -> SimpleNamespace:
     used = rng.randrange(total + 1)
     kv = SimpleNamespace(total_blocks=total, used_blocks=used, reserve_blocks=0)
-    return SimpleNamespace(kv=kv, num_running=rng.randrange(4), num_waiting=rng.randrange(3))
+    running, waiting = rng.randrange(4), rng.randrange(3)
+    return SimpleNamespace(kv=kv, num_running=running, num_waiting=waiting, owned_requests=())
 
 
 def change_something(rng: random.Random, workers: dict[str, WorkerState]) -> None:
