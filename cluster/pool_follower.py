@@ -64,6 +64,7 @@ class PoolFollower:
         self.view = view
         self.held: MembershipVersion | None = None
         self.joined = self.left = 0
+        self.pool_unanswered = False  # the last round's call failed (logged once per outage)
 
     async def sync(self) -> None:
         """One look at the pool; apply what changed. A pool that does not answer leaves the
@@ -78,8 +79,13 @@ class PoolFollower:
                     self.pool.configure.remote(self.config, self.revision), timeout
                 )
         except (*WORKER_LOST_ERRORS, TimeoutError):
-            logger.warning("the worker pool did not answer; keeping the workers as they are")
+            if not self.pool_unanswered:  # once per outage, not once per poll round
+                logger.warning("the worker pool did not answer; keeping the workers as they are")
+            self.pool_unanswered = True
             return
+        if self.pool_unanswered:
+            logger.warning("the worker pool answers again")
+            self.pool_unanswered = False
         if membership is not None:
             await self.apply(membership)
 

@@ -24,6 +24,7 @@ __all__ = [
     "drain_worker_group",
     "start_pool",
     "start_worker_group",
+    "stop_pool",
     "stop_worker_group",
 ]
 
@@ -80,11 +81,17 @@ def stop_worker_group(config: ClusterConfig, drain_grace_s: float | None = None)
     first, so that it starts and retires no more workers; then every worker of the app's name
     pattern drains (`drain_worker_group`) and is killed (one that does not drain is killed
     anyway); then the index."""
-    _kill(config.pool_name, config.namespace)
+    stop_pool(config)
     drain_worker_group(config, drain_grace_s)
     for name in existing_workers(config):
         _kill(name, config.namespace)
     _kill(config.index_name, config.namespace)
+
+
+def stop_pool(config: ClusterConfig) -> None:
+    """Kill the app's worker pool (no restart): the workers stay as they are, and nothing
+    starts or retires any more of them."""
+    _kill(config.pool_name, config.namespace)
 
 
 def drain_worker_group(
