@@ -23,12 +23,13 @@ of the workers' stats. Each router replica asks for the membership on its stats 
   (each router drops its `WorkerState` and its prefix view's entries); then kill it and drop
   it from the index.
 - **lost**: a serving worker whose stats call fails with a lost-worker error while its name
-  is no longer registered with Ray (dead, not restarting: killed with no restart, or its
-  node lost with no restart left) is removed at once: dropped from the membership (each
-  router drops it and its prefix-view entries on its next poll; their liveness had already
-  taken it out of routing and replayed its requests on peers) and from the index. The
-  target is unchanged, so the next round adds its replacement. A worker Ray is restarting
-  keeps its name and stays a member: the routers revive it when it answers again.
+  is no longer registered with Ray (dead, not restarting: killed with no restart; a worker
+  whose node is lost is restarting, `max_restarts=-1`, so it is not lost) is removed at
+  once: dropped from the membership (each router drops it and its prefix-view entries on its
+  next poll; their liveness had already taken it out of routing and replayed its requests on
+  peers) and from the index. The target is unchanged, so the next round adds its
+  replacement. A worker Ray is restarting keeps its name and stays a member: the routers
+  revive it when it answers again.
 - **reconcile**: each worker reports the fingerprint of the spec it was built from
   (`cluster/worker_spec.py`). A Router replica built from a newer app config sends it
   (`configure`); workers of another fingerprint are replaced one at a time, new one up and
