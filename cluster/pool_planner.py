@@ -5,6 +5,8 @@ fingerprint and load) and returns at most one `PoolAction`. It keeps only the si
 at (`target`, within `min_workers..max_workers`) and how long each worker has been idle.
 Rules, first match wins:
 
+0. a serving worker whose actor is gone for good (dead and not restarting): remove it from
+   the pool; `target` stays, so rule 3 adds its replacement on the next round;
 1. a member is starting or leaving: nothing (one change at a time);
 2. a serving worker's spec is not the app's (reconcile): with no surge yet, add one
    worker; once the surge serves, retire the oldest stale worker. Scaling waits until
@@ -34,18 +36,20 @@ class Reason(enum.Enum):
     LOAD = "load"  # the scale-up signal
     IDLE = "idle"  # idle for scale_down_idle_s
     RECONCILE = "reconcile"  # a worker's spec is not the app's
+    LOST = "lost"  # its actor is gone for good (killed with no restart, its node lost)
 
 
 class ActionKind(enum.Enum):
     ADD = "add"
-    RETIRE = "retire"
+    RETIRE = "retire"  # out of routing, cache handed over, drained, then stopped
+    REMOVE = "remove"  # a lost worker: dropped from the membership and the index at once
 
 
 @dataclass(frozen=True)
 class PoolAction:
     kind: ActionKind
     reason: Reason
-    worker_id: str | None = None  # the worker to retire (None for ADD)
+    worker_id: str | None = None  # the worker to retire or remove (None for ADD)
 
     def describe(self) -> str:
         who = f" {self.worker_id}" if self.worker_id else ""
@@ -77,7 +81,8 @@ class ScalingSettings:
 @dataclass(frozen=True)
 class Observation:
     """One member as the pool saw it this round; load fields are None when its stats did not
-    answer (such a worker is neither idle nor counted in the signal)."""
+    answer (such a worker is neither idle nor counted in the signal). `gone`: its stats call
+    failed because the actor is dead and Ray will not restart it."""
 
     worker_id: str
     state: MemberState
@@ -87,6 +92,7 @@ class Observation:
     num_running: int | None = None
     num_streams: int | None = None
     kv_usage: float | None = None  # used / total blocks
+    gone: bool = False
 
     @property
     def idle(self) -> bool:
@@ -122,6 +128,10 @@ class PoolPlanner:
 
     def decide(self, now: float, observed: Sequence[Observation]) -> PoolAction | None:
         self._clock_idle(now, observed)
+        lost = [o for o in observed if o.gone]
+        if lost:
+            oldest = min(lost, key=lambda o: o.slot)
+            return PoolAction(ActionKind.REMOVE, Reason.LOST, oldest.worker_id)
         if any(o.state != MemberState.SERVING for o in observed):
             return None
         serving = list(observed)

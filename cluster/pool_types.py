@@ -62,6 +62,7 @@ class PoolCounters:
     workers_removed: int = 0
     workers_replaced: int = 0  # removed because their spec was not the app's (reconcile)
     start_failures: int = 0  # created, but not ready within `startup_timeout_s`
+    workers_lost: int = 0  # removed because their actor was gone for good (then replaced)
     handover_chains: int = 0
     handover_blocks: int = 0  # blocks peers took from leaving workers
     drain_finished: int = 0

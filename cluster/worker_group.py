@@ -53,14 +53,15 @@ def start_pool(
     the workers' makes it replace them one at a time.
     """
     telemetry = telemetry or TelemetryConfig()
-    # The index gets the first names so that, restarted by Ray, it resyncs from them at once
-    # (a worker added later registers again when its next publish finds the index behind).
+    # Restarted by Ray, the index asks the pool for its members now and resyncs from all of
+    # them at once (the first names too, should the pool not answer then).
     index = get_or_create_prefix_index(
         name=config.index_name,
         namespace=config.namespace,
         worker_names=[config.worker_name(i) for i in range(config.num_workers)],
         cpus=config.control_cpu_set,
         nice=config.control_nice,
+        pool_name=config.pool_name,
     )
     pool = get_or_create_worker_pool(config, telemetry)
     membership = ray.get(pool.configure.remote(config, revision), timeout=CALL_TIMEOUT_S)

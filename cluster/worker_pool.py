@@ -22,6 +22,14 @@ of the workers' stats. Each router replica asks for the membership on its stats 
   requests left cached; drop it from the membership and wait until every router forgot it
   (each router drops its `WorkerState` and its prefix view's entries); then kill it and drop
   it from the index.
+- **lost**: a serving worker whose stats call fails with a lost-worker error while its name
+  is no longer registered with Ray (dead, not restarting: killed with no restart; a worker
+  whose node is lost is restarting, `max_restarts=-1`, so it is not lost) is removed at
+  once: dropped from the membership (each router drops it and its prefix-view entries on its
+  next poll; their liveness had already taken it out of routing and replayed its requests on
+  peers) and from the index. The target is unchanged, so the next round adds its
+  replacement. A worker Ray is restarting keeps its name and stays a member: the routers
+  revive it when it answers again.
 - **reconcile**: each worker reports the fingerprint of the spec it was built from
   (`cluster/worker_spec.py`). A Router replica built from a newer app config sends it
   (`configure`); workers of another fingerprint are replaced one at a time, new one up and
@@ -239,6 +247,9 @@ class WorkerPoolActor:
                 stats = await asyncio.wait_for(
                     member.handle.stats.remote(), self._config.rpc_timeout_s
                 )
+            except WORKER_LOST_ERRORS:
+                gone = await asyncio.to_thread(gone_for_good, member.worker_id, self._config)
+                return dataclasses.replace(seen, gone=gone)
             except CALL_ERRORS:
                 return seen
             kv = stats.kv
@@ -256,6 +267,9 @@ class WorkerPoolActor:
         try:
             if action.kind == ActionKind.ADD:
                 await (await self._create())
+            elif action.kind == ActionKind.REMOVE:
+                assert action.worker_id is not None
+                await self._remove_lost(action.worker_id)
             else:
                 assert action.worker_id is not None
                 await self._retire(action.worker_id, action.reason)
@@ -282,6 +296,17 @@ class WorkerPoolActor:
         counters.workers_replaced += reason == Reason.RECONCILE
         counters.handover_chains += first.chains + second.chains
         counters.handover_blocks += first.blocks + second.blocks
+
+    async def _remove_lost(self, worker_id: str) -> None:
+        """A worker gone for good: nothing to hand over or drain (its routers replay what it
+        had); out of the membership and the index at once."""
+        member = self.members.get(worker_id)
+        assert member is not None
+        logger.warning("pool: worker %s is gone for good; removing it", worker_id)
+        self.members.remove(worker_id)
+        self._kill(member.handle)
+        await self._forget_in_index(worker_id)
+        self.counters.workers_lost += 1
 
     async def _routers_hold(self, version: MembershipVersion) -> None:
         """Wait until every live router holds `version`, at most one lease."""
@@ -349,6 +374,16 @@ def existing_workers(config: ClusterConfig) -> dict[str, int]:
         if match and actor["namespace"] == config.namespace:
             found[actor["name"]] = int(match.group(1))
     return found
+
+
+def gone_for_good(worker_id: str, config: ClusterConfig) -> bool:
+    """Whether the worker's actor is dead and will not come back: Ray releases an actor's name
+    only then (one restarting keeps it)."""
+    try:
+        ray.get_actor(worker_id, namespace=config.namespace)
+    except ValueError:
+        return True
+    return False
 
 
 def get_or_create_worker_pool(config: ClusterConfig, telemetry: TelemetryConfig) -> ActorHandle:

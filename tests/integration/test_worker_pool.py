@@ -1,7 +1,8 @@
 """The elastic worker pool end to end: scale-up under a burst, scale-down that hands the
-leaving worker's cache to its peer first, and a config change that replaces the workers one
-at a time; no request dropped, every output equal to the request run alone, and (the leak
-check) pools, index and views clean, the retired workers gone from all of them.
+leaving worker's cache to its peer first, a config change that replaces the workers one at a
+time, and a worker killed for good that the pool replaces; no request dropped, every output
+equal to the request run alone, and (the leak check) pools, index and views clean, the
+retired workers gone from all of them.
 
 No clock decides anything: the burst's streams are held unread (paused on the worker, their
 blocks kept), so the KV usage the pool scales on holds until the test reads them; scale-down
@@ -23,6 +24,7 @@ from pagedserve.cluster.worker_spec import WorkerSpec
 
 MAX_TOKENS = 32  # more than a held stream's buffers take: it pauses before its end
 NEVER_S = 3600.0
+PIN = 10_000_000  # router-side demand that makes a worker look full, to steer routing
 
 
 def prompt(seed: int, length: int) -> list[int]:
@@ -207,3 +209,49 @@ def test_a_config_change_replaces_the_workers_one_at_a_time_without_a_dropped_re
     assert router_stats.router.replays == len(prompts)
     # After the restart: the adopted worker, current, and no decision since (no roll back).
     assert (stats.counters.workers_added, stats.last_action) == (1, "")
+
+
+def test_a_worker_killed_for_good_is_replaced_and_its_requests_replay_on_a_peer(ray_cluster):
+    config = cluster_config("t-lost", num_workers=2, scale_interval_s=0.1, max_buffered_deltas=4)
+    replacement = config.worker_name(2)
+    prompts = [prompt(i, 24) for i in range(4)]
+
+    async def main():
+        core = await start_router(config)
+        alone = [(await run_request(core, p, greedy(MAX_TOKENS)))[0][0] for p in prompts]
+        held = [await hold(core, p, f"l{i}") for i, p in enumerate(prompts)]
+        victim = core.workers[held[0][1].worker_id]  # at least this stream runs on it
+        on_victim = sum(head.worker_id == victim.worker_id for _, head in held)
+        (survivor,) = set(core.workers) - {victim.worker_id}
+        ray.kill(victim.handle, no_restart=True)  # dead for good: Ray will not restart it
+
+        async def replaced():
+            stats = await pool_stats(core)
+            serving = stats.membership.in_state(MemberState.SERVING)
+            state = core.workers.get(replacement)
+            routed = state is not None and state.routable and victim.worker_id not in core.workers
+            return sorted(serving) == sorted([survivor, replacement]) and routed and stats
+
+        stats = await until(replaced, "the pool to replace the killed worker")
+        # Read only now: the victim's streams replay on a peer from the tokens they had.
+        outputs = [await read_rest(stream, head) for stream, head in held]
+        core.workers[survivor].begin(PIN)  # the replacement looks the one with room
+        try:
+            served, finals = await run_request(core, prompts[1], greedy(MAX_TOKENS))
+        finally:
+            core.workers[survivor].end(PIN)
+        await assert_cluster_clean(core)
+        replays = core.counters.replays
+        await core.close()
+        return alone, outputs, on_victim, victim.worker_id, stats, served, finals, replays
+
+    try:
+        alone, outputs, on_victim, victim_id, stats, served, finals, replays = asyncio.run(main())
+    finally:
+        stop_worker_group(config)
+    assert outputs == alone and served[0] == alone[1]  # none dropped, none changed
+    assert replays == on_victim >= 1
+    assert finals[0].worker_id == replacement  # the replacement serves
+    assert stats.counters.workers_lost == 1 and stats.retired == (victim_id,)
+    assert stats.counters.workers_added == 3 and stats.last_action == "add (target)"
+    assert stats.target == 2

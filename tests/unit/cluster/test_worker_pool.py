@@ -36,6 +36,11 @@ def seen(slot: int, waiting=0, running=0, streams=0, kv=0.0, state=SERVING, fp="
     return Observation(f"w{slot}", state, fp, slot, waiting, running, streams, kv)
 
 
+def lost(slot: int, fp="new") -> Observation:
+    """A member whose stats call found its actor gone for good (no load known)."""
+    return Observation(f"w{slot}", SERVING, fp, slot, gone=True)
+
+
 def add(reason: Reason) -> PoolAction:
     return PoolAction(ActionKind.ADD, reason)
 
@@ -94,6 +99,24 @@ def test_reconcile_adds_a_current_worker_then_retires_the_oldest_stale_one():
     assert planner.decide(4, [stale[1], seen(2), seen(3)]) == retire(Reason.RECONCILE, "w1")
     assert planner.decide(5, [seen(2), seen(3)]) is None
     assert planner.target == 2
+
+
+def test_a_lost_worker_is_removed_at_once_then_replaced_to_keep_the_target():
+    planner = PoolPlanner(SETTINGS, target=2, fingerprint="new")
+    # Removed even while another member starts, and whatever the load says: it serves no more.
+    starting = [seen(0, waiting=50), lost(1), seen(2, state=STARTING)]
+    assert planner.decide(0, starting) == PoolAction(ActionKind.REMOVE, Reason.LOST, "w1")
+    assert planner.target == 2  # a loss is not a scale-down
+    # The oldest lost one first; then, one serving of a target of two: its replacement.
+    assert planner.decide(1, [lost(3), seen(0), lost(1)]).worker_id == "w1"
+    assert planner.decide(2, [seen(0)]) == add(Reason.TARGET)
+    # At min_workers too: the pool never stays below it because a worker died.
+    floor = PoolPlanner(SETTINGS, target=1, fingerprint="new")
+    assert floor.decide(0, [lost(0)]).kind == ActionKind.REMOVE
+    assert floor.decide(1, []) == add(Reason.TARGET)
+    # A lost stale worker (mid-roll) is removed, not retired through a drain it cannot do.
+    rolling = PoolPlanner(SETTINGS, target=1, fingerprint="new")
+    assert rolling.decide(0, [lost(0, fp="old"), seen(1)]).kind == ActionKind.REMOVE
 
 
 def test_new_bounds_clamp_the_target_and_the_surplus_leaves_idle_first():
