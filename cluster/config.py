@@ -61,6 +61,11 @@ class ClusterConfig:
             it, recomputing is cheaper than the transfer: `pagedserve bench pull` measured the
             crossover at 8 blocks of 16 tokens on CPU workers).
         pull_timeout_s: deadline of one pull; past it the request prefills as usual.
+        tier_host_block_cost: what loading one matched block from a worker's host tier is
+            worth in prefilled blocks, for `kv_aware` routing (`cluster/tier_costs.py`): a
+            device hit costs 0, a prefill 1. TIER_HOST_MEASURED.
+        tier_disk_block_cost: the same for a block loaded from the disk tier.
+            TIER_DISK_MEASURED.
         enable_push: let a worker under eviction pressure hand cached blocks that no other
             worker holds to the worker with the most free blocks, instead of dropping them.
         push_free_fraction: "under pressure" means fewer uncached free blocks than this
@@ -121,6 +126,8 @@ class ClusterConfig:
     enable_pull: bool = True
     pull_min_blocks: int = 8
     pull_timeout_s: float = 5.0
+    tier_host_block_cost: float = 0.1
+    tier_disk_block_cost: float = 0.3
     enable_push: bool = True
     push_free_fraction: float = 0.1
     push_max_chains: int = 4
@@ -150,6 +157,10 @@ class ClusterConfig:
             )
         if self.pull_min_blocks < 1:
             raise ValueError(f"pull_min_blocks must be >= 1, got {self.pull_min_blocks}")
+        for name in ("tier_host_block_cost", "tier_disk_block_cost"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
         for name in ("max_waiting_per_worker", "max_inflight", "worker_threads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {getattr(self, name)}")

@@ -1,7 +1,9 @@
 """Routing policies: which alive worker serves a request.
 
 A policy sees three things: the request's prompt length in blocks, how many leading blocks each
-worker already caches (`PrefixIndex.match`), and each alive worker's `WorkerLoad`. The load joins
+worker already caches (`PrefixIndex.match`), and each alive worker's `WorkerLoad`; and, where a
+worker's match sits partly in its host or disk tier, what loading those blocks is worth in
+prefill blocks (`tier_load_blocks`, from `cluster/tier_costs.py`). The load joins
 what the worker last reported with what the router itself has sent there and not yet seen
 finish (`inflight`, `inflight_tokens`): reports lag, and a router blind between them would send a
 burst of requests to the same "idle" worker. The caller counts those: after each decision it
@@ -72,6 +74,7 @@ class Candidate:
     load: float
     cost: float
     excluded: str | None = None
+    tier_load_blocks: float = 0.0  # prefill blocks its lower-tier hits are worth
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,11 @@ class RoutingPolicy(abc.ABC):
 
     @abc.abstractmethod
     def choose(
-        self, num_prompt_blocks: int, matches: Mapping[str, int], loads: Sequence[WorkerLoad]
+        self,
+        num_prompt_blocks: int,
+        matches: Mapping[str, int],
+        loads: Sequence[WorkerLoad],
+        tier_load_blocks: Mapping[str, float] | None = None,
     ) -> RoutingDecision:
         """Pick a worker.
 
@@ -104,6 +111,8 @@ class RoutingPolicy(abc.ABC):
             num_prompt_blocks: the prompt's length in KV blocks.
             matches: per worker, leading prompt blocks it caches (absent: none).
             loads: alive workers only, one entry each.
+            tier_load_blocks: per worker, the prefill blocks its matched blocks below the
+                device are worth to load (absent: all on the device).
 
         Returns:
             The decision, with every worker's candidate score sorted by worker id.
@@ -131,11 +140,13 @@ def make_policy(name: str, **options: Any) -> RoutingPolicy:
 
 
 class KvAwarePolicy(RoutingPolicy):
-    """Cheapest worker by `cost = prefill_weight · blocks_to_prefill + load`.
+    """Cheapest worker by `cost = prefill_weight · (blocks_to_prefill + tier_load) + load`.
 
     Definitions, all in KV blocks:
 
     - `blocks_to_prefill = num_prompt_blocks − matched_blocks` (the prompt blocks it lacks);
+    - `tier_load`: what loading its matched blocks from the host or disk tier is worth in
+      prefilled blocks (`tier_load_blocks`; `TierCosts.load_blocks`);
     - `load = max(used_blocks, ⌈inflight_tokens / block_size⌉) + waiting_weight · num_waiting`.
       The first term is decode load: the worker's reported KV use, or the router's estimate of
       what it sent there when that is larger (the report has not caught up yet). Waiting
@@ -213,7 +224,11 @@ class KvAwarePolicy(RoutingPolicy):
         return value > self.imbalance_pool_fraction * load.total_blocks
 
     def choose(
-        self, num_prompt_blocks: int, matches: Mapping[str, int], loads: Sequence[WorkerLoad]
+        self,
+        num_prompt_blocks: int,
+        matches: Mapping[str, int],
+        loads: Sequence[WorkerLoad],
+        tier_load_blocks: Mapping[str, float] | None = None,
     ) -> RoutingDecision:
         ordered = _checked(loads)
         values = {w.worker_id: self.load_of(w) for w in ordered}
@@ -230,8 +245,11 @@ class KvAwarePolicy(RoutingPolicy):
             matched, prefill = _prefix(worker.worker_id, num_prompt_blocks, matches)
             value = values[worker.worker_id]
             excluded = "overloaded" if worker.worker_id in over else None
-            cost = self.prefill_weight * prefill + value
-            candidates.append(Candidate(worker.worker_id, matched, prefill, value, cost, excluded))
+            tier_load = _tier_load(worker.worker_id, tier_load_blocks)
+            cost = self.prefill_weight * (prefill + tier_load) + value
+            candidates.append(
+                Candidate(worker.worker_id, matched, prefill, value, cost, excluded, tier_load)
+            )
         inflight = {w.worker_id: w.inflight for w in ordered}
         best = min(
             (c for c in candidates if c.excluded is None),
@@ -246,7 +264,11 @@ class LeastLoadedPolicy(RoutingPolicy):
     name = "least_loaded"
 
     def choose(
-        self, num_prompt_blocks: int, matches: Mapping[str, int], loads: Sequence[WorkerLoad]
+        self,
+        num_prompt_blocks: int,
+        matches: Mapping[str, int],
+        loads: Sequence[WorkerLoad],
+        tier_load_blocks: Mapping[str, float] | None = None,
     ) -> RoutingDecision:
         candidates = []
         for worker in _checked(loads):
@@ -271,7 +293,11 @@ class RoundRobinPolicy(RoutingPolicy):
         self._last: str | None = None
 
     def choose(
-        self, num_prompt_blocks: int, matches: Mapping[str, int], loads: Sequence[WorkerLoad]
+        self,
+        num_prompt_blocks: int,
+        matches: Mapping[str, int],
+        loads: Sequence[WorkerLoad],
+        tier_load_blocks: Mapping[str, float] | None = None,
     ) -> RoutingDecision:
         ordered = _checked(loads)
         ids = [w.worker_id for w in ordered]
@@ -306,6 +332,11 @@ def _prefix(worker_id: str, num_prompt_blocks: int, matches: Mapping[str, int]) 
         raise ValueError(f"num_prompt_blocks must be >= 0, got {num_prompt_blocks}")
     matched = min(matches.get(worker_id, 0), num_prompt_blocks)
     return matched, num_prompt_blocks - matched
+
+
+def _tier_load(worker_id: str, tier_load_blocks: Mapping[str, float] | None) -> float:
+    """The tier term of a worker's cost: 0 without lower-tier hits."""
+    return 0.0 if tier_load_blocks is None else tier_load_blocks.get(worker_id, 0.0)
 
 
 def _decision(best: Candidate, policy: str, candidates: list[Candidate]) -> RoutingDecision:

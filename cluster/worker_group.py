@@ -16,6 +16,8 @@ logger = logging.getLogger(__name__)
 
 # Generous: a worker streams many requests at once, each a long-lived generator call.
 WORKER_MAX_CONCURRENCY = 4096
+# How long a stop waits for a worker to flush its disk tier (at most 64 MiB of queued writes).
+WORKER_CLOSE_TIMEOUT_S = 30.0
 
 
 def start_worker_group(
@@ -75,10 +77,32 @@ def start_worker_group(
 
 
 def stop_worker_group(config: ClusterConfig) -> None:
-    """Kill the app's named actors (no restart). Missing ones are skipped."""
-    names = [config.worker_name(i) for i in range(config.num_workers)] + [config.index_name]
-    for name in names:
+    """Kill the app's named actors (no restart). Missing ones are skipped.
+
+    With a disk tier, each worker is first closed (`Worker.close`, under a deadline) so that
+    its queued block files are written before the kill: the next worker on the directory
+    finds them.
+    """
+    worker_names = [config.worker_name(i) for i in range(config.num_workers)]
+    if config.worker_engine.kv_disk_tier_dir is not None:
+        _close_workers(config, worker_names)
+    for name in [*worker_names, config.index_name]:
         try:
             ray.kill(ray.get_actor(name, namespace=config.namespace), no_restart=True)
         except ValueError:
             continue
+
+
+def _close_workers(config: ClusterConfig, names: list[str]) -> None:
+    """Close every worker still there, at once; one that fails or is late is killed as is."""
+    closing = []
+    for name in names:
+        try:
+            closing.append((name, ray.get_actor(name, namespace=config.namespace).close.remote()))
+        except ValueError:
+            continue
+    for name, ref in closing:
+        try:
+            ray.get(ref, timeout=WORKER_CLOSE_TIMEOUT_S)
+        except Exception as error:  # dead, restarting or stuck: its pending writes are lost
+            logger.warning("worker %s did not close (%r); killing it anyway", name, error)

@@ -188,6 +188,12 @@ class Worker:
         then end the rest for the router to replay. The caller then stops the actor."""
         return await self.core.drain(grace_s)
 
+    async def close(self) -> None:
+        """The shutdown path: stop stepping and flush the disk tier's queued writes, so that
+        this worker restarted (by Ray, or a new deployment) finds its files. The caller then
+        stops the actor."""
+        await self.core.close()
+
     async def stats(self, owner_id: str | None = None) -> WorkerStats:
         """The worker's state; also renews `owner_id`'s lease (the router polls this)."""
         if owner_id is not None:
