@@ -40,7 +40,7 @@ from pagedserve.workers.kv_cache import KVCache
 from pagedserve.workers.kv_cache_manager import KVCacheManager, KVUsage
 from pagedserve.workers.kv_tier_file import KVLayout
 from pagedserve.workers.kv_tier_load import build_tier_store, load_prefix_from_tiers
-from pagedserve.workers.kv_tiers import TierStats
+from pagedserve.workers.kv_tiers import StepTierLoad, TierLoad, TierStats
 from pagedserve.workers.logprobs import (
     raw_logits,
     record_sample_logprobs,
@@ -155,6 +155,7 @@ class Engine:
         self._arrivals = itertools.count()
         self.num_steps = 0
         self.num_handoffs = 0
+        self.step_tier_loads: list[StepTierLoad] = []  # the last step's loads (for spans)
 
     def _kv_layout(self) -> KVLayout:
         """What a disk-tier block must match to be loaded here (a random model's weights
@@ -369,6 +370,7 @@ class Engine:
         tiers = self.tiers
         if tiers is None:
             return
+        self.step_tier_loads = []
         tiers.reap_failed()
         if not tiers.num_blocks:
             return
@@ -379,7 +381,13 @@ class Engine:
             if request.paused:
                 continue
             slots -= 1 + len(request.pending_branches)
-            load_prefix_from_tiers(self.kv, self.kv_cache, tiers, request)
+            started, hits = time.time_ns(), tiers.hits()
+            if load_prefix_from_tiers(self.kv, self.kv_cache, tiers, request):
+                now = tiers.hits()
+                load = TierLoad(*(after - before for after, before in zip(now, hits, strict=True)))
+                self.step_tier_loads.append(
+                    StepTierLoad(request.group_id, started, time.time_ns(), load)
+                )
 
     # ----------------------------------------------------------- speculation
     def _propose_drafts(self) -> list[Request]:

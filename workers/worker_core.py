@@ -162,6 +162,7 @@ class WorkerCore:
                 # Shielded: a `close` cancelling the loop must still be able to wait for it.
                 deltas = await asyncio.shield(self._step_in_flight)
                 self._step_in_flight = None
+                self.traces.on_tier_loads(self.engine.step_tier_loads)
                 self.traces.after_step(prefilling, start_ns)
             except Exception as error:
                 logger.exception("engine step failed; ending every request in flight")
