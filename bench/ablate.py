@@ -99,6 +99,7 @@ class AblateConfig:
     poll_interval_s: float = 0.1
     host_tier_bytes: int = 4 << 20
     disk_tier_bytes: int = 256 << 20
+    model: str = "tiny-llama"
 
     def cluster(self, arm: Arm, tier_dir: str | None = None) -> dict[str, Any]:
         """`ClusterConfig` data of one arm's worker group (`tier_dir`: its disk tier's)."""
@@ -111,7 +112,7 @@ class AblateConfig:
                 "kv_disk_tier_bytes": self.disk_tier_bytes,
             }
         engine = {
-            "model": "tiny-llama",
+            "model": self.model,
             "block_size": self.block_size,
             "num_kv_blocks": self.num_kv_blocks,
             "max_model_len": self.max_model_len,
@@ -258,7 +259,7 @@ def ratio_rows(results: list[ArmResult]) -> list[dict[str, Any]]:
             s, b = result.summary, base.summary
             row.update(
                 throughput_ratio=_ratio(s["output_token_throughput"], b["output_token_throughput"]),
-                ttft_p50_ratio=_ratio(s["ttft_s"]["p50"], b["ttft_s"]["p50"]),
+                ttft_p50_ratio=_ratio(s["ttft_s"]["median"], b["ttft_s"]["median"]),
                 ttft_p99_ratio=_ratio(s["ttft_s"]["p99"], b["ttft_s"]["p99"]),
                 e2e_p99_ratio=_ratio(s["e2e_s"]["p99"], b["e2e_s"]["p99"]),
                 max_running=result.max_running,
@@ -350,6 +351,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--max-num-seqs", type=int, default=d.max_num_seqs, help="running sequences at most")
     add("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda if any")
     add("--poll-interval", type=float, default=d.poll_interval_s, help="stats sample period, s")
+    add("--model", default=d.model, help="the model every arm serves")
     add("--repeats", type=int, default=1, help="rounds of every arm, alternated (median ratios)")
     add("--host-tier-bytes", type=int, default=d.host_tier_bytes, help="tiers arm: host tier")
     add("--disk-tier-bytes", type=int, default=d.disk_tier_bytes, help="tiers arm: disk tier")
@@ -380,6 +382,7 @@ def run(args: argparse.Namespace) -> int:
         args.poll_interval,
         args.host_tier_bytes,
         args.disk_tier_bytes,
+        args.model,
     )
     if args.repeats < 1:
         print(f"pagedserve bench ablate: error: --repeats must be >= 1, got {args.repeats}")

@@ -173,7 +173,8 @@ async def check_pools_and_index(
             pool = await asyncio.wait_for(handle.check_pool.remote(), rpc_timeout_s)
             snapshot = await asyncio.wait_for(handle.kv_snapshot.remote(), rpc_timeout_s)
             held = await asyncio.wait_for(index.snapshot_of.remote(worker_id), rpc_timeout_s)
-            indexed = await asyncio.wait_for(index.tier_counts.remote(worker_id), rpc_timeout_s)
+            counts = await asyncio.wait_for(index.tier_counts.remote(worker_id), rpc_timeout_s)
+            indexed = {tier: counts.get(tier, 0) for tier in TIER_NAMES}  # {}: not in the index
             last = (pool, set(snapshot.block_hashes), held, _tier_counts(snapshot), indexed)
             if pool.clean and last[1] == held and last[3] == indexed:
                 break

@@ -366,7 +366,13 @@ class Engine:
 
     def _load_from_tiers(self) -> None:
         """Before admission: bring the lower-tier prefixes of the waiting requests this step
-        can admit back into the device pool, so the scheduler sees them as prefix hits."""
+        can admit back into the device pool, so the scheduler sees them as prefix hits.
+
+        Requests are taken in queue order while their whole sequences fit the pool's free
+        blocks together: a load takes free (possibly cached) blocks, so loading for a request
+        the step cannot admit would evict the blocks just loaded for the one before it, and
+        a long queue on a full pool turned every step into a round of wasted tier reads.
+        """
         tiers = self.tiers
         if tiers is None:
             return
@@ -375,11 +381,15 @@ class Engine:
         if not tiers.num_blocks:
             return
         slots = self.config.max_num_seqs - self.scheduler.num_active
+        room = self.kv.pool.num_free_blocks - self.kv.reserve_blocks
         for request in self.scheduler.waiting:
             if slots <= 0:
                 return
             if request.paused:
                 continue
+            room -= -(-len(request.all_token_ids) // self.kv.block_size)  # its blocks, rounded up
+            if room < 0:
+                return
             slots -= 1 + len(request.pending_branches)
             started, hits = time.time_ns(), tiers.hits()
             if load_prefix_from_tiers(self.kv, self.kv_cache, tiers, request):

@@ -202,8 +202,9 @@ def _tier_problems(
     tiers = dict(zip(snapshot.block_hashes, snapshot.tiers(), strict=True))
     counts = {tier: 0 for tier in TIER_NAMES} | Counter(tiers.values())
     problems = []
-    if indexed_tiers and indexed_tiers != counts:
-        problems.append(f"the index counts {indexed_tiers} blocks per tier, {worker_id} {counts}")
+    indexed = {tier: indexed_tiers.get(tier, 0) for tier in TIER_NAMES}  # {}: not indexed
+    if indexed != counts:
+        problems.append(f"the index counts {indexed} blocks per tier, {worker_id} {counts}")
     for name, view in views:
         wrong = sum(view.tier_of(worker_id, h) != tier for h, tier in tiers.items())
         if wrong:
