@@ -6,12 +6,19 @@ a decision is the routing code and how much is the machine. The view is filled t
 simulated workers (`SimWorkerCore`) serve the workload's requests (system prompt k on worker
 k mod N), their KV events go into a real `PrefixIndexState`, and the router's `PrefixView`
 applies the state's feed dump. Each worker's `WorkerStats` is its real one.
+
+After each decision the chosen worker counts the request as `RouterCore._stream` does
+(`WorkerState.begin`), and the oldest of `inflight` requests ends (`end`), so loads change
+between decisions as they do in a router: a router that keeps per-worker state current pays
+for those changes inside the next decision, which is what is timed. `begin` + `end` themselves
+are timed apart (`bookkeeping_p50_us`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from pagedserve.bench.scale_report import percentile
@@ -36,6 +43,7 @@ class RouteCost:
     hash_p50_ms: float
     index_us_per_event: float
     view_us_per_entry: float
+    bookkeeping_p50_us: float = 0.0  # `begin` of the routed request + `end` of the oldest
 
 
 @dataclass
@@ -96,19 +104,29 @@ def view_us_per_entry(state: PrefixIndexState) -> float:
 
 
 def route_cost(config, num_workers: int, num_decisions: int = 2000) -> RouteCost:
-    """Time `num_decisions` routing decisions over the workload's prompts."""
+    """Time `num_decisions` routing decisions over the workload's prompts, with two requests
+    per worker in flight (each routed one begins on its worker, the oldest ends)."""
     from pagedserve.bench.scale import workload
 
     planned, _ = workload(config, rate=max(1.0, num_decisions / config.duration_s))
     prompts = [(p.system_prompt, p.token_ids) for p in planned]
     router, index = filled_router(config, num_workers, prompts)
-    decisions, hashing = [], []
+    decisions, hashing, bookkeeping = [], [], []
+    inflight: deque = deque()  # (worker, demand) of the requests "streaming"
 
     async def decide() -> None:
         for _, tokens in prompts:
             start = time.thread_time()
-            await router.route(list(tokens), None)
+            worker, matched = await router.route(list(tokens), None)
             decisions.append(time.thread_time() - start)
+            start = time.thread_time()
+            demand = len(tokens) - matched * config.block_size + config.max_tokens  # as _attempt
+            worker.begin(demand)
+            inflight.append((worker, demand))
+            if len(inflight) > 2 * num_workers:
+                done, done_demand = inflight.popleft()
+                done.end(done_demand)
+            bookkeeping.append(time.thread_time() - start)
             start = time.thread_time()
             hash_full_blocks(tokens, config.block_size, (SIM_MODEL,))
             hashing.append(time.thread_time() - start)
@@ -122,6 +140,7 @@ def route_cost(config, num_workers: int, num_decisions: int = 2000) -> RouteCost
         1e3 * percentile(hashing, 0.5),
         1e6 * index.cpu_s / max(1, index.events),
         view_us_per_entry(index.state),
+        1e6 * percentile(bookkeeping, 0.5),
     )
 
 
@@ -130,6 +149,7 @@ def format_route_cost(cost: RouteCost) -> str:
         f"routing alone (RouterCore.route in process, {cost.num_workers} workers, "
         f"{cost.num_decisions} decisions): CPU p50 {cost.p50_ms:.3f} ms, "
         f"p99 {cost.p99_ms:.3f} ms; hashing the prompt alone p50 {cost.hash_p50_ms:.3f} ms; "
+        f"begin + end per request p50 {cost.bookkeeping_p50_us:.1f} us; "
         f"index state {cost.index_us_per_event:.1f} us/event, "
         f"a view {cost.view_us_per_entry:.1f} us/feed entry"
     )

@@ -73,6 +73,7 @@ class SimRequest:
     cached_tokens: int = 0
     admitted: bool = False
     finished: bool = False
+    owner_id: str | None = None  # the router replica that sent it
 
     @property
     def num_output_tokens(self) -> int:
@@ -192,6 +193,7 @@ class SimWorkerCore:
         extra = (SIM_MODEL,) + ((request.cache_salt,) if request.cache_salt else ())
         prompt = list(request.prompt)
         sim = SimRequest(request.request_id, prompt, extra, len(prompt), request.params.max_tokens)
+        sim.owner_id = request.owner_id
         self.waiting.append(sim)
         self._wake.set()
         return sim
@@ -237,9 +239,13 @@ class SimWorkerCore:
             pid=os.getpid(),
         )
 
-    def stats(self) -> WorkerStats:
+    def stats(self, owner_id: str | None = None) -> WorkerStats:
+        """As `WorkerCore.stats`: with `owner_id`, that owner's requests held here too."""
+        held = [*self.waiting, *self.running.values()]
+        owned = sorted(r.request_id for r in held if owner_id and r.owner_id == owner_id)
         return WorkerStats(
             worker_id=self.worker_id,
+            owned_requests=tuple(owned),
             epoch=self.epoch,
             kv=self.kv.usage(),
             num_waiting=len(self.waiting),
@@ -359,7 +365,7 @@ class SimWorkerHost:
         return self.cores[slot].abort(request_id)
 
     async def stats(self, slot: int, owner_id: str | None = None) -> WorkerStats:
-        return self.cores[slot].stats()
+        return self.cores[slot].stats(owner_id)
 
     async def renew_lease(self, slot: int, owner_id: str) -> None:
         return None  # no leases in the simulation

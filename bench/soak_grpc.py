@@ -172,9 +172,9 @@ async def run_grpc_soak(app: SoakApp, spec: GrpcSoakSpec, log: Any = None) -> Gr
                     for a, b in pairs
                 ]
             if name == "router_kill":
-                record = await router_kill(app, channel, extra["victim"], extra["probe"], kill)
-                counters.update(record.facts["router_counters"])  # they died with the replica
-                return [record]
+                # GetStats sums every replica's counters, the killed one's (as of its last
+                # report) included: the final read below holds them.
+                return [await router_kill(app, channel, extra["victim"], extra["probe"], kill)]
             return [await index_kill(app, spec.resync_timeout_s)]
 
         for i, req in enumerate(steady):

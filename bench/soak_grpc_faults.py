@@ -242,7 +242,7 @@ async def _start_victims(
 
 
 async def router_counters(address: str) -> dict[str, int]:
-    """The Router replica's counters (each replica keeps its own; they die with it)."""
+    """The Router replicas' counters, summed over every replica (whichever one answers)."""
     async with AsyncClient(address, timeout=30) as client:
         stats = await client.stats()
     return dict(stats.router_counters)

@@ -18,6 +18,7 @@ No `from __future__ import annotations` here: Serve pickles `Router` by value, a
 resolve the route annotations (`Request`) when the replica rebuilds the class.
 """
 
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -36,7 +37,7 @@ from pagedserve.cluster.openai_api import OpenAIFrontend, error_response
 from pagedserve.cluster.router import RouterCore
 from pagedserve.cluster.router_types import ClusterStats, GenerateRequest, RouterInflight
 from pagedserve.cluster.serve_options import ROUTER_ENV_VARS
-from pagedserve.cluster.worker_group import start_worker_group
+from pagedserve.cluster.worker_group import start_pool
 from pagedserve.workers.cpu_placement import pin_process, set_niceness
 from pagedserve.workers.model_registry import DEFAULT_MODEL
 from pagedserve.workers.stream import StreamDelta
@@ -67,9 +68,13 @@ class Router:
     Args:
         config: the cluster's config.
         api: the front ends' config (auth, served model name, telemetry).
+        config_revision: when `build_app` bound this config (the worker pool follows the
+            newest: a replica of an older deployment cannot roll the workers back).
     """
 
-    def __init__(self, config: ClusterConfig, api: ApiConfig | None = None) -> None:
+    def __init__(
+        self, config: ClusterConfig, api: ApiConfig | None = None, config_revision: float = 0.0
+    ) -> None:
         self.config = config
         if config.control_cpus is not None:  # before the worker group: nothing heavy yet
             pin_process(config.control_cpu_set, what="router")
@@ -77,9 +82,17 @@ class Router:
             set_niceness(config.control_nice, what="router")
         api_config = api or ApiConfig()
         telemetry = api_config.telemetry
-        index, workers = start_worker_group(self.config, telemetry)
+        group = start_pool(self.config, telemetry, config_revision)
         tracing = get_tracing(telemetry, ROUTER_SERVICE)
-        self.core = RouterCore(self.config, index, workers, tracing, telemetry.metrics)
+        self.core = RouterCore(
+            self.config,
+            group.index,
+            group.workers,
+            tracing,
+            telemetry.metrics,
+            pool=group.pool,
+            config_revision=config_revision,
+        )
         auth = self.auth = TokenAuth.from_config(api_config.auth)
         model_name = served_model_name(self.config, api_config)
         self.grpc = GrpcFrontend(self.core, auth)
@@ -152,6 +165,7 @@ class Router:
             return error_response(error)
         if not self.core.metrics.enabled:
             return JSONResponse({"error": "metrics are off"}, status_code=404)
+        await self.core.cluster_routers()  # every replica's counters, for this scrape
         return Response(self.core.metrics.render(), media_type=CONTENT_TYPE)
 
     @http_app.get("/health")
@@ -179,7 +193,9 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     router = Router.options(
         max_ongoing_requests=ongoing, max_queued_requests=ongoing, **router_scaling(config)
     )
-    return router.bind(config, api)  # frozen dataclasses: Serve pickles them to each replica
+    # Frozen dataclasses: Serve pickles them to each replica. The revision is this bind's
+    # wall-clock time: each deploy (or redeploy) of the app binds a newer one.
+    return router.bind(config, api, time.time())
 
 
 def router_scaling(config: ClusterConfig) -> dict[str, Any]:

@@ -227,8 +227,15 @@ def run(args: argparse.Namespace) -> int:
             continue
     except KeyboardInterrupt:
         print("pagedserve: stopping", flush=True)
-    from pagedserve.cluster.worker_group import stop_worker_group
+    from pagedserve.cluster.worker_group import drain_worker_group, stop_pool, stop_worker_group
 
+    # Workers first: they drain while the Routers still stream what they finish (new requests
+    # are refused meanwhile), so nothing is left in flight when Serve stops; the pool goes
+    # before, so that it replaces no draining worker. The index and the workers go last, once
+    # no Router is left to ask them.
+    print(f"pagedserve: draining workers (up to {config.drain_grace_s:g} s)", flush=True)
+    stop_pool(config)
+    drain_worker_group(config)
     serve.shutdown()
-    stop_worker_group(config)
+    stop_worker_group(config, drain_grace_s=0.0)
     return 0

@@ -21,7 +21,25 @@ class ClusterConfig:
 
     Attributes:
         engine: the config every worker's engine is built from.
-        num_workers: worker actors (one per GPU where there are GPUs).
+        num_workers: worker actors the pool starts with (one per GPU where there are GPUs).
+        min_workers: the fewest workers the pool scales down to. None: `num_workers`.
+        max_workers: the most workers the pool scales up to. None: `num_workers` (with both
+            None the pool is fixed, as before the pool could scale). A rolling replacement
+            (reconcile, below) briefly runs one worker more than the pool holds.
+        scale_up_waiting_per_worker: scale up (one worker at a time, up to `max_workers`) when
+            the mean of the serving workers' waiting queues reaches this many requests ...
+        scale_up_kv_usage: ... or when their mean KV usage (used / total blocks) reaches this
+            fraction. The worker pool (`cluster/worker_pool.py`) judges both from each
+            worker's own stats every `scale_interval_s`; a new worker is a new actor, so on
+            KubeRay its resource demand is what makes the autoscaler add a pod.
+        scale_down_idle_s: scale down (one worker at a time, down to `min_workers`) once a
+            worker has had no request, running, waiting or streaming, for this long and no
+            scale-up signal holds. The newest idle worker leaves: out of routing on every
+            router first, its hot cached prefixes pushed to peers with free blocks, then
+            drained and stopped (see `cluster/worker_pool.py`).
+        scale_interval_s: how often the pool looks at its workers' stats and decides.
+        scale_down_grace_s: the drain grace of a worker leaving the pool: its open streams get
+            this long to finish; the rest are handed back and replayed on peers.
         worker_num_gpus: GPUs per worker actor (1 on GPU machines, 0 on CPU).
         worker_num_cpus: CPUs per worker actor (what Ray reserves for it).
         worker_threads: torch intra-op threads of each worker's engine (its
@@ -102,6 +120,10 @@ class ClusterConfig:
             this long is stalled: out of routing, and the router's streams on it end as if it
             were lost (replayed on a peer, or UNAVAILABLE), so no stream waits on it forever.
             It rejoins routing once it steps again. Longer than any one step may take.
+        drain_grace_s: how long a draining worker's open streams get to finish before the
+            rest are handed back to the router (which replays them on a peer): on SIGTERM to
+            the worker's process (`pagedserve drain-node`, a pod's removal) and when
+            `stop_worker_group` stops the app (`pagedserve serve`'s Ctrl-C).
         router_replicas: Router replicas Serve runs (each one ingress of both proxies, with its
             own prefix view, liveness watch and `max_inflight`; any replica serves any call,
             Abort included). The floor when `router_max_replicas` is set.
@@ -114,6 +136,13 @@ class ClusterConfig:
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     num_workers: int = 2
+    min_workers: int | None = None
+    max_workers: int | None = None
+    scale_up_waiting_per_worker: float = 8.0
+    scale_up_kv_usage: float = 0.9
+    scale_down_idle_s: float = 300.0
+    scale_interval_s: float = 1.0
+    scale_down_grace_s: float = 30.0
     worker_num_gpus: float = 0.0
     worker_num_cpus: float = 1.0
     worker_threads: int | None = None
@@ -147,6 +176,7 @@ class ClusterConfig:
     lease_timeout_s: float = 10.0
     max_buffered_deltas: int = 64
     stall_timeout_s: float = 60.0
+    drain_grace_s: float = 30.0
     router_replicas: int = 1
     router_max_replicas: int | None = None
     namespace: str = "pagedserve"
@@ -169,7 +199,8 @@ class ClusterConfig:
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {getattr(self, name)}")
         timeouts = ("pull_timeout_s", "stats_interval_s", "rpc_timeout_s", "startup_timeout_s")
-        for name in (*timeouts, "retry_after_s", "push_free_fraction", "stall_timeout_s"):
+        others = ("retry_after_s", "push_free_fraction", "stall_timeout_s", "drain_grace_s")
+        for name in (*timeouts, *others):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):  # NaN fails every comparison
                 raise ValueError(f"{name} must be a finite number > 0, got {value}")
@@ -180,6 +211,7 @@ class ClusterConfig:
         self._check_lease()
         self._check_placement()
         self._check_router_replicas()
+        self._check_pool_bounds()
         if self.max_buffered_deltas < 1:
             raise ValueError(f"max_buffered_deltas must be >= 1, got {self.max_buffered_deltas}")
 
@@ -203,6 +235,30 @@ class ClusterConfig:
                 f"({self.router_replicas}) or None"
             )
 
+    def _check_pool_bounds(self) -> None:
+        low, high = self.worker_bounds
+        if low < 1:
+            raise ValueError(f"min_workers must be >= 1, got {low}")
+        if not low <= self.num_workers <= high:
+            raise ValueError(
+                f"the pool must start within its bounds: min_workers ({low}) <= num_workers "
+                f"({self.num_workers}) <= max_workers ({high})"
+            )
+        seconds = ("scale_down_idle_s", "scale_interval_s", "scale_down_grace_s")
+        for name in (*seconds, "scale_up_waiting_per_worker"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value}")
+        if not 0 < self.scale_up_kv_usage <= 1:
+            raise ValueError(f"scale_up_kv_usage must be in (0, 1], got {self.scale_up_kv_usage}")
+
+    @property
+    def worker_bounds(self) -> tuple[int, int]:
+        """(min_workers, max_workers), each `num_workers` where not set."""
+        low = self.num_workers if self.min_workers is None else self.min_workers
+        high = self.num_workers if self.max_workers is None else self.max_workers
+        return low, high
+
     def _check_placement(self) -> None:
         for name in ("worker_nice", "control_nice"):
             value = getattr(self, name)
@@ -223,10 +279,12 @@ class ClusterConfig:
             )
 
     def worker_cpu_share(self, index: int) -> tuple[int, ...] | None:
-        """The cores worker `index` is pinned to (None: not pinned)."""
+        """The cores worker `index` is pinned to (None: not pinned). Slices are cut for
+        `num_workers`; a worker the pool adds beyond them shares slice `index % num_workers`."""
         if self.worker_cpus is None:
             return None
-        return worker_share(parse_cpu_list(self.worker_cpus), index, self.num_workers)
+        slot = index % self.num_workers
+        return worker_share(parse_cpu_list(self.worker_cpus), slot, self.num_workers)
 
     def worker_thread_count(self, index: int) -> int | None:
         """Torch threads of worker `index`: `worker_threads`, else one per core of its share,
@@ -257,6 +315,10 @@ class ClusterConfig:
 
     def worker_name(self, index: int) -> str:
         return f"{self.name}-worker-{index}"
+
+    @property
+    def pool_name(self) -> str:
+        return f"{self.name}-worker-pool"
 
     @property
     def index_name(self) -> str:

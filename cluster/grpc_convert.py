@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Literal, get_args
 
@@ -177,10 +178,14 @@ def _set_stop_reason(message: Any, stop_reason: str | int | None) -> None:
 
 # --------------------------------------------------------------------- state
 def stats_to_proto(stats: ClusterStats) -> pb.GetStatsResponse:
-    """`GetStatsResponse` from `RouterCore.cluster_stats()`."""
-    counters = stats.router
+    """`GetStatsResponse` from `RouterCore.cluster_stats()`: cluster-wide, whichever replica
+    answers (router counters and in-flight counts summed over every replica; only this
+    replica's own when the index actor, which holds the others', did not answer)."""
+    counters = stats.cluster.counters if stats.cluster is not None else stats.router
     message = pb.GetStatsResponse(routing_policy=stats.policy, router_counters=counters.as_dict())
     for worker_id, worker in sorted(stats.workers.items()):
+        if stats.cluster is not None:
+            worker = dataclasses.replace(worker, inflight=stats.cluster.inflight.get(worker_id, 0))
         message.workers.append(_worker_stats(worker_id, worker))
     alive = [w for w in message.workers if w.alive]
     for name in _KV_FIELDS:

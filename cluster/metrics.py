@@ -9,6 +9,12 @@ an endpoint that works without Ray's per-node metrics agent or its export port.
 Counters and histograms are recorded as events happen; worker gauges (and the prefix-cache
 counters, which the workers count cumulatively) are read from the last poll at scrape time.
 Without `prometheus_client`, or with `telemetry.metrics: false`, `RouterMetrics` is a no-op.
+
+Several Router replicas: the worker series are cluster-wide already (every replica polls every
+worker), and so are `pagedserve_cluster_router_events_total` (every replica's `RouterCounters`
+summed, `cluster/router_reports.py`, read as the scrape arrives), `pagedserve_router_replicas`
+and `pagedserve_cluster_requests_inflight`. The request counters and latency histograms above
+are the answering replica's own (label-free: a scrape reaches one replica through Serve).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pagedserve.cluster.router_reports import ClusterRouters
     from pagedserve.workers.worker_types import WorkerStats
 
 logger = logging.getLogger(__name__)
@@ -37,9 +44,16 @@ class RouterMetrics:
         enabled: False (or no `prometheus_client`): every method does nothing.
         worker_stats: returns {worker_id: (alive, last `WorkerStats` or None)} from the
             router's last poll.
+        cluster_routers: returns every replica's counters summed, as last read (None: not
+            read yet, or the index did not answer).
     """
 
-    def __init__(self, enabled: bool, worker_stats: Callable[[], WorkerStatsByWorker]) -> None:
+    def __init__(
+        self,
+        enabled: bool,
+        worker_stats: Callable[[], WorkerStatsByWorker],
+        cluster_routers: Callable[[], ClusterRouters | None] = lambda: None,
+    ) -> None:
         self.registry = None
         if not enabled:
             return
@@ -83,6 +97,7 @@ class RouterMetrics:
             )
         }
         reg.register(_WorkerCollector(worker_stats))
+        reg.register(_ClusterRouterCollector(cluster_routers))
 
     @property
     def enabled(self) -> bool:
@@ -227,3 +242,34 @@ def _add_tier_metrics(families: dict[str, Any], worker_id: str, tiers) -> None:
     for usage in tiers.tiers:
         for name, (field_name, _, _) in _TIER_METRICS.items():
             families[name].add_metric([worker_id, usage.tier], getattr(usage, field_name))
+
+
+class _ClusterRouterCollector:
+    """Every router replica's counters summed, the live replicas and their open requests."""
+
+    def __init__(self, cluster_routers: Callable[[], ClusterRouters | None]) -> None:
+        self.cluster_routers = cluster_routers
+
+    def collect(self) -> Iterable[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        cluster = self.cluster_routers()
+        if cluster is None:
+            return
+        events = CounterMetricFamily(
+            "pagedserve_cluster_router_events",
+            "Router counters (routed, migrations, replays, refusals, ...) of every replica",
+            labels=["event"],
+        )
+        for name, value in sorted(cluster.counters.as_dict().items()):
+            events.add_metric([name], value)
+        replicas = GaugeMetricFamily("pagedserve_router_replicas", "Router replicas reporting")
+        replicas.add_metric([], len(cluster.replicas))
+        inflight = GaugeMetricFamily(
+            "pagedserve_cluster_requests_inflight",
+            "Requests every router replica has open on the worker",
+            labels=["worker"],
+        )
+        for worker_id, n in sorted(cluster.inflight.items()):
+            inflight.add_metric([worker_id], n)
+        yield from (events, replicas, inflight)

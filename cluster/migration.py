@@ -16,11 +16,14 @@ leaves both pools as they were; the receiver's KV events put the blocks in the i
   hands those no one else holds (`PrefixIndex.match`) to the worker with the most free blocks.
 - **move** (a preemption that keeps the work): the scheduler picks a victim as usual
   (`Scheduler._preempt`, mode `move`); the engine packs its tokens, sampler state and computed
-  KV into a `RequestHandoff` and frees its blocks (`Engine._hand_off`); the worker ends that
-  branch's stream with `RequestMoved` (`workers/worker.py`); the router sends
-  `WorkerRequest.moved(handoff)` to `Migrations.move_target(source)`, whose engine adopts it
-  (`Engine.adopt`, `handoff.adopt_kv`: cached prefix blocks reused, the rest imported, or
-  recomputed when there is no room) and streams on from where the request stopped.
+  KV into a `RequestHandoff` and frees its blocks (`Engine._hand_off`); the worker puts the
+  KV in Ray's object store and ends that branch's stream with `RequestMoved` whose handoff
+  carries only the `ObjectRef` (`workers/handoff_ref.py`, `Worker.generate`); the router sends
+  `WorkerRequest.moved(handoff)` to `Migrations.move_target(source)`, which fetches the KV by
+  the ref from the source directly (the router never resolves it: the bytes go worker to
+  worker) and whose engine adopts it (`Engine.adopt`, `handoff.adopt_kv`: cached prefix
+  blocks reused, the rest imported, or recomputed when there is no room, or when the ref is
+  lost because the source died) and streams on from where the request stopped.
 """
 
 from __future__ import annotations
@@ -115,10 +118,11 @@ class Migrations:
     ) -> int:
         """Pull the prompt's prefix into `chosen` from the alive peer holding most of it, when
         that peer holds `pull_min_blocks` more. Returns the blocks `chosen` now holds."""
+        # `.get`: the view may still list a worker that just left the pool.
         holders = [
             (n, wid)
             for wid, n in matches.items()
-            if wid != chosen.worker_id and self.workers[wid].alive
+            if wid != chosen.worker_id and (w := self.workers.get(wid)) is not None and w.alive
         ]
         if not holders:
             return matched

@@ -37,6 +37,9 @@ epoch (each start of the actor is a new feed epoch, so a restarted index resets 
 
 Since routing now matches against the routers' copies, an entry's recency in the index comes
 from stores alone (a `match` call still refreshes, for the tools that make one).
+
+Being the one actor every router replica already talks to, it also keeps the replicas' counter
+reports (`cluster/router_reports.py`), so any replica answers GetStats for all of them.
 """
 
 from __future__ import annotations
@@ -51,12 +54,14 @@ import ray
 from ray.actor import ActorHandle
 
 from pagedserve.cluster.index_stats import IndexStats
+from pagedserve.cluster.pool_types import MemberState
 from pagedserve.cluster.prefix_feed import DEFAULT_FEED_CAPACITY, FeedBatch
 from pagedserve.cluster.prefix_index_state import (
     DEFAULT_MAX_ENTRIES,
     PrefixIndexState,
     PublishResult,
 )
+from pagedserve.cluster.router_reports import ClusterRouters, RouterReport, RouterReports
 from pagedserve.workers.block import BlockHash
 from pagedserve.workers.cpu_placement import pin_process, set_niceness
 from pagedserve.workers.kv_events import KVEvent, KVSnapshot
@@ -67,6 +72,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_INDEX_NAME = "pagedserve-prefix-index"
 DEFAULT_SNAPSHOT_TIMEOUT_S = 10.0
+# The pool's answer at the index's start: a pool starting too answers once it has found the
+# index and created or adopted its workers. The index serves meanwhile (a background task).
+POOL_MEMBERSHIP_TIMEOUT_S = 60.0
 
 
 @ray.remote
@@ -80,17 +88,20 @@ class PrefixIndexActor:
     async actor, or a publish that is not awaited inside a method of a one-at-a-time actor),
     otherwise the resync waits out the deadline.
 
-    On every start (Ray restarts it with the same arguments) it looks up `worker_names` and
-    resyncs each worker that exists from its snapshot at once, so that a restarted index is not
-    blind until some worker happens to publish. A name with no actor yet (the first start comes
-    before the workers) is skipped: that worker registers itself when it is ready.
+    On every start (Ray restarts it with the same arguments) it asks the worker pool named
+    `pool_name` for its members now (serving or leaving: a starting one registers itself when
+    ready), looks up `worker_names` too, and resyncs each worker found from its snapshot at
+    once, so that a restarted index is not blind until some worker happens to publish, however
+    the pool has grown or been replaced since the index was created. No pool yet (the first
+    start comes before it) or one that does not answer leaves the names alone; a name with no
+    actor yet is skipped: that worker registers itself when it is ready.
 
     Args:
         max_entries: the state's LRU bound.
         snapshot_timeout_s: deadline for one `kv_snapshot()` call.
         feed_capacity: changes the feed keeps; a router further behind resets from a dump.
         worker_names: the named worker actors to resync from on start.
-        namespace: their Ray namespace (None: the index's own).
+        namespace: their Ray namespace, and the pool's (None: the index's own).
         cpus: the cores to pin this actor's process to (`ClusterConfig.control_cpus`; None:
             not pinned).
         nice: its niceness (`ClusterConfig.control_nice`; None: Ray's).
@@ -105,6 +116,7 @@ class PrefixIndexActor:
         cpus: tuple[int, ...] | None = None,
         nice: int | None = None,
         feed_capacity: int = DEFAULT_FEED_CAPACITY,
+        pool_name: str | None = None,
     ) -> None:
         if cpus is not None:
             pin_process(cpus, what="prefix index")
@@ -121,16 +133,22 @@ class PrefixIndexActor:
         self._snapshot_timeout_s = snapshot_timeout_s
         self._snapshot_failures = 0
         self._startup_resyncs = 0
+        self._routers = RouterReports()
         # Ray runs an async actor's __init__ on the actor's event loop, so the resync starts
         # now and methods are served meanwhile (match answers from what has arrived so far).
         self._startup = asyncio.get_running_loop().create_task(
-            self._resync_named(tuple(worker_names), namespace)
+            self._resync_at_start(tuple(worker_names), pool_name, namespace)
         )
 
-    async def _resync_named(self, worker_names: Sequence[str], namespace: str | None) -> None:
-        """Look up each named worker and resync it; each snapshot under its own deadline."""
+    async def _resync_at_start(
+        self, worker_names: Sequence[str], pool_name: str | None, namespace: str | None
+    ) -> None:
+        """Find the pool's members and each named worker, and resync them; each snapshot under
+        its own deadline."""
         found = await asyncio.gather(*(_find_actor(n, namespace) for n in worker_names))
         handles = {n: h for n, h in zip(worker_names, found, strict=True) if h is not None}
+        if pool_name is not None:
+            handles.update(await self._pool_members(pool_name, namespace))
         for worker_id, handle in handles.items():
             self._handles.setdefault(worker_id, handle)  # a fresh registration wins
 
@@ -140,6 +158,22 @@ class PrefixIndexActor:
                     self._startup_resyncs += 1
 
         await asyncio.gather(*(resync(worker_id) for worker_id in handles))
+
+    async def _pool_members(self, pool_name: str, namespace: str | None) -> dict[str, ActorHandle]:
+        """The pool's serving and leaving members now; none when there is no pool (yet) or it
+        does not answer within `POOL_MEMBERSHIP_TIMEOUT_S`."""
+        pool = await _find_actor(pool_name, namespace)
+        if pool is None:
+            return {}
+        try:
+            membership = await asyncio.wait_for(
+                pool.membership.remote(), timeout=POOL_MEMBERSHIP_TIMEOUT_S
+            )
+        except (TimeoutError, ray.exceptions.RayError) as error:
+            logger.warning("prefix index: no membership from the pool: %r", error)
+            return {}
+        members = membership.in_state(MemberState.SERVING, MemberState.LEAVING)
+        return {worker_id: member.handle for worker_id, member in members.items()}
 
     async def register_worker(self, worker_id: str, handle: ActorHandle) -> None:
         """Remember the handle used to resync `worker_id` and, when the index has no view of
@@ -224,6 +258,14 @@ class PrefixIndexActor:
             startup_resyncs=self._startup_resyncs,
         )
 
+    async def report_router(self, report: RouterReport) -> None:
+        """A router replica's latest counters (sent every stats interval)."""
+        self._routers.put(report)
+
+    async def routers(self) -> ClusterRouters:
+        """Every router replica's counters summed, and their requests open on each worker."""
+        return self._routers.cluster()
+
     async def check_invariants(self) -> str | None:
         """The state's invariants (`PrefixIndexState.check_invariants`): None when they hold,
         else what is broken."""
@@ -291,13 +333,15 @@ def get_or_create_prefix_index(
     worker_names: Sequence[str] = (),
     cpus: tuple[int, ...] | None = None,
     nice: int | None = None,
+    pool_name: str | None = None,
 ) -> ActorHandle:
     """The cluster's prefix index actor, started if no actor of that name exists yet.
 
     The options only apply when the actor is created; an existing one keeps its own. Ray
     restarts a crashed index with the same options, and it resyncs at once from the snapshot of
-    every worker in `worker_names` that exists; any worker it missed registers again when its
-    next publish finds the index out of step.
+    every member of the pool `pool_name` (serving or leaving) and every worker in
+    `worker_names` that exists; any worker it missed registers again when its next publish
+    finds the index out of step.
 
     Args:
         name: the actor's name.
@@ -307,6 +351,7 @@ def get_or_create_prefix_index(
         worker_names: the named worker actors to resync from whenever the index (re)starts.
         cpus: the cores the index pins itself to (None: not pinned).
         nice: its niceness (None: Ray's).
+        pool_name: the worker pool actor (same namespace) that tells it its members.
 
     Returns:
         The actor's handle.
@@ -321,4 +366,5 @@ def get_or_create_prefix_index(
         namespace=namespace,
         cpus=cpus,
         nice=nice,
+        pool_name=pool_name,
     )

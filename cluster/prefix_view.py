@@ -277,6 +277,7 @@ class FeedFollower:
         self.on_error = on_error
         self.wait_s = wait_s
         self.lost_errors = lost_errors
+        self.unreadable = False  # the last read failed (logged once per outage)
 
     async def read_once(self, wait_s: float) -> bool:
         """One read and apply; False (and `on_error`) when the index did not answer in time."""
@@ -286,8 +287,13 @@ class FeedFollower:
             batch = await asyncio.wait_for(ref, wait_s + self.rpc_timeout_s)
         except (*self.lost_errors, TimeoutError) as error:
             self.on_error()
-            logger.warning("prefix feed unreadable (%r); routing keeps the last view", error)
+            if not self.unreadable:  # once per outage, not once per retry
+                logger.warning("prefix feed unreadable (%r); routing keeps the last view", error)
+            self.unreadable = True
             return False
+        if self.unreadable:
+            logger.warning("prefix feed readable again")
+            self.unreadable = False
         view.apply(batch)
         return True
 

@@ -12,10 +12,14 @@ feed into it. A new replica resyncs from the feed's dump before it serves; an in
 not answer leaves the last view in place (counted as `index_unavailable`).
 
 Load is counted here as well as reported by workers: every request sent to a worker counts in
-its `inflight` until its stream ends, so the policy sees a burst before any report shows it.
-A worker that stops answering is dropped from routing, from this router's view and from the
-index at once; its requests are replayed on a peer from their tokens (or failed with
-UNAVAILABLE, by config).
+its `inflight` until its stream ends, so the policy sees a burst before any report shows it;
+a request count adds to the report only the requests it does not show yet (`WorkerState`), so
+the other replicas' requests come from the report and this one's are not counted twice.
+Which workers there are is the worker pool's to say (`cluster/worker_pool.py`): each stats
+poll round first asks it for the membership (`cluster/pool_follower.py`), so joins and leaves
+reach every replica without a remote call on the request path. A worker that stops answering
+is dropped from routing, from this router's view and from the index at once; its requests
+are replayed on a peer from their tokens (or failed with UNAVAILABLE, by config).
 
 Request ids are the router's: a request's id is checked and reserved in one step, before any
 await, so two requests can never share one; with auth on, an id is scoped to its tenant (the
@@ -47,7 +51,10 @@ from ray.actor import ActorHandle
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.metrics import RouterMetrics
 from pagedserve.cluster.migration import Migrations
+from pagedserve.cluster.pool_follower import PoolFollower
 from pagedserve.cluster.prefix_view import FeedFollower, PrefixView
+from pagedserve.cluster.routable import RoutableWorkers
+from pagedserve.cluster.router_reports import ClusterRouters, RouterReport
 from pagedserve.cluster.router_types import (
     ClusterStats,
     GenerateRequest,
@@ -135,6 +142,10 @@ class RouterCore:
         workers: worker id → actor handle.
         tracing: where request spans go (no-op by default).
         metrics: whether to keep Prometheus metrics (`self.metrics.render()`).
+        pool: the worker pool actor; with it, the workers follow its membership (joins and
+            leaves learnt on each stats poll: `cluster/pool_follower.py`). None: `workers` is
+            all there is.
+        config_revision: the revision of `config` (a newer one reconfigures the pool).
     """
 
     def __init__(
@@ -144,6 +155,8 @@ class RouterCore:
         workers: dict[str, ActorHandle],
         tracing: Tracing = NOOP,
         metrics: bool = False,
+        pool: ActorHandle | None = None,
+        config_revision: float = 0.0,
     ) -> None:
         self.config = config
         self.router_id = uuid.uuid4().hex
@@ -154,6 +167,7 @@ class RouterCore:
         if config.routing_policy == "kv_aware":  # it converts router token counts to blocks
             options.setdefault("block_size", config.engine.block_size)
         self.policy = make_policy(config.routing_policy, **options)
+        self.routable = RoutableWorkers(self.workers, self.policy.new_ranking())
         self.tier_costs = TierCosts(config.tier_host_block_cost, config.tier_disk_block_cost)
         self.tokenizer = load_tokenizer(config.engine.model or DEFAULT_MODEL)
         self.model_name = ""
@@ -173,8 +187,12 @@ class RouterCore:
             lost_errors=WORKER_LOST_ERRORS,
         )
         self._following: asyncio.Task | None = None
+        self._reporting: asyncio.Task | None = None
+        self.last_cluster: ClusterRouters | None = None  # every replica's, as last read
         self.metrics = RouterMetrics(
-            metrics, lambda: {w.worker_id: (w.alive, w.stats) for w in self.workers.values()}
+            metrics,
+            lambda: {w.worker_id: (w.alive, w.stats) for w in self.workers.values()},
+            lambda: self.last_cluster,
         )
         self.migrations = Migrations(
             config, index, self.workers, tracing, self.counters, self.metrics
@@ -188,6 +206,18 @@ class RouterCore:
             on_polled=self.migrations.push_if_under_pressure,
             on_dropped=self.view.drop_worker,
         )
+        self.membership = None
+        if pool is not None:
+            self.membership = PoolFollower(
+                pool,
+                config,
+                config_revision,
+                self.router_id,
+                self.workers,
+                self.liveness,
+                self.view,
+            )
+            self.liveness.sync = self.membership.sync
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -196,15 +226,32 @@ class RouterCore:
         if self._started is None:
             self._started = asyncio.get_running_loop().create_task(self._start())
         await asyncio.shield(self._started)
-        self._follow_feed()
+        self._following = _running_on_this_loop(self._following, self.feed.run)
+        if self.index is not None:
+            self._reporting = _running_on_this_loop(self._reporting, self._report_loop)
 
-    def _follow_feed(self) -> None:
-        """Run the feed follower on the running event loop (again, when the one it ran on is
-        gone: a caller may drive this core from one `asyncio.run` after another)."""
-        loop = asyncio.get_running_loop()
-        task = self._following
-        if task is None or task.done() or task.get_loop() is not loop:
-            self._following = loop.create_task(self.feed.run())
+    def report(self) -> RouterReport:
+        """This replica's counters and in-flight requests, as the index actor keeps them for
+        every replica's GetStats (`cluster/router_reports.py`)."""
+        return RouterReport(
+            self.router_id,
+            copy.deepcopy(self.counters),
+            {w.worker_id: w.inflight for w in self.workers.values() if w.inflight},
+            expires_after_s=self.config.lease_timeout_s,
+        )
+
+    async def _send_report(self) -> None:
+        try:
+            await asyncio.wait_for(
+                self.index.report_router.remote(self.report()), self.config.rpc_timeout_s
+            )
+        except (*WORKER_LOST_ERRORS, TimeoutError):  # the next round sends a newer one
+            logger.debug("the prefix index did not take this router's counters")
+
+    async def _report_loop(self) -> None:
+        while True:
+            await self._send_report()
+            await asyncio.sleep(self.config.stats_interval_s)
 
     def _count_index_unavailable(self) -> None:
         self.counters.index_unavailable += 1
@@ -221,9 +268,11 @@ class RouterCore:
 
     async def close(self) -> None:
         self.liveness.close()
-        for task in (self._started, self._following):
+        for task in (self._started, self._following, self._reporting):
             if task is not None:
                 task.cancel()
+        if self.index is not None:  # the last counts, so cluster totals keep them
+            self.index.report_router.remote(self.report())
 
     # -------------------------------------------------------------- routing
     async def _tokenize(self, request: GenerateRequest) -> list[int]:
@@ -260,16 +309,22 @@ class RouterCore:
         `span`: the `route` span, given the decision (and parent of a pull), if traced.
         `exclude`: workers not to pick (they refused this request already).
         """
-        alive = [w for w in self.workers.values() if w.routable and w.worker_id not in exclude]
-        if not alive:
+        ranking = self.routable.current()  # loads kept current per worker change
+        others = None  # a retry after refusals (rare) scores the workers not excluded in full
+        if exclude:
+            others = [w for w in self.workers.values() if w.routable and w.worker_id not in exclude]
+        if not (ranking if others is None else others):
             raise NoWorkerAvailable("no worker is alive and admitting")
         extra = (self.model_name,) + ((cache_salt,) if cache_salt else ())
         hashes = hash_full_blocks(token_ids, self.block_size, extra)
         matches = self.view.match(hashes)  # local: no remote call on the request path
         tier_hits = self.view.tier_hits(hashes, matches)
-        loads = [w.load() for w in alive]
         tier_load = self.tier_costs.per_worker(tier_hits)
-        decision = self.policy.choose(len(hashes), matches, loads, tier_load)
+        if others is None:
+            decision = self.policy.choose_ranked(len(hashes), matches, ranking, tier_load)
+        else:
+            loads = [w.load() for w in others]
+            decision = self.policy.choose(len(hashes), matches, loads, tier_load)
         chosen = self.workers[decision.worker_id]
         matched = matches.get(chosen.worker_id, 0)
         self.counters.count_routed(decision.policy)
@@ -472,7 +527,7 @@ class RouterCore:
     ) -> AsyncIterator[StreamDelta | RequestMoved]:
         request_id = request.request_id
         self._inflight_ids[request_id] = worker
-        worker.begin(demand)
+        worker.begin(demand, request_id)
         stream = worker.handle.generate.remote(request)
         remaining = request.num_branches
         taken = False  # the worker streamed something: it holds the request under its id
@@ -508,7 +563,7 @@ class RouterCore:
                 self.counters.refused_draining += 1
             raise WorkerLost(str(error)) from error
         finally:
-            worker.end(demand)
+            worker.end(demand, request_id)
             if remaining:  # cancelled or failed: the worker must free the blocks now
                 self._cancel(stream, worker, request_id)
 
@@ -584,6 +639,17 @@ class RouterCore:
             },
         )
 
+    async def cluster_routers(self) -> ClusterRouters | None:
+        """Every replica's counters summed, this one's reported first (None: the index did not
+        answer); kept as `last_cluster` for `/metrics`."""
+        await self._send_report()
+        try:
+            routers = self.index.routers.remote()
+            self.last_cluster = await asyncio.wait_for(routers, self.config.rpc_timeout_s)
+        except (*WORKER_LOST_ERRORS, TimeoutError):
+            self.last_cluster = None
+        return self.last_cluster
+
     async def cluster_stats(self) -> ClusterStats:
         await self.start()
         await self.liveness.poll_all()
@@ -596,6 +662,7 @@ class RouterCore:
         except (*WORKER_LOST_ERRORS, TimeoutError):
             index = None
         return ClusterStats(
+            cluster=await self.cluster_routers(),
             workers=workers,
             router=copy.deepcopy(self.counters),
             limits=self.config.limits,
@@ -603,6 +670,15 @@ class RouterCore:
             policy=self.config.routing_policy,
             view=self.view.stats(),
         )
+
+
+def _running_on_this_loop(task: asyncio.Task | None, run: Any) -> asyncio.Task:
+    """`task`, or `run()` started anew on the running event loop when `task` is done or ran on
+    another loop (a caller may drive a core from one `asyncio.run` after another)."""
+    loop = asyncio.get_running_loop()
+    if task is None or task.done() or task.get_loop() is not loop:
+        return loop.create_task(run())
+    return task
 
 
 def scoped_request_id(tenant: str, client_id: str) -> str:

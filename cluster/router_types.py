@@ -7,12 +7,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedserve.cluster.index_stats import IndexStats
 from pagedserve.cluster.prefix_view import ViewStats
 from pagedserve.workers.errors import RequestRejected
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.worker_types import WorkerInfo, WorkerStats
+
+if TYPE_CHECKING:  # it imports `RouterCounters` from here
+    from pagedserve.cluster.router_reports import ClusterRouters
 
 
 class NoWorkerAvailable(RuntimeError):
@@ -86,6 +90,13 @@ class RouterCounters:
     def count_routed(self, policy: str) -> None:
         self.routed[policy] = self.routed.get(policy, 0) + 1
 
+    def add(self, other: RouterCounters) -> None:
+        """Add another router's counts to these (cluster totals: `cluster/router_reports.py`)."""
+        for policy, n in other.routed.items():
+            self.routed[policy] = self.routed.get(policy, 0) + n
+        for name in _FLAT_NAMES:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
     def as_dict(self) -> dict[str, int]:
         flat = {f"routed.{policy}": n for policy, n in sorted(self.routed.items())}
         for name, key in _FLAT_NAMES.items():
@@ -158,8 +169,9 @@ class RouterInflight:
 
 @dataclass(frozen=True)
 class ClusterStats:
-    """`RouterCore.cluster_stats()`: every worker, the router's counters, the index (as the
-    index actor reports it) and this router's own prefix view of it."""
+    """`RouterCore.cluster_stats()`: every worker, this router's counters, every router
+    replica's summed (`cluster`, from the index actor: None when it did not answer), the index
+    (as the index actor reports it) and this router's own prefix view of it."""
 
     workers: dict[str, WorkerView]
     router: RouterCounters
@@ -167,3 +179,4 @@ class ClusterStats:
     index: IndexStats | None
     policy: str
     view: ViewStats | None = None
+    cluster: ClusterRouters | None = None

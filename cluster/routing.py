@@ -8,8 +8,19 @@ what the worker last reported with what the router itself has sent there and not
 finish (`inflight`, `inflight_tokens`): reports lag, and a router blind between them would send a
 burst of requests to the same "idle" worker. The caller counts those: after each decision it
 adds the request to the chosen worker's `inflight` and removes it when the request ends.
+With several router replicas the report is what carries the others' requests (a worker reports
+its whole queue); a request count adds only this router's `unreported` ones to it, so its own
+requests the report already shows are not counted twice.
 
 Policies are small classes registered by `name`; `make_policy` builds one from config.
+
+Two ways to ask: `choose` scores every worker of a list of loads (the reference, and the path
+for a decision with workers excluded); `choose_ranked` reads a `LoadRanking` the router keeps
+up to date per worker (`cluster/load_ranking.py`). `kv_aware` answers the latter from the
+prefix holders plus the least-loaded workers in order, stopping at the first it may choose:
+the same winner as `choose` over the same loads (`tests/unit/cluster/test_routing_ranked.py`
+checks it on randomized states), at a cost that does not grow with the workers that hold
+nothing of the prompt. The other policies score `ranking.loads()` with `choose`.
 """
 
 from __future__ import annotations
@@ -18,8 +29,10 @@ import abc
 import bisect
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
+
+from pagedserve.cluster.load_ranking import LoadRanking, RankKey
 
 DEFAULT_POLICY = "kv_aware"
 # A block still to prefill costs more than a block already resident on a busy worker: with
@@ -28,6 +41,9 @@ DEFAULT_POLICY = "kv_aware"
 # routing bench measured this; 4 keeps holders preferred while the imbalance guard still
 # stops a hot prefix from piling onto one worker.
 DEFAULT_PREFILL_WEIGHT = 4.0
+# Workers holding nothing of the prompt that a ranked `kv_aware` decision lists beside the
+# holders (the winner needs only the first it may choose; the rest are for traces and logs).
+RANKED_LISTED = 4
 
 
 @dataclass(frozen=True)
@@ -43,6 +59,7 @@ class WorkerLoad:
         free_blocks: KV blocks free, as last reported.
         inflight: requests this router sent there and has not seen finish.
         inflight_tokens: prompt + max_tokens of those requests: their KV demand at most.
+        unreported: those of `inflight` that the last report does not count yet.
     """
 
     worker_id: str
@@ -53,15 +70,13 @@ class WorkerLoad:
     free_blocks: int
     inflight: int = 0
     inflight_tokens: int = 0
+    unreported: int = 0
 
     @property
     def num_requests(self) -> int:
-        """Reported running + waiting plus the router's in-flight count.
-
-        The two overlap for requests the worker has already reported; counting both errs on
-        the side of seeing load, which is the failure that matters (a router that sees none).
-        """
-        return self.inflight + self.num_running + self.num_waiting
+        """Reported running + waiting (every router's requests, as of the report) plus this
+        router's requests the report does not show yet."""
+        return self.unreported + self.num_running + self.num_waiting
 
 
 @dataclass(frozen=True)
@@ -79,7 +94,9 @@ class Candidate:
 
 @dataclass(frozen=True)
 class RoutingDecision:
-    """The chosen worker and every candidate's score (for logs, metrics and tests)."""
+    """The chosen worker and the scored candidates (for logs, metrics and tests): every worker
+    for `choose`; for a ranked `kv_aware` decision the prefix holders and the first
+    `RANKED_LISTED` others in load order (more when it had to pass over excluded ones)."""
 
     worker_id: str
     policy: str
@@ -92,6 +109,7 @@ class RoutingPolicy(abc.ABC):
 
     registry: ClassVar[dict[str, type[RoutingPolicy]]] = {}
     name: ClassVar[str]
+    ranked: ClassVar[bool] = False  # it orders loads by `rank_key` and reads them in order
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -120,6 +138,33 @@ class RoutingPolicy(abc.ABC):
         Raises:
             ValueError: when `loads` is empty or names a worker twice.
         """
+
+    def rank_key(self, load: WorkerLoad) -> RankKey:
+        """This policy's sort key of a load for `LoadRanking`, when it is `ranked`."""
+        raise NotImplementedError(f"{self.name} does not rank loads")
+
+    def guard_terms(self, load: WorkerLoad) -> tuple[int, ...]:
+        """Integer terms of a load whose totals over all workers `choose_ranked` needs."""
+        return ()
+
+    def new_ranking(self) -> LoadRanking:
+        """An empty ranking in this policy's order, for the router to keep up to date."""
+        return LoadRanking(self.rank_key if self.ranked else None, self.guard_terms)
+
+    def choose_ranked(
+        self,
+        num_prompt_blocks: int,
+        matches: Mapping[str, int],
+        ranking: LoadRanking,
+        tier_load_blocks: Mapping[str, float] | None = None,
+    ) -> RoutingDecision:
+        """Pick a worker among those in `ranking` (all routable); the same worker `choose`
+        picks from `ranking.loads()`.
+
+        Raises:
+            ValueError: when `ranking` is empty.
+        """
+        return self.choose(num_prompt_blocks, matches, ranking.loads(), tier_load_blocks)
 
 
 def make_policy(name: str, **options: Any) -> RoutingPolicy:
@@ -171,6 +216,7 @@ class KvAwarePolicy(RoutingPolicy):
     """
 
     name = "kv_aware"
+    ranked = True
 
     def __init__(
         self,
@@ -208,14 +254,25 @@ class KvAwarePolicy(RoutingPolicy):
             )
         self.imbalance_pool_fraction = imbalance_pool_fraction
 
+    def guard_terms(self, load: WorkerLoad) -> tuple[int, int]:
+        """(decode load in blocks, requests waiting): `load_of` is `first + waiting_weight ·
+        second`; integers, so sums over workers are exact however they were kept."""
+        inflight_blocks = -(-load.inflight_tokens // self.block_size)  # ceil, in integers
+        return max(load.used_blocks, inflight_blocks), load.num_waiting
+
     def load_of(self, load: WorkerLoad) -> float:
         """The worker's load in blocks (see the class docstring)."""
-        inflight_blocks = math.ceil(load.inflight_tokens / self.block_size)
-        return max(load.used_blocks, inflight_blocks) + self.waiting_weight * load.num_waiting
+        decode, waiting = self.guard_terms(load)
+        return decode + self.waiting_weight * waiting
 
-    def guard_bound(self, load_values: Sequence[float]) -> float:
-        """The load above which a worker is excluded as overloaded."""
-        mean = sum(load_values) / len(load_values)
+    def rank_key(self, load: WorkerLoad) -> RankKey:
+        """Lower load, then fewer in flight, then the lower id: the tie order of `choose`."""
+        return (self.load_of(load), load.inflight, load.worker_id)
+
+    def guard_bound(self, decode_total: int, waiting_total: int, num_workers: int) -> float:
+        """The load above which a worker is excluded as overloaded, from the totals of
+        `guard_terms` over the `num_workers` alive workers (their mean load)."""
+        mean = (decode_total + self.waiting_weight * waiting_total) / num_workers
         return self.imbalance_factor * mean + self.imbalance_slack
 
     def _saturating(self, load: WorkerLoad, value: float) -> bool:
@@ -232,7 +289,8 @@ class KvAwarePolicy(RoutingPolicy):
     ) -> RoutingDecision:
         ordered = _checked(loads)
         values = {w.worker_id: self.load_of(w) for w in ordered}
-        bound = self.guard_bound(list(values.values()))
+        terms = [self.guard_terms(w) for w in ordered]
+        bound = self.guard_bound(sum(t[0] for t in terms), sum(t[1] for t in terms), len(ordered))
         over = {
             w.worker_id
             for w in ordered
@@ -257,9 +315,93 @@ class KvAwarePolicy(RoutingPolicy):
         )
         return _decision(best, self.name, candidates)
 
+    def choose_ranked(
+        self,
+        num_prompt_blocks: int,
+        matches: Mapping[str, int],
+        ranking: LoadRanking,
+        tier_load_blocks: Mapping[str, float] | None = None,
+    ) -> RoutingDecision:
+        """`choose`'s winner without scoring every worker.
+
+        Why it is the same: a worker holding nothing of the prompt costs `prefill_weight ·
+        num_prompt_blocks + load`, one constant plus its load, so among those the tie order
+        (cost, load, in flight, id) is the ranking's order (load, in flight, id), and the best
+        of them is the first in that order not excluded. The holders are scored one by one.
+        The winner is the better of the two. (Only holders have lower-tier hits, so the tier
+        term changes nothing of this.) The guard's mean comes from the ranking's exact
+        integer totals. If every worker is excluded (rounding with `imbalance_factor` 1 and
+        no slack), `choose` drops the guard; so does this, having then seen every worker.
+        """
+        if num_prompt_blocks < 0:
+            raise ValueError(f"num_prompt_blocks must be >= 0, got {num_prompt_blocks}")
+        if not len(ranking):
+            raise ValueError("no alive workers to route to")
+        bound = self.guard_bound(*ranking.totals, len(ranking))
+        listed = self._scored_holders(num_prompt_blocks, matches, ranking, bound, tier_load_blocks)
+        self._score_least_loaded(num_prompt_blocks, ranking, bound, listed)
+        pool = [c for c, _ in listed.values() if c.excluded is None]
+        if not pool:  # every worker was excluded, and every one was seen: drop the guard
+            listed = {w: (replace(c, excluded=None), n) for w, (c, n) in listed.items()}
+            pool = [c for c, _ in listed.values()]
+        best = min(pool, key=lambda c: (c.cost, c.load, listed[c.worker_id][1], c.worker_id))
+        return _decision(best, self.name, [listed[w][0] for w in sorted(listed)])
+
+    def _scored_holders(
+        self,
+        num_prompt_blocks: int,
+        matches: Mapping[str, int],
+        ranking: LoadRanking,
+        bound: float,
+        tier_load_blocks: Mapping[str, float] | None = None,
+    ) -> dict[str, tuple[Candidate, int]]:
+        """Worker id → (its candidate, its in-flight count), for each routable prefix holder."""
+        listed = {}
+        for worker_id, matched in matches.items():
+            load = ranking.get(worker_id)
+            matched = min(matched, num_prompt_blocks)
+            if load is None or matched <= 0:
+                continue
+            value = self.load_of(load)
+            prefill = num_prompt_blocks - matched
+            tier_load = _tier_load(worker_id, tier_load_blocks)
+            cost = self.prefill_weight * (prefill + tier_load) + value
+            excluded = self._excluded(load, value, bound)
+            candidate = Candidate(worker_id, matched, prefill, value, cost, excluded, tier_load)
+            listed[worker_id] = (candidate, load.inflight)
+        return listed
+
+    def _score_least_loaded(
+        self,
+        num_prompt_blocks: int,
+        ranking: LoadRanking,
+        bound: float,
+        listed: dict[str, tuple[Candidate, int]],
+    ) -> None:
+        """Add to `listed` the workers holding nothing of the prompt, in load order, until
+        one that is not excluded (none after it can beat it) and `RANKED_LISTED` of them."""
+        fixed = self.prefill_weight * num_prompt_blocks
+        holders = set(listed)
+        found_free = False
+        others = 0
+        for value, inflight, worker_id in ranking.ordered():
+            if worker_id in holders:
+                continue
+            excluded = self._excluded(ranking.get(worker_id), value, bound)
+            candidate = Candidate(worker_id, 0, num_prompt_blocks, value, fixed + value, excluded)
+            listed[worker_id] = (candidate, inflight)
+            others += 1
+            found_free = found_free or excluded is None
+            if found_free and others >= RANKED_LISTED:
+                return
+
+    def _excluded(self, load: WorkerLoad, value: float, bound: float) -> str | None:
+        return "overloaded" if value > bound and self._saturating(load, value) else None
+
 
 class LeastLoadedPolicy(RoutingPolicy):
-    """Fewest requests: in-flight from this router + reported running + waiting; then id."""
+    """Fewest requests: reported running + waiting, plus this router's not yet reported; then
+    id."""
 
     name = "least_loaded"
 

@@ -1,108 +1,165 @@
-"""Starting, finding and stopping the named actors of one app: the prefix index and workers."""
+"""Starting, finding and stopping the named actors of one app: the prefix index, the worker
+pool and the workers it owns (`cluster/worker_pool.py`)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from dataclasses import dataclass
 
 import ray
 from ray.actor import ActorHandle
 
 from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.pool_types import MemberState
 from pagedserve.cluster.prefix_index import get_or_create_prefix_index
-from pagedserve.workers.telemetry import TelemetryConfig, otel_env
-from pagedserve.workers.worker import Worker
+from pagedserve.cluster.worker_pool import existing_workers, get_or_create_worker_pool
+from pagedserve.cluster.worker_spec import WORKER_MAX_CONCURRENCY
+from pagedserve.workers.telemetry import TelemetryConfig
+from pagedserve.workers.worker_types import DrainResult
+
+__all__ = [
+    "WORKER_MAX_CONCURRENCY",
+    "WorkerGroup",
+    "drain_worker_group",
+    "start_pool",
+    "start_worker_group",
+    "stop_pool",
+    "stop_worker_group",
+]
 
 logger = logging.getLogger(__name__)
-
-# Generous: a worker streams many requests at once, each a long-lived generator call.
-WORKER_MAX_CONCURRENCY = 4096
-# How long a stop waits for a worker to flush its disk tier (at most 64 MiB of queued writes).
+CALL_TIMEOUT_S = 60.0  # the pool's first answer: it creates the first workers' actors first
+# How long a stop waits for a worker to write its disk tier out (at most 64 MiB queued).
 WORKER_CLOSE_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class WorkerGroup:
+    """An app's actors: the index, the pool, and the pool's members now (starting or serving)."""
+
+    index: ActorHandle
+    pool: ActorHandle
+    workers: dict[str, ActorHandle]
+
+
+def start_pool(
+    config: ClusterConfig, telemetry: TelemetryConfig | None = None, revision: float = 0.0
+) -> WorkerGroup:
+    """Get or create the index and the worker pool, and hand the pool this config.
+
+    Actors are detached and named, so router replicas share them and they outlive a router
+    restart; `stop_worker_group` removes them. The pool creates the first `num_workers`
+    workers (or adopts those that exist) and, from `configure`, follows `config` at
+    `revision` unless it already follows a newer one: an engine config that differs from
+    the workers' makes it replace them one at a time.
+    """
+    telemetry = telemetry or TelemetryConfig()
+    # Restarted by Ray, the index asks the pool for its members now and resyncs from all of
+    # them at once (the first names too, should the pool not answer then).
+    index = get_or_create_prefix_index(
+        name=config.index_name,
+        namespace=config.namespace,
+        worker_names=[config.worker_name(i) for i in range(config.num_workers)],
+        cpus=config.control_cpu_set,
+        nice=config.control_nice,
+        pool_name=config.pool_name,
+    )
+    pool = get_or_create_worker_pool(config, telemetry)
+    membership = ray.get(pool.configure.remote(config, revision), timeout=CALL_TIMEOUT_S)
+    current = membership.in_state(MemberState.STARTING, MemberState.SERVING)
+    return WorkerGroup(index, pool, {w: m.handle for w, m in current.items()})
 
 
 def start_worker_group(
     config: ClusterConfig, telemetry: TelemetryConfig | None = None
 ) -> tuple[ActorHandle, dict[str, ActorHandle]]:
-    """Get or create the index and every worker; returns (index, {worker_id: handle}).
-
-    Actors are detached and named, so router replicas share them and they outlive a router
-    restart; `stop_worker_group` removes them. Ray restarts a crashed worker (max_restarts),
-    and the router re-registers it once it answers again. Workers get the telemetry settings
-    at creation and this process's OTEL_* variables in their runtime env, and
-    `OMP_NUM_THREADS` when `worker_threads` or `worker_cpus` is set; with `worker_cpus` each
-    pins itself to its share of those cores.
-    """
-    telemetry = telemetry or TelemetryConfig()
-    names = [config.worker_name(i) for i in range(config.num_workers)]
-    # The index gets the names so that, restarted by Ray, it resyncs from every worker at once.
-    index = get_or_create_prefix_index(
-        name=config.index_name,
-        namespace=config.namespace,
-        worker_names=names,
-        cpus=config.control_cpu_set,
-        nice=config.control_nice,
-    )
-    remote_worker = ray.remote(Worker)
-    workers = {}
-    for i, worker_id in enumerate(names):
-        env = otel_env()
-        threads = config.worker_thread_count(i)
-        if threads is not None:  # torch reads it at import: set it before the actor starts
-            env["OMP_NUM_THREADS"] = str(threads)
-        runtime_env = {"env_vars": env} if env else None
-        workers[worker_id] = remote_worker.options(
-            name=worker_id,
-            namespace=config.namespace,
-            get_if_exists=True,
-            lifetime="detached",
-            max_restarts=-1,
-            max_task_retries=0,
-            num_gpus=config.worker_num_gpus,
-            num_cpus=config.worker_num_cpus,
-            resources=dict(config.worker_resources),
-            max_concurrency=WORKER_MAX_CONCURRENCY,
-            runtime_env=runtime_env,
-        ).remote(
-            worker_id,
-            config.worker_engine,
-            config.index_name,
-            config.namespace,
-            telemetry,
-            lease_timeout_s=config.lease_timeout_s,
-            max_buffered_deltas=config.max_buffered_deltas,
-            cpus=config.worker_cpu_share(i),
-            nice=config.worker_nice,
-        )
-    return index, workers
+    """`start_pool`, as (index, {worker_id: handle}) for callers that follow no membership."""
+    group = start_pool(config, telemetry)
+    return group.index, group.workers
 
 
-def stop_worker_group(config: ClusterConfig) -> None:
-    """Kill the app's named actors (no restart). Missing ones are skipped.
-
-    With a disk tier, each worker is first closed (`Worker.close`, under a deadline) so that
-    its queued block files are written before the kill: the next worker on the directory
-    finds them.
-    """
-    worker_names = [config.worker_name(i) for i in range(config.num_workers)]
+def stop_worker_group(config: ClusterConfig, drain_grace_s: float | None = None) -> None:
+    """Stop the app's named actors (no restart), losing nothing that can finish: the pool
+    first, so that it starts and retires no more workers; then every worker of the app's name
+    pattern drains (`drain_worker_group`), with a disk tier is closed (`Worker.close`: its
+    queued block files are written, for the next worker on the directory) and is killed (one
+    that does not drain or close is killed anyway); then the index."""
+    stop_pool(config)
+    drain_worker_group(config, drain_grace_s)
     if config.worker_engine.kv_disk_tier_dir is not None:
-        _close_workers(config, worker_names)
-    for name in [*worker_names, config.index_name]:
-        try:
-            ray.kill(ray.get_actor(name, namespace=config.namespace), no_restart=True)
-        except ValueError:
-            continue
+        _close_workers(config)
+    for name in existing_workers(config):
+        _kill(name, config.namespace)
+    _kill(config.index_name, config.namespace)
 
 
-def _close_workers(config: ClusterConfig, names: list[str]) -> None:
-    """Close every worker still there, at once; one that fails or is late is killed as is."""
-    closing = []
-    for name in names:
-        try:
-            closing.append((name, ray.get_actor(name, namespace=config.namespace).close.remote()))
-        except ValueError:
+def stop_pool(config: ClusterConfig) -> None:
+    """Kill the app's worker pool (no restart): the workers stay as they are, and nothing
+    starts or retires any more of them."""
+    _kill(config.pool_name, config.namespace)
+
+
+def drain_worker_group(
+    config: ClusterConfig, drain_grace_s: float | None = None
+) -> dict[str, DrainResult]:
+    """`Worker.drain` on every worker of the app at once: each refuses new requests and gives
+    its open streams `drain_grace_s` (the config's by default) to finish; what does not
+    finish is handed back to its router, as on SIGTERM. Waits at most the grace plus
+    `rpc_timeout_s`.
+
+    Returns:
+        worker id → its drain, for the workers that answered in time.
+    """
+    grace_s = config.drain_grace_s if drain_grace_s is None else drain_grace_s
+    workers = _existing(config, list(existing_workers(config)))
+    refs = {name: handle.drain.remote(grace_s) for name, handle in workers.items()}
+    if not refs:
+        return {}
+    deadline_s = grace_s + config.rpc_timeout_s
+    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=deadline_s)
+    results = {}
+    for name, ref in refs.items():
+        if ref not in ready:
+            logger.warning("worker %s did not drain within %.0f s", name, deadline_s)
             continue
-    for name, ref in closing:
+        try:
+            results[name] = ray.get(ref)
+        except Exception as error:  # dead or restarting: nothing of it to wait for
+            logger.warning("worker %s could not drain: %r", name, error)
+            continue
+        if results[name].handed_off:
+            logger.warning(
+                "worker %s: %d streams did not finish within %.0f s and were handed back",
+                name,
+                results[name].handed_off,
+                grace_s,
+            )
+    return results
+
+
+def _close_workers(config: ClusterConfig) -> None:
+    """`Worker.close` on every worker of the app at once, within `WORKER_CLOSE_TIMEOUT_S`."""
+    workers = _existing(config, list(existing_workers(config)))
+    refs = {name: handle.close.remote() for name, handle in workers.items()}
+    for name, ref in refs.items():
         try:
             ray.get(ref, timeout=WORKER_CLOSE_TIMEOUT_S)
-        except Exception as error:  # dead, restarting or stuck: its pending writes are lost
+        except Exception as error:  # dead, restarting or stuck: its queued writes are lost
             logger.warning("worker %s did not close (%r); killing it anyway", name, error)
+
+
+def _existing(config: ClusterConfig, names: list[str]) -> dict[str, ActorHandle]:
+    """The named actors among `names` that exist now."""
+    handles = {}
+    for name in names:
+        try:
+            handles[name] = ray.get_actor(name, namespace=config.namespace)
+        except ValueError:
+            continue
+    return handles
+
+
+def _kill(name: str, namespace: str) -> None:
+    with contextlib.suppress(ValueError):  # missing: nothing to stop
+        ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)

@@ -5,7 +5,8 @@ then a poll loop refreshes each worker's `WorkerStats` every `stats_interval_s` 
 that stops answering is dropped from routing and from the index at once; one that answers
 with a new epoch was restarted by Ray and is revived: its loop started, the index rejoined;
 one that answers but has taken no engine step with work queued for `stall_timeout_s` is
-stalled: out of routing until it steps again, and the router ends its streams as lost),
+stalled: out of routing until it steps again, and the router ends its streams as lost; one
+that reports draining leaves routing until a new incarnation of it is ready),
 and a lease loop renews this router's lease on every worker (a worker aborts the requests of
 a router whose lease lapsed, so a dead router leaves no orphan).
 """
@@ -43,6 +44,8 @@ class WorkerLiveness:
             the poll loop, one at a time per worker.
         on_dropped: run with a dropped worker's id at once (the router's prefix view forgets
             it before the index's removal comes through the feed).
+        sync: run at the start of every poll round (the worker pool's membership: joins and
+            leaves change `workers` between rounds, never during one).
     """
 
     def __init__(
@@ -54,6 +57,7 @@ class WorkerLiveness:
         counters: RouterCounters,
         on_polled: PolledHook | None = None,
         on_dropped: Callable[[str], None] | None = None,
+        sync: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.config = config
         self.index = index
@@ -62,6 +66,7 @@ class WorkerLiveness:
         self.counters = counters
         self.on_polled = on_polled
         self.on_dropped = on_dropped
+        self.sync = sync
         self._tasks: list[asyncio.Task] = []
         self._removals: dict[str, asyncio.Future] = {}  # worker id → its index removal
         self._hooks: dict[str, asyncio.Task] = {}  # worker id → its running `on_polled`
@@ -81,6 +86,12 @@ class WorkerLiveness:
     def close(self) -> None:
         for task in (*self._tasks, *self._hooks.values()):
             task.cancel()
+
+    def forget(self, worker_id: str) -> None:
+        """A worker left the pool: stop its running after-poll hook, if any."""
+        hook = self._hooks.pop(worker_id, None)
+        if hook is not None:
+            hook.cancel()
 
     async def revive(self, worker: WorkerState, timeout_s: float | None = None) -> None:
         """`ready()` the worker (starting its loop, rejoining the index) and mark it alive."""
@@ -109,6 +120,8 @@ class WorkerLiveness:
         if not worker.alive or worker.info is None or stats.epoch != worker.info.epoch:
             await self.revive(worker)  # restarted by Ray: start its loop, rejoin the index
         worker.stats = stats
+        if stats.draining:  # draining for any reason (SIGTERM, another replica): leaving
+            worker.draining = True
         self._judge_progress(worker, stats)
         if worker.alive and self.on_polled is not None:
             self._start_hook(worker)
@@ -177,6 +190,11 @@ class WorkerLiveness:
 
     async def _poll_loop(self) -> None:
         while True:
+            if self.sync is not None:
+                try:
+                    await self.sync()
+                except Exception:  # the next round tries again; the loop must live on
+                    logger.exception("membership sync failed")
             await self.poll_all()
             await asyncio.sleep(self.config.stats_interval_s)
 

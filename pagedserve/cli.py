@@ -20,6 +20,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "pagedserve.cluster.cli",
     "pagedserve.cluster.trace_view",  # trace show
     "pagedserve.workers.model_cli",  # model list, model prepare
+    "pagedserve.workers.drain_node",  # drain-node (a pod's preStop hook)
 )
 
 

@@ -62,10 +62,32 @@ def block_hash(
 def hash_full_blocks(
     token_ids: Sequence[int], block_size: int, extra_keys: Sequence[str] = ()
 ) -> list[BlockHash]:
-    """Chained hashes of every full block of `token_ids` (the partial tail is not hashed)."""
+    """Chained hashes of every full block of `token_ids` (the partial tail is not hashed).
+
+    The same digests as `block_hash` block by block (the router hashes every prompt, so this
+    is on the request path): the parts every block shares (domain, length, extra keys) are
+    encoded once, and the token ids once for the whole prompt.
+    """
+    num_blocks = len(token_ids) // block_size
+    if num_blocks == 0:
+        return []
+    tokens = array("q", token_ids[: num_blocks * block_size])
+    if sys.byteorder == "big":
+        tokens.byteswap()
+    raw = memoryview(tokens.tobytes())
+    block_bytes = block_size * tokens.itemsize
+    length = struct.pack("<I", block_size)
+    extra = _encode_extra_keys(extra_keys)
+    domain = hashlib.sha256(_DOMAIN)
     hashes: list[BlockHash] = []
-    parent: BlockHash | None = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = block_hash(parent, token_ids[start : start + block_size], extra_keys)
+    parent_part = _NO_PARENT
+    for i in range(num_blocks):
+        digest = domain.copy()
+        digest.update(parent_part)
+        digest.update(length)
+        digest.update(raw[i * block_bytes : (i + 1) * block_bytes])
+        digest.update(extra)
+        parent = digest.digest()
         hashes.append(parent)
+        parent_part = b"\x01" + parent
     return hashes

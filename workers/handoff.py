@@ -31,12 +31,14 @@ class RequestHandoff:
     priority: int
     cache_extra_keys: tuple[str, ...]
     block_size: int
-    packed_kv: Any  # [L, 2, M, B, Hkv, D] on the CPU, M = ceil(num_computed / B); None: recompute
+    # [L, 2, M, B, Hkv, D] on the CPU, M = ceil(num_computed / B); None: recompute. Between
+    # workers an ObjectRef to it (`workers/handoff_ref.py`): the router handles only the ref.
+    packed_kv: Any
     generator_state: torch.Tensor | None
     num_preemptions: int
     deadline_remaining_s: float | None
     emitted_text_chars: int  # text already streamed to the client
-    source_worker: str | None = None
+    source_worker: str | None = None  # set by the source worker when it hands the KV by ref
 
     @classmethod
     def replay(

@@ -77,6 +77,10 @@ class LeaseTable:
         self.num_expired += len(requests)
         return requests
 
+    def held_by(self, owner_id: str) -> tuple[str, ...]:
+        """The requests `owner_id` has open here, sorted."""
+        return tuple(sorted(self._held.get(owner_id, ())))
+
     @property
     def num_owners(self) -> int:
         """Owners holding at least one request here."""

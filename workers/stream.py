@@ -133,14 +133,14 @@ class DeltaBuffer:
         """The next message: every delta of the same branch waiting in a row, merged into one
         (`merge_deltas`), so a reader that fell behind by k steps gets one message, not k.
         A `RequestMoved`, a drain's `None`, another branch's delta or a finished delta ends
-        the run.
+        the run. `WorkerCore` streams read their buffer this way.
 
-        Not wired into `WorkerCore` streams yet: with it, the 8 Ray objects a stream may run
-        ahead of its reader (`Worker.STREAM_BACKPRESSURE_OBJECTS`) can carry a whole answer, so
-        a worker killed when its reader has seen 5 tokens may already have handed over all of
-        them, and `test_cluster_failures.py::test_worker_killed_mid_stream` (which relies on
-        the kill cutting the stream) failed under load. Wiring it needs that test to cut the
-        stream some other way first."""
+        So the Ray objects a stream may run ahead of its reader
+        (`Worker.STREAM_BACKPRESSURE_OBJECTS`, 8) can carry a whole answer: a test that means
+        to cut a stream mid-way must stop the engine first (`WorkerCore.chaos_stall` with
+        `after_steps`), not count on a kill landing before the tokens went out. Branches of
+        one request (n > 1) interleave in the buffer, so each step's deltas of different
+        branches stay separate messages."""
         delta = await self.get()
         while (
             isinstance(delta, StreamDelta)

@@ -7,6 +7,7 @@ without Ray): it joins the prefix index, streams deltas and serves the migration
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from collections.abc import AsyncIterator, Sequence
@@ -15,12 +16,14 @@ from typing import Any
 import ray
 import torch
 
+from pagedserve.workers import drain_signal, handoff_ref
 from pagedserve.workers.block import BlockKey
 from pagedserve.workers.cpu_placement import niceness, pin_process, process_cpus, set_niceness
 from pagedserve.workers.engine import Engine
 from pagedserve.workers.engine_config import EngineConfig
 from pagedserve.workers.kv_events import KVEvent, KVSnapshot
 from pagedserve.workers.lease import DEFAULT_LEASE_TIMEOUT_S
+from pagedserve.workers.pid_files import DEFAULT_PID_DIR, register_pid
 from pagedserve.workers.request_trace import migration_span
 from pagedserve.workers.stream import DEFAULT_MAX_BUFFERED_DELTAS, StreamDelta
 from pagedserve.workers.telemetry import TelemetryConfig, worker_tracing
@@ -45,6 +48,13 @@ __all__ = ["Worker", "WorkerCore"]
 STREAM_BACKPRESSURE_OBJECTS = 8
 # Deadline of each call to the prefix index (register, publish): it must never hang a worker.
 INDEX_CALL_TIMEOUT_S = 30.0
+# A worker drained on SIGTERM gives its open streams this long to finish (`ClusterConfig`).
+DEFAULT_DRAIN_GRACE_S = 30.0
+# After a drain on SIGTERM, how long the process stays up before it exits: Ray reports the
+# handed-off streams' `HandedOff` to their callers after our generators have ended, and an
+# exit at once would turn those into lost-worker errors (replayed all the same, but counted as
+# a lost worker and without the drain's reason).
+EXIT_LINGER_S = 1.0
 
 
 class Worker:
@@ -66,6 +76,13 @@ class Worker:
         cpus: the cores this worker's process is pinned to (None: not pinned); see
             `workers/cpu_placement.py`.
         nice: this worker's niceness (None: Ray's, 15).
+        config_fingerprint: the fingerprint of the spec it was built from
+            (`cluster/worker_spec.py`), reported in `WorkerInfo` so the worker pool can tell
+            a worker of an older config from a current one.
+        drain_grace_s: on SIGTERM, how long open streams get to finish before the rest are
+            handed back (see `workers/drain_signal.py`); then the process exits.
+        pid_dir: where this worker writes its pid file for `pagedserve drain-node` (None:
+            none).
     """
 
     def __init__(
@@ -80,12 +97,16 @@ class Worker:
         max_buffered_deltas: int = DEFAULT_MAX_BUFFERED_DELTAS,
         cpus: tuple[int, ...] | None = None,
         nice: int | None = None,
+        config_fingerprint: str = "",
+        drain_grace_s: float = DEFAULT_DRAIN_GRACE_S,
+        pid_dir: str | None = DEFAULT_PID_DIR,
     ) -> None:
         # First: every thread the engine starts later inherits the mask and the niceness.
         if cpus is not None:
             pin_process(cpus, what=f"worker {worker_id}")
         if nice is not None:
             set_niceness(nice, what=f"worker {worker_id}")
+        self.config_fingerprint = config_fingerprint
         self._index = ray.get_actor(index_name, namespace=namespace) if index_name else None
         sink = self._publish if self._index is not None else None
         tracing = worker_tracing(telemetry, worker_id)
@@ -97,6 +118,9 @@ class Worker:
             lease_timeout_s=lease_timeout_s,
             max_buffered_deltas=max_buffered_deltas,
         )
+        self.drain_grace_s = drain_grace_s
+        if pid_dir is not None:
+            register_pid(worker_id, pid_dir)
 
     def _publish(self, worker_id: str, epoch: str, events: list[KVEvent]) -> None:
         """Send a batch to the index without waiting for it; its answer is checked aside.
@@ -132,8 +156,10 @@ class Worker:
         return True
 
     async def ready(self) -> WorkerInfo:
-        """Start the step loop and join the index (which resyncs from our snapshot)."""
+        """Start the step loop, drain on SIGTERM from now on, and join the index (which
+        resyncs from our snapshot)."""
         self.core.start()
+        drain_signal.HANDLER.arm(asyncio.get_running_loop(), self._drain_on_sigterm)
         if self._index is not None:
             await self._register()
         return self.describe()
@@ -153,6 +179,7 @@ class Worker:
             pid=os.getpid(),
             cpus=process_cpus(),
             nice=niceness(),
+            config_fingerprint=self.config_fingerprint,
         )
 
     @ray.method(_generator_backpressure_num_objects=STREAM_BACKPRESSURE_OBJECTS)
@@ -164,8 +191,9 @@ class Worker:
         it is aborted once the owner has not renewed (`stats(owner_id)`, `renew_lease`)
         within `lease_timeout_s`. None: no lease.
         """
-        if request.handoff is not None:
-            deltas = self.core.adopt(request.handoff, request.trace_context, request.owner_id)
+        if request.handoff is not None:  # its KV, by reference, comes from the source now
+            handoff = await handoff_ref.resolved(request.handoff)
+            deltas = self.core.adopt(handoff, request.trace_context, request.owner_id)
         else:
             deltas = self.core.generate(
                 request.request_id,
@@ -178,6 +206,11 @@ class Worker:
                 owner_id=request.owner_id,
             )
         async for delta in deltas:
+            if isinstance(delta, RequestMoved):  # the router gets a ref, never the KV bytes
+                handoff = handoff_ref.by_reference(delta.handoff)
+                delta = dataclasses.replace(
+                    delta, handoff=dataclasses.replace(handoff, source_worker=delta.worker_id)
+                )
             yield delta
 
     async def abort(self, request_id: str) -> bool:
@@ -194,11 +227,22 @@ class Worker:
         stops the actor."""
         await self.core.close()
 
+    async def _drain_on_sigterm(self) -> None:
+        result = await self.core.drain(self.drain_grace_s)
+        logger.warning(
+            "worker %s drained on SIGTERM: %d streams finished, %d handed back; exiting",
+            self.core.worker_id,
+            result.finished,
+            result.handed_off,
+        )
+        await self.close()  # its disk tier's queued files written before the exit
+        await asyncio.sleep(EXIT_LINGER_S)
+
     async def stats(self, owner_id: str | None = None) -> WorkerStats:
         """The worker's state; also renews `owner_id`'s lease (the router polls this)."""
         if owner_id is not None:
             self.core.renew_lease(owner_id)
-        return self.core.stats()
+        return self.core.stats(owner_id)
 
     async def renew_lease(self, owner_id: str) -> None:
         self.core.renew_lease(owner_id)
@@ -212,8 +256,8 @@ class Worker:
     async def chaos_refuse_next(self, count: int) -> None:
         self.core.chaos_refuse_next(count)
 
-    async def chaos_stall(self, stalled: bool) -> None:
-        self.core.chaos_stall(stalled)
+    async def chaos_stall(self, stalled: bool, after_steps: int = 0) -> None:
+        self.core.chaos_stall(stalled, after_steps)
 
     async def chaos_drop_next_event_batch(self) -> None:
         self.core.chaos_drop_next_event_batch()
@@ -226,6 +270,10 @@ class Worker:
 
     async def push_candidates(self, max_blocks: int) -> list[list[bytes]]:
         return self.core.push_candidates(max_blocks)
+
+    async def hot_chains(self, max_blocks: int) -> list[list[bytes]]:
+        """Its cached prefixes, hottest first, for a handover before it leaves the pool."""
+        return await self.core.hot_chains(max_blocks)
 
     async def pull_prefix(
         self,

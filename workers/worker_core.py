@@ -14,6 +14,10 @@ Two guards keep a request from running on when nobody wants it:
 - owner leases (`LeaseTable`): a request sent with an `owner_id` is aborted once that owner
   (a router replica) has not renewed within `lease_timeout_s`. A housekeeping task checks every
   quarter of that, engine busy or idle.
+
+A stream sends at most one message per branch per engine step, and fewer when its reader lags:
+the deltas of one branch waiting in a row go out as one (`DeltaBuffer.get_coalesced`), so a
+reader k steps behind gets one message carrying k steps' tokens, not k messages.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from pagedserve.workers.block import BlockKey
 from pagedserve.workers.engine import Engine
 from pagedserve.workers.errors import Draining, HandedOff, Overloaded, RequestRejected
 from pagedserve.workers.handoff import RequestHandoff
+from pagedserve.workers.hot_chains import hot_chains
 from pagedserve.workers.kv_cache_manager import PrefixTransfer
 from pagedserve.workers.kv_checks import KVInvariantError, assert_no_leaks, check_invariants
 from pagedserve.workers.kv_events import KVEvent, KVSnapshot
@@ -109,6 +114,7 @@ class WorkerCore:
         self._waiting_for_work = False
         self._unstalled = threading.Event()  # cleared by `chaos_stall`: steps block
         self._unstalled.set()
+        self._stall_after_steps: int | None = None  # `chaos_stall(True, n)`: steps left
         self._refuse_next = 0  # set by `chaos_refuse_next`: new streams refused as Overloaded
 
     # ------------------------------------------------------------ the loop
@@ -177,7 +183,13 @@ class WorkerCore:
 
     def _step(self) -> list[RequestDelta]:
         self._unstalled.wait()  # only `chaos_stall` ever makes this wait
-        return self.engine.step()
+        deltas = self.engine.step()
+        if self._stall_after_steps is not None:
+            self._stall_after_steps -= 1
+            if self._stall_after_steps <= 0:  # `chaos_stall(True, after_steps)`: stall now
+                self._stall_after_steps = None
+                self._unstalled.clear()
+        return deltas
 
     def seconds_without_progress(self) -> float:
         """How long the engine has had runnable work and taken no step: 0 when it is idle or
@@ -317,8 +329,7 @@ class WorkerCore:
             self.leases.attach(request_id, owner_id)
             self._wakeup.set()
             while remaining:
-                # One message per step, not `get_coalesced()`: see `DeltaBuffer.get_coalesced`.
-                delta = await buffer.get()
+                delta = await buffer.get_coalesced()  # what waits of one branch, as one
                 if delta is None:  # `drain` ran out of grace: the router replays the rest
                     raise HandedOff(f"worker {self.worker_id} drained before this request ended")
                 if isinstance(delta, RequestMoved) or delta.finish_reason is not None:
@@ -388,7 +399,8 @@ class WorkerCore:
         return aborted
 
     # --------------------------------------------------------------- state
-    def stats(self) -> WorkerStats:
+    def stats(self, owner_id: str | None = None) -> WorkerStats:
+        """The worker's state; with `owner_id`, also which of that owner's requests it holds."""
         engine = self.engine.stats()
         return WorkerStats(
             worker_id=self.worker_id,
@@ -400,6 +412,7 @@ class WorkerCore:
             blocks_exported=self.num_blocks_exported,
             event_batches_dropped=self.num_event_batches_dropped,
             draining=self.draining,
+            owned_requests=self.leases.held_by(owner_id) if owner_id is not None else (),
             lease_expired=self.leases.num_expired,
             lease_owners=self.leases.num_owners,
             seconds_without_progress=self.seconds_without_progress(),
@@ -419,10 +432,18 @@ class WorkerCore:
             return PoolCheck(ok=False, idle=idle, error=str(error))
         return PoolCheck(ok=True, idle=idle)
 
-    def chaos_stall(self, stalled: bool) -> None:
+    def chaos_stall(self, stalled: bool, after_steps: int = 0) -> None:
         """Hang every engine step from the next one on (True) until released (False): a
-        worker alive and answering, whose requests make no progress (stall tests)."""
-        if stalled:
+        worker alive and answering, whose requests make no progress (stall tests).
+
+        `after_steps` > 0: take that many more steps first, then hang; so a test knows a
+        stream cannot have run past them whatever the machine's speed."""
+        if after_steps < 0:
+            raise ValueError(f"after_steps must be >= 0, got {after_steps}")
+        self._stall_after_steps = None
+        if stalled and after_steps:
+            self._stall_after_steps = after_steps
+        elif stalled:
             self._unstalled.clear()
         else:
             self._unstalled.set()
@@ -478,6 +499,12 @@ class WorkerCore:
             if parent is None:  # the whole chain is here: worth pushing
                 chains.append(chain[::-1])
         return chains
+
+    async def hot_chains(self, max_blocks: int) -> list[list[bytes]]:
+        """Its cached prefixes as whole chains, hottest first (`workers/hot_chains.py`), read
+        on the engine's thread so that no step changes the pool under the walk."""
+        pool = self.engine.kv.pool
+        return await self._on_engine(lambda: hot_chains(pool, max_blocks))
 
     async def import_prefix(self, keys: Sequence[BlockKey], packed: Any) -> int:
         """Store exported blocks as cached here; returns how many were new. 0 without room."""

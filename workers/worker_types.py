@@ -42,6 +42,7 @@ class WorkerInfo:
     pid: int = 0  # its process (placement pins the control plane around it)
     cpus: tuple[int, ...] = ()  # the cores its process may run on (`ClusterConfig.worker_cpus`)
     nice: int = 0  # its niceness (`ClusterConfig.worker_nice`; Ray's default is 15)
+    config_fingerprint: str = ""  # of the spec it was built from (`cluster/worker_spec.py`)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,9 @@ class WorkerStats:
     lease_owners: int = 0
     seconds_without_progress: float = 0.0  # runnable work, and no engine step for this long
     draining: bool = False
+    # The polling owner's (router replica's) requests open here at this report: that router
+    # counts the rest of what it sent as not yet reported (`WorkerState.unreported`).
+    owned_requests: tuple[str, ...] = ()
     kv_cache_device_bytes: int = 0
     kv_cache_swap_bytes: int = 0
     scheduler: SchedulerCounters = field(default_factory=SchedulerCounters)  # a copy

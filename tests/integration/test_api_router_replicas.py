@@ -1,6 +1,7 @@
 """Two Router replicas behind Serve's gRPC proxy (`router_replicas: 2`): any replica aborts
-any request, and killing one replica mid-stream ends only its own streams (UNAVAILABLE, no
-internals) while the other replica's streams finish with the tokens they have alone.
+any request, answers GetStats and `/metrics` for both, and killing one replica mid-stream ends
+only its own streams (UNAVAILABLE, no internals) while the other replica's streams finish with
+the tokens they have alone.
 
 Own module: it kills a Router replica of its app.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import urllib.request
 
 import grpc
 import pytest
@@ -25,6 +27,10 @@ from pagedserve.proto.pagedserve.v1 import serving_pb2_grpc
 TOKENS = 2000
 LEASE_S = 3.0
 NUM_STREAMS = 6
+# The cluster-wide routing decisions in `/metrics` (a prefix hit or miss is one decision).
+ROUTED_SAMPLE = (
+    r'^pagedserve_cluster_router_events_total\{event="routed\.prefix_(?:hit|miss)"\} (\S+)$'
+)
 INTERNALS = re.compile(r"Traceback|\.py\b|pid=|\d+\.\d+\.\d+\.\d+:\d+|actor_id|File \"")
 
 
@@ -95,6 +101,41 @@ def test_abort_through_any_replica(app):
         ids
     )
     assert all(len(tokens) < TOKENS for _, _, tokens, _ in ends)
+    assert_app_clean(app)
+
+
+def test_stats_and_metrics_are_cluster_wide_whichever_replica_answers(app):
+    """Requests spread over both replicas by the proxy; afterwards every GetStats and every
+    `/metrics` scrape (each reaching one replica or the other) counts all of them."""
+    num_requests, num_answers = 8, 8
+
+    def routed_by_stats(stub) -> int:
+        counters = stub.GetStats(pb.GetStatsRequest(), timeout=30).router_counters
+        return sum(
+            v for k, v in counters.items() if k in ("routed.prefix_hit", "routed.prefix_miss")
+        )
+
+    def routed_by_metrics() -> int:
+        with urllib.request.urlopen(f"{app.http_url}/metrics", timeout=30) as response:
+            text = response.read().decode()
+        events = re.findall(ROUTED_SAMPLE, text, re.MULTILINE)
+        return int(sum(float(v) for v in events))
+
+    channel = grpc.insecure_channel(app.grpc_address)
+    try:
+        stub = serving_pb2_grpc.GenerationStub(channel)
+        before = routed_by_stats(stub)
+        for i in range(num_requests):
+            stub.Generate(request(f"stats {i}", max_tokens=2), timeout=300)
+        expected = before + num_requests
+        wait_until(lambda: routed_by_stats(stub) >= expected, 60, "GetStats to count them")
+        by_stats = [routed_by_stats(stub) for _ in range(num_answers)]
+        wait_until(lambda: routed_by_metrics() >= expected, 60, "/metrics to count them")
+        by_metrics = [routed_by_metrics() for _ in range(num_answers)]
+    finally:
+        channel.close()
+    assert all(n >= expected for n in by_stats), (expected, by_stats)
+    assert all(n >= expected for n in by_metrics), (expected, by_metrics)
     assert_app_clean(app)
 
 

@@ -7,6 +7,7 @@ import random
 
 import pytest
 from support.cluster import (
+    PIN,
     cluster_config,
     greedy,
     run_request,
@@ -20,7 +21,6 @@ from pagedserve.cluster.worker_group import stop_worker_group
 from pagedserve.workers.cpu_placement import available_cpus
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
-PIN = 10_000_000  # router-side demand that makes a worker look full, to steer routing
 
 
 def prompt(seed: int, length: int) -> list[int]:

@@ -12,13 +12,12 @@ Own module so that the module-scoped Ray cluster is fresh: every worker slot is 
 
 import asyncio
 
-from support.cluster import cluster_config, greedy, run_request, start_router
+from support.cluster import PIN, cluster_config, greedy, run_request, start_router
 from support.wait import until
 
 from pagedserve.cluster.router_types import GenerateRequest
 from pagedserve.cluster.worker_group import stop_worker_group
 
-PIN = 10_000_000  # router-side demand that makes a worker look full, to steer routing
 MAX_TOKENS = 40  # more than a held stream's buffers take: it pauses before its end
 GRACE_S = 10.0  # ample for a resumed stream's last ~30 tokens; the held one never ends in it
 

@@ -1,6 +1,12 @@
 """A worker killed mid-stream: its requests replay on a peer (or fail, by config), it is
 dropped from the index at once, Ray restarts it and it rejoins; survivors leak nothing.
 
+Each fault strikes a stream that cannot have ended: the request is steered to the victim (its
+peers look full), whose engine stops after `STEPS_BEFORE_FAULT` steps (`chaos_stall` with
+`after_steps`), and the fault comes with the first tokens the client sees. A worker coalesces
+what its reader has not taken yet, so without the stop a fault "after 5 tokens" could find
+the whole answer already handed over.
+
 Own module so that the module-scoped Ray cluster is fresh: every worker slot is free.
 """
 
@@ -10,7 +16,14 @@ import time
 
 import pytest
 import ray
-from support.cluster import assert_cluster_clean, cluster_config, greedy, run_request, start_router
+from support.cluster import (
+    PIN,
+    assert_cluster_clean,
+    cluster_config,
+    greedy,
+    run_request,
+    start_router,
+)
 
 from pagedserve.cluster.router_types import GenerateRequest, NoWorkerAvailable
 from pagedserve.cluster.worker_group import stop_worker_group
@@ -25,6 +38,20 @@ def run(coro):
     return asyncio.run(coro)
 
 
+STEPS_BEFORE_FAULT = 5  # of a 60-token answer: the victim stops long before its end
+
+
+async def steer_to_a_stopping_victim(core):
+    """(victim, its peers sorted by id): the next request lands on the victim (the peers
+    are pinned with `PIN`; the caller ends that), whose engine stops after
+    `STEPS_BEFORE_FAULT` steps, so its stream is still open when the fault strikes."""
+    victim, *peers = sorted(core.workers.values(), key=lambda w: w.worker_id)
+    for peer in peers:
+        peer.begin(PIN)
+    await victim.handle.chaos_stall.remote(True, after_steps=STEPS_BEFORE_FAULT)
+    return victim, peers
+
+
 @pytest.mark.parametrize("mode", ["replay", "fail"])
 def test_worker_killed_mid_stream(ray_cluster, hf_reference, mode):
     config = cluster_config(f"t-kill-{mode}", num_workers=2, on_worker_failure=mode)
@@ -35,17 +62,23 @@ def test_worker_killed_mid_stream(ray_cluster, hf_reference, mode):
         reference, _ = await run_request(core, long_prompt, greedy(60))
         streamed: list[int] = []
         error = None
-        victim = None
+        killed = False
+        victim, peers = await steer_to_a_stopping_victim(core)
         try:
             request = GenerateRequest(params=greedy(60), prompt_token_ids=long_prompt)
             async for delta in core.generate(request):
                 streamed.extend(delta.token_ids)
-                if victim is None and len(streamed) >= 5:
-                    victim = core.workers[delta.worker_id]
+                if not killed and streamed:
+                    assert delta.worker_id == victim.worker_id
+                    assert len(streamed) <= STEPS_BEFORE_FAULT  # mid-stream, by construction
                     ray.kill(victim.handle, no_restart=False)
+                    killed = True
         except NoWorkerAvailable as exc:
             error = exc
-        assert victim is not None and not victim.alive
+        finally:
+            for peer in peers:
+                peer.end(PIN)
+        assert killed and not victim.alive
         held = await core.index.snapshot_of.remote(victim.worker_id)
         await assert_cluster_clean(core)  # the survivor leaked nothing; the victim restarts
         # Ray restarts the victim; the router notices and routes to it again.
@@ -79,15 +112,16 @@ def test_a_stalled_worker_s_streams_replay_on_a_peer(ray_cluster, hf_reference):
         core = await start_router(config)
         reference, _ = await run_request(core, long_prompt, greedy(60))
         streamed: list[int] = []
-        victim = None
+        victim, peers = await steer_to_a_stopping_victim(core)
         request = GenerateRequest(params=greedy(60), prompt_token_ids=long_prompt)
-        async for delta in core.generate(request):
-            streamed.extend(delta.token_ids)
-            if victim is None and len(streamed) >= 5:
-                victim = core.workers[delta.worker_id]
-                await victim.handle.chaos_stall.remote(True)
+        try:
+            async for delta in core.generate(request):
+                streamed.extend(delta.token_ids)
+        finally:
+            for peer in peers:
+                peer.end(PIN)
         stalled_seen = core.counters.workers_stalled
-        assert victim is not None and victim.alive and not victim.routable
+        assert victim.alive and not victim.routable
         await victim.handle.chaos_stall.remote(False)
         deadline = time.monotonic() + 60  # a failsafe: it steps again within milliseconds
         while victim.stalled:
@@ -117,24 +151,26 @@ def test_a_refused_replay_leg_tries_the_next_worker(ray_cluster, hf_reference):
         reference, _ = await run_request(core, long_prompt, greedy(60))
         streamed: list[int] = []
         finals = []
-        victim = busy = None
+        killed = False
+        # The replay is routed to `refusing` first (`busy` stays pinned), which refuses it
+        # once; then only `busy` is left to take it.
+        victim, (refusing, busy) = await steer_to_a_stopping_victim(core)
         request = GenerateRequest(params=greedy(60), prompt_token_ids=long_prompt)
-        async for delta in core.generate(request):
-            streamed.extend(delta.token_ids)
-            if delta.finish_reason is not None:
-                finals.append(delta)
-            if victim is None and len(streamed) >= 5:
-                victim = core.workers[delta.worker_id]
-                refusing, busy = sorted(
-                    (w for w in core.workers.values() if w is not victim),
-                    key=lambda w: w.worker_id,
-                )
-                # The replay is routed to `refusing` first (`busy` looks loaded), which
-                # refuses it once; then only `busy` is left to take it.
-                busy.begin(10_000_000)
-                await refusing.handle.chaos_refuse_next.remote(1)
-                ray.kill(victim.handle, no_restart=False)
-        busy.end(10_000_000)
+        try:
+            async for delta in core.generate(request):
+                streamed.extend(delta.token_ids)
+                if delta.finish_reason is not None:
+                    finals.append(delta)
+                if not killed and streamed:
+                    assert delta.worker_id == victim.worker_id
+                    refusing.end(PIN)
+                    await refusing.handle.chaos_refuse_next.remote(1)
+                    ray.kill(victim.handle, no_restart=False)
+                    killed = True
+        finally:
+            busy.end(PIN)
+            if not killed:
+                refusing.end(PIN)
         await assert_cluster_clean(core)
         retried, replays = core.counters.legs_retried, core.counters.replays
         await core.close()

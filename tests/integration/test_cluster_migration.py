@@ -5,18 +5,31 @@ receiver's scheduler counts the tokens it prefilled (`WorkerStats.scheduler.pref
 
 import asyncio
 import copy
+import pickle
 import random
+import threading
 from dataclasses import dataclass
 
 import pytest
-from support.cluster import cluster_config, greedy, run_request, start_router, until_view_mirrors
+import ray
+import torch
+from support.cluster import (
+    PIN,
+    cluster_config,
+    greedy,
+    run_request,
+    start_router,
+    until_view_mirrors,
+)
 from support.wait import until
 
 from pagedserve.cluster.worker_group import stop_worker_group
-from pagedserve.workers.worker_types import WorkerStats
+from pagedserve.workers import handoff_ref
+from pagedserve.workers.handoff import RequestHandoff
+from pagedserve.workers.sampling_params import SamplingParams
+from pagedserve.workers.worker_types import RequestMoved, WorkerStats
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
-PIN = 10_000_000  # router-side demand that makes a worker look full, to steer routing
 
 
 def prompt(seed: int, length: int) -> list[int]:
@@ -86,8 +99,25 @@ def test_preempted_request_moves_with_its_kv_and_output_is_unchanged(hf_referenc
             target.end(PIN)
         return Run(results, before, await worker_stats(core), core.counters.moves - moves)
 
+    moved: list[tuple[int, int, object]] = []  # what the router got: pickled size, KV bytes, type
+
+    def watch_moves(core):
+        """Record each `RequestMoved` the router receives, as it receives it."""
+        stream = core._stream
+
+        async def watched(worker, request, demand):
+            async for delta in stream(worker, request, demand):
+                if isinstance(delta, RequestMoved):
+                    kv = delta.handoff.packed_kv
+                    kv_bytes = (await kv).nbytes if isinstance(kv, ray.ObjectRef) else 0
+                    moved.append((len(pickle.dumps(delta)), kv_bytes, type(kv)))
+                yield delta
+
+        core._stream = watched
+
     async def main():
         core = await start_router(config)
+        watch_moves(core)
         pair_alone = [(await run_request(core, p, greedy(100)))[0][0] for p in pair]
         alone = [(await run_request(core, p, greedy(30)))[0][0] for p in prompts]
         pair_run = await run_pinned(core, pair, 100)
@@ -108,7 +138,50 @@ def test_preempted_request_moves_with_its_kv_and_output_is_unchanged(hf_referenc
     assert run.moves >= 1 and sum(run.grew("moved").values()) == run.moves
     assert run.outputs() == alone and run.last_workers() == {busy, target}
     assert pair_alone == [hf_reference.greedy(p, 100) for p in pair]
+    # The KV went source -> target: the router held a ref and small metadata, never the bytes
+    # (the test alone resolved the ref, to weigh what the message would have carried).
+    assert moved and all(kind is ray.ObjectRef for _, _, kind in moved)
+    assert all(size < 4096 < kv_bytes for size, kv_bytes, _ in moved), moved
     assert alone == [hf_reference.greedy(p, 30) for p in prompts]
+
+
+def test_a_moved_kv_whose_source_died_is_recomputed_not_fatal():
+    """The source owns the KV object: once it is dead the ref cannot be resolved, and the
+    target adopts the handoff without KV (recomputing from its tokens) instead of failing."""
+
+    @ray.remote(num_cpus=0)
+    class Source:
+        def put(self):
+            return [ray.put(torch.ones(2, 2, 1, 4, 1, 8)) for _ in range(2)]  # refs, not values
+
+        def hang(self):
+            threading.Event().wait()  # returns only by the actor's death
+
+    source = Source.remote()
+    first, second = ray.get(source.put.remote())
+    handoff = RequestHandoff.replay(
+        "moved-1",
+        list(range(4)),
+        [],
+        0,
+        SamplingParams(max_tokens=4),
+        priority=0,
+        cache_extra_keys=("tiny-llama",),
+        block_size=4,
+        deadline_remaining_s=None,
+    )
+    handoff.packed_kv, handoff.num_computed_tokens = first, 4
+    alive = asyncio.run(handoff_ref.resolved(handoff))
+    assert torch.equal(alive.packed_kv, torch.ones(2, 2, 1, 4, 1, 8))
+    assert alive.num_computed_tokens == 4
+    hanging = source.hang.remote()
+    ray.kill(source)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(hanging)  # the source is dead now
+    handoff.packed_kv = second  # one not fetched while its owner lived
+    lost = asyncio.run(handoff_ref.resolved(handoff))
+    assert lost.packed_kv is None and lost.num_computed_tokens == 0
+    assert lost.all_token_ids == handoff.all_token_ids
 
 
 def test_a_pulled_prefix_is_imported_not_recomputed_and_gives_the_same_output(hf_reference):

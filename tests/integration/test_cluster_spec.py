@@ -6,13 +6,12 @@ import asyncio
 import random
 
 import pytest
-from support.cluster import cluster_config, greedy, run_request, start_router
+from support.cluster import PIN, cluster_config, greedy, run_request, start_router
 
 from pagedserve.cluster.grpc_convert import stats_to_proto
 from pagedserve.cluster.worker_group import stop_worker_group
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
-PIN = 10_000_000  # router-side demand that makes a worker look full, to steer routing
 
 
 def prompt(seed: int, length: int) -> list[int]:

@@ -1,4 +1,5 @@
-"""PrefixIndexActor on a real (small) Ray: resync from a worker's snapshot, and its deadline."""
+"""PrefixIndexActor on a real (small) Ray: resync from a worker's snapshot, and its deadline;
+a restarted index resyncs from the worker pool's members at once."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import uuid
 
 import pytest
 import ray
+from support.wait import until
 
+from pagedserve.cluster.pool_types import Member, Membership, MembershipVersion, MemberState
 from pagedserve.cluster.prefix_index import (
     KVSnapshot,
     PublishResult,
@@ -78,6 +81,18 @@ class StuckWorker:
     async def kv_snapshot(self) -> KVSnapshot:
         await asyncio.sleep(3600)
         raise AssertionError("unreachable")
+
+
+@ray.remote
+class StandInPool:
+    """A worker pool reduced to its membership: the members it was given, as they are."""
+
+    def __init__(self, members: list[tuple[str, object, MemberState]]) -> None:
+        listed = tuple(Member(w, handle, state) for w, handle, state in members)
+        self._membership = Membership(MembershipVersion("stand-in", len(listed)), listed)
+
+    async def membership(self, router_id=None, held=None) -> Membership:
+        return self._membership
 
 
 def _index(name: str):
@@ -162,3 +177,39 @@ def test_publish_from_an_unregistered_worker_is_not_indexed():
     result = ray.get(index.publish.remote("ghost", "e1", []))
     assert result == PublishResult(0, needs_resync=True, resynced=False)
     assert ray.get(index.stats.remote()).workers == {}
+
+
+def test_a_restarted_index_resyncs_at_once_from_the_pools_members_not_only_its_first_names():
+    """The index was created knowing one name (`p0`); the pool grew since (`p1` serving, `p2`
+    leaving, `p3` starting). Restarted, with no publish from anyone, it holds what `p0`, `p1`
+    and `p2` cache; `p3` registers itself once ready."""
+    index = get_or_create_prefix_index(
+        name="from-pool",
+        snapshot_timeout_s=SNAPSHOT_TIMEOUT_S,
+        worker_names=["p0"],
+        pool_name="from-pool-pool",
+    )
+    names = ("p0", "p1", "p2", "p3")
+    workers = {w: StandInWorker.options(name=w).remote(w, index) for w in names}
+    states = [MemberState.SERVING, MemberState.SERVING, MemberState.LEAVING, MemberState.STARTING]
+    members = [(w, h, s) for (w, h), s in zip(workers.items(), states, strict=True)]
+    pool = StandInPool.options(name="from-pool-pool").remote(members)  # kept: alive while held
+    for number, worker in enumerate(workers.values()):  # cached, never published
+        ray.get(worker.cache_chain.remote([[number, 1], [number, 2]]))
+    cached = {w: ray.get(h.cached.remote()) for w, h in workers.items()}
+
+    ray.kill(index, no_restart=False)
+
+    async def resynced():
+        try:
+            stats = await index.stats.remote()
+        except ray.exceptions.RayActorError:  # restarting
+            return None
+        return stats.startup_resyncs == 3 and stats
+
+    stats = asyncio.run(until(resynced, "the restarted index to resync from the pool"))
+    assert stats.registered_workers == names[:3] and stats.snapshot_failures == 0
+    for worker_id in names[:3]:
+        assert ray.get(index.snapshot_of.remote(worker_id)) == cached[worker_id]
+    assert ray.get(index.snapshot_of.remote("p3")) == set()
+    del pool

@@ -10,6 +10,7 @@ import asyncio
 import pytest
 import ray
 from support.cluster import (
+    PIN,
     assert_cluster_clean,
     cluster_config,
     greedy,
@@ -24,7 +25,6 @@ from pagedserve.cluster.router_types import GenerateRequest
 from pagedserve.cluster.worker_group import stop_worker_group
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
-PIN = 10_000_000  # router-side demand that makes a worker look full, to steer routing
 MAX_TOKENS = 12
 
 

@@ -1,5 +1,6 @@
 """Two router replicas over one worker group: each routes on its own prefix view, fed by the
-index's change feed, and either can abort a request the other streams.
+index's change feed, either can abort a request the other streams, and either answers stats
+for both (counters summed through the index actor, load from the workers' reports).
 
 Own module, with its own worker group: the views of both routers are checked against the
 pools by the leak check after every test.
@@ -11,6 +12,7 @@ import random
 import pytest
 import ray
 from support.cluster import (
+    PIN,
     cluster_config,
     greedy,
     run_request,
@@ -20,11 +22,11 @@ from support.cluster import (
 )
 from support.wait import until
 
+from pagedserve.cluster.grpc_convert import stats_to_proto
 from pagedserve.cluster.router_types import GenerateRequest
 from pagedserve.cluster.worker_group import stop_worker_group
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
-PIN = 10_000_000  # router-side demand that makes a worker look full, to steer routing
 LONG = 1_000  # decode steps (within the test model's context): it only ends when aborted
 
 
@@ -141,3 +143,61 @@ def test_a_restarted_index_resets_both_views(replicas):
     epochs, resets_before, resets_after, _ = asyncio.run(main())
     assert epochs[0] == epochs[1]  # both followed the one index
     assert all(after > before for before, after in zip(resets_before, resets_after, strict=True))
+
+
+def test_stats_through_either_router_are_cluster_wide_and_load_counts_once(replicas):
+    """Requests sent through `a` show in the counters `b` answers GetStats with, and in `b`'s
+    view of the worker's load (from the worker's report); `a` counts its own request once."""
+    a, b = replicas
+
+    def routed(*cores) -> int:
+        return sum(sum(core.counters.routed.values()) for core in cores)
+
+    async def main():
+        request = GenerateRequest(
+            params=greedy(LONG), prompt_token_ids=prompt(9, 20), request_id="w"
+        )
+        stream = a.generate(request)
+        head = await anext(stream)
+
+        async def read_on() -> list:  # kept running: a request held unread pauses
+            return [delta async for delta in stream]
+
+        reading = asyncio.ensure_future(read_on())
+        seen_by_a, seen_by_b = a.workers[head.worker_id], b.workers[head.worker_id]
+
+        # The fixture's loop ran the routers' poll loops: poll here, as each loop would.
+        async def reported_to_a() -> bool:  # a's poll came back naming its request
+            await a.liveness.poll(seen_by_a)
+            return "w" in seen_by_a.stats.owned_requests
+
+        async def seen_by_b_too() -> bool:
+            await b.liveness.poll(seen_by_b)
+            return seen_by_b.load().num_requests >= 1
+
+        await until(reported_to_a, "a's report of the worker to name its request")
+        load_a = seen_by_a.load()
+        await until(seen_by_b_too, "b to see a's request there")
+        load_b = seen_by_b.load()
+
+        async def cluster_wide():
+            stats = await b.cluster_stats()
+            cluster = stats.cluster
+            done = sum(cluster.counters.routed.values()) >= routed(a, b)
+            return done and cluster.inflight.get(head.worker_id) == 1 and stats
+
+        stats = await until(cluster_wide, "b's stats to count what a routed")
+        assert await a.abort("w")
+        await reading
+        return load_a, load_b, stats, head.worker_id
+
+    load_a, load_b, stats, worker_id = asyncio.run(main())
+    # a's request is in the worker's report: a adds nothing on top of it (counted once) ...
+    assert (load_a.inflight, load_a.unreported) == (1, 0)
+    assert load_a.num_requests == load_a.num_running + load_a.num_waiting >= 1
+    # ... and b, which sent nothing there, sees it all the same.
+    assert (load_b.inflight, load_b.unreported) == (0, 0) and load_b.num_requests >= 1
+    assert len(stats.cluster.replicas) >= 2
+    message = stats_to_proto(stats)  # what GetStats answers through b
+    assert sum(v for k, v in message.router_counters.items() if k.startswith("routed.kv")) >= 1
+    assert {w.worker_id: w.inflight for w in message.workers}[worker_id] == 1

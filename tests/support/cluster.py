@@ -12,7 +12,7 @@ import time
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.router import RouterCore
 from pagedserve.cluster.router_types import GenerateRequest
-from pagedserve.cluster.worker_group import start_worker_group
+from pagedserve.cluster.worker_group import start_pool
 from pagedserve.workers.engine_config import EngineConfig
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.telemetry import NOOP, TelemetryConfig, Tracing
@@ -21,6 +21,7 @@ from support.wait import until
 
 WORKER_RESOURCE = "pagedserve_test_worker"
 TEST_MODEL = "tiny-llama"
+PIN = 10_000_000  # router-side demand that makes a worker look full, to steer routing
 
 
 def cluster_config(
@@ -51,11 +52,22 @@ def cluster_config(
 
 
 async def start_router(
-    config: ClusterConfig, telemetry: TelemetryConfig | None = None, tracing: Tracing = NOOP
+    config: ClusterConfig,
+    telemetry: TelemetryConfig | None = None,
+    tracing: Tracing = NOOP,
+    config_revision: float = 0.0,
 ) -> RouterCore:
-    """A router in this process over the (new or existing) worker group of `config`, started."""
-    index, workers = start_worker_group(config, telemetry)
-    core = RouterCore(config, index, workers, tracing)
+    """A router in this process over the (new or existing) worker group of `config`, started;
+    it follows the pool's membership and hands it `config` at `config_revision`."""
+    group = start_pool(config, telemetry, config_revision)
+    core = RouterCore(
+        config,
+        group.index,
+        group.workers,
+        tracing,
+        pool=group.pool,
+        config_revision=config_revision,
+    )
     await core.start()
     return core
 

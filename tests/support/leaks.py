@@ -7,13 +7,14 @@ What "clean" means:
   own pool;
 - a cluster: every router that served it holds nothing open (`RouterCore.inflight`: no request
   id reserved, no request or token counted on any worker); every worker that is still there is
-  idle with a clean pool (`Worker.check_pool`, lower tiers included); the prefix index holds,
-  for each such worker, exactly the blocks its pool and tiers have cached (no entry for a
-  block that no longer exists, none missing), as many in each tier (device, host, disk) as the
-  worker has there, no worker is stale, the index's own invariants hold, and a worker that is
-  gone for good has no entry left. Requests being aborted, and KV events on their way to the
-  index, may still be in flight when a test ends: the check polls until the cluster is clean,
-  under a generous deadline that is a failsafe only (it never measures anything);
+  idle with a clean pool (`Worker.check_pool`, lower tiers included) (the workers:
+  `worker_names`, the pool's members and the ones it retired included); the prefix index
+  holds, for each such worker, exactly the blocks its pool and tiers have cached (no entry for
+  a block that no longer exists, none missing), as many in each tier (device, host, disk) as
+  the worker has there, no worker is stale, the index's own invariants hold, and a worker that
+  is gone for good has no entry left. Requests being aborted, and KV events on their way to
+  the index, may still be in flight when a test ends: the check polls until the cluster is
+  clean, under a generous deadline that is a failsafe only (it never measures anything);
 - each router built in the test process also has a prefix view (what routing matches
   against) equal to the pools, worker by worker, each block in its tier. When that router's
   event loop is gone (a test drove it from an `asyncio.run` that has returned) nothing follows
@@ -51,6 +52,7 @@ from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.prefix_view import PrefixView
 from pagedserve.cluster.router import RouterCore
 from pagedserve.cluster.router_types import RouterInflight
+from pagedserve.cluster.worker_pool import existing_workers
 from pagedserve.workers.engine import Engine
 from pagedserve.workers.kv_cache_manager import KVCacheManager
 from pagedserve.workers.kv_checks import KVInvariantError, assert_no_leaks
@@ -155,9 +157,28 @@ def cluster_problems(config: ClusterConfig, routers: list[RouterView] = ()) -> l
         problems.append(f"{config.name}: prefix index invariants: {broken}")
     if stats.stale_workers:
         problems.append(f"{config.name}: prefix index stale for {stats.stale_workers}")
-    for i in range(config.num_workers):
-        problems += _worker_problems(config.worker_name(i), config.namespace, index, views)
+    try:
+        names = worker_names(config)
+    except Exception as error:  # the pool restarting: look again
+        return [*problems, f"{config.name}: the worker pool did not answer: {error!r}"]
+    for name in names:
+        problems += _worker_problems(name, config.namespace, index, views)
     return problems
+
+
+def worker_names(config: ClusterConfig) -> list[str]:
+    """Every worker the check looks at: the first `num_workers` names, those alive under the
+    app's name pattern, and the pool's members and the workers it retired (each of which
+    must be gone from the index and every view)."""
+    names = {config.worker_name(i) for i in range(config.num_workers)}
+    names |= set(existing_workers(config))
+    try:
+        pool = ray.get_actor(config.pool_name, namespace=config.namespace)
+    except ValueError:  # no pool (stopped): the names alone
+        return sorted(names)
+    stats = ray.get(pool.stats.remote(), timeout=RPC_S)
+    names |= {m.worker_id for m in stats.membership.members} | set(stats.retired)
+    return sorted(names)
 
 
 def _worker_problems(

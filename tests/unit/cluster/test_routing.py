@@ -23,7 +23,12 @@ def idle(worker_id: str, total: int = 100, **changes) -> WorkerLoad:
 
 def sent(load: WorkerLoad, tokens: int) -> WorkerLoad:
     """What the caller does after routing a request to `load.worker_id`."""
-    return replace(load, inflight=load.inflight + 1, inflight_tokens=load.inflight_tokens + tokens)
+    return replace(
+        load,
+        inflight=load.inflight + 1,
+        inflight_tokens=load.inflight_tokens + tokens,
+        unreported=load.unreported + 1,  # no report has seen it yet
+    )
 
 
 # ----------------------------------------------------------------- registry
@@ -104,7 +109,7 @@ def test_hot_prefix_moves_off_an_overloaded_holder():
     holder = idle("a", used_blocks=60)
     loads = [holder, idle("b", used_blocks=10), idle("c", used_blocks=20)]
     # mean 30 -> bound 1.5 * 30 + 8 = 53: a (60) is out even though it saves all 40 blocks.
-    assert policy.guard_bound([60, 10, 20]) == 53
+    assert policy.guard_bound(60 + 10 + 20, 0, 3) == 53
     decision = policy.choose(40, {"a": 40}, loads)
     assert decision.worker_id == "b" and decision.matched_blocks == 0
     assert [c.excluded for c in decision.candidates] == ["overloaded", None, None]
@@ -162,16 +167,18 @@ def test_kv_aware_ties_break_on_load_then_worker_id():
 
 
 # ----------------------------------------------------------------- least_loaded
-def test_least_loaded_counts_router_inflight_and_reports():
+def test_least_loaded_counts_reports_and_unreported_router_requests():
     policy = make_policy("least_loaded")
     loads = [
         idle("a", num_running=2),
-        idle("b", inflight=1, num_waiting=1),
+        idle("b", inflight=1, unreported=1, num_waiting=1),
         idle("c", num_running=1),
+        # Its one request is the one the worker reports running: counted once, not twice.
+        idle("d", inflight=1, unreported=0, num_running=1, total=16),
     ]
     decision = policy.choose(5, {"a": 5}, loads)
     assert decision.worker_id == "c"
-    assert [c.cost for c in decision.candidates] == [2, 2, 1]
+    assert [c.cost for c in decision.candidates] == [2, 2, 1, 1]
     assert decision.matched_blocks == 0
     assert policy.choose(5, {}, [idle("b"), idle("a")]).worker_id == "a"
 

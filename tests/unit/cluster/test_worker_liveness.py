@@ -98,3 +98,31 @@ def test_a_hanging_after_poll_hook_does_not_hold_up_the_polls():
         liveness.close()
 
     asyncio.run(main())
+
+
+def test_a_worker_reporting_draining_leaves_routing_until_a_new_incarnation():
+    """Draining for any reason (SIGTERM, another replica's drain): every replica routes
+    nothing new there from its next poll; the worker's restart brings it back."""
+
+    async def main():
+        info = WorkerInfo("w1", "e", "m", 8, 256, 64, 10)
+        worker = WorkerState("w1", handle=None, alive=True, info=info)
+        kv = KVUsage(**{f.name: 0 for f in dataclasses.fields(KVUsage)})
+        reports = iter([WorkerStats("w1", "e", kv), WorkerStats("w1", "e", kv, draining=True)])
+
+        async def stats(router_id):
+            return next(reports)
+
+        async def ready():
+            return dataclasses.replace(info, epoch="e2")
+
+        worker.handle = type("Handle", (), {"stats": Remote(stats), "ready": Remote(ready)})()
+        liveness = WorkerLiveness(ClusterConfig(), None, {"w1": worker}, "r", RouterCounters())
+        await liveness.poll(worker)
+        assert worker.routable
+        await liveness.poll(worker)
+        assert not worker.routable and worker.draining
+        await liveness.revive(worker)  # a new incarnation answered ready()
+        assert worker.routable
+
+    asyncio.run(main())

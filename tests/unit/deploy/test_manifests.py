@@ -21,8 +21,10 @@ from unit.deploy.manifests import (
     serve_config,
 )
 
+from pagedserve.cli import build_parser
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.grpc_backlog import backlog_env_vars
+from pagedserve.workers import drain_node
 from pagedserve.workers.model_registry import DEFAULT_MODEL
 
 OVERLAYS = ("cpu-demo", "gpu")
@@ -228,6 +230,23 @@ def test_upgrade_strategy_lets_streams_finish(rendered, name):
     (router,) = serve_config(rendered[name])["applications"][0]["deployments"]
     # The old cluster outlives the switch by longer than the Router waits for its streams.
     assert spec["rayClusterDeletionDelaySeconds"] > router["graceful_shutdown_timeout_s"]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_ray_pods_drain_their_workers_before_ray_stops(rendered, name):
+    """A pod being removed runs `pagedserve drain-node` first; it waits longer than a worker's
+    drain takes, and Kubernetes waits longer than it before it kills the pod."""
+    args = serve_config(rendered[name])["applications"][0]["args"]
+    grace_s = ClusterConfig.from_dict({"drain_grace_s": args["drain_grace_s"]}).drain_grace_s
+    cluster = find(rendered[name], "RayService")["spec"]["rayClusterConfig"]
+    pods = [cluster["headGroupSpec"]["template"]["spec"]]
+    pods += [group["template"]["spec"] for group in cluster["workerGroupSpecs"]]
+    for pod in pods:
+        command = pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+        assert command[0] == "pagedserve"  # the project's console script, on the image's PATH
+        parsed = build_parser().parse_args(command[1:])
+        assert parsed.func is drain_node.run
+        assert grace_s < parsed.timeout_s < pod["terminationGracePeriodSeconds"]
 
 
 def test_gpu_model_volume_is_mounted_where_the_config_reads_it(rendered):

@@ -6,7 +6,7 @@ import importlib
 
 import pytest
 from ray.serve.schema import ServeDeploySchema
-from unit.deploy.manifests import serve_config
+from unit.deploy.manifests import find, serve_config
 
 from pagedserve.cluster import serve_options
 from pagedserve.cluster.api_config import split_app_args
@@ -118,3 +118,25 @@ def test_router_is_autoscaled_from_two_replicas(rendered, name):
     assert "num_replicas" not in router
     assert 2 <= scaling["min_replicas"] <= scaling["max_replicas"]
     assert 0 < scaling["target_ongoing_requests"] <= (config.max_inflight or 1024)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_the_worker_pool_is_elastic_within_its_worker_group(rendered, name):
+    """`min_workers`/`max_workers` in the app's args; the KubeRay worker group, autoscaled
+    in-tree, can hold the pool at its largest plus the one extra worker a rolling
+    replacement runs, and keeps no more pods than the smallest pool needs."""
+    args = the_app(serve_config(rendered[name]))["args"]
+    config = ClusterConfig.from_dict(split_app_args(args)[0])
+    low, high = config.worker_bounds
+    assert (args["min_workers"], args["max_workers"]) == (low, high)
+    assert low <= config.num_workers <= high and low < high
+    cluster = find(rendered[name], "RayService")["spec"]["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is True
+    (group,) = cluster["workerGroupSpecs"]
+    pod_cpus = float(group["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"])
+    if config.worker_num_gpus:  # one GPU, one pod per worker
+        assert group["minReplicas"] == low
+        assert group["maxReplicas"] >= high + 1
+    else:  # CPU workers share pods, with the prefix index (1 CPU)
+        assert (high + 1) * config.worker_num_cpus + 1 <= pod_cpus * group["maxReplicas"]
+        assert low * config.worker_num_cpus + 1 <= pod_cpus * group["minReplicas"]

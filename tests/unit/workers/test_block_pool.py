@@ -1,6 +1,7 @@
 """Exact ids, ref counts and queue order for the free queue and the block pool."""
 
 import hashlib
+import random
 import struct
 
 import pytest
@@ -53,6 +54,21 @@ def test_block_hash_is_chained_deterministic_and_salted():
         block_hash(None, [0, 1, 2, 3]),
         block_hash(block_hash(None, [0, 1, 2, 3]), [4, 5, 6, 7]),
     ]
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+def test_hash_full_blocks_equals_chained_block_hash(block_size):
+    """The prompt-at-once encoding gives each block's own `block_hash`, tail left out."""
+    rng = random.Random(block_size)
+    for length in [0, block_size - 1, block_size, 5 * block_size + 2]:
+        tokens = [rng.randrange(-(2**40), 2**40) for _ in range(length)]
+        extra = ("tiny-llama", "salté")
+        expected, parent = [], None
+        for start in range(0, length - block_size + 1, block_size):
+            parent = block_hash(parent, tokens[start : start + block_size], extra)
+            expected.append(parent)
+        assert hash_full_blocks(tokens, block_size, extra) == expected
+        assert hash_full_blocks(tuple(tokens), block_size, extra) == expected
 
 
 def _sha256_of_documented_encoding(parent: bytes | None, tokens, extra_keys) -> bytes:

@@ -1,13 +1,19 @@
-"""Coalesced deltas (`DeltaBuffer.get_coalesced`, not yet wired into WorkerCore streams): a
-run of one branch's waiting deltas comes out as one message that loses or repeats nothing."""
+"""Coalesced deltas (`DeltaBuffer.get_coalesced`, what `WorkerCore` streams read): a run of
+one branch's waiting deltas comes out as one message that loses or repeats nothing, so a
+stream whose reader lags sends fewer messages than the engine took steps."""
 
 from __future__ import annotations
 
 import asyncio
 
+from support.engine import finish_clean
+from support.wait import until
+
+from pagedserve import LLM, SamplingParams
 from pagedserve.workers.logprobs import TokenLogprob
 from pagedserve.workers.outputs import Usage
 from pagedserve.workers.stream import DeltaBuffer, StreamDelta, merge_deltas
+from pagedserve.workers.worker_core import WorkerCore
 from pagedserve.workers.worker_types import RequestMoved
 
 DEADLINE_S = 60.0
@@ -54,3 +60,29 @@ def test_the_buffer_hands_out_one_message_per_run_of_one_branch():
     ]
     assert got[2].finish_reason == "length"
     assert isinstance(got[4], RequestMoved) and got[5] is None and left == 0
+
+
+def test_a_lagging_reader_gets_the_steps_it_missed_in_one_message(tiny_llama):
+    """The reader takes the first delta, then reads nothing until the engine has finished
+    the request (12 steps): what waited comes out as one message, the same tokens as the
+    request run offline, and the stream sent 2 messages for 12 steps."""
+    loaded, _ = tiny_llama
+    llm = LLM(loaded_model=loaded, block_size=8, num_kv_blocks=64, attention_backend="torch")
+    core = WorkerCore(llm.engine, "w0", None)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompt = list(range(3, 30))
+
+    async def main():
+        stream = core.generate("r", prompt, params)
+        messages = [await anext(stream)]
+        await until(lambda: not llm.engine.has_unfinished_requests(), "the request to finish")
+        messages += [m async for m in stream]
+        await core.close()
+        return messages
+
+    messages = asyncio.run(main())
+    (expected,) = llm.generate([prompt], params)
+    assert [len(m.token_ids) for m in messages] == [1, 11]
+    assert [t for m in messages for t in m.token_ids] == expected.outputs[0].token_ids
+    assert messages[-1].finish_reason == "length" and messages[-1].usage.completion_tokens == 12
+    finish_clean(llm)
