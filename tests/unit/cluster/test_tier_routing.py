@@ -74,6 +74,11 @@ def test_kv_aware_prefers_device_then_host_then_disk_then_prefill():
         matches = {w: n for w, n in view.match(prompt).items() if w in workers}
         tier_load = COSTS.per_worker(view.tier_hits(prompt, matches))
         decision = policy.choose(len(prompt), matches, [idle(w) for w in workers], tier_load)
+        ranking = policy.new_ranking()  # the router's fast path picks the same
+        for worker in workers:
+            ranking.put(idle(worker))
+        ranked = policy.choose_ranked(len(prompt), matches, ranking, tier_load)
+        assert ranked.worker_id == decision.worker_id
         return decision.worker_id
 
     assert chosen("w0", "w1", "w2", "w3") == "w1"  # all on the device
