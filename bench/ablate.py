@@ -9,14 +9,18 @@ The baseline is `paged` allocation, prefix caching on, `kv_aware` routing, chunk
     chunked-prefill  off
     preemption       swap          (CPU swap area as large as the device pool)
     attention        triton        (GPU only; skipped with a note on CPU)
+    tiers            host+disk     (KV host tier `--host-tier-bytes` and a disk tier in a fresh
+                                    temporary directory per arm run, `--disk-tier-bytes`)
 
 Every arm starts its own worker group (prefix index + `--num-workers` workers) and drives it
 with a `RouterCore` in this process — the router the Serve app runs, without Serve's proxy, to
 keep a 2-core machine's runs short (`bench serve` is the one through gRPC). Every worker serves
 one short warm-up request first. The same seeded workload (`serve_workload`) goes out at the
 same arrival times to every arm; records and KV samples are `bench serve`'s. Ratios are arm /
-baseline: throughput (output tok/s), TTFT p99, E2E p99, and the most sequences running at once
-(sampled from worker stats every `--poll-interval`).
+baseline: throughput (output tok/s), TTFT p50 and p99, E2E p99, and the most sequences running
+at once (sampled from worker stats every `--poll-interval`). With `--repeats N` the arms run N
+rounds, alternated (baseline, arm, ..., baseline, arm, ...): each round's arm is compared with
+that round's baseline, and the table gives the median of those ratios (each round's in the JSON).
 
     $ pagedserve bench ablate --workload shared-prefix --json ablate.json --plot-prefix ablate
 """
@@ -26,6 +30,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import statistics
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +49,7 @@ BASELINE: dict[str, Any] = {
     "enable_chunked_prefill": True,
     "preemption_mode": "recompute",
     "attention_backend": "torch",
+    "kv_tiers": "off",
 }
 # (factor, setting, the values other than the baseline's)
 FACTORS: tuple[tuple[str, str, tuple[Any, ...]], ...] = (
@@ -52,6 +59,7 @@ FACTORS: tuple[tuple[str, str, tuple[Any, ...]], ...] = (
     ("chunked-prefill", "enable_chunked_prefill", (False,)),
     ("preemption", "preemption_mode", ("swap",)),
     ("attention", "attention_backend", ("triton",)),
+    ("tiers", "kv_tiers", ("host+disk",)),
 )
 GPU_ONLY = {("attention_backend", "triton")}
 
@@ -89,13 +97,22 @@ class AblateConfig:
     max_num_seqs: int = 64
     device: str = "cpu"
     poll_interval_s: float = 0.1
+    host_tier_bytes: int = 4 << 20
+    disk_tier_bytes: int = 256 << 20
+    model: str = "tiny-llama"
 
-    def cluster(self, arm: Arm) -> dict[str, Any]:
-        """`ClusterConfig` data of one arm's worker group."""
+    def cluster(self, arm: Arm, tier_dir: str | None = None) -> dict[str, Any]:
+        """`ClusterConfig` data of one arm's worker group (`tier_dir`: its disk tier's)."""
         settings = arm.settings()
         routing = settings.pop("routing_policy")
+        if settings.pop("kv_tiers") != "off":
+            settings |= {
+                "kv_host_tier_bytes": self.host_tier_bytes,
+                "kv_disk_tier_dir": tier_dir,
+                "kv_disk_tier_bytes": self.disk_tier_bytes,
+            }
         engine = {
-            "model": "tiny-llama",
+            "model": self.model,
             "block_size": self.block_size,
             "num_kv_blocks": self.num_kv_blocks,
             "max_model_len": self.max_model_len,
@@ -140,10 +157,12 @@ def run_arm(
     from pagedserve.cluster.config import ClusterConfig
     from pagedserve.cluster.worker_group import start_worker_group, stop_worker_group
 
-    cluster = config.cluster(arm)
+    tier_dir = tempfile.TemporaryDirectory(prefix="pagedserve-ablate-kv-")
+    cluster = config.cluster(arm, tier_dir.name)
     result = ArmResult(arm, cluster)
     if (arm.setting, arm.value) in GPU_ONLY and config.device != "cuda":
         result.skipped = "needs a GPU (Triton kernels); this run is CPU only"
+        tier_dir.cleanup()
         return result
     cluster_config = ClusterConfig.from_dict(cluster)
     index, workers = start_worker_group(cluster_config)
@@ -151,6 +170,7 @@ def run_arm(
         result.run = asyncio.run(_drive(cluster_config, index, workers, workload, config))
     finally:
         stop_worker_group(cluster_config)
+        tier_dir.cleanup()
     result.summary = summarize(result.run.records, result.run.duration_s, *slo)
     return result
 
@@ -239,6 +259,7 @@ def ratio_rows(results: list[ArmResult]) -> list[dict[str, Any]]:
             s, b = result.summary, base.summary
             row.update(
                 throughput_ratio=_ratio(s["output_token_throughput"], b["output_token_throughput"]),
+                ttft_p50_ratio=_ratio(s["ttft_s"]["median"], b["ttft_s"]["median"]),
                 ttft_p99_ratio=_ratio(s["ttft_s"]["p99"], b["ttft_s"]["p99"]),
                 e2e_p99_ratio=_ratio(s["e2e_s"]["p99"], b["e2e_s"]["p99"]),
                 max_running=result.max_running,
@@ -255,6 +276,23 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def median_ratio_rows(rounds: list[list[ArmResult]]) -> list[dict[str, Any]]:
+    """Per non-baseline arm, the median over rounds of each round's ratio to its own
+    baseline (`per_round` keeps every round's figures)."""
+    per_round = [ratio_rows(results) for results in rounds]
+    rows = []
+    for arm_rows in zip(*per_round, strict=True):
+        row = dict(arm_rows[0])
+        if not row["skipped"]:
+            for key in [k for k in row if k not in ("arm", "factor", "skipped")]:
+                values = [r[key] for r in arm_rows if r[key] is not None]
+                row[key] = statistics.median(values) if values else None
+            row["per_round"] = list(arm_rows)
+        row["rounds"] = len(arm_rows)
+        rows.append(row)
+    return rows
+
+
 def format_markdown(data: dict[str, Any]) -> str:
     """The ablation table (arm / baseline) and the baseline's absolute figures."""
     base = data["arms"][0]["summary"]
@@ -269,17 +307,18 @@ def format_markdown(data: dict[str, Any]) -> str:
         f" max running {data['arms'][0]['max_running']}, hit rate {base['prefix_hit_rate']:.1%},"
         f" preemptions {base['preemptions']}, failed {base['failed']}",
         "",
-        "| factor | arm | throughput × | TTFT p99 × | E2E p99 × | max running (×) | hit rate |"
-        " preemptions | failed |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| factor | arm | throughput × | TTFT p50 × | TTFT p99 × | E2E p99 × | max running (×)"
+        " | hit rate | preemptions | failed |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in data["ratios"]:
         if row["skipped"]:
-            lines.append(f"| {row['factor']} | {row['arm']} | skipped: {row['skipped']} |||||||")
+            lines.append(f"| {row['factor']} | {row['arm']} | skipped: {row['skipped']} ||||||||")
             continue
         lines.append(
             f"| {row['factor']} | {row['arm']} | {_fmt(row['throughput_ratio'])} |"
-            f" {_fmt(row['ttft_p99_ratio'])} | {_fmt(row['e2e_p99_ratio'])} |"
+            f" {_fmt(row['ttft_p50_ratio'])} | {_fmt(row['ttft_p99_ratio'])} |"
+            f" {_fmt(row['e2e_p99_ratio'])} |"
             f" {row['max_running']} ({_fmt(row['max_running_ratio'])}) |"
             f" {row['hit_rate']:.1%} | {row['preemptions']} | {row['failed']} |"
         )
@@ -299,7 +338,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     d = AblateConfig()
     parser = subparsers.add_parser(
         "ablate",
-        help="paged vs reserve-max, prefix caching, routing, chunked prefill, preemption, ...",
+        help="paged vs reserve-max, prefix caching, routing, chunked prefill, KV tiers, ...",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -312,6 +351,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--max-num-seqs", type=int, default=d.max_num_seqs, help="running sequences at most")
     add("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda if any")
     add("--poll-interval", type=float, default=d.poll_interval_s, help="stats sample period, s")
+    add("--model", default=d.model, help="the model every arm serves")
+    add("--repeats", type=int, default=1, help="rounds of every arm, alternated (median ratios)")
+    add("--host-tier-bytes", type=int, default=d.host_tier_bytes, help="tiers arm: host tier")
+    add("--disk-tier-bytes", type=int, default=d.disk_tier_bytes, help="tiers arm: disk tier")
     add_workload_args(parser)
     parser.set_defaults(func=run, workload="shared-prefix", request_rate=16.0, output_len=24)
 
@@ -337,17 +380,26 @@ def run(args: argparse.Namespace) -> int:
         args.max_num_seqs,
         device,
         args.poll_interval,
+        args.host_tier_bytes,
+        args.disk_tier_bytes,
+        args.model,
     )
+    if args.repeats < 1:
+        print(f"pagedserve bench ablate: error: --repeats must be >= 1, got {args.repeats}")
+        return 2
     ensure_ray(num_cpus=args.num_workers + 1)
     slo = (args.slo_ttft_ms, args.slo_tpot_ms)
-    results = [run_arm(config, arm, workload, slo) for arm in arms(args.factors)]
+    chosen = arms(args.factors)
+    rounds = [[run_arm(config, arm, workload, slo) for arm in chosen] for _ in range(args.repeats)]
+    results = [result for results in rounds for result in results]
     data = {
         "command": "ablate",
         "front_end": "RouterCore in this process (no Serve proxy), one worker group per arm",
         "workload": {**vars(workload_cfg), "description": workload_cfg.describe()},
         "config": vars(config),
         "baseline": BASELINE,
-        "ratios": ratio_rows(results),
+        "repeats": args.repeats,
+        "ratios": ratio_rows(rounds[0]) if args.repeats == 1 else median_ratio_rows(rounds),
         "arms": [_arm_json(r) for r in results],
     }
     markdown = format_markdown(data)

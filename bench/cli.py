@@ -11,6 +11,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "pagedserve.bench.compare",
     "pagedserve.bench.routing",
     "pagedserve.bench.pull",
+    "pagedserve.bench.tier_cost",
     "pagedserve.bench.serve",
     "pagedserve.bench.ablate",
     "pagedserve.bench.block_sweep",

@@ -23,10 +23,16 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import tempfile
 import time
 from typing import Any
 
 from pagedserve.bench.bench_io import ensure_ray
+
+# `--tiers`: with tiny-llama at 8 tokens a block (16 KiB of KV), a host tier of 48 blocks (twice
+# the core soak's device pool), so that its LRU demotes to disk well within a run.
+TIERS_HOST_BYTES = 48 * 16 * 1024
+TIERS_DISK_BYTES = 16 << 20
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -58,6 +64,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--max-waiting", type=int, help="worker: new requests queued at most (core: 16, grpc: 6)")
     add("--no-faults", action="store_true", help="no kill, event loss or burst")
     add(
+        "--tiers",
+        action="store_true",
+        help=f"core: KV host tier ({TIERS_HOST_BYTES >> 10} KiB) and disk tier "
+        f"({TIERS_DISK_BYTES >> 20} MiB, a temporary directory) on every worker",
+    )
+    add(
         "--stall-at",
         type=float,
         default=None,
@@ -87,6 +99,16 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         **faults,
     )
+    tier_dir = tempfile.TemporaryDirectory(prefix="pagedserve-soak-kv-") if args.tiers else None
+    tiers = (
+        {
+            "kv_host_tier_bytes": TIERS_HOST_BYTES,
+            "kv_disk_tier_dir": tier_dir.name,
+            "kv_disk_tier_bytes": TIERS_DISK_BYTES,
+        }
+        if tier_dir is not None
+        else {}
+    )
     config = ClusterConfig(
         engine=EngineConfig(
             model="tiny-llama",
@@ -95,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
             attention_backend="torch",
             max_num_seqs=8,
             preemption_mode="move",
+            **tiers,
         ),
         num_workers=args.num_workers,
         worker_num_cpus=0.5,
@@ -110,6 +133,8 @@ def run(args: argparse.Namespace) -> int:
         result = asyncio.run(_soak(config, spec))
     finally:
         stop_worker_group(config)
+        if tier_dir is not None:
+            tier_dir.cleanup()
     print(json.dumps(result["summary"], indent=2))
     for problem in result["problems"][:50]:
         print("PROBLEM:", problem)
@@ -149,9 +174,25 @@ async def _soak(config, spec) -> dict[str, Any]:
             }
             for wid, w in stats.workers.items()
         },
+        "tiers": {wid: _tier_summary(w.stats) for wid, w in stats.workers.items()},
         "latency_s_max": round(max(o.latency_s for o in report.outcomes), 2),
     }
     return {"summary": summary, "problems": problems}
+
+
+def _tier_summary(stats: Any) -> dict[str, Any] | None:
+    """A worker's loads and per-tier traffic (None: no tiers, or no stats yet)."""
+    tiers = getattr(stats, "tiers", None)
+    if tiers is None or not tiers.tiers:
+        return None
+    per_tier = {
+        u.tier: {
+            k: getattr(u, k)
+            for k in ("blocks", "stored_blocks", "hit_blocks", "evicted_blocks", "dropped_blocks")
+        }
+        for u in tiers.tiers
+    }
+    return {"loads": tiers.loads, "loaded_blocks": tiers.loaded_blocks, **per_tier}
 
 
 def _run_grpc(args: argparse.Namespace) -> int:

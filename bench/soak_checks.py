@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
 from pagedserve.bench.soak_driver import Outcome, SoakReport, SoakRequest
 from pagedserve.cluster.router import RouterCore
 from pagedserve.workers.engine_config import EngineConfig
+from pagedserve.workers.kv_events import TIER_NAMES
 from pagedserve.workers.worker_types import PoolCheck
 
 # What each kind of request may end as; anything else is a problem.
@@ -45,6 +47,8 @@ def references_for(engine: EngineConfig, requests: Iterable[SoakRequest]) -> dic
 
     options = dataclasses.asdict(engine)
     options.update(max_waiting=None, preemption_mode="recompute")
+    # Alone means no cache to hit either: and the workers' disk tier is not this engine's.
+    options.update(kv_host_tier_bytes=0, kv_disk_tier_dir=None, kv_disk_tier_bytes=0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -152,7 +156,8 @@ async def check_pools_and_index(
     workers: dict[str, Any], index: Any, rpc_timeout_s: float, settle_s: float
 ) -> list[str]:
     """Each worker idle with a clean pool (`check_pool`: no block held, invariants hold) and the
-    index's entries for it equal to its cached blocks, within `settle_s`.
+    index's entries for it equal to its cached blocks (in every tier, as many per tier),
+    within `settle_s`.
 
     Args:
         workers: worker id → actor handle.
@@ -168,8 +173,10 @@ async def check_pools_and_index(
             pool = await asyncio.wait_for(handle.check_pool.remote(), rpc_timeout_s)
             snapshot = await asyncio.wait_for(handle.kv_snapshot.remote(), rpc_timeout_s)
             held = await asyncio.wait_for(index.snapshot_of.remote(worker_id), rpc_timeout_s)
-            last = (pool, set(snapshot.block_hashes), held)
-            if pool.clean and last[1] == held:
+            counts = await asyncio.wait_for(index.tier_counts.remote(worker_id), rpc_timeout_s)
+            indexed = {tier: counts.get(tier, 0) for tier in TIER_NAMES}  # {}: not in the index
+            last = (pool, set(snapshot.block_hashes), held, _tier_counts(snapshot), indexed)
+            if pool.clean and last[1] == held and last[3] == indexed:
                 break
             if time.monotonic() > end:
                 problems += _pool_problems(worker_id, *last)
@@ -178,8 +185,18 @@ async def check_pools_and_index(
     return problems
 
 
-def _pool_problems(worker_id: str, pool: PoolCheck, cached: set, held: set) -> list[str]:
+def _tier_counts(snapshot: Any) -> dict[str, int]:
+    """Blocks per tier in a worker's snapshot, every tier named (as the index counts them)."""
+    counts = Counter(snapshot.tiers())
+    return {tier: counts[tier] for tier in TIER_NAMES}
+
+
+def _pool_problems(
+    worker_id: str, pool: PoolCheck, cached: set, held: set, tiers: dict, indexed: dict
+) -> list[str]:
     problems = []
+    if tiers != indexed:
+        problems.append(f"index counts {indexed} blocks per tier of {worker_id}, it has {tiers}")
     if not pool.clean:
         problems.append(f"{worker_id} pool not clean: {pool}")
     if cached != held:

@@ -13,8 +13,9 @@ same entries in the same order holds the same `block hash → workers` map.
 Offsets run contiguously from 0 within one `epoch` (a fresh id each time the log is built, so
 each incarnation of the index actor). A subscriber names the epoch and the offset it needs
 next; a cursor the log no longer keeps, or one from another epoch, is answered with a dump of
-the state, from which the subscriber resets. The records here cross a process boundary: frozen
-dataclasses, no Ray.
+the state, from which the subscriber resets. Entries and dumps carry each block's best tier
+(`device`, `host`, `disk`), so a router can cost a lower-tier hit as the load it is. The
+records here cross a process boundary: frozen dataclasses, no Ray.
 """
 
 from __future__ import annotations
@@ -23,20 +24,24 @@ import itertools
 import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedserve.workers.block import BlockHash
+from pagedserve.workers.kv_events import TIER_NAMES
 
 DEFAULT_FEED_CAPACITY = 65_536
 
 
 @dataclass(frozen=True, slots=True)
 class Stored:
-    """`worker_id` now holds `block_hash`."""
+    """`worker_id` now holds `block_hash`, at best in `tier` (`device`, `host`, `disk`).
+
+    A block already held is stored again when its tier changes (spilled down, loaded back)."""
 
     offset: int
     worker_id: str
     block_hash: BlockHash
+    tier: str = TIER_NAMES[0]  # device
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,11 +63,13 @@ class Evicted:
 
 @dataclass(frozen=True, slots=True)
 class WorkerReplaced:
-    """A snapshot replaced all of `worker_id`'s entries: it now holds exactly `block_hashes`."""
+    """A snapshot replaced all of `worker_id`'s entries: it now holds exactly `block_hashes`,
+    those in `lower_tiers` (hash → `host` or `disk`) below the device, the rest on it."""
 
     offset: int
     worker_id: str
     block_hashes: frozenset[BlockHash]
+    lower_tiers: Mapping[BlockHash, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,12 +93,15 @@ class FeedBatch:
         entries: the entries from the cursor up to `next_offset`, in order (empty with a dump).
         dump: when not None, the whole state as of `next_offset` (worker id → the hashes it
             holds): the subscriber replaces its copy with it.
+        dump_tiers: with a dump, worker id → its blocks below the device (hash → tier); a
+            block not listed is on the device.
     """
 
     epoch: str
     next_offset: int
     entries: tuple[FeedEntry, ...] = ()
     dump: Mapping[str, frozenset[BlockHash]] | None = None
+    dump_tiers: Mapping[str, Mapping[BlockHash, str]] | None = None
 
 
 class FeedLog:
@@ -104,6 +114,7 @@ class FeedLog:
         dump: returns the logged state now (worker id → hashes it holds).
         capacity: entries kept; a subscriber further behind gets a dump instead.
         on_append: called after every append (the actor wakes its long-polls with it).
+        dump_tiers: returns each worker's blocks below the device now (hash → tier).
     """
 
     def __init__(
@@ -111,6 +122,7 @@ class FeedLog:
         dump: Callable[[], dict[str, frozenset[BlockHash]]],
         capacity: int = DEFAULT_FEED_CAPACITY,
         on_append: Callable[[], None] | None = None,
+        dump_tiers: Callable[[], dict[str, dict[BlockHash, str]]] = dict,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"feed capacity must be >= 1, got {capacity}")
@@ -118,6 +130,7 @@ class FeedLog:
         self.capacity = capacity
         self.on_append = on_append
         self._dump = dump
+        self._dump_tiers = dump_tiers
         self._entries: deque[FeedEntry] = deque(maxlen=capacity)
         self.next_offset = 0
 
@@ -141,6 +154,7 @@ class FeedLog:
             cursor: the offset the subscriber needs next.
         """
         if epoch != self.epoch or not self.first_offset <= cursor <= self.next_offset:
-            return FeedBatch(self.epoch, self.next_offset, dump=self._dump())
+            dump, tiers = self._dump(), self._dump_tiers()
+            return FeedBatch(self.epoch, self.next_offset, dump=dump, dump_tiers=tiers)
         entries = tuple(itertools.islice(self._entries, cursor - self.first_offset, None))
         return FeedBatch(self.epoch, self.next_offset, entries)

@@ -108,7 +108,7 @@ class PrefixIndexState:
         self._entries: OrderedDict[BlockHash, set[str]] = OrderedDict()
         self._views: dict[str, _WorkerView] = {}
         self._counters = _Counters()
-        self.feed = FeedLog(self._dump, feed_capacity)
+        self.feed = FeedLog(self._dump, feed_capacity, dump_tiers=self._dump_tiers)
 
     # ----------------------------------------------------------------- updates
     def publish(
@@ -176,7 +176,7 @@ class PrefixIndexState:
             self._store(worker_id, view, block_hash, logged=False, tier=tier)
         # One entry for the whole snapshot, after any evictions it caused: what it left.
         hashes = frozenset(view.hashes)
-        self.feed.append(WorkerReplaced, worker_id, hashes)
+        self.feed.append(WorkerReplaced, worker_id, hashes, dict(view.lower_tiers))
         self._counters.resyncs += 1
         return True
 
@@ -290,6 +290,10 @@ class PrefixIndexState:
         """Worker id → the hashes it holds: the feed's reset point."""
         return {worker_id: frozenset(view.hashes) for worker_id, view in self._views.items()}
 
+    def _dump_tiers(self) -> dict[str, dict[BlockHash, str]]:
+        """Worker id → its blocks below the device (hash → tier), for the feed's dumps."""
+        return {worker_id: dict(view.lower_tiers) for worker_id, view in self._views.items()}
+
     def _store(
         self,
         worker_id: str,
@@ -299,7 +303,8 @@ class PrefixIndexState:
         tier: str = "device",
     ) -> None:
         """Link `worker_id` to `block_hash` (held at best in `tier`); `logged=False` when the
-        caller logs the change. The feed carries no tier: router views treat every tier alike."""
+        caller logs the change. A held block whose tier changes is logged again, with it."""
+        held_in = view.lower_tiers.get(block_hash, "device") if block_hash in view.hashes else None
         if tier == "device":
             view.lower_tiers.pop(block_hash, None)
         else:
@@ -309,8 +314,8 @@ class PrefixIndexState:
             holders = self._entries[block_hash] = set()
         else:
             self._entries.move_to_end(block_hash)
-        if logged and worker_id not in holders:
-            self.feed.append(Stored, worker_id, block_hash)
+        if logged and (worker_id not in holders or held_in != tier):
+            self.feed.append(Stored, worker_id, block_hash, tier)
         holders.add(worker_id)
         view.hashes.add(block_hash)
         self._evict_over_bound()

@@ -1,13 +1,15 @@
 """A router replica's own copy of the prefix index, so that routing makes no remote call.
 
 `PrefixView` (no Ray) owns the copy: `block hash → workers` and, per worker, the hashes it
-holds, plus where in the index's change feed (`cluster/prefix_feed.py`) the copy stands: the
-feed's epoch and the next offset. It applies feed batches strictly in order; an entry past the
-expected offset is a gap, and a batch of another epoch means the index restarted: either way
-the view marks itself for a reset, and its next read is answered with a dump of the whole
-index. Entries below the expected offset were applied already and are skipped, so a batch
-read twice changes nothing. `match` answers exactly as `PrefixIndexState.match` does (each
-worker's longest leading prefix), from the copy.
+holds and which of them sit below the device (host or disk tier), plus where in the index's
+change feed (`cluster/prefix_feed.py`) the copy stands: the feed's epoch and the next offset.
+It applies feed batches strictly in order; an entry past the expected offset is a gap, and a
+batch of another epoch means the index restarted: either way the view marks itself for a
+reset, and its next read is answered with a dump of the whole index. Entries below the
+expected offset were applied already and are skipped, so a batch read twice changes nothing.
+`match` answers exactly as `PrefixIndexState.match` does (each worker's longest leading
+prefix), from the copy; `tier_hits` says where in each worker's tiers its matched prefix is,
+so routing can cost a load (`cluster/tier_costs.py`).
 
 `FeedFollower` is the small async loop a `RouterCore` runs beside its requests: it long-polls
 the index actor's `read_feed` from the view's cursor and applies what comes back. An index
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +38,7 @@ from pagedserve.cluster.prefix_feed import (
     WorkerReplaced,
 )
 from pagedserve.cluster.prefix_match import leading_matches
+from pagedserve.cluster.tier_costs import TierHits
 from pagedserve.workers.block import BlockHash
 
 logger = logging.getLogger(__name__)
@@ -74,6 +77,8 @@ class PrefixView:
     def __init__(self) -> None:
         self._holders: dict[BlockHash, set[str]] = {}
         self._hashes: dict[str, set[BlockHash]] = {}
+        # Per worker, its held blocks that are below the device (hash → `host` / `disk`).
+        self._lower: dict[str, dict[BlockHash, str]] = {}
         self.epoch: str | None = None  # None: the next read asks for a dump
         self.next_offset = 0
         self.resets = 0
@@ -105,6 +110,7 @@ class PrefixView:
 
     def drop_worker(self, worker_id: str) -> None:
         """Forget a worker the router found dead, at once (the feed says so later too)."""
+        self._lower.pop(worker_id, None)
         for block_hash in self._hashes.pop(worker_id, set()):
             self._unlink(worker_id, block_hash)
 
@@ -116,6 +122,36 @@ class PrefixView:
         omitted; stops as soon as no worker is still matching.
         """
         return leading_matches(block_hashes, self._holders)
+
+    def tier_hits(
+        self, block_hashes: Sequence[BlockHash], matches: dict[str, int]
+    ) -> dict[str, TierHits]:
+        """Per worker with a lower-tier block in its match, where its matched prefix is.
+
+        Args:
+            block_hashes: the prompt's block hashes.
+            matches: `match(block_hashes)`.
+
+        Returns:
+            Worker id → `TierHits`; a worker absent holds its whole match on the device.
+        """
+        hits = {}
+        for worker_id, matched in matches.items():
+            lower = self._lower.get(worker_id)
+            if not lower:
+                continue
+            tiers = [lower.get(block_hash) for block_hash in block_hashes[:matched]]
+            if not any(tiers):
+                continue
+            device_prefix = tiers.index(next(t for t in tiers if t))
+            hits[worker_id] = TierHits(device_prefix, tiers.count("host"), tiers.count("disk"))
+        return hits
+
+    def tier_of(self, worker_id: str, block_hash: BlockHash) -> str | None:
+        """Where the view believes `worker_id` holds `block_hash` at best, or None."""
+        if block_hash not in self._hashes.get(worker_id, ()):
+            return None
+        return self._lower.get(worker_id, {}).get(block_hash, "device")
 
     def hashes_of(self, worker_id: str) -> set[BlockHash]:
         """Hashes the view believes `worker_id` holds (a copy)."""
@@ -137,14 +173,19 @@ class PrefixView:
         assert all(self._holders.values()), "empty entry kept"
         assert all(self._hashes.values()), "empty worker set kept"
         assert links == {(w, h) for w, hashes in self._hashes.items() for h in hashes}
+        for worker_id, lower in self._lower.items():
+            assert lower, "empty tier map kept"
+            assert lower.keys() <= self._hashes.get(worker_id, set()), "tier of a block not held"
 
     # ----------------------------------------------------------------- internals
     def _reset(self, batch: FeedBatch) -> None:
         assert batch.dump is not None
         self._holders.clear()
         self._hashes.clear()
+        self._lower.clear()
+        tiers = batch.dump_tiers or {}
         for worker_id, hashes in batch.dump.items():
-            self._replace(worker_id, hashes)
+            self._replace(worker_id, hashes, tiers.get(worker_id, {}))
         self.epoch = batch.epoch
         self.next_offset = batch.next_offset
         self.resets += 1
@@ -152,22 +193,39 @@ class PrefixView:
     def _apply(self, entry: FeedEntry) -> None:
         if isinstance(entry, Stored):
             self._link(entry.worker_id, entry.block_hash)
+            self._set_tier(entry.worker_id, entry.block_hash, entry.tier)
         elif isinstance(entry, Removed):
             self._forget(entry.worker_id, entry.block_hash)
         elif isinstance(entry, Evicted):
             for worker_id in self._holders.get(entry.block_hash, set()).copy():
                 self._forget(worker_id, entry.block_hash)
         elif isinstance(entry, WorkerReplaced):
-            self._replace(entry.worker_id, entry.block_hashes)
+            self._replace(entry.worker_id, entry.block_hashes, entry.lower_tiers)
         elif isinstance(entry, WorkerCleared):
             self.drop_worker(entry.worker_id)
         else:
             raise TypeError(f"not a feed entry: {entry!r}")
 
-    def _replace(self, worker_id: str, hashes: frozenset[BlockHash] | set[BlockHash]) -> None:
+    def _replace(
+        self,
+        worker_id: str,
+        hashes: frozenset[BlockHash] | set[BlockHash],
+        lower_tiers: Mapping[BlockHash, str],
+    ) -> None:
         self.drop_worker(worker_id)
         for block_hash in hashes:
             self._link(worker_id, block_hash)
+        for block_hash, tier in lower_tiers.items():
+            if block_hash in self._hashes.get(worker_id, ()):
+                self._set_tier(worker_id, block_hash, tier)
+
+    def _set_tier(self, worker_id: str, block_hash: BlockHash, tier: str) -> None:
+        if tier != "device":
+            self._lower.setdefault(worker_id, {})[block_hash] = tier
+            return
+        lower = self._lower.get(worker_id)
+        if lower is not None and lower.pop(block_hash, None) is not None and not lower:
+            del self._lower[worker_id]
 
     def _link(self, worker_id: str, block_hash: BlockHash) -> None:
         self._holders.setdefault(block_hash, set()).add(worker_id)
@@ -180,6 +238,7 @@ class PrefixView:
         hashes.discard(block_hash)
         if not hashes:
             del self._hashes[worker_id]
+        self._set_tier(worker_id, block_hash, "device")  # no tier kept for a block not held
         self._unlink(worker_id, block_hash)
 
     def _unlink(self, worker_id: str, block_hash: BlockHash) -> None:

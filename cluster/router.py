@@ -65,6 +65,7 @@ from pagedserve.cluster.router_types import (
     WorkerView,
 )
 from pagedserve.cluster.routing import make_policy
+from pagedserve.cluster.tier_costs import TierCosts
 from pagedserve.cluster.tracing import RouterTrace, migration_span, record_decision
 from pagedserve.cluster.worker_liveness import WORKER_LOST_ERRORS, WorkerLiveness
 from pagedserve.cluster.worker_state import WorkerState
@@ -167,6 +168,7 @@ class RouterCore:
             options.setdefault("block_size", config.engine.block_size)
         self.policy = make_policy(config.routing_policy, **options)
         self.routable = RoutableWorkers(self.workers, self.policy.new_ranking())
+        self.tier_costs = TierCosts(config.tier_host_block_cost, config.tier_disk_block_cost)
         self.tokenizer = load_tokenizer(config.engine.model or DEFAULT_MODEL)
         self.model_name = ""
         self.block_size = config.engine.block_size
@@ -316,10 +318,13 @@ class RouterCore:
         extra = (self.model_name,) + ((cache_salt,) if cache_salt else ())
         hashes = hash_full_blocks(token_ids, self.block_size, extra)
         matches = self.view.match(hashes)  # local: no remote call on the request path
+        tier_hits = self.view.tier_hits(hashes, matches)
+        tier_load = self.tier_costs.per_worker(tier_hits)
         if others is None:
-            decision = self.policy.choose_ranked(len(hashes), matches, ranking)
+            decision = self.policy.choose_ranked(len(hashes), matches, ranking, tier_load)
         else:
-            decision = self.policy.choose(len(hashes), matches, [w.load() for w in others])
+            loads = [w.load() for w in others]
+            decision = self.policy.choose(len(hashes), matches, loads, tier_load)
         chosen = self.workers[decision.worker_id]
         matched = matches.get(chosen.worker_id, 0)
         self.counters.count_routed(decision.policy)
@@ -332,7 +337,9 @@ class RouterCore:
         if span is not None:
             record_decision(span, decision, len(hashes), matched)
         if self.config.enable_pull:
-            matched = await self.migrations.maybe_pull(chosen, hashes, matches, matched, span)
+            exportable = {w: hits.device_prefix for w, hits in tier_hits.items()}
+            peers = {**matches, **exportable}  # a peer exports only what is on its device
+            matched = await self.migrations.maybe_pull(chosen, hashes, peers, matched, span)
         return chosen, matched
 
     # ------------------------------------------------------------ requests

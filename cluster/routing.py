@@ -1,7 +1,9 @@
 """Routing policies: which alive worker serves a request.
 
 A policy sees three things: the request's prompt length in blocks, how many leading blocks each
-worker already caches (`PrefixIndex.match`), and each alive worker's `WorkerLoad`. The load joins
+worker already caches (`PrefixIndex.match`), and each alive worker's `WorkerLoad`; and, where a
+worker's match sits partly in its host or disk tier, what loading those blocks is worth in
+prefill blocks (`tier_load_blocks`, from `cluster/tier_costs.py`). The load joins
 what the worker last reported with what the router itself has sent there and not yet seen
 finish (`inflight`, `inflight_tokens`): reports lag, and a router blind between them would send a
 burst of requests to the same "idle" worker. The caller counts those: after each decision it
@@ -87,6 +89,7 @@ class Candidate:
     load: float
     cost: float
     excluded: str | None = None
+    tier_load_blocks: float = 0.0  # prefill blocks its lower-tier hits are worth
 
 
 @dataclass(frozen=True)
@@ -114,7 +117,11 @@ class RoutingPolicy(abc.ABC):
 
     @abc.abstractmethod
     def choose(
-        self, num_prompt_blocks: int, matches: Mapping[str, int], loads: Sequence[WorkerLoad]
+        self,
+        num_prompt_blocks: int,
+        matches: Mapping[str, int],
+        loads: Sequence[WorkerLoad],
+        tier_load_blocks: Mapping[str, float] | None = None,
     ) -> RoutingDecision:
         """Pick a worker.
 
@@ -122,6 +129,8 @@ class RoutingPolicy(abc.ABC):
             num_prompt_blocks: the prompt's length in KV blocks.
             matches: per worker, leading prompt blocks it caches (absent: none).
             loads: alive workers only, one entry each.
+            tier_load_blocks: per worker, the prefill blocks its matched blocks below the
+                device are worth to load (absent: all on the device).
 
         Returns:
             The decision, with every worker's candidate score sorted by worker id.
@@ -143,7 +152,11 @@ class RoutingPolicy(abc.ABC):
         return LoadRanking(self.rank_key if self.ranked else None, self.guard_terms)
 
     def choose_ranked(
-        self, num_prompt_blocks: int, matches: Mapping[str, int], ranking: LoadRanking
+        self,
+        num_prompt_blocks: int,
+        matches: Mapping[str, int],
+        ranking: LoadRanking,
+        tier_load_blocks: Mapping[str, float] | None = None,
     ) -> RoutingDecision:
         """Pick a worker among those in `ranking` (all routable); the same worker `choose`
         picks from `ranking.loads()`.
@@ -151,7 +164,7 @@ class RoutingPolicy(abc.ABC):
         Raises:
             ValueError: when `ranking` is empty.
         """
-        return self.choose(num_prompt_blocks, matches, ranking.loads())
+        return self.choose(num_prompt_blocks, matches, ranking.loads(), tier_load_blocks)
 
 
 def make_policy(name: str, **options: Any) -> RoutingPolicy:
@@ -172,11 +185,13 @@ def make_policy(name: str, **options: Any) -> RoutingPolicy:
 
 
 class KvAwarePolicy(RoutingPolicy):
-    """Cheapest worker by `cost = prefill_weight · blocks_to_prefill + load`.
+    """Cheapest worker by `cost = prefill_weight · (blocks_to_prefill + tier_load) + load`.
 
     Definitions, all in KV blocks:
 
     - `blocks_to_prefill = num_prompt_blocks − matched_blocks` (the prompt blocks it lacks);
+    - `tier_load`: what loading its matched blocks from the host or disk tier is worth in
+      prefilled blocks (`tier_load_blocks`; `TierCosts.load_blocks`);
     - `load = max(used_blocks, ⌈inflight_tokens / block_size⌉) + waiting_weight · num_waiting`.
       The first term is decode load: the worker's reported KV use, or the router's estimate of
       what it sent there when that is larger (the report has not caught up yet). Waiting
@@ -266,7 +281,11 @@ class KvAwarePolicy(RoutingPolicy):
         return value > self.imbalance_pool_fraction * load.total_blocks
 
     def choose(
-        self, num_prompt_blocks: int, matches: Mapping[str, int], loads: Sequence[WorkerLoad]
+        self,
+        num_prompt_blocks: int,
+        matches: Mapping[str, int],
+        loads: Sequence[WorkerLoad],
+        tier_load_blocks: Mapping[str, float] | None = None,
     ) -> RoutingDecision:
         ordered = _checked(loads)
         values = {w.worker_id: self.load_of(w) for w in ordered}
@@ -284,8 +303,11 @@ class KvAwarePolicy(RoutingPolicy):
             matched, prefill = _prefix(worker.worker_id, num_prompt_blocks, matches)
             value = values[worker.worker_id]
             excluded = "overloaded" if worker.worker_id in over else None
-            cost = self.prefill_weight * prefill + value
-            candidates.append(Candidate(worker.worker_id, matched, prefill, value, cost, excluded))
+            tier_load = _tier_load(worker.worker_id, tier_load_blocks)
+            cost = self.prefill_weight * (prefill + tier_load) + value
+            candidates.append(
+                Candidate(worker.worker_id, matched, prefill, value, cost, excluded, tier_load)
+            )
         inflight = {w.worker_id: w.inflight for w in ordered}
         best = min(
             (c for c in candidates if c.excluded is None),
@@ -294,7 +316,11 @@ class KvAwarePolicy(RoutingPolicy):
         return _decision(best, self.name, candidates)
 
     def choose_ranked(
-        self, num_prompt_blocks: int, matches: Mapping[str, int], ranking: LoadRanking
+        self,
+        num_prompt_blocks: int,
+        matches: Mapping[str, int],
+        ranking: LoadRanking,
+        tier_load_blocks: Mapping[str, float] | None = None,
     ) -> RoutingDecision:
         """`choose`'s winner without scoring every worker.
 
@@ -302,7 +328,8 @@ class KvAwarePolicy(RoutingPolicy):
         num_prompt_blocks + load`, one constant plus its load, so among those the tie order
         (cost, load, in flight, id) is the ranking's order (load, in flight, id), and the best
         of them is the first in that order not excluded. The holders are scored one by one.
-        The winner is the better of the two. The guard's mean comes from the ranking's exact
+        The winner is the better of the two. (Only holders have lower-tier hits, so the tier
+        term changes nothing of this.) The guard's mean comes from the ranking's exact
         integer totals. If every worker is excluded (rounding with `imbalance_factor` 1 and
         no slack), `choose` drops the guard; so does this, having then seen every worker.
         """
@@ -311,7 +338,7 @@ class KvAwarePolicy(RoutingPolicy):
         if not len(ranking):
             raise ValueError("no alive workers to route to")
         bound = self.guard_bound(*ranking.totals, len(ranking))
-        listed = self._scored_holders(num_prompt_blocks, matches, ranking, bound)
+        listed = self._scored_holders(num_prompt_blocks, matches, ranking, bound, tier_load_blocks)
         self._score_least_loaded(num_prompt_blocks, ranking, bound, listed)
         pool = [c for c, _ in listed.values() if c.excluded is None]
         if not pool:  # every worker was excluded, and every one was seen: drop the guard
@@ -326,6 +353,7 @@ class KvAwarePolicy(RoutingPolicy):
         matches: Mapping[str, int],
         ranking: LoadRanking,
         bound: float,
+        tier_load_blocks: Mapping[str, float] | None = None,
     ) -> dict[str, tuple[Candidate, int]]:
         """Worker id → (its candidate, its in-flight count), for each routable prefix holder."""
         listed = {}
@@ -336,9 +364,10 @@ class KvAwarePolicy(RoutingPolicy):
                 continue
             value = self.load_of(load)
             prefill = num_prompt_blocks - matched
-            cost = self.prefill_weight * prefill + value
+            tier_load = _tier_load(worker_id, tier_load_blocks)
+            cost = self.prefill_weight * (prefill + tier_load) + value
             excluded = self._excluded(load, value, bound)
-            candidate = Candidate(worker_id, matched, prefill, value, cost, excluded)
+            candidate = Candidate(worker_id, matched, prefill, value, cost, excluded, tier_load)
             listed[worker_id] = (candidate, load.inflight)
         return listed
 
@@ -377,7 +406,11 @@ class LeastLoadedPolicy(RoutingPolicy):
     name = "least_loaded"
 
     def choose(
-        self, num_prompt_blocks: int, matches: Mapping[str, int], loads: Sequence[WorkerLoad]
+        self,
+        num_prompt_blocks: int,
+        matches: Mapping[str, int],
+        loads: Sequence[WorkerLoad],
+        tier_load_blocks: Mapping[str, float] | None = None,
     ) -> RoutingDecision:
         candidates = []
         for worker in _checked(loads):
@@ -402,7 +435,11 @@ class RoundRobinPolicy(RoutingPolicy):
         self._last: str | None = None
 
     def choose(
-        self, num_prompt_blocks: int, matches: Mapping[str, int], loads: Sequence[WorkerLoad]
+        self,
+        num_prompt_blocks: int,
+        matches: Mapping[str, int],
+        loads: Sequence[WorkerLoad],
+        tier_load_blocks: Mapping[str, float] | None = None,
     ) -> RoutingDecision:
         ordered = _checked(loads)
         ids = [w.worker_id for w in ordered]
@@ -437,6 +474,11 @@ def _prefix(worker_id: str, num_prompt_blocks: int, matches: Mapping[str, int]) 
         raise ValueError(f"num_prompt_blocks must be >= 0, got {num_prompt_blocks}")
     matched = min(matches.get(worker_id, 0), num_prompt_blocks)
     return matched, num_prompt_blocks - matched
+
+
+def _tier_load(worker_id: str, tier_load_blocks: Mapping[str, float] | None) -> float:
+    """The tier term of a worker's cost: 0 without lower-tier hits."""
+    return 0.0 if tier_load_blocks is None else tier_load_blocks.get(worker_id, 0.0)
 
 
 def _decision(best: Candidate, policy: str, candidates: list[Candidate]) -> RoutingDecision:

@@ -30,6 +30,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 60.0  # the pool's first answer: it creates the first workers' actors first
+# How long a stop waits for a worker to write its disk tier out (at most 64 MiB queued).
+WORKER_CLOSE_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -80,10 +82,13 @@ def start_worker_group(
 def stop_worker_group(config: ClusterConfig, drain_grace_s: float | None = None) -> None:
     """Stop the app's named actors (no restart), losing nothing that can finish: the pool
     first, so that it starts and retires no more workers; then every worker of the app's name
-    pattern drains (`drain_worker_group`) and is killed (one that does not drain is killed
-    anyway); then the index."""
+    pattern drains (`drain_worker_group`), with a disk tier is closed (`Worker.close`: its
+    queued block files are written, for the next worker on the directory) and is killed (one
+    that does not drain or close is killed anyway); then the index."""
     stop_pool(config)
     drain_worker_group(config, drain_grace_s)
+    if config.worker_engine.kv_disk_tier_dir is not None:
+        _close_workers(config)
     for name in existing_workers(config):
         _kill(name, config.namespace)
     _kill(config.index_name, config.namespace)
@@ -131,6 +136,17 @@ def drain_worker_group(
                 grace_s,
             )
     return results
+
+
+def _close_workers(config: ClusterConfig) -> None:
+    """`Worker.close` on every worker of the app at once, within `WORKER_CLOSE_TIMEOUT_S`."""
+    workers = _existing(config, list(existing_workers(config)))
+    refs = {name: handle.close.remote() for name, handle in workers.items()}
+    for name, ref in refs.items():
+        try:
+            ray.get(ref, timeout=WORKER_CLOSE_TIMEOUT_S)
+        except Exception as error:  # dead, restarting or stuck: its queued writes are lost
+            logger.warning("worker %s did not close (%r); killing it anyway", name, error)
 
 
 def _existing(config: ClusterConfig, names: list[str]) -> dict[str, ActorHandle]:

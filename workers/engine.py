@@ -40,7 +40,7 @@ from pagedserve.workers.kv_cache import KVCache
 from pagedserve.workers.kv_cache_manager import KVCacheManager, KVUsage
 from pagedserve.workers.kv_tier_file import KVLayout
 from pagedserve.workers.kv_tier_load import build_tier_store, load_prefix_from_tiers
-from pagedserve.workers.kv_tiers import TierStats
+from pagedserve.workers.kv_tiers import StepTierLoad, TierLoad, TierStats
 from pagedserve.workers.logprobs import (
     raw_logits,
     record_sample_logprobs,
@@ -155,6 +155,7 @@ class Engine:
         self._arrivals = itertools.count()
         self.num_steps = 0
         self.num_handoffs = 0
+        self.step_tier_loads: list[StepTierLoad] = []  # the last step's loads (for spans)
 
     def _kv_layout(self) -> KVLayout:
         """What a disk-tier block must match to be loaded here (a random model's weights
@@ -365,21 +366,38 @@ class Engine:
 
     def _load_from_tiers(self) -> None:
         """Before admission: bring the lower-tier prefixes of the waiting requests this step
-        can admit back into the device pool, so the scheduler sees them as prefix hits."""
+        can admit back into the device pool, so the scheduler sees them as prefix hits.
+
+        Requests are taken in queue order while their whole sequences fit the pool's free
+        blocks together: a load takes free (possibly cached) blocks, so loading for a request
+        the step cannot admit would evict the blocks just loaded for the one before it, and
+        a long queue on a full pool turned every step into a round of wasted tier reads.
+        """
         tiers = self.tiers
         if tiers is None:
             return
+        self.step_tier_loads = []
         tiers.reap_failed()
         if not tiers.num_blocks:
             return
         slots = self.config.max_num_seqs - self.scheduler.num_active
+        room = self.kv.pool.num_free_blocks - self.kv.reserve_blocks
         for request in self.scheduler.waiting:
             if slots <= 0:
                 return
             if request.paused:
                 continue
+            room -= -(-len(request.all_token_ids) // self.kv.block_size)  # its blocks, rounded up
+            if room < 0:
+                return
             slots -= 1 + len(request.pending_branches)
-            load_prefix_from_tiers(self.kv, self.kv_cache, tiers, request)
+            started, hits = time.time_ns(), tiers.hits()
+            if load_prefix_from_tiers(self.kv, self.kv_cache, tiers, request):
+                now = tiers.hits()
+                load = TierLoad(*(after - before for after, before in zip(now, hits, strict=True)))
+                self.step_tier_loads.append(
+                    StepTierLoad(request.group_id, started, time.time_ns(), load)
+                )
 
     # ----------------------------------------------------------- speculation
     def _propose_drafts(self) -> list[Request]:

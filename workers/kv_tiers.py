@@ -27,6 +27,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -85,6 +86,24 @@ class TierStats:
 
     def of(self, tier: str) -> TierUsage | None:
         return next((usage for usage in self.tiers if usage.tier == tier), None)
+
+
+class TierLoad(NamedTuple):
+    """Blocks one load brought back into the device pool, and from which tier."""
+
+    blocks: int = 0
+    host_blocks: int = 0
+    disk_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class StepTierLoad:
+    """One load of an engine step, for the request's trace: whose, when (wall ns), how much."""
+
+    group_id: str
+    start_ns: int
+    end_ns: int
+    load: TierLoad
 
 
 @dataclass
@@ -216,6 +235,13 @@ class TierStore:
             counters.load_time_s += time.perf_counter() - started
             return kv
         return None
+
+    def hits(self) -> TierLoad:
+        """Blocks loaded from each tier so far (a load's share: the difference around it)."""
+        host, disk = (
+            self._counters[t].hit_blocks if t in self._counters else 0 for t in (HOST, DISK)
+        )
+        return TierLoad(host + disk, host, disk)
 
     def record_load(self, num_blocks: int, seconds: float) -> None:
         self.loads += 1

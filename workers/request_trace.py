@@ -4,9 +4,11 @@ The engine is not threaded with spans: `WorkerCore` opens a `RequestTrace` when 
 arrives and feeds it the deltas it streams. The final delta carries the request's
 `RequestMetrics` (queue time, TTFT, E2E on the engine's clock), from which the phases are drawn
 after the fact. Prefill chunks are seen by `RequestTraces`, which compares each traced request's
-computed tokens before and after every engine step:
+computed tokens before and after every engine step; a load of the request's prefix from the
+host or disk tier (`Engine.step_tier_loads`) is a `kv.tier_load` span as soon as its step ends:
 
     worker.request  ├──────────────────────────────────────────────┤  (child of the router's call)
+      kv.tier_load    ├┤                                              prefix loaded from host/disk
       queue         ├────┤                                            add → first scheduled
       prefill            ├──────┤                                     first scheduled → first token
         prefill.chunk    ├─┤├──┤                                      one per engine step (tokens)
@@ -18,10 +20,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
+from pagedserve.workers.kv_tiers import StepTierLoad, TierLoad
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.stream import StreamDelta
 from pagedserve.workers.telemetry import NOOP, SpanAttributes, Tracing
@@ -165,6 +169,15 @@ class RequestTrace:
             span.end(max(start, end))
         return span
 
+    def tier_load(self, start_ns: int, end_ns: int, load: TierLoad) -> None:
+        """The `kv.tier_load` span of one load of this request's prefix from the lower tiers."""
+        attrs = {
+            "pagedserve.tier_load.blocks": load.blocks,
+            "pagedserve.tier_load.host_blocks": load.host_blocks,
+            "pagedserve.tier_load.disk_blocks": load.disk_blocks,
+        }
+        self._phase("kv.tier_load", start_ns, end_ns, attrs)
+
     def end(self, aborted: bool = False) -> None:
         if aborted:
             self.span.add_event("abort")
@@ -218,6 +231,13 @@ class RequestTraces:
             for r in queue
             if r.group_id in self._open and r.branch_index == 0 and r.is_prefilling
         }
+
+    def on_tier_loads(self, loads: Sequence[StepTierLoad]) -> None:
+        """Each traced request whose prefix a step loaded from a lower tier gets the span."""
+        for step_load in loads:
+            trace = self._open.get(step_load.group_id)
+            if trace is not None:
+                trace.tier_load(step_load.start_ns, step_load.end_ns, step_load.load)
 
     def after_step(self, before: dict[Any, int] | None, start_ns: int) -> None:
         """Each request that computed prompt tokens in the step gets a prefill chunk."""

@@ -221,6 +221,12 @@ class Worker:
         then end the rest for the router to replay. The caller then stops the actor."""
         return await self.core.drain(grace_s)
 
+    async def close(self) -> None:
+        """The shutdown path: stop stepping and flush the disk tier's queued writes, so that
+        this worker restarted (by Ray, or a new deployment) finds its files. The caller then
+        stops the actor."""
+        await self.core.close()
+
     async def _drain_on_sigterm(self) -> None:
         result = await self.core.drain(self.drain_grace_s)
         logger.warning(
@@ -229,6 +235,7 @@ class Worker:
             result.finished,
             result.handed_off,
         )
+        await self.close()  # its disk tier's queued files written before the exit
         await asyncio.sleep(EXIT_LINGER_S)
 
     async def stats(self, owner_id: str | None = None) -> WorkerStats:

@@ -102,6 +102,7 @@ class WorkerCore:
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._housekeeping: asyncio.Task | None = None
+        self._step_in_flight: asyncio.Future | None = None  # the step thread, while it runs
         self.num_blocks_imported = 0
         self.num_blocks_exported = 0
         self._drop_next_batch = False
@@ -124,12 +125,20 @@ class WorkerCore:
             self._housekeeping = loop.create_task(self._housekeeping_loop())
 
     async def close(self) -> None:
+        """Stop the loops, let a step in flight end, then close the engine: its disk tier
+        finishes the writes it has queued, so a worker started again on the same directory
+        finds every block this one spilled (the worker actor's shutdown path calls this)."""
         for task in (self._loop_task, self._housekeeping):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         self._loop_task = self._housekeeping = None
+        self._unstalled.set()  # a `chaos_stall`ed step must not hold the close forever
+        if self._step_in_flight is not None:  # its thread runs on after the loop's cancel
+            with contextlib.suppress(Exception):
+                await self._step_in_flight
+        await asyncio.to_thread(self.engine.close)
 
     async def _housekeeping_loop(self) -> None:
         """Every quarter lease: abort the orphans of expired owners, and wake the step loop so
@@ -155,7 +164,11 @@ class WorkerCore:
             prefilling, start_ns = self.traces.before_step(self.engine.scheduler), time.time_ns()
             failure = None
             try:
-                deltas = await asyncio.to_thread(self._step)
+                self._step_in_flight = asyncio.ensure_future(asyncio.to_thread(self._step))
+                # Shielded: a `close` cancelling the loop must still be able to wait for it.
+                deltas = await asyncio.shield(self._step_in_flight)
+                self._step_in_flight = None
+                self.traces.on_tier_loads(self.engine.step_tier_loads)
                 self.traces.after_step(prefilling, start_ns)
             except Exception as error:
                 logger.exception("engine step failed; ending every request in flight")

@@ -7,17 +7,19 @@ What "clean" means:
   own pool;
 - a cluster: every router that served it holds nothing open (`RouterCore.inflight`: no request
   id reserved, no request or token counted on any worker); every worker that is still there is
-  idle with a clean pool (`Worker.check_pool`) (the workers: `worker_names`, the pool's
-  members and the ones it retired included); the prefix index holds, for each such worker,
-  exactly the blocks its pool has cached (no entry for a block that no longer exists, none
-  missing), no worker is stale, the index's own invariants hold, and a worker that is gone for
-  good has no entry left. Requests being aborted, and KV events on their way to the index, may
-  still be in flight when a test ends: the check polls until the cluster is clean, under a
-  generous deadline that is a failsafe only (it never measures anything);
+  idle with a clean pool (`Worker.check_pool`, lower tiers included) (the workers:
+  `worker_names`, the pool's members and the ones it retired included); the prefix index
+  holds, for each such worker, exactly the blocks its pool and tiers have cached (no entry for
+  a block that no longer exists, none missing), as many in each tier (device, host, disk) as
+  the worker has there, no worker is stale, the index's own invariants hold, and a worker that
+  is gone for good has no entry left. Requests being aborted, and KV events on their way to
+  the index, may still be in flight when a test ends: the check polls until the cluster is
+  clean, under a generous deadline that is a failsafe only (it never measures anything);
 - each router built in the test process also has a prefix view (what routing matches
-  against) equal to the pools, worker by worker. When that router's event loop is gone (a
-  test drove it from an `asyncio.run` that has returned) nothing follows the feed for it, so
-  the check reads the feed from the view's cursor and applies it, as the follower would.
+  against) equal to the pools, worker by worker, each block in its tier. When that router's
+  event loop is gone (a test drove it from an `asyncio.run` that has returned) nothing follows
+  the feed for it, so the check reads the feed from the view's cursor and applies it, as the
+  follower would.
 
 How it cannot be forgotten (`LeakWatch`, installed for the whole session by tests/conftest.py):
 
@@ -37,6 +39,7 @@ from __future__ import annotations
 import functools
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +56,7 @@ from pagedserve.cluster.worker_pool import existing_workers
 from pagedserve.workers.engine import Engine
 from pagedserve.workers.kv_cache_manager import KVCacheManager
 from pagedserve.workers.kv_checks import KVInvariantError, assert_no_leaks
+from pagedserve.workers.kv_events import TIER_NAMES
 
 DEADLINE_S = 60.0  # a failsafe: the check returns as soon as everything is clean
 RPC_S = 10.0
@@ -195,9 +199,11 @@ def _worker_problems(
         ]
     try:
         pool = ray.get(handle.check_pool.remote(), timeout=RPC_S)
-        cached = set(ray.get(handle.kv_snapshot.remote(), timeout=RPC_S).block_hashes)
+        snapshot = ray.get(handle.kv_snapshot.remote(), timeout=RPC_S)
+        indexed_tiers = ray.get(index.tier_counts.remote(worker_id), timeout=RPC_S)
     except Exception as error:  # restarting: look again
         return [f"{worker_id} did not answer: {error!r}"]
+    cached = set(snapshot.block_hashes)
     problems = []
     if not pool.clean:
         problems.append(f"{worker_id} pool: {pool.error or 'a request or stream is still open'}")
@@ -206,6 +212,24 @@ def _worker_problems(
             problems.append(f"{what} lists {len(held - cached)} blocks {worker_id} does not hold")
         if cached - held:
             problems.append(f"{what} misses {len(cached - held)} blocks {worker_id} holds")
+    return problems + _tier_problems(worker_id, snapshot, indexed_tiers, views)
+
+
+def _tier_problems(
+    worker_id: str, snapshot: Any, indexed_tiers: dict[str, int], views: list
+) -> list[str]:
+    """Each block's tier (device, host, disk) as the worker has it, against the index's counts
+    per tier and each router view's tier of every block."""
+    tiers = dict(zip(snapshot.block_hashes, snapshot.tiers(), strict=True))
+    counts = {tier: 0 for tier in TIER_NAMES} | Counter(tiers.values())
+    problems = []
+    indexed = {tier: indexed_tiers.get(tier, 0) for tier in TIER_NAMES}  # {}: not indexed
+    if indexed != counts:
+        problems.append(f"the index counts {indexed} blocks per tier, {worker_id} {counts}")
+    for name, view in views:
+        wrong = sum(view.tier_of(worker_id, h) != tier for h, tier in tiers.items())
+        if wrong:
+            problems.append(f"{name}'s view has the wrong tier for {wrong} blocks of {worker_id}")
     return problems
 
 

@@ -19,7 +19,7 @@ from pagedserve.cluster.prefix_feed import (
 )
 from pagedserve.cluster.prefix_index import KVSnapshot, PrefixIndexState
 from pagedserve.cluster.prefix_view import FeedFollower, PrefixView
-from pagedserve.workers.kv_events import AllCleared, BlockRemoved, BlockStored
+from pagedserve.workers.kv_events import TIER_NAMES, AllCleared, BlockRemoved, BlockStored
 
 
 def h(i: int) -> bytes:
@@ -40,6 +40,9 @@ def assert_mirrors(view: PrefixView, state: PrefixIndexState) -> None:
     workers = set(state.workers()) | set(view.stats().workers)
     assert {w: view.hashes_of(w) for w in workers} == {w: state.hashes_of(w) for w in workers}
     assert view.stats().entries == state.num_entries()
+    for w in workers:  # and each block's tier
+        tiers = {b: view.tier_of(w, b) for b in view.hashes_of(w)}
+        assert tiers == {b: state.tier_of(w, b) for b in state.hashes_of(w)}
 
 
 # --------------------------------------------------------------------- the log
@@ -101,7 +104,7 @@ def test_a_cursor_too_old_or_ahead_or_of_another_epoch_gets_a_dump():
     expected_dump = {"w0": frozenset({h(1), h(10), h(11), h(12)})}
     for epoch, cursor in ((feed.epoch, 1), (feed.epoch, 5), ("another", 3), (None, 0)):
         batch = feed.read(epoch, cursor)
-        assert batch == FeedBatch(feed.epoch, 4, (), expected_dump), (epoch, cursor)
+        assert batch == FeedBatch(feed.epoch, 4, (), expected_dump, {"w0": {}}), (epoch, cursor)
     assert [e.offset for e in feed.read(feed.epoch, 2).entries] == [2, 3]
 
 
@@ -196,9 +199,10 @@ def random_history(state: PrefixIndexState, rng: random.Random, steps: int) -> N
         action = rng.random()
         if worker not in seqs or action < 0.05:
             epochs[worker] = f"e{rng.randrange(1_000_000)}"
-            hashes = tuple(h(rng.randrange(12)) for _ in range(rng.randrange(6)))
+            hashes = tuple({h(rng.randrange(12)): 0 for _ in range(rng.randrange(6))})
+            tiers = tuple(rng.choice(TIER_NAMES) for _ in hashes)
             seqs[worker] = 0
-            state.apply_snapshot(KVSnapshot(worker, epochs[worker], 0, hashes))
+            state.apply_snapshot(KVSnapshot(worker, epochs[worker], 0, hashes, tiers))
             continue
         if action < 0.1:
             state.remove_worker(worker)
@@ -210,7 +214,8 @@ def random_history(state: PrefixIndexState, rng: random.Random, steps: int) -> N
         elif action < 0.55:
             event = BlockRemoved(seq, h(rng.randrange(12)), 0)
         else:
-            event = BlockStored(seq, h(rng.randrange(12)), None, 0)
+            tier = rng.choice(TIER_NAMES)  # stored anew, or moved to another tier
+            event = BlockStored(seq, h(rng.randrange(12)), None, 0, tier=tier)
         state.publish(worker, epochs[worker], [event])
         seqs[worker] = seq + 1
 
@@ -225,8 +230,9 @@ def random_history(state: PrefixIndexState, rng: random.Random, steps: int) -> N
 def test_the_view_matches_as_the_index_does_on_random_histories(
     seed, max_entries, feed_capacity, read_every
 ):
-    """Whatever the history (LRU evictions, a log too short, restarts), a view that follows
-    the feed holds the index's entries and matches every prompt as the index does."""
+    """Whatever the history (LRU evictions, a log too short, restarts, blocks moving between
+    tiers), a view that follows the feed holds the index's entries with their tiers and
+    matches every prompt as the index does."""
     rng = random.Random(seed)
     state = PrefixIndexState(max_entries=max_entries, feed_capacity=feed_capacity)
     view = PrefixView()

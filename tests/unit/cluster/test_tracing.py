@@ -161,6 +161,41 @@ def test_prefill_chunks_are_spans_under_prefill(loaded, memory):
     assert prefill.attributes["pagedserve.prefill_chunks"] == 3
 
 
+def test_a_prefix_loaded_from_the_tiers_is_a_tier_load_span(loaded, memory, tmp_path):
+    """A prefix evicted to the host and disk tiers and loaded back gets a `kv.tier_load` span
+    under its request, with the blocks it loaded from each tier."""
+    tracing, exporter = memory
+    config = {"block_size": 8, "num_kv_blocks": 8, "attention_backend": "torch"}
+    bytes_per_block = LLM(loaded_model=loaded, **config).engine.kv_cache.bytes_per_block
+    tiers = {  # a host tier of two blocks: the rest of the prefix is demoted to disk
+        "kv_host_tier_bytes": 2 * bytes_per_block,
+        "kv_disk_tier_dir": str(tmp_path),
+        "kv_disk_tier_bytes": 1 << 24,
+    }
+    llm = LLM(loaded_model=loaded, watermark=0.0, **config, **tiers)
+    core = WorkerCore(llm.engine, "w0", tracing=tracing)
+    prompt_a, prompt_b = list(range(3, 39)), list(range(100, 156))  # B evicts all of A
+
+    async def main():
+        for request_id, prompt in (("a", prompt_a), ("b", prompt_b), ("a-again", prompt_a)):
+            _ = [d async for d in core.generate(request_id, prompt, GREEDY)]
+        await core.close()
+
+    asyncio.run(main())
+    finish_clean(llm)
+    spans = exporter.get_finished_spans()
+    (load,) = [s for s in spans if s.name == "kv.tier_load"]
+    (root,) = [
+        s
+        for s in spans
+        if s.name == "worker.request" and s.attributes["pagedserve.request_id"] == "a-again"
+    ]
+    assert load.parent.span_id == root.context.span_id
+    assert root.start_time <= load.start_time <= load.end_time <= root.end_time
+    attributes = {k.removeprefix("pagedserve.tier_load."): v for k, v in load.attributes.items()}
+    assert attributes == {"blocks": 4, "host_blocks": 2, "disk_blocks": 2}
+
+
 def test_router_trace_records_usage_and_errors(memory):
     tracing, exporter = memory
     request = GenerateRequest(SamplingParams(max_tokens=4), prompt="hi", ingress="grpc")

@@ -175,3 +175,28 @@ def test_tier_settings_are_checked_with_named_errors(tiny_llama, tmp_path):
     with pytest.raises(DiskTierError, match="in use by another engine"):
         make_llm(tiny_llama, kv_disk_tier_dir=str(tmp_path), kv_disk_tier_bytes=1 << 20)
     first.engine.close()
+
+
+def test_a_step_loads_only_what_the_pool_can_take_at_once(tiny_llama):
+    """Loads for the waiting queue stop where the queue's sequences no longer fit the free
+    blocks together: a load for a request the step cannot admit takes blocks the admitted
+    ones need, and on a full pool evicts the blocks just loaded for the request before it
+    (a long queue then re-read the tiers at every step)."""
+    # 18 blocks: three of the four sequences (6 blocks with their output) fit at once.
+    llm = make_llm(
+        tiny_llama, num_kv_blocks=18, kv_host_tier_bytes=64 * bytes_per_block(tiny_llama)
+    )
+    # 40 tokens: 5 blocks each, the first 4 a hit can cover (one token is always computed).
+    prompts = [[(13 * i + 7 * p) % 200 + 1 for i in range(40)] for p in range(4)]
+    for prompt in prompts:
+        run(llm, prompt)
+    run(llm, [(17 * i + 1) % 200 + 1 for i in range(136)])  # evicts them all to the host tier
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"again-{i}", prompt, greedy())
+    engine.step()
+    assert engine.tier_stats().loaded_blocks == 3 * A_BLOCKS  # 3 × 5 blocks fit, 4 × 5 not
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.tier_stats().of("host").hit_blocks == 4 * A_BLOCKS  # each block read once
+    assert_clean(llm)

@@ -259,3 +259,32 @@ def test_drain_refuses_new_requests_finishes_short_ones_and_cuts_off_the_rest(ti
     assert deltas[-1].finish_reason == "length" and stats.draining
     assert sum(len(d.token_ids) for d in deltas) == 8
     finish_clean(llm)
+
+
+def test_close_writes_the_disk_tier_out_for_the_next_worker(tiny_llama, tmp_path):
+    """The shutdown path (`Worker.close` → `WorkerCore.close` → `Engine.close`) finishes the
+    disk tier's queued writes and frees its directory: a worker started again on it finds
+    every block the first one spilled there, with its file."""
+    config = {
+        "num_kv_blocks": 8,
+        "watermark": 0.0,
+        "kv_disk_tier_dir": str(tmp_path),
+        "kv_disk_tier_bytes": 1 << 24,
+    }
+    llm, core = make_core(tiny_llama, **config)
+    prompt_a, prompt_b = list(range(3, 39)), list(range(100, 148))  # B evicts A to disk
+
+    async def main():
+        await collect(core, "a", prompt_a)
+        await collect(core, "b", prompt_b)
+        spilled = {h for h, _, tier in llm.engine.kv.pool.lower.held_blocks() if tier == "disk"}
+        await core.close()
+        return spilled
+
+    spilled = asyncio.run(main())
+    assert len(spilled) >= 4  # A's four full blocks at least
+    assert {path.stem for path in tmp_path.glob("*.kvb")} == {h.hex() for h in spilled}
+    again, _ = make_core(tiny_llama, "w0-again", **config)  # the lock was released
+    found = {h for h, _, tier in again.engine.kv.pool.lower.held_blocks() if tier == "disk"}
+    assert found == spilled
+    again.engine.close()
