@@ -86,6 +86,9 @@ def merge_deltas(first: StreamDelta, then: StreamDelta) -> StreamDelta:
 
 
 DEFAULT_MAX_BUFFERED_DELTAS = 64
+# Messages a worker's stream may run ahead of its reader (Ray's generator backpressure on
+# `Worker.generate`): one number for both, so coalescing can bound what they carry.
+RUN_AHEAD_MESSAGES = 8
 
 
 class DeltaBuffer:
@@ -105,6 +108,7 @@ class DeltaBuffer:
             raise ValueError(f"max_buffered_deltas must be >= 1, got {capacity}")
         self.capacity = capacity
         self.low_water = capacity // 2
+        self.max_merged = max(1, capacity // RUN_AHEAD_MESSAGES)
         self.paused = False
         self._deltas: deque[StreamDelta | RequestMoved | None] = deque()
         self._ready = asyncio.Event()
@@ -140,14 +144,23 @@ class DeltaBuffer:
         to cut a stream mid-way must stop the engine first (`WorkerCore.chaos_stall` with
         `after_steps`), not count on a kill landing before the tokens went out. Branches of
         one request (n > 1) interleave in the buffer, so each step's deltas of different
-        branches stay separate messages."""
+        branches stay separate messages.
+
+        A message merges at most `max_merged` deltas (`capacity // RUN_AHEAD_MESSAGES`), so a
+        reader that stops reading still pauses its request within about twice `capacity`
+        steps (the messages in flight plus a full buffer): unbounded merging let each of the
+        messages in flight carry a whole buffer, and an unread 400-token stream ran to its
+        end and freed its router slot while its client had read one message."""
         delta = await self.get()
+        merged = 1
         while (
-            isinstance(delta, StreamDelta)
+            merged < self.max_merged
+            and isinstance(delta, StreamDelta)
             and delta.finish_reason is None
             and self._deltas
             and isinstance(self._deltas[0], StreamDelta)
             and self._deltas[0].index == delta.index
         ):
             delta = merge_deltas(delta, self._deltas.popleft())
+            merged += 1
         return delta

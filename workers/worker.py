@@ -25,7 +25,7 @@ from pagedserve.workers.kv_events import KVEvent, KVSnapshot
 from pagedserve.workers.lease import DEFAULT_LEASE_TIMEOUT_S
 from pagedserve.workers.pid_files import DEFAULT_PID_DIR, register_pid
 from pagedserve.workers.request_trace import migration_span
-from pagedserve.workers.stream import DEFAULT_MAX_BUFFERED_DELTAS, StreamDelta
+from pagedserve.workers.stream import DEFAULT_MAX_BUFFERED_DELTAS, RUN_AHEAD_MESSAGES, StreamDelta
 from pagedserve.workers.telemetry import TelemetryConfig, worker_tracing
 from pagedserve.workers.worker_core import WorkerCore
 from pagedserve.workers.worker_types import (
@@ -45,7 +45,7 @@ __all__ = ["Worker", "WorkerCore"]
 # Ray holds the generator at its `yield`, the stream's `DeltaBuffer` fills and the engine
 # pauses the request. (Ray's default, -1, lets a generator run ahead of its reader without
 # bound.) A generator held there is also closed by Ray when its caller dies.
-STREAM_BACKPRESSURE_OBJECTS = 8
+STREAM_BACKPRESSURE_OBJECTS = RUN_AHEAD_MESSAGES
 # Deadline of each call to the prefix index (register, publish): it must never hang a worker.
 INDEX_CALL_TIMEOUT_S = 30.0
 # A worker drained on SIGTERM gives its open streams this long to finish (`ClusterConfig`).

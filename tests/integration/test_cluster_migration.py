@@ -158,7 +158,7 @@ def test_a_moved_kv_whose_source_died_is_recomputed_not_fatal():
             threading.Event().wait()  # returns only by the actor's death
 
     source = Source.remote()
-    first, second = ray.get(source.put.remote())
+    first, _ = ray.get(source.put.remote())
     handoff = RequestHandoff.replay(
         "moved-1",
         list(range(4)),
@@ -178,7 +178,10 @@ def test_a_moved_kv_whose_source_died_is_recomputed_not_fatal():
     ray.kill(source)
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(hanging)  # the source is dead now
-    handoff.packed_kv = second  # one not fetched while its owner lived
+    # The KV the dead source was still to produce: a ref no one can resolve any more, for
+    # certain (a `ray.put` object of a dead owner may still be read while Ray has not yet
+    # learnt of the death, so the first version of this test failed now and then).
+    handoff.packed_kv = hanging
     lost = asyncio.run(handoff_ref.resolved(handoff))
     assert lost.packed_kv is None and lost.num_computed_tokens == 0
     assert lost.all_token_ids == handoff.all_token_ids

@@ -210,8 +210,8 @@ def test_a_restarted_index_resyncs_at_once_from_the_pools_members_not_only_its_f
     async def resynced():
         try:
             stats = await index.stats.remote()
-        except ray.exceptions.RayActorError:  # restarting
-            return None
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+            return None  # restarting (dead until Ray restarts it, or unavailable meanwhile)
         return stats.startup_resyncs == 3 and stats
 
     stats = asyncio.run(until(resynced, "the restarted index to resync from the pool"))

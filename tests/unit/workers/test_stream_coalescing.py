@@ -12,7 +12,7 @@ from support.wait import until
 from pagedserve import LLM, SamplingParams
 from pagedserve.workers.logprobs import TokenLogprob
 from pagedserve.workers.outputs import Usage
-from pagedserve.workers.stream import DeltaBuffer, StreamDelta, merge_deltas
+from pagedserve.workers.stream import RUN_AHEAD_MESSAGES, DeltaBuffer, StreamDelta, merge_deltas
 from pagedserve.workers.worker_core import WorkerCore
 from pagedserve.workers.worker_types import RequestMoved
 
@@ -39,7 +39,7 @@ def test_merging_keeps_order_and_takes_the_end_of_the_later():
 
 def test_the_buffer_hands_out_one_message_per_run_of_one_branch():
     async def main():
-        buffer = DeltaBuffer(16)
+        buffer = DeltaBuffer(64)  # merges up to 8 deltas a message
         for i in range(3):
             buffer.put(delta([i], str(i)))
         buffer.put(delta([10], "x", index=1))  # another branch ends the run
@@ -62,10 +62,25 @@ def test_the_buffer_hands_out_one_message_per_run_of_one_branch():
     assert isinstance(got[4], RequestMoved) and got[5] is None and left == 0
 
 
+def test_a_message_merges_at_most_max_merged_deltas():
+    """An unread stream must still fill its buffer and pause: each message in flight carries
+    at most `capacity // RUN_AHEAD_MESSAGES` deltas, not the whole buffer."""
+
+    async def main():
+        buffer = DeltaBuffer(16)
+        for i in range(5):
+            buffer.put(delta([i], str(i)))
+        return [(await buffer.get_coalesced()).token_ids for _ in range(3)]
+
+    assert DeltaBuffer(16).max_merged == 16 // RUN_AHEAD_MESSAGES == 2
+    assert asyncio.run(main()) == [[0, 1], [2, 3], [4]]
+
+
 def test_a_lagging_reader_gets_the_steps_it_missed_in_one_message(tiny_llama):
     """The reader takes the first delta, then reads nothing until the engine has finished
-    the request (12 steps): what waited comes out as one message, the same tokens as the
-    request run offline, and the stream sent 2 messages for 12 steps."""
+    the request (12 steps): what waited comes out merged, the same tokens as the
+    request run offline, and the stream sent 3 messages for 12 steps (at most `max_merged`, 8,
+    steps a message)."""
     loaded, _ = tiny_llama
     llm = LLM(loaded_model=loaded, block_size=8, num_kv_blocks=64, attention_backend="torch")
     core = WorkerCore(llm.engine, "w0", None)
@@ -82,7 +97,7 @@ def test_a_lagging_reader_gets_the_steps_it_missed_in_one_message(tiny_llama):
 
     messages = asyncio.run(main())
     (expected,) = llm.generate([prompt], params)
-    assert [len(m.token_ids) for m in messages] == [1, 11]
+    assert [len(m.token_ids) for m in messages] == [1, 8, 3]  # 8: the buffer's max_merged
     assert [t for m in messages for t in m.token_ids] == expected.outputs[0].token_ids
     assert messages[-1].finish_reason == "length" and messages[-1].usage.completion_tokens == 12
     finish_clean(llm)
