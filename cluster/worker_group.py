@@ -29,7 +29,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-CALL_TIMEOUT_S = 60.0  # the pool's first answer: it creates the first workers' actors first
 # How long a stop waits for a worker to write its disk tier out (at most 64 MiB queued).
 WORKER_CLOSE_TIMEOUT_S = 30.0
 
@@ -66,7 +65,10 @@ def start_pool(
         pool_name=config.pool_name,
     )
     pool = get_or_create_worker_pool(config, telemetry)
-    membership = ray.get(pool.configure.remote(config, revision), timeout=CALL_TIMEOUT_S)
+    # The pool's first answer comes once its process is up and it has created (or adopted)
+    # the first workers' actors: on a loaded machine that took over a minute, so it gets the
+    # deadline a router gives its workers to start.
+    membership = ray.get(pool.configure.remote(config, revision), timeout=config.startup_timeout_s)
     current = membership.in_state(MemberState.STARTING, MemberState.SERVING)
     return WorkerGroup(index, pool, {w: m.handle for w, m in current.items()})
 
