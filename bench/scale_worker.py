@@ -345,7 +345,9 @@ class SimWorkerHost:
         me = SimWorkerHandle(ray.get_runtime_context().current_actor, slot)
         try:
             await asyncio.wait_for(
-                self._index.register_worker.remote(self.cores[slot].worker_id, me),
+                self._index.register_worker.remote(
+                    self.cores[slot].worker_id, me, self.cores[slot].epoch
+                ),
                 INDEX_CALL_TIMEOUT_S,
             )
         except Exception as error:

@@ -129,7 +129,11 @@ class RouterKillSpec:
         restart_timeout_s: how long Serve may take to bring a Router replica back.
         hang_timeout_s: a victim stream silent this long once it streamed is hung.
         queued_timeout_s: how long a victim may wait for its first delta: the victims outgrow
-            the pool, so some wait in a worker's queue behind the others until the kill.
+            the pool, so some wait in a worker's queue behind the others until the kill. Also
+            how long a victim may go silent: the workers hold still until the kill.
+        steps_before_kill: engine steps each worker may take once the victims start; then it
+            holds still until the kill. A victim makes at most one token a step on each of
+            the two workers, so fewer than half its `max_tokens`: none can finish first.
     """
 
     lease_s: float
@@ -137,6 +141,7 @@ class RouterKillSpec:
     restart_timeout_s: float = 90.0
     hang_timeout_s: float = 30.0
     queued_timeout_s: float = 300.0
+    steps_before_kill: int = 160
 
 
 async def router_kill(
@@ -148,28 +153,32 @@ async def router_kill(
 ) -> FaultRecord:
     """Kill the Router replica while `victims` stream; then orphans, restart, `probes`.
 
-    The kill waits for events, not for time: every victim is held by a worker (running or
-    queued), then a victim moved or one streamed half its tokens (bounded by
-    `hang_timeout_s`), so none has finished. Victims still queued then (on a loaded machine)
-    must end UNAVAILABLE all the same.
+    No victim can finish before the kill, whatever the machine's speed: each worker takes
+    `steps_before_kill` engine steps once the victims start, then holds still
+    (`chaos_stall(after_steps)`) until the replica is dead. (Timing it by the victims'
+    progress failed on a loaded machine: the victims started so slowly that all 14 had
+    finished by the kill.) The kill waits until a victim streamed, so the cut is mid-stream;
+    victims still queued then must end UNAVAILABLE all the same.
     """
     record = FaultRecord("router_kill", {"victims": len(victims)})
+    workers = await asyncio.to_thread(app.worker_handles)
+    half = min(v.params.max_tokens for v in victims) // 2
+    if spec.steps_before_kill >= half:
+        raise ValueError(
+            f"steps_before_kill ({spec.steps_before_kill}) must be under half the victims' "
+            f"max_tokens ({half}), or a victim moved between the two workers could finish"
+        )
+    await _stall_workers(workers, True, spec.steps_before_kill)
     tasks, outcomes = await _start_victims(app, channel, victims, spec)
 
-    half = min(v.params.max_tokens for v in victims) // 2
+    async def one_streamed() -> bool:
+        return any(o.num_deltas for o in outcomes)
 
-    async def moved_or_halfway() -> bool:
-        if any(len(o.tokens.get(0, ())) >= half for o in outcomes):
-            return True
-        counters = await router_counters(app.grpc_address)
-        return counters.get("migrations.move", 0) > 0
-
-    # Kill mid-thrash when it comes (the victims outgrow the pool in pairs and move), or once
-    # the fastest victim is half done: the others, running or queued, cannot have finished.
-    await wait_until(moved_or_halfway, spec.hang_timeout_s)
+    await wait_until(one_streamed, spec.queued_timeout_s)
     record.facts["streaming_at_kill"] = sum(
         bool(o.num_deltas) and not t.done() for o, t in zip(outcomes, tasks, strict=True)
     )
+    record.facts["finished_before_kill"] = sum(t.done() for t in tasks)
     record.facts["router_counters"] = await router_counters(app.grpc_address)
     record.facts["moved_before_kill"] = record.facts["router_counters"].get("migrations.move", 0)
     replicas = await asyncio.to_thread(app.router_replicas)
@@ -182,6 +191,7 @@ async def router_kill(
         handle = await asyncio.to_thread(ray.get_actor, name, SERVE_NAMESPACE)
         await asyncio.to_thread(ray.kill, handle, no_restart=False)
     killed_at = time.monotonic()
+    await _stall_workers(workers, False)
     record.outcomes = list(await asyncio.gather(*tasks))
     codes = Counter(o.code for o in record.outcomes)
     record.facts["victim_codes"] = dict(codes)
@@ -212,6 +222,11 @@ def _check_victim_codes(codes: Counter[str], survivors: bool, record: FaultRecor
         )
 
 
+async def _stall_workers(workers: dict[str, Any], stalled: bool, after_steps: int = 0) -> None:
+    """Hold every worker's engine still after `after_steps` more steps (True), or release it."""
+    await asyncio.gather(*(w.chaos_stall.remote(stalled, after_steps) for w in workers.values()))
+
+
 async def _start_victims(
     app: SoakApp, channel: grpc.aio.Channel, victims: list[SoakRequest], spec: RouterKillSpec
 ) -> tuple[list[asyncio.Task], list[GrpcOutcome]]:
@@ -225,7 +240,7 @@ async def _start_victims(
         call = call_stream(
             channel,
             victim,
-            spec.hang_timeout_s,
+            spec.queued_timeout_s,  # silent while the workers hold still
             outcome=outcome,
             queued_timeout_s=spec.queued_timeout_s,
         )

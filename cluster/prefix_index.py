@@ -175,9 +175,18 @@ class PrefixIndexActor:
         members = membership.in_state(MemberState.SERVING, MemberState.LEAVING)
         return {worker_id: member.handle for worker_id, member in members.items()}
 
-    async def register_worker(self, worker_id: str, handle: ActorHandle) -> None:
+    async def register_worker(
+        self, worker_id: str, handle: ActorHandle, epoch: str | None = None
+    ) -> None:
         """Remember the handle used to resync `worker_id` and, when the index has no view of
-        the worker yet, resync it from its snapshot now.
+        the worker yet or a view of another incarnation than `epoch`, resync it from its
+        snapshot now.
+
+        A worker that Ray restarted registers before anyone dropped its old incarnation when
+        no router saw it dead (its next stats call just waited for the restart). Without the
+        epoch, the index kept the old process's entries until the new one first published,
+        which a quiet worker never does: a restarted worker's disk tier stayed out of the
+        routers' views (the tiers test timed out on a loaded machine).
 
         Under the worker's lock, like publishes and resyncs: a registration that arrived while
         a resync of the same worker waited for its snapshot used to swap the handle under it,
@@ -187,7 +196,8 @@ class PrefixIndexActor:
         """
         async with self._locks.setdefault(worker_id, asyncio.Lock()):
             self._handles[worker_id] = handle
-            if worker_id not in self._state.workers():
+            known = self._state.epoch_of(worker_id)
+            if known is None or (epoch is not None and known != epoch):
                 await self._resync(worker_id)
 
     async def publish(

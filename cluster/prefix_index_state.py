@@ -202,6 +202,11 @@ class PrefixIndexState:
         """
         return leading_matches(block_hashes, self._entries, self._entries.move_to_end)
 
+    def epoch_of(self, worker_id: str) -> str | None:
+        """The incarnation of `worker_id` the index's view is of (None: no view)."""
+        view = self._views.get(worker_id)
+        return None if view is None else view.epoch
+
     def workers(self) -> list[str]:
         """Workers the index has a view of (stale ones included), sorted."""
         return sorted(self._views)

@@ -148,7 +148,8 @@ class Worker:
         me = ray.get_runtime_context().current_actor
         try:
             await asyncio.wait_for(
-                self._index.register_worker.remote(self.core.worker_id, me), INDEX_CALL_TIMEOUT_S
+                self._index.register_worker.remote(self.core.worker_id, me, self.core.epoch),
+                INDEX_CALL_TIMEOUT_S,
             )
         except Exception as error:
             logger.warning("could not register with the prefix index (%r); serving on", error)

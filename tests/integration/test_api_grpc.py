@@ -19,6 +19,7 @@ from support.api_app import (
     VOCAB,
     assert_app_clean,
     running_app,
+    stall_workers,
     view_entries,
     wait_until,
     wait_viewed,
@@ -286,13 +287,18 @@ def call_both_ways(channel: grpc.Channel, request, metadata) -> list[grpc.RpcErr
     return errors
 
 
+STEPS = 40  # engine steps the good request may take before the workers hold still
+
+
 def test_bad_inputs_get_their_errors_while_a_good_request_completes(app, client):
     """Every bad call gets its status while a good stream is open, and the good one's tokens
-    are what they are alone. The good stream's reader stops after its first delta until the
-    bad calls are answered, so the stream is open throughout by construction, not by a race
-    between 400 tokens and the bad calls."""
+    are what they are alone. The workers take at most `STEPS` engine steps from the good
+    request's start, then hold still until the bad calls are answered: the stream is open
+    throughout by construction. (A reader that stops reading does not hold it: gRPC's flow
+    control window alone takes in ~900 one-token messages, measured.)"""
     good_kwargs = {"max_tokens": 400, "temperature": 0.0, "ignore_eos": True}
     reference = client.generate("the good request", **good_kwargs).completions[0]
+    stall_workers(app, True, after_steps=STEPS)
     good: dict[str, object] = {}
     first_delta = threading.Event()
     bad_ones_answered = threading.Event()
@@ -323,6 +329,7 @@ def test_bad_inputs_get_their_errors_while_a_good_request_completes(app, client)
                 if error is None or error.code() != grpc.StatusCode.UNAUTHENTICATED:
                     failures.append(f"auth {metadata}: got {error}")
     finally:
+        stall_workers(app, False)
         bad_ones_answered.set()
         thread.join(60)
         channel.close()

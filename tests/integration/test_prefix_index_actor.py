@@ -73,6 +73,9 @@ class StandInWorker:
     async def cached(self) -> set[bytes]:
         return set(self.pool.cached)
 
+    async def incarnation(self) -> str:
+        return self.epoch
+
     async def kv_snapshot(self) -> KVSnapshot:
         return KVSnapshot(
             self.worker_id, self.epoch, self.pool.next_event_seq, tuple(self.pool.cached)
@@ -155,6 +158,23 @@ def test_restarted_worker_resyncs_and_a_dead_one_is_dropped():
     assert ray.get(index.remove_worker.remote("w0")) == 1
     assert ray.get(index.match.remote(chain)) == {}
     assert ray.get(index.stats.remote()).registered_workers == ()
+
+
+def test_a_restarted_worker_that_registers_before_it_publishes_is_resynced():
+    """Ray restarted the worker and no router dropped it: the new incarnation registers with
+    its epoch and the index replaces the old one's entries at once, before any publish."""
+    index = _index("restart-register")
+    worker = StandInWorker.remote("w0", index)
+    ray.get(index.register_worker.remote("w0", worker, ray.get(worker.incarnation.remote())))
+    old = ray.get(worker.cache_chain.remote([[1, 2]]))
+    ray.get(worker.flush.remote())
+    ray.get(index.register_worker.remote("w0", worker, ray.get(worker.incarnation.remote())))
+    assert ray.get(index.snapshot_of.remote("w0")) == set(old)  # same incarnation: kept
+    ray.get(worker.restart.remote())
+    new = ray.get(worker.cache_chain.remote([[3, 4]]))  # not published
+    ray.get(index.register_worker.remote("w0", worker, ray.get(worker.incarnation.remote())))
+    assert ray.get(index.snapshot_of.remote("w0")) == set(new)
+    assert ray.get(index.match.remote(old)) == {}
 
 
 def test_a_stuck_snapshot_hits_the_deadline_and_the_publish_returns():

@@ -100,6 +100,7 @@ def test_router_kill_ends_streams_unavailable_and_leaves_no_orphan(soak):
     found = problems_about(problems, "router kill")
     assert not found, failing(f"router kill ({kill})", found)
     assert kill["streaming_at_kill"] >= 1, kill  # the kill cut a stream mid-way
+    assert kill["finished_before_kill"] == 0, kill  # the workers held still until the kill
     # One of the two replicas died: its streams ended UNAVAILABLE, the other's finished OK
     # (their outputs are checked with the rest).
     assert len(kill["killed"]) == 1 and len(kill["survivors"]) == 1, kill

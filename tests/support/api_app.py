@@ -79,6 +79,17 @@ def running_app(name: str, **args: Any) -> Iterator[RunningApp]:
         ray.shutdown()
 
 
+def stall_workers(app: RunningApp, stalled: bool, after_steps: int = 0) -> None:
+    """Hold every worker's engine still after `after_steps` more steps (True), or release it
+    (`Worker.chaos_stall`): a stream open by construction, not by outrunning it."""
+    config = app.config
+    handles = [
+        ray.get_actor(config.worker_name(i), namespace=config.namespace)
+        for i in range(config.num_workers)
+    ]
+    ray.get([h.chaos_stall.remote(stalled, after_steps) for h in handles], timeout=60)
+
+
 def assert_app_clean(app: RunningApp, deadline_s: float = DEADLINE_S) -> None:
     """The leak check, now (see `support.leaks`): the Router holds nothing open, every worker's
     pool is idle and clean, the index equals the pools. Waits up to `deadline_s` (a failsafe)
