@@ -127,7 +127,8 @@ class RouterKillSpec:
             once it lapses).
         margin_s: slack past the lease for the abort to land (a poll, an engine step).
         restart_timeout_s: how long Serve may take to bring a Router replica back.
-        hang_timeout_s: a victim stream silent this long once it streamed is hung.
+        hang_timeout_s: the bound on the fault's own waits (a victim held by a worker, the
+            workers idle after the soak's aborts) and on a probe's silence.
         queued_timeout_s: how long a victim may wait for its first delta: the victims outgrow
             the pool, so some wait in a worker's queue behind the others until the kill. Also
             how long a victim may go silent: the workers hold still until the kill.

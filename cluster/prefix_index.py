@@ -175,12 +175,10 @@ class PrefixIndexActor:
         members = membership.in_state(MemberState.SERVING, MemberState.LEAVING)
         return {worker_id: member.handle for worker_id, member in members.items()}
 
-    async def register_worker(
-        self, worker_id: str, handle: ActorHandle, epoch: str | None = None
-    ) -> None:
+    async def register_worker(self, worker_id: str, handle: ActorHandle, epoch: str) -> None:
         """Remember the handle used to resync `worker_id` and, when the index has no view of
-        the worker yet or a view of another incarnation than `epoch`, resync it from its
-        snapshot now.
+        the worker's incarnation `epoch` (none yet, or of an older process), resync it from
+        its snapshot now.
 
         A worker that Ray restarted registers before anyone dropped its old incarnation when
         no router saw it dead (its next stats call just waited for the restart). Without the
@@ -196,8 +194,7 @@ class PrefixIndexActor:
         """
         async with self._locks.setdefault(worker_id, asyncio.Lock()):
             self._handles[worker_id] = handle
-            known = self._state.epoch_of(worker_id)
-            if known is None or (epoch is not None and known != epoch):
+            if self._state.epoch_of(worker_id) != epoch:
                 await self._resync(worker_id)
 
     async def publish(

@@ -103,6 +103,11 @@ class StandInPool:
         return self._membership
 
 
+def register(index, worker_id: str, worker) -> None:
+    """`worker` joins the index as `worker_id`, with its incarnation now."""
+    ray.get(index.register_worker.remote(worker_id, worker, ray.get(worker.incarnation.remote())))
+
+
 def _index(name: str, snapshot_timeout_s: float = SNAPSHOT_TIMEOUT_S):
     return get_or_create_prefix_index(
         name=name, max_entries=1000, snapshot_timeout_s=snapshot_timeout_s
@@ -118,7 +123,7 @@ def test_named_index_is_shared():
 def test_gap_resyncs_from_the_workers_snapshot_and_agrees_with_its_pool():
     index = _index("resync")
     worker = StandInWorker.remote("w0", index)
-    ray.get(index.register_worker.remote("w0", worker))
+    register(index, "w0", worker)
     # Registration pulls the snapshot at once (nothing cached yet), so the first batch of
     # events is in step.
     assert ray.get(index.snapshot_of.remote("w0")) == set()
@@ -147,7 +152,7 @@ def test_gap_resyncs_from_the_workers_snapshot_and_agrees_with_its_pool():
 def test_restarted_worker_resyncs_and_a_dead_one_is_dropped():
     index = _index("restart")
     worker = StandInWorker.remote("w0", index)
-    ray.get(index.register_worker.remote("w0", worker))
+    register(index, "w0", worker)
     ray.get(worker.cache_chain.remote([[1, 2]]))
     ray.get(worker.flush.remote())
     ray.get(worker.restart.remote())
@@ -165,14 +170,14 @@ def test_a_restarted_worker_that_registers_before_it_publishes_is_resynced():
     its epoch and the index replaces the old one's entries at once, before any publish."""
     index = _index("restart-register")
     worker = StandInWorker.remote("w0", index)
-    ray.get(index.register_worker.remote("w0", worker, ray.get(worker.incarnation.remote())))
+    register(index, "w0", worker)
     old = ray.get(worker.cache_chain.remote([[1, 2]]))
     ray.get(worker.flush.remote())
-    ray.get(index.register_worker.remote("w0", worker, ray.get(worker.incarnation.remote())))
+    register(index, "w0", worker)
     assert ray.get(index.snapshot_of.remote("w0")) == set(old)  # same incarnation: kept
     ray.get(worker.restart.remote())
     new = ray.get(worker.cache_chain.remote([[3, 4]]))  # not published
-    ray.get(index.register_worker.remote("w0", worker, ray.get(worker.incarnation.remote())))
+    register(index, "w0", worker)
     assert ray.get(index.snapshot_of.remote("w0")) == set(new)
     assert ray.get(index.match.remote(old)) == {}
 
@@ -184,7 +189,7 @@ def test_a_stuck_snapshot_hits_the_deadline_and_the_publish_returns():
     # tries again) each return at the deadline, not after it (the 60 s here only stops a
     # hang; how soon after the deadline depends on the machine).
     started = time.monotonic()
-    ray.get(index.register_worker.remote("w9", stuck), timeout=60)
+    ray.get(index.register_worker.remote("w9", stuck, "stuck"), timeout=60)
     assert time.monotonic() - started >= STUCK_SNAPSHOT_TIMEOUT_S * 0.9
     started = time.monotonic()
     result = ray.get(index.publish.remote("w9", "e1", []), timeout=60)
