@@ -10,6 +10,8 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
+import ray
+
 from pagedserve.bench.soak_driver import Outcome, SoakReport, SoakRequest
 from pagedserve.cluster.router import RouterCore
 from pagedserve.workers.engine_config import EngineConfig
@@ -170,19 +172,36 @@ async def check_pools_and_index(
     for worker_id, handle in workers.items():
         last: Any = None
         while True:
-            pool = await asyncio.wait_for(handle.check_pool.remote(), rpc_timeout_s)
-            snapshot = await asyncio.wait_for(handle.kv_snapshot.remote(), rpc_timeout_s)
-            held = await asyncio.wait_for(index.snapshot_of.remote(worker_id), rpc_timeout_s)
-            counts = await asyncio.wait_for(index.tier_counts.remote(worker_id), rpc_timeout_s)
-            indexed = {tier: counts.get(tier, 0) for tier in TIER_NAMES}  # {}: not in the index
-            last = (pool, set(snapshot.block_hashes), held, _tier_counts(snapshot), indexed)
-            if pool.clean and last[1] == held and last[3] == indexed:
-                break
+            try:
+                last = await _pool_and_index_of(worker_id, handle, index, rpc_timeout_s)
+            except (ray.exceptions.RayError, TimeoutError) as error:
+                # An actor still restarting (the index after its kill, on a loaded machine)
+                # is not at rest yet: ask again until `settle_s` is spent.
+                last = error
+            else:
+                pool, cached, held, tiers, indexed = last
+                if pool.clean and cached == held and tiers == indexed:
+                    break
             if time.monotonic() > end:
-                problems += _pool_problems(worker_id, *last)
+                if isinstance(last, Exception):
+                    problems.append(f"{worker_id} or the index did not answer: {last!r}")
+                else:
+                    problems += _pool_problems(worker_id, *last)
                 break
             await asyncio.sleep(0.2)
     return problems
+
+
+async def _pool_and_index_of(
+    worker_id: str, handle: Any, index: Any, rpc_timeout_s: float
+) -> tuple[PoolCheck, set, set, dict, dict]:
+    """A worker's pool check, its cached blocks and tier counts, and the index's of it."""
+    pool = await asyncio.wait_for(handle.check_pool.remote(), rpc_timeout_s)
+    snapshot = await asyncio.wait_for(handle.kv_snapshot.remote(), rpc_timeout_s)
+    held = await asyncio.wait_for(index.snapshot_of.remote(worker_id), rpc_timeout_s)
+    counts = await asyncio.wait_for(index.tier_counts.remote(worker_id), rpc_timeout_s)
+    indexed = {tier: counts.get(tier, 0) for tier in TIER_NAMES}  # {}: not in the index
+    return pool, set(snapshot.block_hashes), held, _tier_counts(snapshot), indexed
 
 
 def _tier_counts(snapshot: Any) -> dict[str, int]:

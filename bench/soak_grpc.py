@@ -64,8 +64,8 @@ class GrpcSoakSpec:
             holds the cluster to: once it lapsed (+ `lease_margin_s`), a worker still running
             a dead router's request runs an orphan.
         lease_margin_s: slack past the lease for the abort to land (a poll, an engine step).
-        restart_timeout_s: how long Serve may take to bring the router back.
-        resync_timeout_s: how long the restarted index may take to hold every cached block.
+        restart_timeout_s: how long Serve may take to bring the router back, and Ray the index.
+        resync_timeout_s: how long the index, once back, may take to hold every cached block.
     """
 
     load: SoakSpec = field(default_factory=lambda: SoakSpec(burst_at=0.3, burst_size=60))
@@ -175,7 +175,7 @@ async def run_grpc_soak(app: SoakApp, spec: GrpcSoakSpec, log: Any = None) -> Gr
                 # GetStats sums every replica's counters, the killed one's (as of its last
                 # report) included: the final read below holds them.
                 return [await router_kill(app, channel, extra["victim"], extra["probe"], kill)]
-            return [await index_kill(app, spec.resync_timeout_s)]
+            return [await index_kill(app, spec.restart_timeout_s, spec.resync_timeout_s)]
 
         for i, req in enumerate(steady):
             for name, at in strikes.items():

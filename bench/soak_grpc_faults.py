@@ -352,8 +352,11 @@ def _pid(_actor: Any) -> int:
     return os.getpid()
 
 
-async def index_kill(app: SoakApp, resync_timeout_s: float = 20.0) -> FaultRecord:
-    """Kill the prefix index (Ray restarts it empty); with no request sent, it must hold every
+async def index_kill(
+    app: SoakApp, restart_timeout_s: float = 90.0, resync_timeout_s: float = 20.0
+) -> FaultRecord:
+    """Kill the prefix index (Ray restarts it empty, within `restart_timeout_s`: a new
+    process, slow on a loaded machine); with no request sent, once back it must hold every
     worker's cached blocks again within `resync_timeout_s`."""
     record = FaultRecord("index_kill")
     index = await asyncio.to_thread(app.index_handle)
@@ -369,11 +372,12 @@ async def index_kill(app: SoakApp, resync_timeout_s: float = 20.0) -> FaultRecor
     async def restarted() -> bool:
         return await index.__ray_call__.remote(_pid) != pid
 
-    back, _ = await wait_until(restarted, resync_timeout_s)
+    back, _ = await wait_until(restarted, restart_timeout_s)
     if not back:
-        record.problems.append(f"index kill: the index did not come back in {resync_timeout_s} s")
+        record.problems.append(f"index kill: the index did not come back in {restart_timeout_s} s")
         return record
-    record.facts["back_after_s"] = round(time.monotonic() - killed_at, 1)
+    back_at = time.monotonic()
+    record.facts["back_after_s"] = round(back_at - killed_at, 1)
 
     async def in_step() -> bool:
         now = await _cached_blocks(workers)
@@ -382,7 +386,7 @@ async def index_kill(app: SoakApp, resync_timeout_s: float = 20.0) -> FaultRecor
         return all(held[wid] == now[wid] for wid in workers)
 
     synced, _ = await wait_until(in_step, resync_timeout_s)
-    record.facts["resynced_after_s"] = round(time.monotonic() - killed_at, 1) if synced else None
+    record.facts["resynced_after_s"] = round(time.monotonic() - back_at, 1) if synced else None
     if not synced:
         record.problems.append(
             f"index kill: {resync_timeout_s} s after its restart, with no new request, the "

@@ -6,6 +6,8 @@
 # 2 cores), one test module at a time each (`--dist loadfile`), so a module's Ray cluster and
 # its fixtures stay in one process. Most of an integration module's time is waiting (Ray and
 # Serve starting, workers loading, streams), which the other process fills. 1: one process.
+# Everything runs at niceness 10, test clusters included (tests/conftest.py): a test run on a
+# shared machine yields the cores to a server's engine, and no test process starves another.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -19,7 +21,7 @@ else
     args=(tests)
 fi
 set +e
-.venv/bin/python -m pytest "${args[@]}"
+nice -n 10 .venv/bin/python -m pytest "${args[@]}"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

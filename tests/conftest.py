@@ -1,6 +1,8 @@
 """Fixtures every test folder shares: the real model, loaded once per session; and the leak
 check every test that runs requests ends with (see support/leaks.py)."""
 
+import os
+
 import pytest
 from support.engine import ReferenceModel, load
 from support.leaks import WATCH
@@ -10,6 +12,13 @@ from pagedserve.cluster.ray_startup import allow_slow_startup
 
 # Every local Ray a test starts inherits this process's environment (cluster/ray_startup.py).
 allow_slow_startup()
+# Ray starts its processes 15 nicer than the one that started it; a test's cluster then lost
+# the cores to every pytest process beside it (the other xdist process running a CPU-bound
+# module, or HF references): beside two busy processes a tiny-llama worker took 2.5 min to
+# (re)start instead of seconds, and the tiers test's restart wait timed out in CI. Test
+# clusters run at the pytest process's own niceness (scripts/test.sh makes that 10: a test run
+# on a shared machine still yields the cores to a server's engine).
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 
 @pytest.fixture(scope="session")

@@ -257,6 +257,11 @@ class WorkerCore:
             except Exception:  # the index resyncs from a snapshot after a lost batch
                 logger.exception("publishing %d KV events failed", len(events))
 
+    def buffered_deltas(self, request_id: str) -> int:
+        """How many deltas wait unread in a stream's buffer (0: no such stream)."""
+        buffer = self._streams.get(request_id)
+        return 0 if buffer is None else len(buffer)
+
     # ------------------------------------------------------------ requests
     async def generate(
         self,

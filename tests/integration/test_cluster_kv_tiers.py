@@ -75,6 +75,14 @@ async def worker_stats(core, worker_id: str):
     return await core.workers[worker_id].handle.stats.remote()
 
 
+def reported_idle(core, worker_id: str) -> bool:
+    """The router's last report of the worker shows no request and no block in use."""
+    stats = core.workers[worker_id].stats
+    return stats is not None and stats.num_running + stats.num_waiting == 0 and (
+        stats.kv.used_blocks == 0
+    )
+
+
 def tier_hits(stats, tier: str) -> int:
     usage = stats.tiers.of(tier)
     return 0 if usage is None else usage.hit_blocks
@@ -99,6 +107,9 @@ def test_an_evicted_prefix_is_routed_back_and_loaded_from_host_disk_and_after_a_
             return all(t in ("host", "disk") for t in tiers) and "host" in tiers
 
         await until(a_below_device, "A's blocks to reach the router's view in host and disk")
+        # Routing weighs the owner's last report: one taken while B still ran there (16 blocks
+        # in use) sends A to the idle peer, and A's host blocks are never demoted to disk.
+        await until(lambda: reported_idle(core, owner), "a report of the owner with B done")
         before = await worker_stats(core, owner)
         tokens, finals = await run_request(core, PROMPT_A, greedy(MAX_TOKENS))
         after = await worker_stats(core, owner)
@@ -119,7 +130,17 @@ def test_an_evicted_prefix_is_routed_back_and_loaded_from_host_disk_and_after_a_
             tiers = [core.view.tier_of(owner, h) for h in hashes]
             return state.alive and tiers == ["disk"] * A_BLOCKS
 
-        await until(a_on_disk_again, "the restarted worker's disk tier in the router's view")
+        def where_a_stands() -> str:
+            state = core.workers[owner]
+            epoch = state.info.epoch if state.info is not None else None
+            tiers = [core.view.tier_of(owner, h) for h in hashes]
+            return f"worker alive={state.alive} epoch={epoch}, A's tiers in the view {tiers}"
+
+        await until(
+            a_on_disk_again,
+            "the restarted worker's disk tier in the router's view",
+            explain=where_a_stands,
+        )
         before = await worker_stats(core, owner)
         tokens, finals = await run_request(core, PROMPT_A, greedy(MAX_TOKENS))
         after = await worker_stats(core, owner)

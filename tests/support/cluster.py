@@ -35,8 +35,9 @@ def cluster_config(
         **(engine or {}),
     }
     engine = EngineConfig(**engine_options)
-    # Test clusters stay at Ray's niceness (15), as before `worker_nice` / `control_nice` came
-    # in: a test run on a shared machine must not take the cores from a server's engine.
+    # Test clusters stay at the test run's niceness (tests/conftest.py), as before
+    # `worker_nice` / `control_nice` came in: a test run on a shared machine must not take the
+    # cores from a server's engine.
     overrides.setdefault("worker_nice", None)
     overrides.setdefault("control_nice", None)
     return ClusterConfig(

@@ -13,10 +13,15 @@ DEADLINE_S = 120.0
 
 
 async def until(
-    condition: Callable[[], Any], what: str, deadline_s: float = DEADLINE_S, poll_s: float = 0.02
+    condition: Callable[[], Any],
+    what: str,
+    deadline_s: float = DEADLINE_S,
+    poll_s: float = 0.02,
+    explain: Callable[[], str] | None = None,
 ) -> Any:
     """Poll `condition()` (awaited when it returns an awaitable) until it is truthy; return
-    that value. Fails after `deadline_s` naming `what` was awaited."""
+    that value. Fails after `deadline_s` naming `what` was awaited and, with `explain`, what
+    it says of the state the wait ended in."""
     end = time.monotonic() + deadline_s
     while True:
         value = condition()
@@ -24,5 +29,7 @@ async def until(
             value = await value
         if value:
             return value
-        assert time.monotonic() < end, f"timed out after {deadline_s} s waiting for {what}"
+        if time.monotonic() >= end:
+            detail = f": {explain()}" if explain is not None else ""
+            raise AssertionError(f"timed out after {deadline_s} s waiting for {what}{detail}")
         await asyncio.sleep(poll_s)

@@ -90,7 +90,9 @@ def test_a_lagging_reader_gets_the_steps_it_missed_in_one_message(tiny_llama):
     async def main():
         stream = core.generate("r", prompt, params)
         messages = [await anext(stream)]
-        await until(lambda: not llm.engine.has_unfinished_requests(), "the request to finish")
+        # Every step's delta is in the buffer (the engine finishing is not enough: its last
+        # delta reaches the buffer after the step thread returns).
+        await until(lambda: core.buffered_deltas("r") == 11, "the 11 other deltas to wait")
         messages += [m async for m in stream]
         await core.close()
         return messages
