@@ -130,6 +130,14 @@ class ClusterConfig:
         router_max_replicas: the ceiling of Serve's autoscaling of the Router between
             `router_replicas` and this (target: half of `max_inflight` streams per replica,
             so a replica scales out well before it refuses). None: a fixed `router_replicas`.
+        prefill_workers: prefill/decode disaggregation (P/D): of the pool's workers, this
+            many are `prefill` workers (fresh requests are routed among them by prefix hits
+            and load; each hands its requests off once their first token went out), ...
+        decode_workers: ... and this many `decode` workers (they continue the handed-off
+            requests, their KV fetched from the prefill worker; least loaded, most free
+            blocks first). The rest of `num_workers` are `mixed` (both). 0 and 0: no P/D,
+            every worker mixed. A worker that replaces a lost one takes the role that is
+            short; one the pool adds past the roles' counts is mixed (`cluster/worker_roles.py`).
         namespace: Ray namespace of the named actors (index, workers).
         name: prefix of the actors' names, so two apps can share a Ray cluster.
     """
@@ -179,6 +187,8 @@ class ClusterConfig:
     drain_grace_s: float = 30.0
     router_replicas: int = 1
     router_max_replicas: int | None = None
+    prefill_workers: int = 0
+    decode_workers: int = 0
     namespace: str = "pagedserve"
     name: str = "pagedserve"
 
@@ -212,6 +222,7 @@ class ClusterConfig:
         self._check_placement()
         self._check_router_replicas()
         self._check_pool_bounds()
+        self._check_roles()
         if self.max_buffered_deltas < 1:
             raise ValueError(f"max_buffered_deltas must be >= 1, got {self.max_buffered_deltas}")
 
@@ -251,6 +262,34 @@ class ClusterConfig:
                 raise ValueError(f"{name} must be a finite number > 0, got {value}")
         if not 0 < self.scale_up_kv_usage <= 1:
             raise ValueError(f"scale_up_kv_usage must be in (0, 1], got {self.scale_up_kv_usage}")
+
+    def _check_roles(self) -> None:
+        for name in ("prefill_workers", "decode_workers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        low, _ = self.worker_bounds
+        roles = self.prefill_workers + self.decode_workers
+        if roles > low:
+            raise ValueError(
+                f"prefill_workers ({self.prefill_workers}) + decode_workers "
+                f"({self.decode_workers}) must be <= num_workers ({self.num_workers}) and "
+                f"min_workers ({low}): every worker of a role is one of the pool's"
+            )
+        if self.prefill_workers and self.prefill_workers == low:
+            raise ValueError(
+                f"prefill_workers ({self.prefill_workers}) leaves no worker that decodes: "
+                "add decode_workers or raise num_workers (the rest are mixed)"
+            )
+        if self.decode_workers and self.decode_workers == low:
+            raise ValueError(
+                f"decode_workers ({self.decode_workers}) leaves no worker that prefills: "
+                "add prefill_workers or raise num_workers (the rest are mixed)"
+            )
+
+    @property
+    def disaggregated(self) -> bool:
+        """Whether prefill/decode disaggregation is on (some worker has a role)."""
+        return bool(self.prefill_workers or self.decode_workers)
 
     @property
     def worker_bounds(self) -> tuple[int, int]:

@@ -73,6 +73,16 @@ class RouterMetrics:
         self.migrated_blocks = prom.Counter(
             "pagedserve_migrated_blocks", "KV blocks migrated", ["kind"], registry=reg
         )
+        self.pd_handoffs = prom.Counter(
+            "pagedserve_pd_handoffs",
+            "Requests handed from a prefill worker to a decode worker (P/D)",
+            registry=reg,
+        )
+        self.pd_handoff_tokens = prom.Counter(
+            "pagedserve_pd_handoff_tokens",
+            "KV tokens the P/D handoffs carried",
+            registry=reg,
+        )
         self.requests = prom.Counter(
             "pagedserve_requests", "Finished requests", ["worker", "finish_reason"], registry=reg
         )
@@ -111,6 +121,11 @@ class RouterMetrics:
         if self.enabled:
             self.migrations.labels(kind).inc()
             self.migrated_blocks.labels(kind).inc(blocks)
+
+    def on_pd_handoff(self, tokens: int) -> None:
+        if self.enabled:
+            self.pd_handoffs.inc()
+            self.pd_handoff_tokens.inc(tokens)
 
     def on_finished(self, delta: Any) -> None:
         """A branch's last delta: its usage and the request's timings."""
@@ -182,6 +197,12 @@ class _WorkerCollector:
             "Time proposing and verifying drafts",
             labels=["worker", "phase"],
         )
+        role = gauge("worker_role", "1 for the worker's P/D role", ["role"])
+        adopted = CounterMetricFamily(
+            "pagedserve_adopted_handoffs",
+            "Handoffs a worker adopted: with their KV imported, or recomputed from tokens",
+            labels=["worker", "kv"],
+        )
         tier_families = _tier_families(gauge, CounterMetricFamily)
         for worker_id, (alive, stats) in sorted(self.worker_stats().items()):
             up.add_metric([worker_id], 1.0 if alive else 0.0)
@@ -208,7 +229,10 @@ class _WorkerCollector:
             spec_seconds.add_metric([worker_id, "draft"], stats.spec.draft_time_s)
             spec_seconds.add_metric([worker_id, "verify"], stats.spec.verify_time_s)
             _add_tier_metrics(tier_families, worker_id, stats.tiers)
-        yield from (up, running, waiting, usage, blocks, positions, queries, hits)
+            role.add_metric([worker_id, str(stats.role)], 1.0)
+            adopted.add_metric([worker_id, "imported"], stats.adopted_with_kv)
+            adopted.add_metric([worker_id, "recomputed"], stats.adopted_recomputed)
+        yield from (up, running, waiting, usage, blocks, positions, queries, hits, role, adopted)
         yield from (*spec_counters.values(), acceptance, spec_seconds)
         yield from tier_families.values()
 

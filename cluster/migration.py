@@ -24,6 +24,14 @@ leaves both pools as they were; the receiver's KV events put the blocks in the i
   worker) and whose engine adopts it (`Engine.adopt`, `handoff.adopt_kv`: cached prefix
   blocks reused, the rest imported, or recomputed when there is no room, or when the ref is
   lost because the source died) and streams on from where the request stopped.
+- **P/D handoff** (prefill/decode disaggregation, `cluster/worker_roles.py`): the same move,
+  started by the end of a prefill instead of a preemption. A fresh request is routed among
+  the workers that prefill; on a `prefill` worker, once its first token went out, the engine
+  hands each branch off (`Engine._hand_off_prefilled` → `_hand_off`, reason `PREFILLED`),
+  keeping the prompt's full blocks cached there. The router sends it to
+  `move_target(source)`, which picks among the workers that decode (`DECODE_PHASE`: least
+  loaded, most free blocks), under a `pd.transfer` span, counted as `pd.handoffs`. A failed
+  fetch (ref lost, deadline) or no room on the decode side recomputes, as for any move.
 """
 
 from __future__ import annotations
@@ -36,9 +44,11 @@ from typing import Any
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.metrics import RouterMetrics
 from pagedserve.cluster.router_types import NoWorkerAvailable, RouterCounters
-from pagedserve.cluster.tracing import migration_span
+from pagedserve.cluster.tracing import migration_span, pd_transfer_span
 from pagedserve.cluster.worker_liveness import WORKER_LOST_ERRORS
+from pagedserve.cluster.worker_roles import DECODE_PHASE, RoleFilter
 from pagedserve.cluster.worker_state import WorkerState
+from pagedserve.workers.handoff import HandoffReason, RequestHandoff
 from pagedserve.workers.telemetry import Tracing
 
 logger = logging.getLogger(__name__)
@@ -167,18 +177,39 @@ class Migrations:
 
     # ------------------------------------------------------------------ move
     def move_target(
-        self, source_id: str | None, exclude: frozenset[str] = frozenset()
+        self,
+        source_id: str | None,
+        exclude: frozenset[str] = frozenset(),
+        phase: RoleFilter = DECODE_PHASE,
     ) -> WorkerState:
-        """Where a moved request goes: the least loaded routable worker other than its source
+        """Where a moved (or, under P/D, handed-off) request goes: among the routable workers
+        whose role `phase` admits (a decode worker or a mixed one; any routable worker when
+        none is), the least loaded, then the one with most free blocks, other than its source
         (the source itself only when it is the one left) and the workers in `exclude` (they
         refused it already)."""
-        alive = [w for w in self.workers.values() if w.routable and w.worker_id not in exclude]
+        candidates = (w for w in self.workers.values() if w.worker_id not in exclude)
+        alive, fell_back = phase.split(candidates)
         if not alive:
             raise NoWorkerAvailable("no worker is alive to continue a moved request")
+        self.counters.pd_fallbacks += fell_back and self.config.disaggregated
         others = [w for w in alive if w.worker_id != source_id] or alive
-        return min(others, key=lambda w: (w.load().num_requests, w.load().used_blocks, w.worker_id))
+        return min(others, key=_move_order)
 
-    def on_moved(self) -> None:
+    def move_span(self, parent: Any, handoff: RequestHandoff, source: str | None, target) -> Any:
+        """The span of a move leg: `pd.transfer` for a handoff after its prefill (P/D),
+        `migration.move` for a preemption's."""
+        tokens = len(handoff.all_token_ids)
+        if handoff.reason is HandoffReason.PREFILLED:
+            return pd_transfer_span(self.tracing, parent, handoff, source, target)
+        return migration_span(self.tracing, parent, "move", source, target, tokens)
+
+    def on_moved(self, handoff: RequestHandoff) -> None:
+        """The router follows a `RequestMoved`: count it as a P/D handoff or a move."""
+        if handoff.reason is HandoffReason.PREFILLED:
+            self.counters.pd_handoffs += 1
+            self.counters.pd_handoff_tokens += handoff.num_computed_tokens
+            self.metrics.on_pd_handoff(handoff.num_computed_tokens)
+            return
         self.counters.moves += 1
         self.metrics.on_migration("move")
 
@@ -192,3 +223,9 @@ class Migrations:
             self.counters.pushes += 1
             self.counters.push_blocks += blocks
         self.metrics.on_migration(kind, blocks)
+
+
+def _move_order(worker: WorkerState) -> tuple:
+    """Fewest requests first, then most free blocks (the KV must fit), then by id."""
+    load = worker.load()
+    return (load.num_requests, -load.free_blocks, worker.worker_id)

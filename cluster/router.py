@@ -66,8 +66,9 @@ from pagedserve.cluster.router_types import (
 )
 from pagedserve.cluster.routing import make_policy
 from pagedserve.cluster.tier_costs import TierCosts
-from pagedserve.cluster.tracing import RouterTrace, migration_span, record_decision
+from pagedserve.cluster.tracing import RouterTrace, record_decision
 from pagedserve.cluster.worker_liveness import WORKER_LOST_ERRORS, WorkerLiveness
+from pagedserve.cluster.worker_roles import PREFILL_PHASE, RoleFilter
 from pagedserve.cluster.worker_state import WorkerState
 from pagedserve.workers.block_hash import hash_full_blocks
 from pagedserve.workers.errors import Draining, HandedOff, Overloaded, RequestRejected
@@ -310,6 +311,8 @@ class RouterCore:
         `exclude`: workers not to pick (they refused this request already).
         """
         ranking = self.routable.current()  # loads kept current per worker change
+        if self.config.disaggregated:  # P/D: a fresh prompt goes to a worker that prefills
+            exclude |= self._unfit(PREFILL_PHASE, exclude)
         others = None  # a retry after refusals (rare) scores the workers not excluded in full
         if exclude:
             others = [w for w in self.workers.values() if w.routable and w.worker_id not in exclude]
@@ -341,6 +344,14 @@ class RouterCore:
             peers = {**matches, **exportable}  # a peer exports only what is on its device
             matched = await self.migrations.maybe_pull(chosen, hashes, peers, matched, span)
         return chosen, matched
+
+    def _unfit(self, phase: RoleFilter, exclude: frozenset[str]) -> frozenset[str]:
+        """The workers (not in `exclude`) of a role `phase` should not go to; none when no
+        worker of a fitting role is routable (counted as a P/D fallback)."""
+        candidates = (w for w in self.workers.values() if w.worker_id not in exclude)
+        unfit, fell_back = phase.unfit(candidates)
+        self.counters.pd_fallbacks += fell_back
+        return unfit
 
     # ------------------------------------------------------------ requests
     async def generate(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
@@ -408,7 +419,7 @@ class RouterCore:
                         plan.append(
                             _Attempt(delta.index, handoff=delta.handoff, source=delta.worker_id)
                         )
-                        self.migrations.on_moved()
+                        self.migrations.on_moved(delta.handoff)
                         continue
                     emitted[delta.index].add(delta)
                     if delta.finish_reason is not None:
@@ -434,8 +445,7 @@ class RouterCore:
         params = attempt.params
         if attempt.handoff is not None and not attempt.replay:
             worker = self.migrations.move_target(attempt.source, attempt.refused_by)
-            tokens = len(attempt.handoff.all_token_ids)
-            span = migration_span(self.tracing, trace.root, "move", attempt.source, worker, tokens)
+            span = self.migrations.move_span(trace.root, attempt.handoff, attempt.source, worker)
             worker_request = WorkerRequest.moved(
                 attempt.handoff, trace_context=trace.carrier(span), owner_id=self.router_id
             )

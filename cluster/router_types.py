@@ -86,6 +86,9 @@ class RouterCounters:
     refused_draining: int = 0  # a draining worker refused a new request (replayed)
     refused_duplicate_id: int = 0
     index_unavailable: int = 0  # prefix feed reads that failed: routing kept its last view
+    pd_handoffs: int = 0  # P/D: requests (branches) handed from a prefill to a decode worker
+    pd_handoff_tokens: int = 0  # the KV tokens those handoffs carried
+    pd_fallbacks: int = 0  # P/D: no worker of the phase's role routable, any one taken
 
     def count_routed(self, policy: str) -> None:
         self.routed[policy] = self.routed.get(policy, 0) + 1
@@ -124,6 +127,9 @@ _FLAT_NAMES = {
     "refused_draining": "refused.draining",
     "refused_duplicate_id": "refused.duplicate_id",
     "index_unavailable": "index_unavailable",
+    "pd_handoffs": "pd.handoffs",
+    "pd_handoff_tokens": "pd.handoff_tokens",
+    "pd_fallbacks": "pd.fallbacks",
 }
 
 

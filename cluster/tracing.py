@@ -87,6 +87,21 @@ def migration_span(
     return tracing.start_span(f"migration.{kind}", parent, attrs)
 
 
+def pd_transfer_span(
+    tracing: Tracing, parent: Any, handoff: Any, source: str | None, target: Any
+) -> Span:
+    """A router-side `pd.transfer` span: a request handed from the prefill worker `source`
+    (an id) to the decode worker `target` (a WorkerState) after its prefill; it lasts while
+    the decode worker fetches the KV and streams on (its `worker.adopt` span is a child)."""
+    attrs: SpanAttributes = {
+        "pagedserve.pd.prefill_worker": source,
+        "pagedserve.pd.decode_worker": target.worker_id,
+        "pagedserve.pd.tokens": len(handoff.all_token_ids),
+        "pagedserve.pd.kv_tokens": handoff.num_computed_tokens,
+    }
+    return tracing.start_span("pd.transfer", parent, attrs)
+
+
 def record_decision(span: Span, decision: Any, num_blocks: int, matched: int) -> None:
     """The routing decision on the `route` span: policy, chosen worker, every candidate's cost."""
     if not span.is_recording():

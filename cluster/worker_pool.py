@@ -80,6 +80,7 @@ from pagedserve.cluster.worker_liveness import WORKER_LOST_ERRORS
 from pagedserve.cluster.worker_spec import WorkerSpec, create_worker
 from pagedserve.cluster.worker_state import WorkerState
 from pagedserve.workers.telemetry import NOOP, TelemetryConfig, otel_env
+from pagedserve.workers.worker_role import WorkerRole
 
 logger = logging.getLogger(__name__)
 CALL_ERRORS = (*WORKER_LOST_ERRORS, TimeoutError, ray.exceptions.RayError)
@@ -106,6 +107,7 @@ class WorkerPoolActor:
         self._configured = False  # decides nothing until a router (re)configures it
         self._configured_at = 0.0
         self._slots: dict[str, int] = {}
+        self._roles: dict[str, WorkerRole] = {}  # each member's P/D role
         self._ready: dict[str, asyncio.Task] = {}
         self._action: asyncio.Task | None = None
         self._last_action = ""
@@ -133,10 +135,23 @@ class WorkerPoolActor:
     async def _create(self) -> asyncio.Task:
         """A new worker, starting; returns the task that makes it serving."""
         worker_id, slot = self.members.new_name()
+        role = self._spec.role_for_new(self._roles[m.worker_id] for m in self._role_holders())
         handle = await asyncio.to_thread(
-            create_worker, self._spec, worker_id, slot, self._telemetry
+            create_worker, self._spec, worker_id, slot, self._telemetry, role
         )
+        self._roles[worker_id] = role
         return self._join(worker_id, slot, handle)
+
+    def _role_holders(self) -> list:
+        """The members whose role counts toward the P/D layout: serving or starting, of the
+        current spec (a worker a reconcile replaces, or one leaving, is not counted)."""
+        current = self._spec.fingerprint
+        return [
+            m
+            for m in self._in_state(MemberState.STARTING, MemberState.SERVING)
+            if m.worker_id in self._roles
+            and (m.state == MemberState.STARTING or m.fingerprint == current)
+        ]
 
     def _join(self, worker_id: str, slot: int, handle: ActorHandle) -> asyncio.Task:
         """A member from now on, starting; serving once its `ready()` answers."""
@@ -160,6 +175,7 @@ class WorkerPoolActor:
             return False
         finally:
             self._ready.pop(worker_id, None)
+        self._roles[worker_id] = info.role  # an adopted worker's, known from here on
         self.members.set_state(worker_id, MemberState.SERVING, info.config_fingerprint)
         self.counters.workers_added += 1
         return True

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 import ray
@@ -23,6 +25,7 @@ from pagedserve.workers import drain_signal
 from pagedserve.workers.engine_config import EngineConfig
 from pagedserve.workers.telemetry import TelemetryConfig, otel_env
 from pagedserve.workers.worker import Worker
+from pagedserve.workers.worker_role import WorkerRole
 
 # Generous: a worker streams many requests at once, each a long-lived generator call.
 WORKER_MAX_CONCURRENCY = 4096
@@ -41,6 +44,8 @@ class WorkerSpec:
         lease_timeout_s, max_buffered_deltas: the worker's stream settings.
         drain_grace_s: how long its open streams get to finish when SIGTERM drains it.
         index_name, namespace: where its prefix index and its name live.
+        prefill_workers, decode_workers: the P/D layout (`ClusterConfig`): how many workers
+            of each role the pool keeps; each worker is created with one (`role_for_new`).
     """
 
     engine: EngineConfig
@@ -56,6 +61,8 @@ class WorkerSpec:
     drain_grace_s: float
     index_name: str
     namespace: str
+    prefill_workers: int = 0
+    decode_workers: int = 0
 
     @classmethod
     def of(cls, config: ClusterConfig) -> WorkerSpec:
@@ -73,7 +80,19 @@ class WorkerSpec:
             drain_grace_s=config.drain_grace_s,
             index_name=config.index_name,
             namespace=config.namespace,
+            prefill_workers=config.prefill_workers,
+            decode_workers=config.decode_workers,
         )
+
+    def role_for_new(self, roles: Iterable[WorkerRole]) -> WorkerRole:
+        """The role of a worker added beside workers of `roles`: the first one short of its
+        count (prefill, then decode), else mixed."""
+        held = Counter(roles)
+        wanted = (
+            (WorkerRole.PREFILL, self.prefill_workers),
+            (WorkerRole.DECODE, self.decode_workers),
+        )
+        return next((role for role, count in wanted if held[role] < count), WorkerRole.MIXED)
 
     @property
     def fingerprint(self) -> str:
@@ -91,9 +110,14 @@ class WorkerSpec:
 
 
 def create_worker(
-    spec: WorkerSpec, worker_id: str, slot: int, telemetry: TelemetryConfig
+    spec: WorkerSpec,
+    worker_id: str,
+    slot: int,
+    telemetry: TelemetryConfig,
+    role: WorkerRole = WorkerRole.MIXED,
 ) -> ActorHandle:
-    """Get or create the named, detached worker actor `worker_id` (slot: its counter).
+    """Get or create the named, detached worker actor `worker_id` (slot: its counter) with its
+    P/D `role`.
 
     Ray restarts a crashed worker (max_restarts) and a router revives it once it answers. The
     worker gets the telemetry settings, this process's OTEL_* variables in its runtime env, and
@@ -132,5 +156,6 @@ def create_worker(
             nice=spec.nice,
             config_fingerprint=spec.fingerprint,
             drain_grace_s=spec.drain_grace_s,
+            role=role,
         )
     )

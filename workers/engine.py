@@ -19,6 +19,7 @@ step costs O(new tokens), never a copy of the whole output.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
@@ -35,7 +36,7 @@ from pagedserve.workers.engine_config import (
     EngineConfig,
 )
 from pagedserve.workers.errors import Overloaded, RequestRejected, RequestTooLarge
-from pagedserve.workers.handoff import RequestHandoff, adopt_kv
+from pagedserve.workers.handoff import HandoffReason, RequestHandoff, adopt_kv
 from pagedserve.workers.kv_cache import KVCache
 from pagedserve.workers.kv_cache_manager import KVCacheManager, KVUsage
 from pagedserve.workers.kv_tier_file import KVLayout
@@ -64,6 +65,7 @@ from pagedserve.workers.spec_proposer import Proposer, make_proposer
 from pagedserve.workers.spec_stats import SpecCounters, SpecStats
 from pagedserve.workers.spec_verify import Verdict, verify_greedy, verify_sampled
 from pagedserve.workers.stop_checker import FinishReason, check_stop
+from pagedserve.workers.worker_role import WorkerRole
 
 
 class Engine:
@@ -72,10 +74,19 @@ class Engine:
     Args:
         config: the engine's config.
         loaded: an already loaded model (tests share one); loaded from `config` when None.
+        role: its worker's role (`workers/worker_role.py`): a `prefill` engine hands each
+            fresh request off once its first token went out.
     """
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel | None = None,
+        *,
+        role: WorkerRole = WorkerRole.MIXED,
+    ) -> None:
         self.config = config
+        self.role = role
         self.loaded = loaded or load_model(
             config.model, dtype=config.dtype, device=config.device, seed=config.seed
         )
@@ -155,6 +166,9 @@ class Engine:
         self._arrivals = itertools.count()
         self.num_steps = 0
         self.num_handoffs = 0
+        # Adopted handoffs whose KV came with them, and those recomputed from their tokens.
+        self.num_adopted_with_kv = 0
+        self.num_adopted_recomputed = 0
         self.step_tier_loads: list[StepTierLoad] = []  # the last step's loads (for spans)
 
     def _kv_layout(self) -> KVLayout:
@@ -229,6 +243,8 @@ class Engine:
         first, *others = branches
         first.pending_branches = others
         first.movable = params.n == 1 and params.prompt_logprobs is None  # scored here
+        for branch in branches:  # each branch leaves once its first token went out
+            branch.hand_off_after_prefill = self.role.hands_off_after_prefill
         self._groups[request_id] = RequestGroup(
             request_id, prompt_text, list(token_ids), branches, now, deadline
         )
@@ -346,6 +362,7 @@ class Engine:
         """Run one scheduling + forward + sampling step; the deltas of requests it touched."""
         touched: dict[str, RequestGroup] = {}
         self._expire_deadlines(touched)
+        self._hand_off_prefilled(touched)
         drafted = self._propose_drafts()
         self._load_from_tiers()
         plan = self.scheduler.schedule()
@@ -530,17 +547,41 @@ class Engine:
             self._append_token(request, token, now)
             touched[request.group_id] = self._groups[request.group_id]
 
-    def _hand_off(self, victim: Request, block_ids: list[int], touched) -> None:
-        """Pack a preempted sequence for a peer and end it here with finish reason `moved`."""
+    def _hand_off_prefilled(self, touched) -> None:
+        """P/D, on a `prefill` engine: every fresh sequence whose first token went out (the
+        last step's delta carried it, so TTFT never waits for a transfer) leaves for a decode
+        worker, as a `move` preemption does. Its blocks are freed here; the full ones stay
+        cached, so a later request with the same prefix hits them on this worker."""
+        ready = [
+            r
+            for r in self.scheduler.running
+            if r.hand_off_after_prefill and r.num_output_tokens and not r.is_prefilling
+        ]
+        for request in ready:
+            block_ids = self.scheduler.release_for_handoff(request)
+            self._hand_off(request, block_ids, touched, HandoffReason.PREFILLED)
+
+    def _hand_off(
+        self,
+        victim: Request,
+        block_ids: list[int],
+        touched,
+        reason: HandoffReason = HandoffReason.PREEMPTED,
+    ) -> None:
+        """Pack a sequence for a peer (a preempted one, or one whose prefill is done) and end
+        it here with finish reason `moved`."""
         group = self._groups[victim.group_id]
         packed = self.kv_cache.export_blocks(block_ids) if block_ids else None
         now = time.monotonic()
-        group.handoff = RequestHandoff(
+        params = victim.params
+        if params.prompt_logprobs is not None:  # they went out with the first token
+            params = dataclasses.replace(params, prompt_logprobs=None)
+        group.handoffs[victim.branch_index] = RequestHandoff(
             request_id=group.request_id,
             prompt_token_ids=list(group.prompt_token_ids),
             output_token_ids=list(victim.output_token_ids),
             num_computed_tokens=victim.num_computed_tokens if packed is not None else 0,
-            params=victim.params,
+            params=params,
             priority=victim.priority,
             cache_extra_keys=victim.cache_extra_keys,
             block_size=self.kv.block_size,
@@ -555,6 +596,7 @@ class Engine:
                 if victim.detokenizer
                 else 0
             ),
+            reason=reason,
         )
         victim.finish_reason = FinishReason.MOVED
         victim.timings.finished = now
@@ -600,8 +642,10 @@ class Engine:
             handoff.request_id, None, list(prompt), [request], now, deadline
         )
         if not adopt_kv(self.kv, self.kv_cache, request, handoff):
-            self.scheduler.add(request)  # no room for its KV: recompute it from the tokens
+            self.scheduler.add(request)  # no KV, or no room for it: recompute from the tokens
+            self.num_adopted_recomputed += 1
             return
+        self.num_adopted_with_kv += 1
         request.timings.first_scheduled = now
         self.scheduler.add_running(request)
 
@@ -672,6 +716,9 @@ class Engine:
             "num_paused": len(self._paused),
             "num_steps": self.num_steps,
             "num_handoffs": self.num_handoffs,
+            "adopted_with_kv": self.num_adopted_with_kv,
+            "adopted_recomputed": self.num_adopted_recomputed,
+            "role": self.role,
             "kv_cache_device_bytes": self.kv_cache.device_bytes,
             "kv_cache_swap_bytes": self.kv_cache.swap_bytes,
             "spec": self.spec_stats(),

@@ -10,6 +10,7 @@ If the peer has no room it recomputes the KV from the tokens instead; the output
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,9 +20,16 @@ from pagedserve.workers.kv_memory import blocks_needed
 from pagedserve.workers.sampling_params import SamplingParams
 
 
+class HandoffReason(enum.Enum):
+    """Why a sequence left its worker: what the router counts and traces it as."""
+
+    PREEMPTED = "preempted"  # a `move` preemption (or a replay: the router's own handoff)
+    PREFILLED = "prefilled"  # P/D: its prefill is done on a prefill worker
+
+
 @dataclass
 class RequestHandoff:
-    """Everything a peer needs to continue one sequence (n == 1 requests only)."""
+    """Everything a peer needs to continue one sequence (one branch of a request)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -39,6 +47,7 @@ class RequestHandoff:
     deadline_remaining_s: float | None
     emitted_text_chars: int  # text already streamed to the client
     source_worker: str | None = None  # set by the source worker when it hands the KV by ref
+    reason: HandoffReason = HandoffReason.PREEMPTED
 
     @classmethod
     def replay(

@@ -53,5 +53,10 @@ async def resolved(
             handoff.source_worker,
             type(error).__name__,
         )
-        return dataclasses.replace(handoff, packed_kv=None, num_computed_tokens=0)
+        return without_kv(handoff)
     return dataclasses.replace(handoff, packed_kv=packed)
+
+
+def without_kv(handoff: RequestHandoff) -> RequestHandoff:
+    """The handoff as a failed fetch leaves it: no KV, so the adopter recomputes it."""
+    return dataclasses.replace(handoff, packed_kv=None, num_computed_tokens=0)

@@ -103,7 +103,8 @@ class RequestDelta:
     """One request's news from one step: the branches that changed.
 
     `prompt` and `prompt_token_ids` are the engine's own (shared, never copied per step; do not
-    change them). `handoff` is set when the request moved to a peer (finish reason `moved`).
+    change them). `handoffs` has, by branch index, each branch that moved to a peer (finish
+    reason `moved`).
     """
 
     request_id: str
@@ -111,7 +112,7 @@ class RequestDelta:
     prompt_token_ids: list[int]
     completions: list[CompletionDelta]
     finished: bool
-    handoff: RequestHandoff | None = None
+    handoffs: dict[int, RequestHandoff] = field(default_factory=dict)
 
 
 @dataclass
@@ -143,7 +144,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     error: str | None = None
-    handoff: RequestHandoff | None = None  # set when the request moved to a peer
+    handoffs: dict[int, RequestHandoff] = field(default_factory=dict)  # branches that moved
     # One per prompt token (the first None) when `SamplingParams.prompt_logprobs` asked.
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
@@ -203,6 +204,6 @@ class OutputBuilder:
             finished=last.finished,
             num_cached_tokens=0 if usage is None else usage.cached_tokens,
             metrics=self._metrics or RequestMetrics(),
-            handoff=last.handoff,
+            handoffs=last.handoffs,
             prompt_logprobs=self._prompt_logprobs,
         )

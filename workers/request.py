@@ -80,6 +80,9 @@ class Request:
     pending_branches: list[Request] = field(default_factory=list)
     # Whether preemption may hand this sequence to a peer (single-branch requests only).
     movable: bool = False
+    # P/D: a fresh sequence on a prefill worker leaves for a decode worker once its first
+    # token went out (`Engine._hand_off_prefilled`).
+    hand_off_after_prefill: bool = False
     # Paused while its stream's reader lags: never scheduled, keeps its blocks, preemptible.
     paused: bool = False
     # This step's draft tokens (speculative decoding): verified after the forward, then cleared.
@@ -181,7 +184,9 @@ class RequestGroup:
     branches: list[Request]
     arrival: float
     deadline: float | None
-    handoff: Any = None  # the `RequestHandoff` once a preemption moved it to a peer
+    # Branch index → its `RequestHandoff`, once a preemption (or, on a prefill worker, the
+    # end of its prefill) moved that branch to a peer.
+    handoffs: dict[int, Any] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
@@ -208,7 +213,7 @@ class RequestGroup:
             self.prompt_token_ids,
             completions,
             self.finished,
-            self.handoff,
+            dict(self.handoffs),
         )
 
     def metrics(self) -> RequestMetrics:

@@ -65,6 +65,8 @@ class SchedulerCounters:
         recomputed: victims whose KV was dropped, to be computed again (in swap mode: the swap
             area had no room for them; in move mode: they could not move).
         moved: victims handed to a peer with their KV.
+        prefill_handoffs: P/D, on a prefill worker: sequences handed to a decode worker once
+            their first token went out.
     """
 
     prefill_tokens: int = 0
@@ -72,6 +74,7 @@ class SchedulerCounters:
     swapped_in: int = 0
     recomputed: int = 0
     moved: int = 0
+    prefill_handoffs: int = 0
 
 
 @dataclass
@@ -204,11 +207,7 @@ class Scheduler:
         if self.config.preemption_mode == "move" and victim.movable:
             # The blocks are freed now; the engine copies their KV out before this step's
             # forward can write into them.
-            num_blocks = -(-victim.num_computed_tokens // self.kv.block_size)
-            block_ids = self.kv.get_block_ids(victim.request_id)[:num_blocks]
-            block_ids = [unwritten.get(block_id, block_id) for block_id in block_ids]
-            self.kv.free(victim.request_id)
-            victim.status = RequestStatus.FINISHED
+            block_ids = [unwritten.get(b, b) for b in self._release(victim)]
             step.moved.append((victim, block_ids))
             self.counters.moved += 1
             return
@@ -225,6 +224,22 @@ class Scheduler:
         victim.num_computed_tokens = 0
         self.add(victim)
         self.counters.recomputed += 1
+
+    def release_for_handoff(self, request: Request) -> list[int]:
+        """Take a running sequence out to hand it to a peer (P/D, after its prefill), between
+        steps. Its blocks are freed (the full ones stay cached); returns the ids of those
+        holding its computed KV, for the engine to copy out before anything writes there."""
+        self.running.remove(request)
+        self.counters.prefill_handoffs += 1
+        return self._release(request)
+
+    def _release(self, request: Request) -> list[int]:
+        """Free a leaving sequence's blocks; the ids of those with its computed KV."""
+        num_blocks = -(-request.num_computed_tokens // self.kv.block_size)
+        block_ids = self.kv.get_block_ids(request.request_id)[:num_blocks]
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.FINISHED
+        return block_ids
 
     def _unschedule(self, victim: Request, step: SchedulerOutput) -> dict[int, int]:
         """Undo the victim's place in this step's plan, if it had one.

@@ -40,7 +40,7 @@ def stream_deltas(
     engine already reports only what is new). `error` goes on each branch's last delta; a
     branch that moved to a peer ends with the control message `RequestMoved` instead."""
     return [
-        RequestMoved(delta.request_id, c.index, worker_id, delta.handoff)
+        RequestMoved(delta.request_id, c.index, worker_id, delta.handoffs[c.index])
         if c.finish_reason == FinishReason.MOVED
         else StreamDelta(
             delta.request_id,

@@ -21,6 +21,7 @@ from pagedserve.workers.block import BlockKey
 from pagedserve.workers.cpu_placement import niceness, pin_process, process_cpus, set_niceness
 from pagedserve.workers.engine import Engine
 from pagedserve.workers.engine_config import EngineConfig
+from pagedserve.workers.handoff import RequestHandoff
 from pagedserve.workers.kv_events import KVEvent, KVSnapshot
 from pagedserve.workers.lease import DEFAULT_LEASE_TIMEOUT_S
 from pagedserve.workers.pid_files import DEFAULT_PID_DIR, register_pid
@@ -28,6 +29,7 @@ from pagedserve.workers.request_trace import migration_span
 from pagedserve.workers.stream import DEFAULT_MAX_BUFFERED_DELTAS, RUN_AHEAD_MESSAGES, StreamDelta
 from pagedserve.workers.telemetry import TelemetryConfig, worker_tracing
 from pagedserve.workers.worker_core import WorkerCore
+from pagedserve.workers.worker_role import WorkerRole
 from pagedserve.workers.worker_types import (
     DrainResult,
     PoolCheck,
@@ -83,6 +85,7 @@ class Worker:
             handed back (see `workers/drain_signal.py`); then the process exits.
         pid_dir: where this worker writes its pid file for `pagedserve drain-node` (None:
             none).
+        role: its role in prefill/decode disaggregation (`workers/worker_role.py`).
     """
 
     def __init__(
@@ -100,6 +103,7 @@ class Worker:
         config_fingerprint: str = "",
         drain_grace_s: float = DEFAULT_DRAIN_GRACE_S,
         pid_dir: str | None = DEFAULT_PID_DIR,
+        role: WorkerRole = WorkerRole.MIXED,
     ) -> None:
         # First: every thread the engine starts later inherits the mask and the niceness.
         if cpus is not None:
@@ -111,7 +115,7 @@ class Worker:
         sink = self._publish if self._index is not None else None
         tracing = worker_tracing(telemetry, worker_id)
         self.core = WorkerCore(
-            Engine(config.for_worker(worker_id)),
+            Engine(config.for_worker(worker_id), role=role),
             worker_id,
             sink,
             tracing,
@@ -119,6 +123,7 @@ class Worker:
             max_buffered_deltas=max_buffered_deltas,
         )
         self.drain_grace_s = drain_grace_s
+        self._fail_kv_fetches = 0  # `chaos_fail_next_kv_fetch`
         if pid_dir is not None:
             register_pid(worker_id, pid_dir)
 
@@ -181,6 +186,7 @@ class Worker:
             cpus=process_cpus(),
             nice=niceness(),
             config_fingerprint=self.config_fingerprint,
+            role=engine.role,
         )
 
     @ray.method(_generator_backpressure_num_objects=STREAM_BACKPRESSURE_OBJECTS)
@@ -193,7 +199,7 @@ class Worker:
         within `lease_timeout_s`. None: no lease.
         """
         if request.handoff is not None:  # its KV, by reference, comes from the source now
-            handoff = await handoff_ref.resolved(request.handoff)
+            handoff = await self._fetched(request.handoff)
             deltas = self.core.adopt(handoff, request.trace_context, request.owner_id)
         else:
             deltas = self.core.generate(
@@ -213,6 +219,12 @@ class Worker:
                     delta, handoff=dataclasses.replace(handoff, source_worker=delta.worker_id)
                 )
             yield delta
+
+    async def _fetched(self, handoff: RequestHandoff) -> RequestHandoff:
+        if self._fail_kv_fetches and handoff.packed_kv is not None:  # chaos: as if lost
+            self._fail_kv_fetches -= 1
+            return handoff_ref.without_kv(handoff)
+        return await handoff_ref.resolved(handoff)
 
     async def abort(self, request_id: str) -> bool:
         return await self.core.abort(request_id)
@@ -259,6 +271,11 @@ class Worker:
 
     async def chaos_stall(self, stalled: bool, after_steps: int = 0) -> None:
         self.core.chaos_stall(stalled, after_steps)
+
+    async def chaos_fail_next_kv_fetch(self, count: int) -> None:
+        """Let the next `count` handoffs that carry KV arrive without it, as when their
+        source's object is lost: the adoption recomputes it (failed-transfer tests)."""
+        self._fail_kv_fetches = count
 
     async def chaos_drop_next_event_batch(self) -> None:
         self.core.chaos_drop_next_event_batch()

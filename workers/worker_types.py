@@ -25,6 +25,7 @@ from pagedserve.workers.kv_tiers import TierStats
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.scheduler import SchedulerCounters
 from pagedserve.workers.spec_stats import SpecStats
+from pagedserve.workers.worker_role import WorkerRole
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class WorkerInfo:
     cpus: tuple[int, ...] = ()  # the cores its process may run on (`ClusterConfig.worker_cpus`)
     nice: int = 0  # its niceness (`ClusterConfig.worker_nice`; Ray's default is 15)
     config_fingerprint: str = ""  # of the spec it was built from (`cluster/worker_spec.py`)
+    role: WorkerRole = WorkerRole.MIXED  # P/D: what it takes (`workers/worker_role.py`)
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,11 @@ class WorkerStats:
     num_paused: int = 0
     num_steps: int = 0
     num_handoffs: int = 0
+    # Handoffs it adopted with their KV (imported), and those it recomputed from their tokens
+    # (no KV: a replay, a lost ref, a failed fetch; or no room for it).
+    adopted_with_kv: int = 0
+    adopted_recomputed: int = 0
+    role: WorkerRole = WorkerRole.MIXED
     num_streams: int = 0
     events_published: int = 0
     blocks_imported: int = 0
