@@ -11,16 +11,21 @@ The baseline is `paged` allocation, prefix caching on, `kv_aware` routing, chunk
     attention        triton        (GPU only; skipped with a note on CPU)
     tiers            host+disk     (KV host tier `--host-tier-bytes` and a disk tier in a fresh
                                     temporary directory per arm run, `--disk-tier-bytes`)
+    pd               1+1           (prefill/decode disaggregation: 1 prefill + 1 decode worker
+                                    against `--num-workers` 2 mixed ones; compare TPOT p99,
+                                    TTFT p99 on a mixed workload, e.g. `--workload lognormal
+                                    --sigma 1.0`: long prompts arriving while many decode)
 
 Every arm starts its own worker group (prefix index + `--num-workers` workers) and drives it
 with a `RouterCore` in this process — the router the Serve app runs, without Serve's proxy, to
 keep a 2-core machine's runs short (`bench serve` is the one through gRPC). Every worker serves
 one short warm-up request first. The same seeded workload (`serve_workload`) goes out at the
 same arrival times to every arm; records and KV samples are `bench serve`'s. Ratios are arm /
-baseline: throughput (output tok/s), TTFT p50 and p99, E2E p99, and the most sequences running
-at once (sampled from worker stats every `--poll-interval`). With `--repeats N` the arms run N
-rounds, alternated (baseline, arm, ..., baseline, arm, ...): each round's arm is compared with
-that round's baseline, and the table gives the median of those ratios (each round's in the JSON).
+baseline: throughput (output tok/s), TTFT p50 and p99, TPOT p99, E2E p99, and the most
+sequences running at once (sampled from worker stats every `--poll-interval`). With
+`--repeats N` the arms run N rounds, alternated (baseline, arm, ..., baseline, arm, ...):
+each round's arm is compared with that round's baseline, and the table gives the median of
+those ratios (each round's in the JSON).
 
     $ pagedserve bench ablate --workload shared-prefix --json ablate.json --plot-prefix ablate
 """
@@ -50,6 +55,7 @@ BASELINE: dict[str, Any] = {
     "preemption_mode": "recompute",
     "attention_backend": "torch",
     "kv_tiers": "off",
+    "pd_layout": "off",
 }
 # (factor, setting, the values other than the baseline's)
 FACTORS: tuple[tuple[str, str, tuple[Any, ...]], ...] = (
@@ -60,6 +66,7 @@ FACTORS: tuple[tuple[str, str, tuple[Any, ...]], ...] = (
     ("preemption", "preemption_mode", ("swap",)),
     ("attention", "attention_backend", ("triton",)),
     ("tiers", "kv_tiers", ("host+disk",)),
+    ("pd", "pd_layout", ("1+1",)),
 )
 GPU_ONLY = {("attention_backend", "triton")}
 
@@ -105,6 +112,11 @@ class AblateConfig:
         """`ClusterConfig` data of one arm's worker group (`tier_dir`: its disk tier's)."""
         settings = arm.settings()
         routing = settings.pop("routing_policy")
+        layout = settings.pop("pd_layout")  # "off", or "<prefill>+<decode>" workers
+        roles = {}
+        if layout != "off":
+            prefill, decode = (int(n) for n in layout.split("+"))
+            roles = {"prefill_workers": prefill, "decode_workers": decode}
         if settings.pop("kv_tiers") != "off":
             settings |= {
                 "kv_host_tier_bytes": self.host_tier_bytes,
@@ -121,10 +133,12 @@ class AblateConfig:
             **settings,
         }
         gpus = 1.0 / self.num_workers if self.device == "cuda" else 0.0
-        name = "bench-ablate-" + arm.name.replace("=", "-").replace("_", "-").lower()
+        name = "bench-ablate-" + arm.name.replace("=", "-").replace("_", "-").replace("+", "p")
+        name = name.lower()
         return {
             "engine": engine,
             "num_workers": self.num_workers,
+            **roles,
             "worker_num_gpus": gpus,
             "routing_policy": routing,
             "stats_interval_s": 0.1,
@@ -261,6 +275,7 @@ def ratio_rows(results: list[ArmResult]) -> list[dict[str, Any]]:
                 throughput_ratio=_ratio(s["output_token_throughput"], b["output_token_throughput"]),
                 ttft_p50_ratio=_ratio(s["ttft_s"]["median"], b["ttft_s"]["median"]),
                 ttft_p99_ratio=_ratio(s["ttft_s"]["p99"], b["ttft_s"]["p99"]),
+                tpot_p99_ratio=_ratio(s["tpot_s"]["p99"], b["tpot_s"]["p99"]),
                 e2e_p99_ratio=_ratio(s["e2e_s"]["p99"], b["e2e_s"]["p99"]),
                 max_running=result.max_running,
                 max_running_ratio=_ratio(result.max_running, base.max_running),
@@ -303,22 +318,23 @@ def format_markdown(data: dict[str, Any]) -> str:
         f"- front end: {data['front_end']}",
         f"- cluster: {data['config']}",
         f"- baseline: {BASELINE}; {base['output_token_throughput']:.1f} output tok/s, TTFT p99"
-        f" {_fmt(base['ttft_s']['p99'], 1e3)} ms, E2E p99 {_fmt(base['e2e_s']['p99'], 1e3)} ms,"
+        f" {_fmt(base['ttft_s']['p99'], 1e3)} ms, TPOT p99 {_fmt(base['tpot_s']['p99'], 1e3)} ms,"
+        f" E2E p99 {_fmt(base['e2e_s']['p99'], 1e3)} ms,"
         f" max running {data['arms'][0]['max_running']}, hit rate {base['prefix_hit_rate']:.1%},"
         f" preemptions {base['preemptions']}, failed {base['failed']}",
         "",
-        "| factor | arm | throughput × | TTFT p50 × | TTFT p99 × | E2E p99 × | max running (×)"
-        " | hit rate | preemptions | failed |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| factor | arm | throughput × | TTFT p50 × | TTFT p99 × | TPOT p99 × | E2E p99 × |"
+        " max running (×) | hit rate | preemptions | failed |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in data["ratios"]:
         if row["skipped"]:
-            lines.append(f"| {row['factor']} | {row['arm']} | skipped: {row['skipped']} ||||||||")
+            lines.append(f"| {row['factor']} | {row['arm']} | skipped: {row['skipped']} |||||||||")
             continue
         lines.append(
             f"| {row['factor']} | {row['arm']} | {_fmt(row['throughput_ratio'])} |"
             f" {_fmt(row['ttft_p50_ratio'])} | {_fmt(row['ttft_p99_ratio'])} |"
-            f" {_fmt(row['e2e_p99_ratio'])} |"
+            f" {_fmt(row.get('tpot_p99_ratio'))} | {_fmt(row['e2e_p99_ratio'])} |"
             f" {row['max_running']} ({_fmt(row['max_running_ratio'])}) |"
             f" {row['hit_rate']:.1%} | {row['preemptions']} | {row['failed']} |"
         )
@@ -338,7 +354,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     d = AblateConfig()
     parser = subparsers.add_parser(
         "ablate",
-        help="paged vs reserve-max, prefix caching, routing, chunked prefill, KV tiers, ...",
+        help="paged vs reserve-max, prefix caching, routing, chunked prefill, KV tiers, P/D, ...",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

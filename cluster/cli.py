@@ -113,9 +113,19 @@ def cluster_config_from_args(args: argparse.Namespace, num_gpus: int) -> dict[st
         data.setdefault("num_workers", num_gpus)
         data.setdefault("worker_num_gpus", 1.0)
         engine.setdefault("device", "cuda")
-    data.setdefault("num_workers", 2)
+    # Without --num-workers, a P/D layout larger than two workers sizes the pool.
+    roles = (data.get("prefill_workers") or 0) + (data.get("decode_workers") or 0)
+    data.setdefault("num_workers", max(2, roles))
     data["engine"] = engine
     return data
+
+
+def _layout(config) -> str:
+    """The P/D layout, as the serving line shows it ('' without P/D)."""
+    if not config.disaggregated:
+        return ""
+    mixed = config.num_workers - config.prefill_workers - config.decode_workers
+    return f" ({config.prefill_workers} prefill, {config.decode_workers} decode, {mixed} mixed)"
 
 
 def check_local_cores(config) -> None:
@@ -217,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
         place_local_cluster(config)
     print(
         f"pagedserve: serving on http://{args.host}:{args.http_port} and gRPC :{args.grpc_port}"
-        f" with {data['num_workers']} workers; Ctrl-C stops",
+        f" with {data['num_workers']} workers{_layout(config)}; Ctrl-C stops",
         flush=True,
     )
     stop = threading.Event()

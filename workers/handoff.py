@@ -48,6 +48,9 @@ class RequestHandoff:
     emitted_text_chars: int  # text already streamed to the client
     source_worker: str | None = None  # set by the source worker when it hands the KV by ref
     reason: HandoffReason = HandoffReason.PREEMPTED
+    # The source worker's actor handle while it holds the KV object for the target
+    # (`workers/handoff_ref.py`, `HeldKV`); the target releases that hold once it fetched.
+    kv_owner: Any = None
 
     @classmethod
     def replay(

@@ -124,6 +124,7 @@ class Worker:
         )
         self.drain_grace_s = drain_grace_s
         self._fail_kv_fetches = 0  # `chaos_fail_next_kv_fetch`
+        self._held_kv = handoff_ref.HeldKV()  # KV handed off by ref, until fetched
         if pid_dir is not None:
             register_pid(worker_id, pid_dir)
 
@@ -215,16 +216,22 @@ class Worker:
         async for delta in deltas:
             if isinstance(delta, RequestMoved):  # the router gets a ref, never the KV bytes
                 handoff = handoff_ref.by_reference(delta.handoff)
-                delta = dataclasses.replace(
-                    delta, handoff=dataclasses.replace(handoff, source_worker=delta.worker_id)
-                )
+                self._held_kv.hold(handoff)  # until the target fetched it
+                me = ray.get_runtime_context().current_actor
+                handoff = dataclasses.replace(handoff, source_worker=delta.worker_id, kv_owner=me)
+                delta = dataclasses.replace(delta, handoff=handoff)
             yield delta
 
     async def _fetched(self, handoff: RequestHandoff) -> RequestHandoff:
         if self._fail_kv_fetches and handoff.packed_kv is not None:  # chaos: as if lost
             self._fail_kv_fetches -= 1
+            handoff_ref.release_source(handoff)
             return handoff_ref.without_kv(handoff)
         return await handoff_ref.resolved(handoff)
+
+    async def release_kv(self, key: str) -> None:
+        """A target fetched the KV of a handoff from here (or gave up): stop holding it."""
+        self._held_kv.release(key)
 
     async def abort(self, request_id: str) -> bool:
         return await self.core.abort(request_id)
@@ -255,7 +262,7 @@ class Worker:
         """The worker's state; also renews `owner_id`'s lease (the router polls this)."""
         if owner_id is not None:
             self.core.renew_lease(owner_id)
-        return self.core.stats(owner_id)
+        return dataclasses.replace(self.core.stats(owner_id), kv_held=len(self._held_kv))
 
     async def renew_lease(self, owner_id: str) -> None:
         self.core.renew_lease(owner_id)

@@ -65,6 +65,7 @@ class WorkerStats:
     adopted_with_kv: int = 0
     adopted_recomputed: int = 0
     role: WorkerRole = WorkerRole.MIXED
+    kv_held: int = 0  # KV objects handed off from here that no target fetched yet
     num_streams: int = 0
     events_published: int = 0
     blocks_imported: int = 0

@@ -1,5 +1,5 @@
 """`bench ablate --repeats`: each round's arm against that round's baseline, then the median;
-and the tiers factor turns into the engine's tier settings."""
+the tiers factor turns into the engine's tier settings, and the pd factor into a P/D layout."""
 
 from pagedserve.bench.ablate import AblateConfig, Arm, ArmResult, arms, median_ratio_rows
 
@@ -8,6 +8,7 @@ def result(arm: Arm, throughput: float, ttft_p50: float, ttft_p99: float) -> Arm
     summary = {
         "output_token_throughput": throughput,
         "ttft_s": {"median": ttft_p50, "p99": ttft_p99},
+        "tpot_s": {"p99": 0.1},
         "e2e_s": {"p99": 1.0},
         "prefix_hit_rate": 0.5,
         "preemptions": 0,
@@ -40,3 +41,15 @@ def test_the_tiers_arm_configures_both_tiers():
     engine = config.cluster(tiers, "/tmp/x")["engine"]
     assert (engine["kv_host_tier_bytes"], engine["kv_disk_tier_dir"]) == (1 << 20, "/tmp/x")
     assert engine["kv_disk_tier_bytes"] == 1 << 24 and "kv_tiers" not in engine
+
+
+def test_the_pd_arm_makes_one_prefill_and_one_decode_worker():
+    base, pd = arms(["pd"])
+    config = AblateConfig(num_workers=2)
+    assert "prefill_workers" not in config.cluster(base)
+    cluster = config.cluster(pd)
+    assert (cluster["prefill_workers"], cluster["decode_workers"]) == (1, 1)
+    assert cluster["num_workers"] == 2 and "pd_layout" not in cluster["engine"]
+    from pagedserve.cluster.config import ClusterConfig
+
+    assert ClusterConfig.from_dict(cluster).disaggregated

@@ -90,3 +90,21 @@ def test_a_bad_choice_is_refused_by_the_parser(capsys):
     with pytest.raises(SystemExit):
         _serve_args("--routing-policy", "random")
     assert "--routing-policy" in capsys.readouterr().err
+
+
+def test_prefill_and_decode_worker_flags_make_a_pd_layout():
+    data = cluster_config_from_args(
+        _serve_args("--prefill-workers", "1", "--decode-workers", "1"), 0
+    )
+    config = ClusterConfig.from_dict(data)
+    assert (config.num_workers, config.prefill_workers, config.decode_workers) == (2, 1, 1)
+    # Without --num-workers a larger layout sizes the pool; with it, the rest are mixed.
+    data = cluster_config_from_args(
+        _serve_args("--prefill-workers", "1", "--decode-workers", "2"), 0
+    )
+    assert ClusterConfig.from_dict(data).num_workers == 3
+    args = _serve_args("--prefill-workers", "1", "--decode-workers", "1", "--num-workers", "4")
+    assert ClusterConfig.from_dict(cluster_config_from_args(args, 0)).num_workers == 4
+    with pytest.raises(ValueError, match="decode_workers"):
+        args = _serve_args("--prefill-workers", "1", "--decode-workers", "2", "--num-workers", "2")
+        ClusterConfig.from_dict(cluster_config_from_args(args, 0))

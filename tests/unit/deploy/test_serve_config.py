@@ -140,3 +140,20 @@ def test_the_worker_pool_is_elastic_within_its_worker_group(rendered, name):
     else:  # CPU workers share pods, with the prefix index (1 CPU)
         assert (high + 1) * config.worker_num_cpus + 1 <= pod_cpus * group["maxReplicas"]
         assert low * config.worker_num_cpus + 1 <= pod_cpus * group["minReplicas"]
+
+
+def test_gpu_overlay_shows_a_prefill_decode_layout(rendered):
+    """The gpu overlay disaggregates: one prefill worker, two decode workers, one GPU pod
+    each from the start (the worker group starts with every worker of the layout)."""
+    config = ClusterConfig.from_dict(
+        split_app_args(the_app(serve_config(rendered["gpu"]))["args"])[0]
+    )
+    assert config.disaggregated
+    assert (config.prefill_workers, config.decode_workers) == (1, 2)
+    assert config.prefill_workers + config.decode_workers <= config.worker_bounds[0]
+    (group,) = find(rendered["gpu"], "RayService")["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert group["replicas"] >= config.prefill_workers + config.decode_workers
+    # The other layouts stay without P/D: every worker mixed.
+    for name in ("base", "cpu-demo"):
+        args = the_app(serve_config(rendered[name]))["args"]
+        assert not ClusterConfig.from_dict(split_app_args(args)[0]).disaggregated
