@@ -14,6 +14,7 @@ short deadlines, bad inputs, a small pool that forces preemption and moves):
 Exits 1 when any check found a problem.
 
     pagedserve bench soak --num-requests 2000 --json soak.json
+    pagedserve bench soak --prefill-workers 1 --decode-workers 1 --tiers   # P/D and KV tiers
     pagedserve bench soak --front-end grpc --num-requests 1000 --json soak-grpc.json
 """
 
@@ -69,6 +70,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"core: KV host tier ({TIERS_HOST_BYTES >> 10} KiB) and disk tier "
         f"({TIERS_DISK_BYTES >> 20} MiB, a temporary directory) on every worker",
     )
+    add("--prefill-workers", type=int, default=0, help="core: P/D, prefill workers of the pool")
+    add("--decode-workers", type=int, default=0, help="core: P/D, decode workers of the pool")
     add(
         "--stall-at",
         type=float,
@@ -120,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
             **tiers,
         ),
         num_workers=args.num_workers,
+        prefill_workers=args.prefill_workers,
+        decode_workers=args.decode_workers,
         worker_num_cpus=0.5,
         name="pagedserve-soak",
         stats_interval_s=0.2,
@@ -167,17 +172,24 @@ async def _soak(config, spec) -> dict[str, Any]:
         "router": stats.router.as_dict(),
         "limits": dataclasses.asdict(stats.limits),
         "index": dataclasses.asdict(stats.index) if stats.index is not None else None,
-        "workers": {
-            wid: {
-                k: getattr(w.stats, k, None)
-                for k in ("num_steps", "num_handoffs", "event_batches_dropped")
-            }
-            for wid, w in stats.workers.items()
-        },
+        "workers": {wid: _worker_summary(w.stats) for wid, w in stats.workers.items()},
         "tiers": {wid: _tier_summary(w.stats) for wid, w in stats.workers.items()},
         "latency_s_max": round(max(o.latency_s for o in report.outcomes), 2),
     }
     return {"summary": summary, "problems": problems}
+
+
+def _worker_summary(stats: Any) -> dict[str, Any]:
+    """A worker's steps, role and handoffs (out: moves and P/D; in: adopted with or without
+    their KV)."""
+    names = ("num_steps", "num_handoffs", "event_batches_dropped", "role")
+    summary = {k: getattr(stats, k, None) for k in names}
+    summary["role"] = str(summary["role"])
+    for k in ("adopted_with_kv", "adopted_recomputed"):
+        summary[k] = getattr(stats, k, None)
+    scheduler = getattr(stats, "scheduler", None)
+    summary["prefill_handoffs"] = getattr(scheduler, "prefill_handoffs", None)
+    return summary
 
 
 def _tier_summary(stats: Any) -> dict[str, Any] | None:
