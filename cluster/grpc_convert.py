@@ -35,6 +35,8 @@ _WORKER_COUNTS = (
     "events_published",
     "blocks_imported",
     "blocks_exported",
+    "adopted_with_kv",
+    "adopted_recomputed",
 )
 
 
@@ -223,6 +225,7 @@ def _worker_stats(worker_id: str, view: WorkerView) -> pb.WorkerStats:
     message.prefix_hit_rate = stats.prefix_hit_rate
     for name in _WORKER_COUNTS:
         setattr(message, name, getattr(stats, name))
+    message.role = str(stats.role)
     _sum_spec(message.spec, [stats.spec])
     return message
 
@@ -257,4 +260,5 @@ def workers_to_proto(workers: list[WorkerState]) -> pb.ListWorkersResponse:
             entry.max_model_len = info.max_model_len
             entry.num_blocks = info.num_blocks
             entry.epoch = info.epoch
+            entry.role = str(info.role)
     return message

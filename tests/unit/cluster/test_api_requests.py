@@ -543,3 +543,31 @@ def test_grpc_carries_logprobs_and_prompt_logprobs():
     assert (params.logprobs, params.prompt_logprobs) == (3, 0)
     unset = request_from_proto(pb.GenerateRequest(prompt="a")).params
     assert (unset.logprobs, unset.prompt_logprobs) == (None, None)
+
+
+def test_stats_carry_each_worker_s_pd_role_and_the_handoff_counters():
+    from pagedserve.workers.worker_role import WorkerRole
+
+    stats = ClusterStats(
+        workers={
+            "p": worker_view("p", True, 0, kv_usage(), role=WorkerRole.PREFILL),
+            "d": worker_view(
+                "d", True, 0, kv_usage(), role=WorkerRole.DECODE, adopted_with_kv=4,
+                adopted_recomputed=1,
+            ),
+        },
+        router=RouterCounters(pd_handoffs=5, pd_handoff_tokens=90, pd_fallbacks=1),
+        limits=BackpressureLimits(None, None, 1.0),
+        index=None,
+        policy="kv_aware",
+    )  # fmt: skip
+    message = stats_to_proto(stats)
+    decode, prefill = message.workers
+    assert (prefill.role, decode.role) == ("prefill", "decode")
+    assert (decode.adopted_with_kv, decode.adopted_recomputed) == (4, 1)
+    counters = message.router_counters
+    assert (counters["pd.handoffs"], counters["pd.handoff_tokens"], counters["pd.fallbacks"]) == (
+        5,
+        90,
+        1,
+    )
