@@ -36,7 +36,7 @@ from pagedserve.workers.engine_config import (
     EngineConfig,
 )
 from pagedserve.workers.errors import Overloaded, RequestRejected, RequestTooLarge
-from pagedserve.workers.handoff import HandoffReason, RequestHandoff, adopt_kv
+from pagedserve.workers.handoff import HandoffReason, HandoffTimings, RequestHandoff, adopt_kv
 from pagedserve.workers.kv_cache import KVCache
 from pagedserve.workers.kv_cache_manager import KVCacheManager, KVUsage
 from pagedserve.workers.kv_tier_file import KVLayout
@@ -597,6 +597,7 @@ class Engine:
                 else 0
             ),
             reason=reason,
+            timings=HandoffTimings.of(victim.timings, now),
         )
         victim.finish_reason = FinishReason.MOVED
         victim.timings.finished = now
@@ -627,6 +628,8 @@ class Engine:
         )
         request.all_token_ids = handoff.all_token_ids
         request.movable = True
+        if handoff.timings is not None:  # timed from its arrival at the source
+            handoff.timings.restore(request.timings, now)
         request.timings.num_preemptions = handoff.num_preemptions
         if request.generator is not None and handoff.generator_state is not None:
             request.generator.set_state(handoff.generator_state)
@@ -639,14 +642,15 @@ class Engine:
             deadline = now + handoff.deadline_remaining_s
         request.deadline = deadline
         self._groups[handoff.request_id] = RequestGroup(
-            handoff.request_id, None, list(prompt), [request], now, deadline
+            handoff.request_id, None, list(prompt), [request], request.timings.arrival, deadline
         )
         if not adopt_kv(self.kv, self.kv_cache, request, handoff):
             self.scheduler.add(request)  # no KV, or no room for it: recompute from the tokens
             self.num_adopted_recomputed += 1
             return
         self.num_adopted_with_kv += 1
-        request.timings.first_scheduled = now
+        if request.timings.first_scheduled is None:
+            request.timings.first_scheduled = now
         self.scheduler.add_running(request)
 
     def _fork_pending(self, request: Request) -> list[Request]:

@@ -27,6 +27,48 @@ class HandoffReason(enum.Enum):
     PREFILLED = "prefilled"  # P/D: its prefill is done on a prefill worker
 
 
+@dataclass(frozen=True)
+class HandoffTimings:
+    """A sequence's timings at its handoff, as seconds after its arrival (monotonic clocks
+    are per process), so the adopter's metrics count from the request's real arrival: the
+    TTFT stays the one the client saw from the source, and the transfer shows up in the next
+    inter-token latency instead of vanishing."""
+
+    elapsed_s: float  # arrival → handoff
+    first_scheduled_s: float | None
+    first_token_s: float | None
+    last_token_s: float | None
+    inter_token_latencies: tuple[float, ...] = ()
+
+    @classmethod
+    def of(cls, timings, now: float) -> HandoffTimings:
+        """Of a `SequenceTimings` at `now`."""
+
+        def since(t: float | None) -> float | None:
+            return None if t is None else t - timings.arrival
+
+        return cls(
+            now - timings.arrival,
+            since(timings.first_scheduled),
+            since(timings.first_token),
+            since(timings.last_token),
+            tuple(timings.inter_token_latencies),
+        )
+
+    def restore(self, timings, now: float) -> None:
+        """Set a `SequenceTimings` as if the sequence had run here since its arrival."""
+        arrival = now - self.elapsed_s
+
+        def at(offset: float | None) -> float | None:
+            return None if offset is None else arrival + offset
+
+        timings.arrival = arrival
+        timings.first_scheduled = at(self.first_scheduled_s)
+        timings.first_token = at(self.first_token_s)
+        timings.last_token = at(self.last_token_s)
+        timings.inter_token_latencies = list(self.inter_token_latencies)
+
+
 @dataclass
 class RequestHandoff:
     """Everything a peer needs to continue one sequence (one branch of a request)."""
@@ -51,6 +93,7 @@ class RequestHandoff:
     # The source worker's actor handle while it holds the KV object for the target
     # (`workers/handoff_ref.py`, `HeldKV`); the target releases that hold once it fetched.
     kv_owner: Any = None
+    timings: HandoffTimings | None = None  # None: a replay (the router's): timed from adoption
 
     @classmethod
     def replay(

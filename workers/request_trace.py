@@ -58,6 +58,9 @@ class RequestTrace:
         self.tracing = tracing
         self.request_id = request_id
         self.start_ns = time.time_ns()
+        # An adopted request's metrics count from its arrival at the source, this long before
+        # the span began (`HandoffTimings`); its phases are drawn within the span.
+        self.elapsed_ns = 0
         attrs: SpanAttributes = {
             "pagedserve.request_id": request_id,
             "pagedserve.worker_id": worker_id,
@@ -107,9 +110,9 @@ class RequestTrace:
 
     def _draw_phases(self, delta: StreamDelta) -> None:
         metrics, usage = delta.metrics, delta.usage
-        arrival = self.start_ns
+        arrival = self.start_ns - self.elapsed_ns
         end = time.time_ns()
-        at = lambda seconds: arrival + int(seconds * 1e9)  # noqa: E731
+        at = lambda seconds: max(self.start_ns, arrival + int(seconds * 1e9))  # noqa: E731
         scheduled = at(metrics.queue_time) if metrics.queue_time is not None else end
         first_token = at(metrics.ttft) if metrics.ttft is not None else end
         finished = min(at(metrics.e2e), end) if metrics.e2e is not None else end

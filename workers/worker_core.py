@@ -304,6 +304,8 @@ class WorkerCore:
         text the peer held back): the engine counts the handoff's output as reported.
         `owner_id` as in `generate`."""
         trace = self.traces.open(handoff.request_id, trace_context, handoff.params, "worker.adopt")
+        if handoff.timings is not None:
+            trace.elapsed_ns = int(handoff.timings.elapsed_s * 1e9)
         start = functools.partial(self.engine.adopt, handoff)
         async for delta in self._stream(handoff.request_id, 1, start, trace, owner_id):
             yield delta

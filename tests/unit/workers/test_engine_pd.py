@@ -59,13 +59,15 @@ def prefill(prefiller: Engine, request_id: str, prompt, params):
     return tokens, handoffs, first_token_step
 
 
-def decode(decoder: Engine, handoff) -> list[int]:
+def decode(decoder: Engine, handoff, finals: list | None = None) -> list[int]:
     decoder.adopt(handoff)
     tokens: list[int] = []
     while decoder.has_unfinished_requests():
         for delta in decoder.step():
             for c in delta.completions:
                 tokens.extend(c.token_ids)
+                if c.finished and finals is not None:
+                    finals.append(c)
     return tokens
 
 
@@ -86,9 +88,17 @@ def test_a_prefill_engine_hands_off_after_the_first_token_and_the_decode_side_go
     assert prefiller.kv.usage().used_blocks == 0
     assert prefiller.kv.pool.num_cached_free_blocks == len(PROMPT) // BLOCK
     assert prefiller.scheduler.counters.prefill_handoffs == 1
-    rest = decode(decoder, handoff)
+    finals: list = []
+    rest = decode(decoder, handoff, finals)
     assert streamed[0] + rest == run_alone(tiny_llama, PROMPT, params)[0]
     assert decoder.scheduler.counters.prefill_tokens == 0, "the KV was computed again"
+    # The decode side's metrics count from the request's arrival at the prefill engine: the
+    # TTFT is the one the client saw from there, and every later token has its latency.
+    (final,) = finals
+    timings = handoff.timings
+    assert final.metrics.ttft == pytest.approx(timings.first_token_s, abs=1e-6)
+    assert final.metrics.e2e > timings.elapsed_s >= final.metrics.ttft
+    assert len(final.metrics.inter_token_latencies) == params.max_tokens - 1
     assert (decoder.num_adopted_with_kv, decoder.num_adopted_recomputed) == (1, 0)
     assert_no_leaks(prefiller.kv)
     assert_no_leaks(decoder.kv)
