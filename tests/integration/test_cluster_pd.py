@@ -205,13 +205,16 @@ def test_a_decode_worker_killed_mid_stream_replays_with_the_same_output(pd_clust
                 assert len(streamed) <= 1 + steps  # mid-stream, by construction
                 ray.kill(decode.handle, no_restart=False)
                 killed = True
-        counters = core.counters
+        counters = dataclasses.replace(core.counters)
         await until_alive(core, decode)
+        # Restarted by Ray with its role: the next request is handed to it again.
+        after, finals = await run_request(core, request_prompt, greedy(12))
         await assert_cluster_clean(core)
         await core.close()
-        return streamed, killed, counters, prefill.worker_id
+        return streamed, killed, counters, after[0], finals[0].worker_id, decode.worker_id
 
-    streamed, killed, counters, prefill_id = asyncio.run(main())
+    streamed, killed, counters, after, last_worker, decode_id = asyncio.run(main())
     assert killed and streamed == hf_reference.greedy(request_prompt, 40)
     # Handed over once, then replayed (on the prefill worker, the one left) after the kill.
     assert counters.pd_handoffs == 1 and counters.replays == 1
+    assert after == streamed[:12] and last_worker == decode_id
