@@ -125,3 +125,40 @@ def test_without_roles_a_move_goes_to_the_least_loaded_peer_as_before():
     assert moves.move_target("b").worker_id == "a"
     assert moves.move_target("a").worker_id == "b"  # never back to its source while a peer is up
     assert moves.counters.pd_fallbacks == 0
+
+
+def test_a_handoff_after_prefill_is_traced_and_counted_as_a_pd_transfer():
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from pagedserve.workers.handoff import HandoffReason, RequestHandoff
+    from pagedserve.workers.sampling_params import SamplingParams
+    from pagedserve.workers.telemetry import Tracing
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    moves = migrations(worker("p", P), worker("d", D))
+    moves.tracing = Tracing(provider.get_tracer("test"), provider)
+    handoff = RequestHandoff.replay(
+        "r", list(range(20)), [7], 1, SamplingParams(), priority=0,
+        cache_extra_keys=("tiny-llama",), block_size=8, deadline_remaining_s=None,
+    )  # fmt: skip
+    handoff = dataclasses.replace(handoff, num_computed_tokens=20, reason=HandoffReason.PREFILLED)
+    target = moves.move_target("p")
+    moves.move_span(None, handoff, "p", target).end()
+    moves.on_moved(handoff)
+    moved = dataclasses.replace(handoff, reason=HandoffReason.PREEMPTED)
+    moves.move_span(None, moved, "p", target).end()
+    moves.on_moved(moved)
+    pd, move = exporter.get_finished_spans()
+    assert (pd.name, move.name) == ("pd.transfer", "migration.move")
+    assert pd.attributes["pagedserve.pd.prefill_worker"] == "p"
+    assert pd.attributes["pagedserve.pd.decode_worker"] == "d"
+    assert (pd.attributes["pagedserve.pd.tokens"], pd.attributes["pagedserve.pd.kv_tokens"]) == (
+        21,
+        20,
+    )
+    counters = moves.counters
+    assert (counters.pd_handoffs, counters.pd_handoff_tokens, counters.moves) == (1, 20, 1)

@@ -5,6 +5,8 @@ goes on. The output is the one of the request run alone on one engine."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from support.engine import finish_clean
 
@@ -150,3 +152,28 @@ def test_an_adopted_request_is_never_handed_off_again(tiny_llama, role):
     decode(other, handoffs[0])
     assert other.scheduler.counters.prefill_handoffs == 0
     assert_no_leaks(other.kv)
+
+
+def test_the_source_holds_handed_off_kv_until_fetched_or_its_deadline():
+    """`HeldKV`: a source keeps each KV object it handed off by ref (Ray alone freed some
+    before a late target fetched them) until the target releases it, or `hold_s` passed."""
+    import ray
+
+    from pagedserve.workers.handoff import RequestHandoff
+    from pagedserve.workers.handoff_ref import HeldKV
+
+    now = [0.0]
+    held = HeldKV(hold_s=10.0, clock=lambda: now[0])
+    refs = [ray.ObjectRef(bytes([i]) * 28) for i in range(3)]
+    handoffs = [RequestHandoff.replay(
+        f"r{i}", [1, 2], [], 0, SamplingParams(), priority=0, cache_extra_keys=("m",),
+        block_size=8, deadline_remaining_s=None,
+    ) for i in range(3)]  # fmt: skip
+    for handoff, ref in zip(handoffs[:2], refs, strict=False):
+        held.hold(dataclasses.replace(handoff, packed_kv=ref))
+    held.hold(handoffs[2])  # no KV by ref: nothing to hold
+    assert len(held) == 2
+    held.release(refs[0].hex())
+    assert len(held) == 1
+    now[0] = 10.0  # the other one was never fetched: let go at its deadline
+    assert len(held) == 0
