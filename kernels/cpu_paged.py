@@ -62,10 +62,10 @@ MAX_IN_PLACE_QUERY = 32
 # own per-capability kernel builds.
 _ARCH_FLAGS = {
     "AVX512": [
-        *("-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mavx2", "-mfma"),
+        *("-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"),
         *("-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"),
     ],
-    "AVX2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
 }
 
 
