@@ -552,6 +552,8 @@ class Engine:
         last step's delta carried it, so TTFT never waits for a transfer) leaves for a decode
         worker, as a `move` preemption does. Its blocks are freed here; the full ones stay
         cached, so a later request with the same prefix hits them on this worker."""
+        if not self.role.hands_off_after_prefill:  # no scan of the running queue elsewhere
+            return
         ready = [
             r
             for r in self.scheduler.running
