@@ -493,7 +493,7 @@ def test_state_machine_catches_a_skipped_ref_decrement(monkeypatch):
 
     monkeypatch.setattr(BlockPool, "free_blocks", free_but_forget_one)
     with pytest.raises(KVInvariantError, match="ref_cnt"):
-        run_machine(examples=50)
+        run_machine(examples=50, shrink=False)
 
 
 def test_state_machine_catches_a_tier_load_into_the_wrong_blocks(monkeypatch):
@@ -515,4 +515,4 @@ def test_state_machine_catches_a_preemption_that_keeps_unwritten_slots(monkeypat
     swap, its next allocation overruns its tokens): the machine must notice."""
     monkeypatch.setattr(KVCacheManager, "rollback_slots", lambda self, request_id, n: None)
     with pytest.raises((AssertionError, ValueError)):
-        run_machine(examples=50)
+        run_machine(examples=50, shrink=False)
