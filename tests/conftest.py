@@ -4,9 +4,11 @@ check every test that runs requests ends with (see support/leaks.py)."""
 import os
 
 import pytest
+import torch
 from support.engine import ReferenceModel, load
 from support.leaks import WATCH
 from support.real_model import SMOLLM2
+from support.shared_cluster import SHARED
 
 from pagedserve.cluster.ray_startup import allow_slow_startup
 
@@ -19,6 +21,25 @@ allow_slow_startup()
 # clusters run at the pytest process's own niceness (scripts/test.sh makes that 10: a test run
 # on a shared machine still yields the cores to a server's engine).
 os.environ.setdefault("RAY_worker_niceness", "0")
+
+
+def _threads_per_test_process() -> int | None:
+    """Under pytest-xdist, the cores this process may use for torch: the machine's shared
+    out among the test processes (at least 1); None when pytest runs alone."""
+    processes = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if processes is None:
+        return None
+    return max(1, len(os.sched_getaffinity(0)) // int(processes))
+
+
+# Two test processes on two cores, each with torch's default of one OpenMP thread per core,
+# oversubscribe the cores, and OpenMP's threads then wait on each other at every parallel
+# region: test_spec_decode.py run twice at once took 71 s with 2 threads each, 29 s with 1.
+# (Ray workers and the local clusters a test starts inherit the variable; ones whose config
+# sets `worker_threads` still get their own.)
+if (_threads := _threads_per_test_process()) is not None:
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")
@@ -63,6 +84,14 @@ def nothing_leaked(leak_watch, request):
         pytest.fail("\n".join(problems), pytrace=False)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """The shared local cluster (support/shared_cluster.py) lives only across tests that use
+    it: idle, it would take CPU from every other test of this process."""
+    if "ray_cluster" not in item.fixturenames:
+        SHARED.stop()
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item, call):
     report = yield
@@ -77,6 +106,7 @@ COVERED_FROM_WORKERS: dict[str, set[str]] = {}
 
 
 def pytest_sessionfinish(session):
+    SHARED.stop()
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:  # an xdist worker
         workeroutput["leak_checks_covered"] = {k: sorted(v) for k, v in WATCH.covered.items()}

@@ -78,8 +78,10 @@ async def worker_stats(core, worker_id: str):
 def reported_idle(core, worker_id: str) -> bool:
     """The router's last report of the worker shows no request and no block in use."""
     stats = core.workers[worker_id].stats
-    return stats is not None and stats.num_running + stats.num_waiting == 0 and (
-        stats.kv.used_blocks == 0
+    return (
+        stats is not None
+        and stats.num_running + stats.num_waiting == 0
+        and (stats.kv.used_blocks == 0)
     )
 
 
