@@ -16,6 +16,7 @@ Exits 1 when any check found a problem.
     pagedserve bench soak --num-requests 2000 --json soak.json
     pagedserve bench soak --prefill-workers 1 --decode-workers 1 --tiers   # P/D and KV tiers
     pagedserve bench soak --front-end grpc --num-requests 1000 --json soak-grpc.json
+    pagedserve bench soak --front-end grpc --prefill-workers 1 --decode-workers 1 --tiers
 """
 
 from __future__ import annotations
@@ -67,11 +68,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add(
         "--tiers",
         action="store_true",
-        help=f"core: KV host tier ({TIERS_HOST_BYTES >> 10} KiB) and disk tier "
+        help=f"KV host tier ({TIERS_HOST_BYTES >> 10} KiB) and disk tier "
         f"({TIERS_DISK_BYTES >> 20} MiB, a temporary directory) on every worker",
     )
-    add("--prefill-workers", type=int, default=0, help="core: P/D, prefill workers of the pool")
-    add("--decode-workers", type=int, default=0, help="core: P/D, decode workers of the pool")
+    add("--prefill-workers", type=int, default=0, help="P/D: prefill workers of the pool")
+    add("--decode-workers", type=int, default=0, help="P/D: decode workers of the pool")
     add(
         "--stall-at",
         type=float,
@@ -102,16 +103,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         **faults,
     )
-    tier_dir = tempfile.TemporaryDirectory(prefix="pagedserve-soak-kv-") if args.tiers else None
-    tiers = (
-        {
-            "kv_host_tier_bytes": TIERS_HOST_BYTES,
-            "kv_disk_tier_dir": tier_dir.name,
-            "kv_disk_tier_bytes": TIERS_DISK_BYTES,
-        }
-        if tier_dir is not None
-        else {}
-    )
+    tier_dir, tiers = _tier_options(args.tiers)
     config = ClusterConfig(
         engine=EngineConfig(
             model="tiny-llama",
@@ -207,6 +199,20 @@ def _tier_summary(stats: Any) -> dict[str, Any] | None:
     return {"loads": tiers.loads, "loaded_blocks": tiers.loaded_blocks, **per_tier}
 
 
+def _tier_options(on: bool) -> tuple[tempfile.TemporaryDirectory | None, dict[str, Any]]:
+    """`--tiers`: a temporary directory for the disk tier (the caller cleans it up) and the
+    engine options of both tiers; (None, {}) without the flag."""
+    if not on:
+        return None, {}
+    tier_dir = tempfile.TemporaryDirectory(prefix="pagedserve-soak-kv-")
+    options = {
+        "kv_host_tier_bytes": TIERS_HOST_BYTES,
+        "kv_disk_tier_dir": tier_dir.name,
+        "kv_disk_tier_bytes": TIERS_DISK_BYTES,
+    }
+    return tier_dir, options
+
+
 def _run_grpc(args: argparse.Namespace) -> int:
     import sys
 
@@ -222,6 +228,7 @@ def _run_grpc(args: argparse.Namespace) -> int:
     )
     faults = dict.fromkeys(("dup_at", "router_kill_at", "index_kill_at")) if args.no_faults else {}
     spec = GrpcSoakSpec(load=load, **faults)
+    tier_dir, tiers = _tier_options(args.tiers)
     config = grpc_soak_config(
         num_workers=args.num_workers,
         router_replicas=args.router_replicas,
@@ -229,9 +236,16 @@ def _run_grpc(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         max_inflight=args.max_inflight,
         max_waiting=args.max_waiting or 6,
+        prefill_workers=args.prefill_workers,
+        decode_workers=args.decode_workers,
+        tiers=tiers,
     )
     command = "pagedserve " + " ".join(sys.argv[1:])
-    report, problems, summary = soak_over_grpc(config, spec, command, log=print)
+    try:
+        report, problems, summary = soak_over_grpc(config, spec, command, log=print)
+    finally:
+        if tier_dir is not None:
+            tier_dir.cleanup()
     print(json.dumps(summary, indent=2))
     for problem in problems[:50]:
         print("PROBLEM:", problem)

@@ -262,7 +262,7 @@ def summarize(report: GrpcSoakReport, problems: list[str], command: str) -> dict
             for name, records in report.faults.items()
         },
         "router_counters": {
-            k: v for k, v in sorted(report.router_counters.items()) if k.startswith(("mig", "ref"))
+            k: v for k, v in sorted(report.router_counters.items()) if k.startswith(("mig", "ref", "pd."))
         },
         "problems": len(problems),
     }
@@ -290,6 +290,9 @@ def grpc_soak_config(
     max_inflight: int = 24,
     max_waiting: int = 6,
     lease_s: float = GrpcSoakSpec.lease_s,
+    prefill_workers: int = 0,
+    decode_workers: int = 0,
+    tiers: dict[str, Any] | None = None,
 ) -> ClusterConfig:
     """The cluster the gRPC soak runs: a small pool, tight limits, the lease it holds workers to.
 
@@ -305,6 +308,9 @@ def grpc_soak_config(
       so each pair preempts and moves to the peer while the router lives; once it is dead, a
       worker left with its 7 victims (2 running, 5 queued: ~3 x 480 decode steps) would decode
       well past the lease, so an orphan cannot hide by finishing early.
+
+    `prefill_workers` / `decode_workers` split the pool for P/D; `tiers` are the engine's KV
+    tier options (`kv_host_tier_bytes`, `kv_disk_tier_dir`, `kv_disk_tier_bytes`).
     """
     return ClusterConfig(
         engine=EngineConfig(
@@ -314,8 +320,11 @@ def grpc_soak_config(
             attention_backend="torch",
             max_num_seqs=2,
             preemption_mode="move",
+            **(tiers or {}),
         ),
         num_workers=num_workers,
+        prefill_workers=prefill_workers,
+        decode_workers=decode_workers,
         worker_num_cpus=0.5,
         name=name,
         stats_interval_s=0.2,

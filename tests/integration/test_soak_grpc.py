@@ -1,5 +1,5 @@
 """The CI soak through the real gRPC front end (Serve's gRPC proxy, two Router replicas, two
-workers): ~250 requests of the soak load (shared prefixes, n > 1, cancellations, gRPC and
+workers): ~230 requests of the soak load (shared prefixes, n > 1, cancellations, gRPC and
 worker deadlines, malformed inputs) with a burst past the router's and the workers' limits,
 duplicate-id pairs, the kill of one of the two Router replicas and a prefix index kill
 (`bench/soak_grpc.py`).
@@ -22,7 +22,7 @@ from pagedserve.bench.soak_grpc import GrpcSoakSpec, grpc_soak_config, soak_over
 # The burst's requests are long (96-128 tokens): Serve's proxy admits calls one by one while
 # it chooses between the two replicas, so short ones would end before the rest arrived.
 LOAD = SoakSpec(
-    num_requests=200,
+    num_requests=150,
     concurrency=12,
     burst_at=0.3,
     burst_size=60,
