@@ -262,7 +262,9 @@ def summarize(report: GrpcSoakReport, problems: list[str], command: str) -> dict
             for name, records in report.faults.items()
         },
         "router_counters": {
-            k: v for k, v in sorted(report.router_counters.items()) if k.startswith(("mig", "ref", "pd."))
+            k: v
+            for k, v in sorted(report.router_counters.items())
+            if k.startswith(("mig", "ref", "pd."))
         },
         "problems": len(problems),
     }
