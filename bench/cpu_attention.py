@@ -5,7 +5,7 @@
 Arms, all on the same pools (random block order, ragged contexts from half the target up to it):
 
     torch     the reference: gather each group's whole context (`aten::index`), SDPA per group
-    cpu       the C++ op (`kernels/cpu_paged.py`): blocks read in place, one call per batch
+    cpu       the C++ op (`pagedserve.kernels.cpu_paged`): blocks read in place, one per batch
     gather    one block-granular `index_select` of every sequence's blocks, one padded SDPA
     compile   `torch.compile` (inductor, dynamic shapes) of a gather + softmax written as
               reductions, block count padded to powers of two (`--compile`: ~30 s to build)

@@ -6,8 +6,8 @@ plus written and as a share of the measured copy bandwidth.
 
 Sweep: every candidate of `kernels.launch.DECODE_CANDIDATES` / `PREFILL_CANDIDATES` at a few
 anchor points. A candidate's score is the geometric mean over the points of its latency over
-the default's; the lowest wins (a `sweep_winner` row). The defaults in `kernels/launch.py` are
-to be set from these rows; the benchmark never changes them itself.
+the default's; the lowest wins (a `sweep_winner` row). The defaults in
+`pagedserve/kernels/launch.py` are to be set from these rows; the benchmark never changes them.
 """
 
 from __future__ import annotations

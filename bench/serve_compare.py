@@ -233,8 +233,7 @@ def vllm_server(
         "--served-model-name", args.model, "--port", str(port), "--host", "127.0.0.1",
         "--dtype", "float32", "--seed", "0",
     ]  # fmt: skip
-    # The scratch directory as cwd: this checkout's top-level `kernels/` shadows a package
-    # vLLM imports.
+    # The scratch directory as cwd: the peer runs apart from this checkout.
     env = child_env({VLLM_KV_ENV: str(args.kv_cache_gib)})
     return Server("vllm", command, env, str(scratch), port, log_path)
 

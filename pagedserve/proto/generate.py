@@ -42,7 +42,7 @@ def generate(out_dir: Path = PROTO_ROOT) -> list[Path]:
     """Run protoc on every proto file into `out_dir` and fix the imports.
 
     Args:
-        out_dir: the directory that plays the role of `proto/` (the proto package's root).
+        out_dir: the directory that plays the role of `pagedserve/proto/` (the package root).
 
     Returns:
         The generated files.
