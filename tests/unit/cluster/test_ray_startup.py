@@ -9,6 +9,7 @@ def test_missing_deadlines_are_raised_to_minutes():
     assert environ == STARTUP_DEADLINES
     assert int(environ["RAY_agent_register_timeout_ms"]) >= 120_000  # Ray's default: 30,000
     assert int(environ["RAY_worker_register_timeout_seconds"]) >= 120  # Ray's default: 60
+    assert float(environ["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"]) >= 60  # Serve's default: 5
 
 
 def test_a_deadline_the_environment_sets_is_kept():
