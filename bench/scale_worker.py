@@ -35,6 +35,7 @@ from typing import Any
 
 import ray
 
+from pagedserve.workers.deadline import within
 from pagedserve.workers.kv_cache_manager import KVCacheManager
 from pagedserve.workers.kv_checks import KVInvariantError, assert_no_leaks
 from pagedserve.workers.kv_events import KVEvent, KVSnapshot
@@ -334,7 +335,7 @@ class SimWorkerHost:
 
     async def _check_published(self, ref: Any, worker_id: str) -> None:
         try:
-            result = await asyncio.wait_for(ref, INDEX_CALL_TIMEOUT_S)
+            result = await within(ref, INDEX_CALL_TIMEOUT_S)
         except Exception:  # lost or late: the index may have lost us
             result = None
         if result is None or (result.needs_resync and not result.resynced):
@@ -344,7 +345,7 @@ class SimWorkerHost:
     async def _register(self, slot: int) -> None:
         me = SimWorkerHandle(ray.get_runtime_context().current_actor, slot)
         try:
-            await asyncio.wait_for(
+            await within(
                 self._index.register_worker.remote(
                     self.cores[slot].worker_id, me, self.cores[slot].epoch
                 ),

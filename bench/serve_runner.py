@@ -18,6 +18,7 @@ from typing import Any
 
 from pagedserve.bench.serve_metrics import Delta, RequestRecord, measure
 from pagedserve.bench.serve_workload import PlannedRequest
+from pagedserve.workers.deadline import within
 
 Send = Callable[[PlannedRequest], AsyncIterator[Delta]]
 Poll = Callable[[float], Awaitable[dict[str, Any]]]
@@ -109,4 +110,4 @@ async def _sample(poll: Poll, t0: float, interval: float, done: asyncio.Event, r
         if done.is_set():
             return
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(done.wait(), interval)
+            await within(done.wait(), interval)

@@ -14,6 +14,7 @@ import ray
 
 from pagedserve.bench.soak_driver import Outcome, SoakReport, SoakRequest
 from pagedserve.cluster.router import RouterCore
+from pagedserve.workers.deadline import within
 from pagedserve.workers.engine_config import EngineConfig
 from pagedserve.workers.kv_events import TIER_NAMES
 from pagedserve.workers.worker_types import PoolCheck
@@ -196,10 +197,10 @@ async def _pool_and_index_of(
     worker_id: str, handle: Any, index: Any, rpc_timeout_s: float
 ) -> tuple[PoolCheck, set, set, dict, dict]:
     """A worker's pool check, its cached blocks and tier counts, and the index's of it."""
-    pool = await asyncio.wait_for(handle.check_pool.remote(), rpc_timeout_s)
-    snapshot = await asyncio.wait_for(handle.kv_snapshot.remote(), rpc_timeout_s)
-    held = await asyncio.wait_for(index.snapshot_of.remote(worker_id), rpc_timeout_s)
-    counts = await asyncio.wait_for(index.tier_counts.remote(worker_id), rpc_timeout_s)
+    pool = await within(handle.check_pool.remote(), rpc_timeout_s)
+    snapshot = await within(handle.kv_snapshot.remote(), rpc_timeout_s)
+    held = await within(index.snapshot_of.remote(worker_id), rpc_timeout_s)
+    counts = await within(index.tier_counts.remote(worker_id), rpc_timeout_s)
     indexed = {tier: counts.get(tier, 0) for tier in TIER_NAMES}  # {}: not in the index
     return pool, set(snapshot.block_hashes), held, _tier_counts(snapshot), indexed
 

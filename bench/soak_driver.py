@@ -29,6 +29,7 @@ import ray
 
 from pagedserve.cluster.router import RouterCore
 from pagedserve.cluster.router_types import GenerateRequest, NoWorkerAvailable, WorkerLost
+from pagedserve.workers.deadline import within
 from pagedserve.workers.errors import Overloaded, RequestRejected
 from pagedserve.workers.sampling_params import SamplingParams
 
@@ -195,7 +196,7 @@ async def run_one(core: RouterCore, req: SoakRequest, hang_timeout_s: float) -> 
     outcome = Outcome(req, "finished")
     start = outcome.started = time.monotonic()
     try:
-        await asyncio.wait_for(_stream(core, req, outcome), hang_timeout_s)
+        await within(_stream(core, req, outcome), hang_timeout_s)
     except TimeoutError:
         outcome.status = "hung"
     except Overloaded as error:
@@ -295,9 +296,7 @@ async def _strike(core: RouterCore, name: str, burst, tasks, spec: SoakSpec) -> 
         return {"worker": victim.worker_id, "inflight": victim.inflight}
     if name == "drop_events" and alive:
         target = alive[-1]
-        await asyncio.wait_for(
-            target.handle.chaos_drop_next_event_batch.remote(), core.config.rpc_timeout_s
-        )
+        await within(target.handle.chaos_drop_next_event_batch.remote(), core.config.rpc_timeout_s)
         return {"worker": target.worker_id}
     if name == "burst":
         tasks.extend(asyncio.create_task(run_one(core, r, spec.hang_timeout_s)) for r in burst)
@@ -319,11 +318,11 @@ async def _stall(core: RouterCore, deadline_s: float) -> dict[str, Any]:
         await asyncio.sleep(0.05)
     victim = max(core.workers.values(), key=lambda w: (w.alive, w.inflight))
     inflight = victim.inflight
-    await asyncio.wait_for(victim.handle.chaos_stall.remote(True), core.config.rpc_timeout_s)
+    await within(victim.handle.chaos_stall.remote(True), core.config.rpc_timeout_s)
     try:
         while not victim.stalled and victim.alive and time.monotonic() < end:
             await asyncio.sleep(0.05)
         judged = victim.stalled
     finally:
-        await asyncio.wait_for(victim.handle.chaos_stall.remote(False), core.config.rpc_timeout_s)
+        await within(victim.handle.chaos_stall.remote(False), core.config.rpc_timeout_s)
     return {"worker": victim.worker_id, "inflight": inflight, "judged_stalled": judged}

@@ -20,6 +20,7 @@ import grpc
 from pagedserve.bench.soak_driver import SoakRequest
 from pagedserve.cluster.client import build_request
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
+from pagedserve.workers.deadline import within
 
 HUNG = "HUNG"
 STREAM_METHOD = "/pagedserve.v1.Generation/GenerateStream"
@@ -141,7 +142,7 @@ async def _read(
         return silence_s if outcome.num_deltas else first_silence_s
 
     try:
-        while (delta := await asyncio.wait_for(call.read(), bound())) is not grpc.aio.EOF:
+        while (delta := await within(call.read(), bound())) is not grpc.aio.EOF:
             outcome.num_deltas += 1
             outcome.tokens.setdefault(delta.index, []).extend(delta.token_ids)
             if delta.finish_reason:
@@ -154,7 +155,7 @@ async def _read(
                 await asyncio.sleep(req.read_delay_s)  # a slow client: its stream pauses
     except grpc.aio.AioRpcError:
         pass  # the status is read below, the same way for every ending
-    outcome.code = (await asyncio.wait_for(call.code(), bound())).name
+    outcome.code = (await within(call.code(), bound())).name
     outcome.details = await call.details() or ""
     trailing = await call.trailing_metadata()
     outcome.retry_after = _entry(trailing, "retry-after")

@@ -37,6 +37,7 @@ from pagedserve.cluster.router import WORKER_LOST_ERRORS, RouterCore, scoped_req
 from pagedserve.cluster.router_types import GenerateRequest, NoWorkerAvailable
 from pagedserve.cluster.tracing import tag_ingress
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
+from pagedserve.workers.deadline import within
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ class GrpcFrontend:
         alive = [w for w in self.core.workers.values() if w.alive]
         results = await asyncio.gather(
             *(
-                asyncio.wait_for(w.handle.abort.remote(request_id), self.core.config.rpc_timeout_s)
+                within(w.handle.abort.remote(request_id), self.core.config.rpc_timeout_s)
                 for w in alive
             ),
             return_exceptions=True,
@@ -149,7 +150,7 @@ class GrpcFrontend:
     async def serving_status(self) -> int:
         """SERVING once the workers are up and at least one is alive."""
         try:
-            await asyncio.wait_for(self.core.start(), HEALTH_WAIT_S)
+            await within(self.core.start(), HEALTH_WAIT_S)
         except (TimeoutError, NoWorkerAvailable, *WORKER_LOST_ERRORS):
             return NOT_SERVING
         return SERVING if any(w.alive for w in self.core.workers.values()) else NOT_SERVING

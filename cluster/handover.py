@@ -27,6 +27,7 @@ from typing import Any
 from pagedserve.cluster.migration import Migrations
 from pagedserve.cluster.worker_liveness import WORKER_LOST_ERRORS
 from pagedserve.cluster.worker_state import WorkerState
+from pagedserve.workers.deadline import within
 
 logger = logging.getLogger(__name__)
 
@@ -58,14 +59,14 @@ async def hand_over(
     if budget <= 0:
         return HandoverResult()
     try:
-        chains = await asyncio.wait_for(source.handle.hot_chains.remote(budget), timeout_s)
+        chains = await within(source.handle.hot_chains.remote(budget), timeout_s)
     except (*WORKER_LOST_ERRORS, TimeoutError):
         logger.warning("handover: %s did not list its cache", source.worker_id)
         return HandoverResult()
     by_id = {p.worker_id: p for p in peers}
     taken_chains = taken_blocks = 0
     for chain in chains:
-        holders = await asyncio.wait_for(index.match.remote(chain), timeout_s)
+        holders = await within(index.match.remote(chain), timeout_s)
         if any(n == len(chain) for wid, n in holders.items() if wid in by_id):
             continue  # a peer holds it already
         target_id = max(room, key=lambda wid: (room[wid], wid))
@@ -86,7 +87,7 @@ async def _room_of(
 
     async def room(peer: WorkerState) -> int:
         try:
-            stats = await asyncio.wait_for(peer.handle.stats.remote(), timeout_s)
+            stats = await within(peer.handle.stats.remote(), timeout_s)
         except (*WORKER_LOST_ERRORS, TimeoutError):
             return 0
         low_water = math.ceil(low_water_fraction * stats.kv.total_blocks)

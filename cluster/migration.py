@@ -36,7 +36,6 @@ leaves both pools as they were; the receiver's KV events put the blocks in the i
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -48,6 +47,7 @@ from pagedserve.cluster.tracing import migration_span, pd_transfer_span
 from pagedserve.cluster.worker_liveness import WORKER_LOST_ERRORS
 from pagedserve.cluster.worker_roles import DECODE_PHASE, RoleFilter
 from pagedserve.cluster.worker_state import WorkerState
+from pagedserve.workers.deadline import within
 from pagedserve.workers.handoff import HandoffReason, RequestHandoff
 from pagedserve.workers.telemetry import Tracing
 
@@ -100,7 +100,7 @@ class Migrations:
         span = migration_span(self.tracing, parent, kind, source.worker_id, target)
         moved = 0
         try:
-            moved = await asyncio.wait_for(
+            moved = await within(
                 target.handle.pull_prefix.remote(
                     source.handle,
                     list(block_hashes),
@@ -163,11 +163,11 @@ class Migrations:
         target = max(targets, key=lambda w: (w.load().free_blocks, w.worker_id))
         timeout = self.config.rpc_timeout_s
         try:
-            chains = await asyncio.wait_for(
+            chains = await within(
                 source.handle.push_candidates.remote(self.config.push_max_chains), timeout
             )
             for chain in chains:
-                matches = await asyncio.wait_for(self.index.match.remote(chain), timeout)
+                matches = await within(self.index.match.remote(chain), timeout)
                 if any(n == len(chain) for wid, n in matches.items() if wid != source.worker_id):
                     continue  # someone else holds it already
                 if not await self.transfer("push", source, target, chain):

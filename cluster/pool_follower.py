@@ -27,6 +27,7 @@ from pagedserve.cluster.pool_types import Membership, MembershipVersion, MemberS
 from pagedserve.cluster.prefix_view import PrefixView
 from pagedserve.cluster.worker_liveness import WORKER_LOST_ERRORS, WorkerLiveness
 from pagedserve.cluster.worker_state import WorkerState
+from pagedserve.workers.deadline import within
 
 logger = logging.getLogger(__name__)
 
@@ -71,11 +72,11 @@ class PoolFollower:
         workers as they are (counted nowhere: the next round asks again)."""
         timeout = self.config.rpc_timeout_s
         try:
-            membership = await asyncio.wait_for(
+            membership = await within(
                 self.pool.membership.remote(self.router_id, self.held), timeout
             )
             if membership is not None and self._pool_needs_config(membership):
-                membership = await asyncio.wait_for(
+                membership = await within(
                     self.pool.configure.remote(self.config, self.revision), timeout
                 )
         except (*WORKER_LOST_ERRORS, TimeoutError):

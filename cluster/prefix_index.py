@@ -64,6 +64,7 @@ from pagedserve.cluster.prefix_index_state import (
 from pagedserve.cluster.router_reports import ClusterRouters, RouterReport, RouterReports
 from pagedserve.workers.block import BlockHash
 from pagedserve.workers.cpu_placement import pin_process, set_niceness
+from pagedserve.workers.deadline import within
 from pagedserve.workers.kv_events import KVEvent, KVSnapshot
 
 __all__ = ["KVSnapshot", "PrefixIndexActor", "PrefixIndexState", "PublishResult"]
@@ -166,9 +167,7 @@ class PrefixIndexActor:
         if pool is None:
             return {}
         try:
-            membership = await asyncio.wait_for(
-                pool.membership.remote(), timeout=POOL_MEMBERSHIP_TIMEOUT_S
-            )
+            membership = await within(pool.membership.remote(), timeout=POOL_MEMBERSHIP_TIMEOUT_S)
         except (TimeoutError, ray.exceptions.RayError) as error:
             logger.warning("prefix index: no membership from the pool: %r", error)
             return {}
@@ -237,7 +236,7 @@ class PrefixIndexActor:
         if epoch == feed.epoch and cursor == feed.next_offset and wait_s > 0:
             changed = self._feed_changed
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), wait_s)
+                await within(changed.wait(), wait_s)
         return feed.read(epoch, cursor)
 
     def _wake_feed_readers(self) -> None:
@@ -305,7 +304,7 @@ class PrefixIndexActor:
     async def _fetch_snapshot(self, worker_id: str, handle: ActorHandle) -> KVSnapshot | None:
         ref = handle.kv_snapshot.remote()
         try:
-            snapshot = await asyncio.wait_for(ref, timeout=self._snapshot_timeout_s)
+            snapshot = await within(ref, timeout=self._snapshot_timeout_s)
         except (TimeoutError, ray.exceptions.RayError) as error:
             logger.warning("prefix index: no snapshot from %s: %r", worker_id, error)
             _cancel_quietly(ref)

@@ -40,6 +40,7 @@ from pagedserve.cluster.prefix_feed import (
 from pagedserve.cluster.prefix_match import leading_matches
 from pagedserve.cluster.tier_costs import TierHits
 from pagedserve.workers.block import BlockHash
+from pagedserve.workers.deadline import within
 
 logger = logging.getLogger(__name__)
 
@@ -284,7 +285,7 @@ class FeedFollower:
         view = self.view
         ref = self.index.read_feed.remote(view.epoch, view.next_offset, wait_s)
         try:
-            batch = await asyncio.wait_for(ref, wait_s + self.rpc_timeout_s)
+            batch = await within(ref, wait_s + self.rpc_timeout_s)
         except (*self.lost_errors, TimeoutError) as error:
             self.on_error()
             if not self.unreadable:  # once per outage, not once per retry

@@ -71,6 +71,7 @@ from pagedserve.cluster.worker_liveness import WORKER_LOST_ERRORS, WorkerLivenes
 from pagedserve.cluster.worker_roles import PREFILL_PHASE, RoleFilter
 from pagedserve.cluster.worker_state import WorkerState
 from pagedserve.workers.block_hash import hash_full_blocks
+from pagedserve.workers.deadline import within
 from pagedserve.workers.errors import Draining, HandedOff, Overloaded, RequestRejected
 from pagedserve.workers.handoff import RequestHandoff
 from pagedserve.workers.model_registry import DEFAULT_MODEL
@@ -243,9 +244,7 @@ class RouterCore:
 
     async def _send_report(self) -> None:
         try:
-            await asyncio.wait_for(
-                self.index.report_router.remote(self.report()), self.config.rpc_timeout_s
-            )
+            await within(self.index.report_router.remote(self.report()), self.config.rpc_timeout_s)
         except (*WORKER_LOST_ERRORS, TimeoutError):  # the next round sends a newer one
             logger.debug("the prefix index did not take this router's counters")
 
@@ -618,9 +617,7 @@ class RouterCore:
     async def _abort_on(self, worker: WorkerState, scoped_id: str) -> bool:
         """One worker's abort of `scoped_id`; False when it does not answer in time."""
         try:
-            return await asyncio.wait_for(
-                worker.handle.abort.remote(scoped_id), self.config.rpc_timeout_s
-            )
+            return await within(worker.handle.abort.remote(scoped_id), self.config.rpc_timeout_s)
         except (*WORKER_LOST_ERRORS, TimeoutError):
             logger.warning("abort of %s on %s got no answer", scoped_id, worker.worker_id)
             return False
@@ -632,7 +629,7 @@ class RouterCore:
         worker = self.workers[worker_id]
         worker.draining = True
         self.counters.workers_drained += 1
-        return await asyncio.wait_for(
+        return await within(
             worker.handle.drain.remote(grace_s), grace_s + self.config.rpc_timeout_s
         )
 
@@ -655,7 +652,7 @@ class RouterCore:
         await self._send_report()
         try:
             routers = self.index.routers.remote()
-            self.last_cluster = await asyncio.wait_for(routers, self.config.rpc_timeout_s)
+            self.last_cluster = await within(routers, self.config.rpc_timeout_s)
         except (*WORKER_LOST_ERRORS, TimeoutError):
             self.last_cluster = None
         return self.last_cluster
@@ -668,7 +665,7 @@ class RouterCore:
             for w in self.workers.values()
         }
         try:
-            index = await asyncio.wait_for(self.index.stats.remote(), self.config.rpc_timeout_s)
+            index = await within(self.index.stats.remote(), self.config.rpc_timeout_s)
         except (*WORKER_LOST_ERRORS, TimeoutError):
             index = None
         return ClusterStats(

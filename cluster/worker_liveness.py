@@ -24,6 +24,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.router_types import NoWorkerAvailable, RouterCounters
 from pagedserve.cluster.worker_state import WorkerState
+from pagedserve.workers.deadline import within
 from pagedserve.workers.worker_types import WorkerStats
 
 logger = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ class WorkerLiveness:
         """`ready()` the worker (starting its loop, rejoining the index) and mark it alive."""
         timeout_s = timeout_s or self.config.rpc_timeout_s
         try:
-            info = await asyncio.wait_for(worker.handle.ready.remote(), timeout_s)
+            info = await within(worker.handle.ready.remote(), timeout_s)
         except (*WORKER_LOST_ERRORS, TimeoutError) as error:
             logger.warning("worker %s is not ready: %s", worker.worker_id, error)
             return
@@ -111,7 +112,7 @@ class WorkerLiveness:
     async def poll(self, worker: WorkerState) -> None:
         """Refresh one worker's stats (renewing our lease there); drop or revive it."""
         try:
-            stats = await asyncio.wait_for(
+            stats = await within(
                 worker.handle.stats.remote(self.router_id), self.config.rpc_timeout_s
             )
         except (*WORKER_LOST_ERRORS, TimeoutError):
@@ -182,9 +183,7 @@ class WorkerLiveness:
 
     async def _remove_from_index(self, worker_id: str) -> None:
         try:
-            await asyncio.wait_for(
-                self.index.remove_worker.remote(worker_id), self.config.rpc_timeout_s
-            )
+            await within(self.index.remove_worker.remote(worker_id), self.config.rpc_timeout_s)
         except (*WORKER_LOST_ERRORS, TimeoutError):
             logger.exception("could not drop %s from the index", worker_id)
 

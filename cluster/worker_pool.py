@@ -79,6 +79,7 @@ from pagedserve.cluster.router_types import RouterCounters
 from pagedserve.cluster.worker_liveness import WORKER_LOST_ERRORS
 from pagedserve.cluster.worker_spec import WorkerSpec, create_worker
 from pagedserve.cluster.worker_state import WorkerState
+from pagedserve.workers.deadline import within
 from pagedserve.workers.telemetry import NOOP, TelemetryConfig, otel_env
 from pagedserve.workers.worker_role import WorkerRole
 
@@ -164,7 +165,7 @@ class WorkerPoolActor:
     async def _await_ready(self, worker_id: str, handle: ActorHandle) -> bool:
         timeout = self._config.startup_timeout_s
         try:
-            info = await asyncio.wait_for(handle.ready.remote(), timeout)
+            info = await within(handle.ready.remote(), timeout)
         except CALL_ERRORS as error:
             logger.warning("worker %s did not become ready (%r); stopping it", worker_id, error)
             self.counters.start_failures += 1
@@ -260,9 +261,7 @@ class WorkerPoolActor:
             if member.state != MemberState.SERVING:
                 return seen
             try:
-                stats = await asyncio.wait_for(
-                    member.handle.stats.remote(), self._config.rpc_timeout_s
-                )
+                stats = await within(member.handle.stats.remote(), self._config.rpc_timeout_s)
             except WORKER_LOST_ERRORS:
                 gone = await asyncio.to_thread(gone_for_good, member.worker_id, self._config)
                 return dataclasses.replace(seen, gone=gone)
@@ -356,9 +355,7 @@ class WorkerPoolActor:
     async def _drain(self, handle: ActorHandle) -> None:
         grace = self._config.scale_down_grace_s
         try:
-            result = await asyncio.wait_for(
-                handle.drain.remote(grace), grace + self._config.rpc_timeout_s
-            )
+            result = await within(handle.drain.remote(grace), grace + self._config.rpc_timeout_s)
         except CALL_ERRORS:
             logger.warning("pool: drain failed; its routers replay what it had", exc_info=True)
             return
@@ -371,9 +368,7 @@ class WorkerPoolActor:
 
     async def _forget_in_index(self, worker_id: str) -> None:
         try:
-            await asyncio.wait_for(
-                self._index.remove_worker.remote(worker_id), self._config.rpc_timeout_s
-            )
+            await within(self._index.remove_worker.remote(worker_id), self._config.rpc_timeout_s)
         except CALL_ERRORS:
             logger.warning("pool: could not drop %s from the index", worker_id)
 

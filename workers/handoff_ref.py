@@ -23,7 +23,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import time
@@ -31,6 +30,7 @@ from collections.abc import Callable
 
 import ray
 
+from pagedserve.workers.deadline import within
 from pagedserve.workers.handoff import RequestHandoff
 
 logger = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ async def resolved(
     if not isinstance(ref, ray.ObjectRef):
         return handoff
     try:
-        packed = await asyncio.wait_for(ref, timeout_s)
+        packed = await within(ref, timeout_s)
     except (ray.exceptions.RayError, TimeoutError) as error:
         release_source(handoff)
         logger.warning(

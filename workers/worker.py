@@ -19,6 +19,7 @@ import torch
 from pagedserve.workers import drain_signal, handoff_ref
 from pagedserve.workers.block import BlockKey
 from pagedserve.workers.cpu_placement import niceness, pin_process, process_cpus, set_niceness
+from pagedserve.workers.deadline import within
 from pagedserve.workers.engine import Engine
 from pagedserve.workers.engine_config import EngineConfig
 from pagedserve.workers.handoff import RequestHandoff
@@ -141,7 +142,7 @@ class Worker:
         """An index that restarted empty answers `needs_resync` without resyncing (it lost our
         handle): register again so that it pulls our snapshot."""
         try:
-            result = await asyncio.wait_for(ref, INDEX_CALL_TIMEOUT_S)
+            result = await within(ref, INDEX_CALL_TIMEOUT_S)
         except Exception:  # lost, failed or past its deadline: the index may have lost us
             logger.warning("the prefix index did not take a KV event batch; registering again")
             result = None
@@ -153,7 +154,7 @@ class Worker:
         is down or stuck must not hang the worker; a later publish registers again."""
         me = ray.get_runtime_context().current_actor
         try:
-            await asyncio.wait_for(
+            await within(
                 self._index.register_worker.remote(self.core.worker_id, me, self.core.epoch),
                 INDEX_CALL_TIMEOUT_S,
             )
@@ -315,9 +316,7 @@ class Worker:
         span = migration_span(self.core.traces, trace_context, len(block_hashes))
         imported = 0
         try:
-            keys, packed = await asyncio.wait_for(
-                peer.export_prefix.remote(block_hashes), timeout_s
-            )
+            keys, packed = await within(peer.export_prefix.remote(block_hashes), timeout_s)
             if keys:
                 imported = await self.core.import_prefix(keys, packed)
                 span.set_attribute("pagedserve.migration.bytes", int(getattr(packed, "nbytes", 0)))

@@ -13,6 +13,7 @@ from support.wait import until
 from pagedserve.cluster.api_errors import as_api_error
 from pagedserve.cluster.router_types import GenerateRequest
 from pagedserve.cluster.worker_group import stop_worker_group
+from pagedserve.workers.deadline import within
 from pagedserve.workers.errors import Overloaded
 
 HOLD_TOKENS = 1000  # 1000 steps: the holder is aborted as soon as the burst is answered
@@ -58,7 +59,7 @@ def test_full_queues_refuse_at_once_and_admitted_requests_finish(ray_cluster):
         # queues exactly this full however fast the machine is.
         running = asyncio.Event()
         holder = asyncio.create_task(hold(core, holder_prompt, running))
-        await asyncio.wait_for(running.wait(), 120)
+        await within(running.wait(), 120)
         burst = [asyncio.create_task(outcome(core, p, greedy(20))) for p in burst_prompts]
         (worker,) = core.workers.values()
 
@@ -69,7 +70,7 @@ def test_full_queues_refuse_at_once_and_admitted_requests_finish(ray_cluster):
         await until(answered, "every request of the burst to be refused or queued")
         assert not holder.done(), "the holder ended before the burst was answered"
         await core.abort("holder")
-        results = await asyncio.wait_for(asyncio.gather(*burst), 120)
+        results = await within(asyncio.gather(*burst), 120)
         holder_end = await holder
         stats = await core.cluster_stats()
         await core.close()

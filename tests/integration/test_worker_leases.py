@@ -9,6 +9,7 @@ import time
 import pytest
 import ray
 
+from pagedserve.workers.deadline import within
 from pagedserve.workers.engine_config import EngineConfig
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.worker import Worker
@@ -64,8 +65,8 @@ def test_an_orphan_is_aborted_and_a_renewed_request_lives_on(worker):
         )
         # Neither stream is read, so both pause; the orphan's owner never renews.
         await wait_for(lambda: _stat(worker, "lease_expired", 1), "the orphan's lease to expire")
-        kept_deltas = await asyncio.wait_for(read(kept), DEADLINE_S)
-        orphan_deltas = await asyncio.wait_for(read(orphan), DEADLINE_S)
+        kept_deltas = await within(read(kept), DEADLINE_S)
+        orphan_deltas = await within(read(orphan), DEADLINE_S)
         stop.set()
         await renewing
         return orphan_deltas, kept_deltas, await worker.check_pool.remote()

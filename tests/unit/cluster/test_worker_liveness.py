@@ -11,6 +11,7 @@ from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.router_types import RouterCounters
 from pagedserve.cluster.worker_liveness import WorkerLiveness
 from pagedserve.cluster.worker_state import WorkerState
+from pagedserve.workers.deadline import within
 from pagedserve.workers.kv_cache_manager import KVUsage
 from pagedserve.workers.worker_types import WorkerInfo, WorkerStats
 
@@ -89,10 +90,10 @@ def test_a_hanging_after_poll_hook_does_not_hold_up_the_polls():
         liveness = WorkerLiveness(
             config, None, {"w1": stalled}, "router", RouterCounters(), on_polled=hanging_push
         )
-        await asyncio.wait_for(liveness.poll(stalled), 5)
-        await asyncio.wait_for(hook_started.wait(), 5)
+        await within(liveness.poll(stalled), 5)
+        await within(hook_started.wait(), 5)
         # The hook hangs; the next poll still returns, and judges the stall.
-        await asyncio.wait_for(liveness.poll(stalled), 5)
+        await within(liveness.poll(stalled), 5)
         assert stalled.stalled and liveness.counters.workers_stalled == 1
         assert calls == ["w1"], "a second hook started while the first one still ran"
         liveness.close()

@@ -10,6 +10,7 @@ import pytest
 from support.engine import finish_clean
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.workers.deadline import within
 from pagedserve.workers.lease import LeaseTable
 from pagedserve.workers.worker_core import WorkerCore
 from pagedserve.workers.worker_types import PoolCheck
@@ -90,7 +91,7 @@ def test_an_owner_that_stops_renewing_loses_its_requests_the_others_go_on(tiny_l
         clock.now = 1.5 * TIMEOUT_S  # router-a: 1.5 leases since admission; router-b: 0.75
         assert await core.check_leases() == 1
         assert core.stats().lease_expired == 1
-        results = [await asyncio.wait_for(read_all(s), DEADLINE_S) for s in (dead, alive, offline)]
+        results = [await within(read_all(s), DEADLINE_S) for s in (dead, alive, offline)]
         await core.close()
         return results
 
@@ -117,7 +118,7 @@ def test_the_housekeeping_task_aborts_an_orphan_while_the_engine_is_idle(tiny_ll
         assert not llm.engine.has_runnable_requests()
         clock.now = 1.0  # past the lease: the next housekeeping tick aborts it
         await wait_for(lambda: core.stats().lease_expired == 1, "the lease to expire")
-        rest = await asyncio.wait_for(read_all(stream), DEADLINE_S)
+        rest = await within(read_all(stream), DEADLINE_S)
         await core.close()
         return rest
 
@@ -151,7 +152,7 @@ def test_an_unread_stream_pauses_at_its_bound_and_resumes_unchanged(tiny_llama, 
         # One delta per branch per step, the reader took one: decoding stopped at the bound.
         assert len(buffer) <= 4 + n - 1 and generated[0] == (len(buffer) + 1) // n
         assert not llm.engine.has_runnable_requests()
-        deltas += await asyncio.wait_for(read_all(stream), DEADLINE_S)
+        deltas += await within(read_all(stream), DEADLINE_S)
         await core.close()
         return deltas
 
