@@ -5,7 +5,7 @@ arrives in the same loop iteration as its inner awaitable's result: it returns t
 and the task goes on as if never cancelled (CPython gh-86296, fixed in 3.12 by building
 `wait_for` on `asyncio.timeout`). A background loop built on it (a feed long-poll, a stats
 poll) can then outlive the cancel meant to stop it: on a loaded machine a test's
-`asyncio.run` waited forever for such a loop to end after its router was done with.
+`asyncio.run` hung at teardown waiting for its tasks, likely such a loop.
 `asyncio.timeout` carries the cancellation through.
 """
 
