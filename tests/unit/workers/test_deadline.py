@@ -53,3 +53,14 @@ def test_within_times_out_and_returns_results():
             await within(asyncio.Event().wait(), 0.01)
 
     asyncio.run(main())
+
+
+def test_no_module_awaits_with_wait_for():
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[3]
+    sources = [
+        p for d in ("cluster", "workers", "bench", "pagedserve") for p in (repo / d).rglob("*.py")
+    ]
+    users = [str(p.relative_to(repo)) for p in sources if "asyncio.wait_for(" in p.read_text()]
+    assert not users, f"use pagedserve.workers.deadline.within instead of asyncio.wait_for: {users}"
