@@ -13,9 +13,12 @@ then kills and restarts it: at a load average of ~40 a proxy missed it again and
 test module's set-up, waiting on the proxy actor, failed with `ActorDiedError` (killed by
 `ray.kill`). That deadline is raised the same way.
 
-Ray's raylet has one more deadline it takes from nowhere: the driver waits 30 s for a starting
-node to register with the GCS (`ray._private.node`, a constant). At a load average of ~45 it
-ran out ("The current node timed out during startup"); nothing here can raise it.
+One more deadline is a constant, not a variable: the process that starts a node waits 30 s
+for it to register with the GCS (`ray._private.node.Node`, polling
+`ray._private.services.get_node`), then raises "The current node timed out during startup".
+At a load average of ~45 that failed module set-ups. `wait_patiently_for_node_registration`
+makes each of those polls itself wait up to `NODE_REGISTRATION_DEADLINE_S`, so Ray's loop
+sees the node on its first try (a unit test fails if Ray stops polling that function).
 
 Set any of these variables in the environment to choose another value; a joined cluster keeps
 its own.
@@ -23,14 +26,19 @@ its own.
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import MutableMapping
+import time
+from collections.abc import Callable, MutableMapping
+from typing import Any
 
 STARTUP_DEADLINES: dict[str, str] = {
     "RAY_agent_register_timeout_ms": "300000",
     "RAY_worker_register_timeout_seconds": "300",
     "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "120",
 }
+NODE_REGISTRATION_DEADLINE_S = 300.0
+_PATIENT = "__pagedserve_patient__"
 
 
 def allow_slow_startup(environ: MutableMapping[str, str] = os.environ) -> None:
@@ -40,3 +48,34 @@ def allow_slow_startup(environ: MutableMapping[str, str] = os.environ) -> None:
     """
     for name, value in STARTUP_DEADLINES.items():
         environ.setdefault(name, value)
+    wait_patiently_for_node_registration()
+
+
+def wait_patiently_for_node_registration() -> None:
+    """Make this process's node start-up wait `NODE_REGISTRATION_DEADLINE_S` for a new node to
+    register with the GCS instead of Ray's fixed 30 s. Idempotent."""
+    from ray._private import services
+
+    if not getattr(services.get_node, _PATIENT, False):
+        services.get_node = patient(services.get_node, NODE_REGISTRATION_DEADLINE_S)
+
+
+def patient(
+    get_node: Callable[..., Any], deadline_s: float, poll_s: float = 0.2
+) -> Callable[..., Any]:
+    """`get_node` retried while it raises `RuntimeError` (the node is not registered yet),
+    until `deadline_s` has passed; then its last error is raised."""
+
+    @functools.wraps(get_node)
+    def get_node_patiently(*args: Any, **kwargs: Any) -> Any:
+        end = time.monotonic() + deadline_s
+        while True:
+            try:
+                return get_node(*args, **kwargs)
+            except RuntimeError:
+                if time.monotonic() >= end:
+                    raise
+                time.sleep(poll_s)
+
+    setattr(get_node_patiently, _PATIENT, True)
+    return get_node_patiently
