@@ -42,7 +42,8 @@ _PATIENT = "__pagedserve_patient__"
 
 
 def allow_slow_startup(environ: MutableMapping[str, str] = os.environ) -> None:
-    """Set Ray's start-up deadlines (`STARTUP_DEADLINES`) where the environment has none.
+    """Set Ray's start-up deadlines (`STARTUP_DEADLINES`) where the environment has none, and
+    make this process wait patiently for the nodes it starts to register.
 
     Call it before `ray.init` starts a local cluster: its processes read them as they start.
     """
