@@ -22,12 +22,22 @@ sees the node on its first try (a unit test fails if Ray stops polling that func
 
 Set any of these variables in the environment to choose another value; a joined cluster keeps
 its own.
+
+Not a deadline, but the other way a node failed to start here: Ray starts its processes
+(raylet, GCS, workers) by fork and exec from the process calling `ray.init`, and grpcio's fork
+handlers, on by default, run between the two whenever that process has gRPC threads (a test's
+OTLP collector, a client's channels). A raylet forked that way never reached exec: no log file,
+no registration, "The current node timed out during startup" even after 300 s. It happened
+twice in loaded integration runs, each time right after grpcio logged "Other threads are
+currently calling into gRPC, skipping fork() handlers". Every process here forks only to exec,
+the case grpcio documents `GRPC_ENABLE_FORK_SUPPORT=false` for (`exec_only_forks`).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import sys
 import time
 from collections.abc import Callable, MutableMapping
 from typing import Any
@@ -39,16 +49,28 @@ STARTUP_DEADLINES: dict[str, str] = {
 }
 NODE_REGISTRATION_DEADLINE_S = 300.0
 _PATIENT = "__pagedserve_patient__"
+GRPC_EXEC_ONLY_FORKS: dict[str, str] = {"GRPC_ENABLE_FORK_SUPPORT": "false"}
+
+
+def exec_only_forks(environ: MutableMapping[str, str] = os.environ) -> bool:
+    """Turn grpcio's fork handlers off (`GRPC_EXEC_ONLY_FORKS`) where the environment says
+    nothing: in this process if grpc is not imported yet (grpcio reads the variable on import),
+    and in every process started from it. Returns whether this process was in time."""
+    for name, value in GRPC_EXEC_ONLY_FORKS.items():
+        environ.setdefault(name, value)
+    return "grpc" not in sys.modules
 
 
 def allow_slow_startup(environ: MutableMapping[str, str] = os.environ) -> None:
-    """Set Ray's start-up deadlines (`STARTUP_DEADLINES`) where the environment has none, and
-    make this process wait patiently for the nodes it starts to register.
+    """Set Ray's start-up deadlines (`STARTUP_DEADLINES`) where the environment has none, turn
+    grpcio's fork handlers off for the processes Ray starts (`exec_only_forks`), and make this
+    process wait patiently for the nodes it starts to register.
 
     Call it before `ray.init` starts a local cluster: its processes read them as they start.
     """
     for name, value in STARTUP_DEADLINES.items():
         environ.setdefault(name, value)
+    exec_only_forks(environ)
     wait_patiently_for_node_registration()
 
 

@@ -12,6 +12,7 @@ import importlib
 import sys
 
 from pagedserve.bench.extras import is_missing_bench_extra, missing_extra_message
+from pagedserve.cluster.ray_startup import exec_only_forks
 
 COMMAND_MODULES: tuple[str, ...] = (
     "pagedserve.bench.kv_calc",
@@ -38,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Before any command imports grpc: this process starts Ray's (cluster/ray_startup.py).
+    exec_only_forks()
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:

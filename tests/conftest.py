@@ -3,14 +3,17 @@ check every test that runs requests ends with (see support/leaks.py)."""
 
 import os
 
+from pagedserve.cluster.ray_startup import allow_slow_startup, exec_only_forks
+
+# First, before anything imports grpc (grpcio reads it on import): see exec_only_forks.
+GRPC_FORKS_EXEC_ONLY_IN_TIME = exec_only_forks()
+
 import pytest
 import torch
 from support.engine import ReferenceModel, load
 from support.leaks import WATCH
 from support.real_model import SMOLLM2
 from support.shared_cluster import SHARED
-
-from pagedserve.cluster.ray_startup import allow_slow_startup
 
 # Every local Ray a test starts inherits this process's environment (cluster/ray_startup.py).
 allow_slow_startup()

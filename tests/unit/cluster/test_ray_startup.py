@@ -1,24 +1,34 @@
 """Ray's start-up deadlines: raised where the environment says nothing, kept where it does;
-and the node-registration wait that Ray fixes at 30 s, made patient."""
+the node-registration wait that Ray fixes at 30 s, made patient; grpcio's fork handlers off in
+every process that starts Ray's."""
 
 import inspect
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import ray._private.node
 import ray._private.services
 
 from pagedserve.cluster.ray_startup import (
+    GRPC_EXEC_ONLY_FORKS,
     NODE_REGISTRATION_DEADLINE_S,
     STARTUP_DEADLINES,
     allow_slow_startup,
+    exec_only_forks,
     patient,
 )
+
+TESTS = Path(__file__).resolve().parents[2]
 
 
 def test_missing_deadlines_are_raised_to_minutes():
     environ: dict[str, str] = {}
     allow_slow_startup(environ)
-    assert environ == STARTUP_DEADLINES
+    assert environ == {**STARTUP_DEADLINES, **GRPC_EXEC_ONLY_FORKS}
     assert int(environ["RAY_agent_register_timeout_ms"]) >= 120_000  # Ray's default: 30,000
     assert int(environ["RAY_worker_register_timeout_seconds"]) >= 120  # Ray's default: 60
     assert float(environ["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"]) >= 60  # Serve's default: 5
@@ -78,3 +88,80 @@ def test_other_errors_are_not_retried():
 
     with pytest.raises(ValueError):
         patient(get_node, deadline_s=60, poll_s=0)("gcs", "n1")
+
+
+def test_exec_only_forks_keeps_what_the_environment_says():
+    environ = {"GRPC_ENABLE_FORK_SUPPORT": "true"}
+    exec_only_forks(environ)
+    assert environ == {"GRPC_ENABLE_FORK_SUPPORT": "true"}
+
+
+def test_the_test_session_turned_grpc_fork_handlers_off_before_importing_grpc():
+    conftest = next(
+        module
+        for module in list(sys.modules.values())
+        if getattr(module, "__file__", "") == str(TESTS / "conftest.py")
+    )
+    assert os.environ["GRPC_ENABLE_FORK_SUPPORT"] == "false"
+    assert conftest.GRPC_FORKS_EXEC_ONLY_IN_TIME  # grpc was not imported when it was set
+
+
+# A process with gRPC threads busy (a server and clients calling it) that forks and execs, as
+# `ray.init` starts Ray's processes. With grpcio's fork handlers on, run by hand here: of 100
+# forked children of `true` one died of SIGABRT before exec, and the handlers logged from
+# fork_posix.cc ("skipping fork() handlers") and the pollers ("Bad file descriptor"). Off, a
+# fork is a plain fork.
+FORKING_GRPC_PROCESS = textwrap.dedent(
+    """
+    import subprocess, sys, threading
+    from pagedserve.cluster.ray_startup import exec_only_forks
+    if sys.argv[1] == "off":
+        assert exec_only_forks()
+    from concurrent import futures
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    done = threading.Event()
+
+    def call_until_done():
+        stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        while not done.is_set():
+            stub.Check(health_pb2.HealthCheckRequest())
+
+    callers = [threading.Thread(target=call_until_done) for _ in range(3)]
+    for caller in callers:
+        caller.start()
+    failed = 0
+    for _ in range(100):
+        child = subprocess.run(["true"], preexec_fn=lambda: None, timeout=60)
+        failed += child.returncode != 0
+    done.set()
+    for caller in callers:
+        caller.join()
+    server.stop(0)
+    print(f"children failed: {failed}")
+    """
+)
+
+
+def _fork_beside_busy_grpc(mode: str) -> tuple[str, list[str]]:
+    """(the script's last output line, its stderr lines about forks) for `mode` on or off."""
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"}
+    result = subprocess.run(
+        [sys.executable, "-c", FORKING_GRPC_PROCESS, mode],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    lines = [line for line in result.stderr.splitlines() if "fork" in line or "Bad file" in line]
+    return result.stdout.strip().splitlines()[-1], lines
+
+
+def test_forks_beside_busy_grpc_threads_run_no_grpc_fork_handlers():
+    assert _fork_beside_busy_grpc("off") == ("children failed: 0", [])
