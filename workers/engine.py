@@ -137,7 +137,9 @@ class Engine:
             ),
             self.kv,
         )
-        self.runner = ModelRunner(self.loaded, self.kv_cache, ops)
+        self.runner = ModelRunner(
+            self.loaded, self.kv_cache, ops, linear_backend=config.linear_backend
+        )
         self.sampler = Sampler(config.seed)
         self.proposer: Proposer | None = None
         if config.speculative is not None:

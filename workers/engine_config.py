@@ -7,7 +7,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from pagedserve.kernels.backends import BACKENDS
+from pagedserve.kernels.backends import BACKENDS, LINEAR_BACKENDS
 from pagedserve.workers.kv_cache_manager import ALLOCATION_MODES
 from pagedserve.workers.model_registry import DEFAULT_MODEL
 from pagedserve.workers.scheduling_policy import PREEMPTION_MODES, SchedulingPolicy
@@ -36,6 +36,11 @@ class EngineConfig:
             `swap` preemption, else none).
         attention_backend: `auto` (Triton on CUDA; on the CPU the C++ `cpu` kernel, or `torch`
             where it cannot be built), `triton`, `cpu` or `torch` (the plain-torch reference).
+        linear_backend: the fused decoder's projections on the CPU: `auto` (`onednn` for
+            float32 weights where this torch has oneDNN, else `torch`), `onednn` (weights
+            packed once at load into oneDNN's blocked layout: a second copy of the projection
+            weights, beside the model's own) or `torch` (`nn.functional.linear`). Elsewhere,
+            and for a model run through HF's modules, `torch`.
         enable_prefix_caching: reuse cached KV blocks of equal prefixes.
         kv_allocation: `paged` (blocks as tokens arrive) or `reserve-max` (a whole context per
             request, the baseline paging is measured against).
@@ -75,6 +80,7 @@ class EngineConfig:
     kv_cache_bytes: int | None = None
     num_swap_blocks: int | None = None
     attention_backend: str = field(default="auto", metadata={"choices": BACKENDS})
+    linear_backend: str = field(default="auto", metadata={"choices": LINEAR_BACKENDS})
     enable_prefix_caching: bool = True
     kv_allocation: str = field(default="paged", metadata={"choices": ALLOCATION_MODES})
     watermark: float = 0.01
@@ -102,6 +108,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
         if self.num_swap_blocks is not None and self.num_swap_blocks < 0:
             raise ValueError(f"num_swap_blocks must be >= 0, got {self.num_swap_blocks}")
+        if self.linear_backend not in LINEAR_BACKENDS:
+            raise ValueError(
+                f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}"
+            )
         if self.kv_allocation not in ALLOCATION_MODES:
             raise ValueError(
                 f"kv_allocation must be one of {ALLOCATION_MODES}, got {self.kv_allocation!r}"

@@ -16,7 +16,8 @@ float rounding (the tests hold them to 1e-4, and greedy ids equal HF's).
 
 The fused weights are the model's own storage: q/k/v (and gate/up) are concatenated once and
 the HF linears' weights become views into the concatenation, so no weight is held twice and the
-HF modules keep working.
+HF modules keep working. With the `onednn` linear backend (`cpu_linear`) each projection also
+holds a copy packed into oneDNN's layout, which its matmuls read instead.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torch import Tensor, nn
 
 from pagedserve.kernels import KernelOps
 from pagedserve.workers.attention_metadata import AttentionMetadata
+from pagedserve.workers.cpu_linear import Projection
 from pagedserve.workers.kv_cache import KVCache
 from pagedserve.workers.paged_attend import write_and_attend
 
@@ -42,22 +44,28 @@ class FusedLayer:
     """One decoder layer's weights, with q/k/v and gate/up each concatenated along rows."""
 
     input_norm: Tensor
-    qkv_weight: Tensor
-    qkv_bias: Tensor | None
-    o_weight: Tensor
-    o_bias: Tensor | None
+    qkv: Projection
+    o: Projection
     post_norm: Tensor
-    gate_up_weight: Tensor
-    gate_up_bias: Tensor | None
-    down_weight: Tensor
-    down_bias: Tensor | None
+    gate_up: Projection
+    down: Projection
 
 
 class FusedDecoder:
     """The forward pass of a fusable HF causal LM, reading and writing the paged pool."""
 
-    def __init__(self, model: nn.Module, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(
+        self,
+        model: nn.Module,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        linear_backend: str = "torch",
+    ):
         """Fuse ``model``'s projections in place (its linears become views of the fused weights).
+
+        Args:
+            linear_backend: a resolved `cpu_linear` backend, `torch` or `onednn`.
 
         Raises:
             ValueError: the model is not one ``fusable`` accepts.
@@ -74,8 +82,9 @@ class FusedDecoder:
         self.embed = decoder.embed_tokens.weight
         self.rotary = decoder.rotary_emb
         self.final_norm = decoder.norm.weight
-        self.lm_head = model.lm_head.weight
-        self.layers = [_fuse_layer(layer) for layer in decoder.layers]
+        self.linear_backend = linear_backend
+        self.lm_head = Projection.of(model.lm_head.weight, None, linear_backend)
+        self.layers = [_fuse_layer(layer, linear_backend) for layer in decoder.layers]
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self._qkv_split = (q_size, kv_size, kv_size)
         self._intermediate = int(config.intermediate_size)
@@ -106,15 +115,13 @@ class FusedDecoder:
                 metadata,
                 ops,
             )
-            hidden = hidden + F.linear(attended, layer.o_weight, layer.o_bias)
+            hidden = hidden + layer.o(attended)
             normed = _rms_norm(hidden, layer.post_norm, self.eps)
-            gate, up = F.linear(normed, layer.gate_up_weight, layer.gate_up_bias).split(
-                self._intermediate, dim=-1
-            )
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down_weight, layer.down_bias)
+            gate, up = layer.gate_up(normed).split(self._intermediate, dim=-1)
+            hidden = hidden + layer.down(F.silu(gate) * up)
         # The final norm is per row, so the rows whose logits are wanted are picked first.
         kept = _rms_norm(hidden[logits_indices], self.final_norm, self.eps)
-        return F.linear(kept, self.lm_head)
+        return self.lm_head(kept)
 
     def _attend(
         self,
@@ -129,7 +136,7 @@ class FusedDecoder:
     ) -> Tensor:
         """``[T, heads * D]``: this layer's attention output, after storing the new K/V."""
         tokens = normed.shape[0]
-        q, k, v = F.linear(normed, layer.qkv_weight, layer.qkv_bias).split(self._qkv_split, -1)
+        q, k, v = layer.qkv(normed).split(self._qkv_split, -1)
         q = _rope(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
         k = _rope(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
@@ -161,21 +168,18 @@ def unfusable_reason(model: nn.Module) -> str | None:
     return None
 
 
-def _fuse_layer(layer: nn.Module) -> FusedLayer:
+def _fuse_layer(layer: nn.Module, linear_backend: str) -> FusedLayer:
     attention, mlp = layer.self_attn, layer.mlp
     qkv_weight, qkv_bias = _fuse_rows([attention.q_proj, attention.k_proj, attention.v_proj])
     gate_up_weight, gate_up_bias = _fuse_rows([mlp.gate_proj, mlp.up_proj])
+    o_proj, down_proj = attention.o_proj, mlp.down_proj
     return FusedLayer(
         input_norm=layer.input_layernorm.weight,
-        qkv_weight=qkv_weight,
-        qkv_bias=qkv_bias,
-        o_weight=attention.o_proj.weight,
-        o_bias=attention.o_proj.bias,
+        qkv=Projection.of(qkv_weight, qkv_bias, linear_backend),
+        o=Projection.of(o_proj.weight, o_proj.bias, linear_backend),
         post_norm=layer.post_attention_layernorm.weight,
-        gate_up_weight=gate_up_weight,
-        gate_up_bias=gate_up_bias,
-        down_weight=mlp.down_proj.weight,
-        down_bias=mlp.down_proj.bias,
+        gate_up=Projection.of(gate_up_weight, gate_up_bias, linear_backend),
+        down=Projection.of(down_proj.weight, down_proj.bias, linear_backend),
     )
 
 

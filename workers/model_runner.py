@@ -27,6 +27,7 @@ from transformers import AttentionInterface
 
 from pagedserve.kernels import KernelOps
 from pagedserve.workers.attention_metadata import AttentionMetadata
+from pagedserve.workers.cpu_linear import resolve_linear_backend
 from pagedserve.workers.fused_decoder import FusedDecoder, unfusable_reason
 from pagedserve.workers.kv_cache import KVCache
 from pagedserve.workers.model_loader import LoadedModel
@@ -96,12 +97,19 @@ class ModelRunner:
     """
 
     def __init__(
-        self, loaded: LoadedModel, kv_cache: KVCache, ops: KernelOps, *, fuse: bool = True
+        self,
+        loaded: LoadedModel,
+        kv_cache: KVCache,
+        ops: KernelOps,
+        *,
+        fuse: bool = True,
+        linear_backend: str = "auto",
     ) -> None:
         """Bind the model to the pool.
 
         Args:
             fuse: run a fusable model through ``FusedDecoder`` (False: always HF's modules).
+            linear_backend: the fused decoder's projections (`EngineConfig.linear_backend`).
 
         Raises:
             ValueError: the pool does not fit the model, or the model's code does not go
@@ -120,10 +128,11 @@ class ModelRunner:
                 f"model {loaded.name!r} ({type(self.model).__name__}) does not support "
                 "custom attention functions (transformers' AttentionInterface)"
             )
+        backend = resolve_linear_backend(linear_backend, loaded.device, loaded.dtype)
         self.fused: FusedDecoder | None = None
         if fuse and unfusable_reason(self.model) is None:
             self.fused = FusedDecoder(
-                self.model, loaded.num_heads, loaded.num_kv_heads, loaded.head_dim
+                self.model, loaded.num_heads, loaded.num_kv_heads, loaded.head_dim, backend
             )
 
     @torch.inference_mode()

@@ -1,5 +1,6 @@
-"""ModelRunner: paged-attention logits equal HF's own full-sequence forward, through both the
-fused decoder (Llama, Mistral, Qwen2) and HF's own modules with the attention swapped.
+"""ModelRunner: paged-attention logits equal HF's own full-sequence forward, through the fused
+decoder (Llama, Mistral, Qwen2; its projections through torch's linear or oneDNN's over packed
+weights) and through HF's own modules with the attention swapped.
 
 Each scenario runs a packed batch through chunked prefill, a mixed prefill+decode step and
 decode-only steps, with block tables drawn from a shuffled pool, and checks the logits of every
@@ -74,7 +75,14 @@ class _Seq:
 class _PagedHarness:
     """A stand-in for the block manager and engine: tables, slots, packing, reference logits."""
 
-    def __init__(self, loaded: LoadedModel, block_size: int, seed: int, fuse: bool = True) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        block_size: int,
+        seed: int,
+        fuse: bool = True,
+        linear_backend: str = "torch",
+    ) -> None:
         self.reference = copy.deepcopy(loaded.model)  # before the runner swaps its attention
         self.block_size = block_size
         self.kv_cache = KVCache(
@@ -87,7 +95,9 @@ class _PagedHarness:
             device="cpu",
             ops=OPS,
         )
-        self.runner = ModelRunner(loaded, self.kv_cache, OPS, fuse=fuse)
+        self.runner = ModelRunner(
+            loaded, self.kv_cache, OPS, fuse=fuse, linear_backend=linear_backend
+        )
         assert (self.runner.fused is not None) == fuse
         self.free_blocks = list(range(NUM_BLOCKS))
         random.Random(seed).shuffle(self.free_blocks)
@@ -147,13 +157,19 @@ def _prompt(rng: random.Random, vocab: int, length: int) -> list[int]:
     return [rng.randrange(vocab) for _ in range(length)]
 
 
-@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "hf-modules"])
+@pytest.mark.parametrize(
+    "fuse, linear_backend",
+    [(True, "torch"), (True, "onednn"), (False, "torch")],
+    ids=["fused", "fused-onednn", "hf-modules"],
+)
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_logits_match_hf_through_chunked_prefill_and_decode(
-    model_path: str, block_size: int, fuse: bool
+    model_path: str, block_size: int, fuse: bool, linear_backend: str
 ):
     loaded = load_model(model_path)
-    harness = _PagedHarness(loaded, block_size, seed=block_size, fuse=fuse)
+    harness = _PagedHarness(
+        loaded, block_size, seed=block_size, fuse=fuse, linear_backend=linear_backend
+    )
     rng = random.Random(block_size)
     for name, length in (("a", 37), ("b", 21), ("c", 5)):
         harness.seqs[name] = _Seq(_prompt(rng, loaded.vocab_size, length))
@@ -249,7 +265,7 @@ def test_fused_decoder_computes_only_wanted_logits_and_shares_the_weights(monkey
     original_linear = torch.nn.functional.linear
 
     def spy_linear(x, weight, bias=None):
-        if weight is fused.lm_head:
+        if weight is fused.lm_head.weight:
             lm_head_rows.append(x.shape[0])
         return original_linear(x, weight, bias)
 
@@ -268,7 +284,7 @@ def test_fused_decoder_computes_only_wanted_logits_and_shares_the_weights(monkey
     # The HF linears are views of the fused weights (no second copy), with unchanged values.
     for layer, fused_layer in zip(loaded.model.model.layers, fused.layers, strict=True):
         attention = layer.self_attn
-        storage = fused_layer.qkv_weight.untyped_storage().data_ptr()
+        storage = fused_layer.qkv.weight.untyped_storage().data_ptr()
         for linear in (attention.q_proj, attention.k_proj, attention.v_proj):
             assert linear.weight.untyped_storage().data_ptr() == storage
     for name, param in loaded.model.named_parameters():
