@@ -75,10 +75,9 @@ def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) 
     count or repeat; the cause is not found yet."""
     if name not in LINEAR_BACKENDS:
         raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {name!r}")
-    supported = onednn_supported(device, dtype)
     if name == "auto":
         return "torch"
-    if name == "onednn" and not supported:
+    if name == "onednn" and not onednn_supported(device, dtype):
         raise ValueError(
             "linear_backend 'onednn' needs the CPU, float32 or bfloat16 weights and a torch "
             f"built with oneDNN; here: device {device}, dtype {dtype}"

@@ -82,7 +82,6 @@ class FusedDecoder:
         self.embed = decoder.embed_tokens.weight
         self.rotary = decoder.rotary_emb
         self.final_norm = decoder.norm.weight
-        self.linear_backend = linear_backend
         self.lm_head = Projection.of(model.lm_head.weight, None, linear_backend)
         self.layers = [_fuse_layer(layer, linear_backend) for layer in decoder.layers]
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
