@@ -49,8 +49,17 @@ def test_soak_with_chaos(ray_cluster):
     statuses = summary["statuses"]
     assert summary["requests"] >= 300 + SPEC.burst_size
     assert statuses.get("hung", 0) == 0
-    assert statuses["finished"] > 200 and statuses["rejected"] > 0 and statuses["cancelled"] > 0
-    assert statuses.get("refused", 0) > 0  # the burst met backpressure
+    # Steady clients send a refused request again after its retry hint, so each one that
+    # asked for nothing unusual finishes, however long a loaded machine takes to drain the
+    # burst's backlog (without retries the share refused swung with the machine's speed).
+    unfinished = [
+        (o.request.index, o.request.kind, o.status)
+        for o in report.outcomes
+        if o.request.kind in ("ok", "slow") and o.status != "finished"
+    ]
+    assert not unfinished, unfinished
+    assert statuses["rejected"] > 0 and statuses["cancelled"] > 0
+    assert statuses.get("refused", 0) > 0  # the burst (which never retries) met backpressure
     assert set(report.faults) == {"kill", "drop_events", "burst"}
     assert len({o.request.tenant for o in report.outcomes}) == SPEC.num_tenants
     assert router.moves > 0  # the small pool preempted by moving to the peer
