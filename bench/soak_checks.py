@@ -122,7 +122,7 @@ def check_tenants(report: SoakReport) -> list[str]:
 def check_counters(report: SoakReport, router: dict[str, int]) -> list[str]:
     """The router's counters against what the client saw."""
     problems = []
-    seen_refused = sum(o.refusals for o in report.outcomes)  # retried refusals included
+    seen_refused = report.refusals
     counted = router.get("refused.router", 0) + router.get("refused.worker", 0)
     if counted != seen_refused:
         problems.append(f"router counted {counted} refusals, the client saw {seen_refused}")

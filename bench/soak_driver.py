@@ -129,13 +129,18 @@ class SoakReport:
     def counts(self) -> dict[str, int]:
         return dict(Counter(o.status for o in self.outcomes))
 
+    @property
+    def refusals(self) -> int:
+        """Every refusal the clients met, the retried ones included."""
+        return sum(o.refusals for o in self.outcomes)
+
     def summary(self) -> dict[str, Any]:
         return {
             "requests": len(self.outcomes),
             "duration_s": round(self.duration_s, 1),
             "requests_per_s": round(len(self.outcomes) / max(self.duration_s, 1e-9), 1),
             "statuses": self.counts(),
-            "refusals": sum(o.refusals for o in self.outcomes),  # the retried ones included
+            "refusals": self.refusals,
             "kinds": dict(Counter(o.request.kind for o in self.outcomes)),
             "faults": self.faults,
         }
