@@ -1,5 +1,6 @@
-"""A worker's cached prefixes as whole chains, hottest first: what it hands over before it
-leaves the pool (`cluster/worker_pool.py`).
+"""A worker's cached prefixes as whole chains: hottest first, what it hands over before it
+leaves the pool (`cluster/worker_pool.py`); or next evicted first, what it pushes to a peer
+(`cluster/migration.py`).
 
 A cached block is only useful with its ancestors (a prefix match walks from the root), so the
 unit handed over is a chain from the root to a leaf (a cached block no other cached block
@@ -40,6 +41,22 @@ def hot_chains(pool: BlockPool, max_blocks: int) -> list[list[BlockHash]]:
             continue
         taken.update(new)
         chains.append(chain)
+    return chains
+
+
+def eviction_chains(pool: BlockPool, max_chains: int) -> list[list[BlockHash]]:
+    """Up to `max_chains` chains (root first), each ending in a cached free block, in the order
+    those blocks will be evicted. A block whose ancestors are not all cached is skipped: pushed
+    alone it could never be matched."""
+    chains = []
+    for block in pool.free_queue:
+        if len(chains) >= max_chains:
+            break
+        if block.block_hash is None:
+            continue
+        chain = _chain_to(block, pool.cached)
+        if chain is not None:
+            chains.append(chain)
     return chains
 
 

@@ -269,10 +269,10 @@ class Worker:
         self.core.renew_lease(owner_id)
 
     async def kv_snapshot(self) -> KVSnapshot:
-        return self.core.kv_snapshot()
+        return await self.core.kv_snapshot()
 
     async def check_pool(self) -> PoolCheck:
-        return self.core.check_pool()
+        return await self.core.check_pool()
 
     async def chaos_refuse_next(self, count: int) -> None:
         self.core.chaos_refuse_next(count)
@@ -294,8 +294,8 @@ class Worker:
     async def import_prefix(self, keys: Sequence[BlockKey], packed: Any) -> int:
         return await self.core.import_prefix(keys, packed)
 
-    async def push_candidates(self, max_blocks: int) -> list[list[bytes]]:
-        return self.core.push_candidates(max_blocks)
+    async def push_candidates(self, max_chains: int) -> list[list[bytes]]:
+        return await self.core.push_candidates(max_chains)
 
     async def hot_chains(self, max_blocks: int) -> list[list[bytes]]:
         """Its cached prefixes, hottest first, for a handover before it leaves the pool."""

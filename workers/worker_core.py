@@ -5,8 +5,10 @@ It holds the worker's logic and needs no Ray, so it is tested directly; `Worker`
 
 The engine is single-threaded. Steps run in a thread so the event loop stays free to accept
 requests and stream tokens during a forward; anything that changes the engine (add, abort,
-block import) waits until no step is in flight and then runs on the loop thread. So exactly one
-thread touches the engine at any time, and an abort takes effect within one step.
+block import) or reads its pool (snapshots, pool checks, push candidates, the KV event list)
+waits until no step is in flight and then runs on the loop thread. So exactly one thread
+touches the engine at any time, and an abort takes effect within one step. (`stats` alone reads
+counters during a step: the router's liveness poll must be answered by a busy or hung engine.)
 
 Two guards keep a request from running on when nobody wants it:
 - a bounded buffer per stream (`DeltaBuffer`): a reader that stops reading gets its request
@@ -37,7 +39,7 @@ from pagedserve.workers.block import BlockKey
 from pagedserve.workers.engine import Engine
 from pagedserve.workers.errors import Draining, HandedOff, Overloaded, RequestRejected
 from pagedserve.workers.handoff import RequestHandoff
-from pagedserve.workers.hot_chains import hot_chains
+from pagedserve.workers.hot_chains import eviction_chains, hot_chains
 from pagedserve.workers.kv_cache_manager import PrefixTransfer
 from pagedserve.workers.kv_checks import KVInvariantError, assert_no_leaks, check_invariants
 from pagedserve.workers.kv_events import KVEvent, KVSnapshot
@@ -246,6 +248,11 @@ class WorkerCore:
             self._on_engine_soon(functools.partial(self.engine.pause, delta.request_id))
 
     def _publish_events(self) -> None:
+        """Hand the pool's new KV events to the sink. Not while a step is in flight: its thread
+        appends to the pool's event list, and an event appended to a batch already sent would
+        be lost (the index would see a gap and resync). The loop publishes after every step."""
+        if self._stepping:
+            return
         events = self.engine.kv.pool.take_events()
         if events and self._drop_next_batch:  # chaos: the index must notice and resync
             self._drop_next_batch = False
@@ -427,8 +434,12 @@ class WorkerCore:
             **engine,
         )
 
-    def check_pool(self) -> PoolCheck:
-        """Pool invariants now; when idle, also that no block is held (free + cached = total)."""
+    async def check_pool(self) -> PoolCheck:
+        """Pool invariants between steps; when idle, also that no block is held (free + cached
+        = total)."""
+        return await self._on_engine(self._check_pool_now)
+
+    def _check_pool_now(self) -> PoolCheck:
         idle = not self.engine.has_unfinished_requests() and not self._streams
         proposer = self.engine.proposer
         pools = [self.engine.kv] + ([proposer.kv] if proposer and proposer.kv else [])
@@ -464,7 +475,12 @@ class WorkerCore:
         """Lose the next KV event batch on purpose (soak and resync tests)."""
         self._drop_next_batch = True
 
-    def kv_snapshot(self) -> KVSnapshot:
+    async def kv_snapshot(self) -> KVSnapshot:
+        """The blocks held in every tier and the event sequence number they reflect, read
+        between steps (a step in flight changes both)."""
+        return await self._on_engine(self._snapshot_now)
+
+    def _snapshot_now(self) -> KVSnapshot:
         pool = self.engine.kv.pool
         self._publish_events()  # events below next_seq are reflected in the snapshot
         held = pool.held_blocks()  # every tier's blocks, each with its fastest tier
@@ -485,27 +501,11 @@ class WorkerCore:
 
         return await self._on_engine(export)
 
-    def push_candidates(self, max_blocks: int) -> list[list[bytes]]:
-        """Chains (root first) ending in the cached free blocks next in line for eviction.
-
-        A pushed block is only useful with its ancestors, so each candidate is the whole chain
-        of cached blocks from the prefix root down to the block about to be evicted.
-        """
+    async def push_candidates(self, max_chains: int) -> list[list[bytes]]:
+        """Chains (root first) ending in the cached free blocks next in line for eviction
+        (`eviction_chains`), read between steps."""
         pool = self.engine.kv.pool
-        chains = []
-        for block in pool.free_queue:
-            if len(chains) >= max_blocks:
-                break
-            if block.block_hash is None:
-                continue
-            chain = [block.block_hash]
-            parent = block.key.parent_hash
-            while parent is not None and parent in pool.cached:
-                chain.append(parent)
-                parent = pool.cached[parent].key.parent_hash
-            if parent is None:  # the whole chain is here: worth pushing
-                chains.append(chain[::-1])
-        return chains
+        return await self._on_engine(lambda: eviction_chains(pool, max_chains))
 
     async def hot_chains(self, max_blocks: int) -> list[list[bytes]]:
         """Its cached prefixes as whole chains, hottest first (`workers/hot_chains.py`), read

@@ -1,10 +1,11 @@
 """`hot_chains`: whole cached chains (root first), hottest leaf first, shared ancestors counted
-once against the block budget, chains with an evicted ancestor left out."""
+once against the block budget, chains with an evicted ancestor left out. `eviction_chains`: the
+chains ending in the free cached blocks, next evicted first."""
 
 from pagedserve.workers.block import BlockKey
 from pagedserve.workers.block_hash import block_hash
 from pagedserve.workers.block_pool import BlockPool
-from pagedserve.workers.hot_chains import hot_chains
+from pagedserve.workers.hot_chains import eviction_chains, hot_chains
 
 
 def cache_chain(pool: BlockPool, tokens: list[int], parent=None) -> list:
@@ -47,3 +48,26 @@ def test_a_chain_whose_ancestor_was_evicted_is_left_out():
     blocks2, chain2 = cache_chain(pool2, [1, 2, 3])
     pool2.uncache_block(blocks2[0])  # the root's content is gone
     assert hot_chains(pool2, 10) == []
+
+
+def test_eviction_chains_end_in_free_cached_blocks_next_evicted_first():
+    pool = BlockPool(16)
+    trunk_blocks, trunk = cache_chain(pool, [1, 2])
+    old_blocks, old = cache_chain(pool, [3], parent=trunk[-1])
+    new_blocks, new = cache_chain(pool, [4], parent=trunk[-1])
+    _, busy = cache_chain(pool, [5, 6])  # held: never a candidate
+    pool.free_blocks(reversed(old_blocks))  # evicted first
+    pool.free_blocks(reversed(new_blocks))
+    pool.free_blocks(reversed(trunk_blocks))  # the leaf of trunk before its root
+
+    assert eviction_chains(pool, 10) == [trunk + old, trunk + new, trunk, trunk[:1]]
+    assert eviction_chains(pool, 2) == [trunk + old, trunk + new]
+    assert all(busy[-1] not in chain for chain in eviction_chains(pool, 10))
+
+
+def test_an_eviction_chain_needs_every_ancestor_cached():
+    pool = BlockPool(8)
+    blocks, chain = cache_chain(pool, [1, 2, 3])
+    pool.uncache_block(blocks[0])
+    pool.free_blocks(reversed(blocks))
+    assert eviction_chains(pool, 10) == []

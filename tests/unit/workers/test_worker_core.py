@@ -99,13 +99,47 @@ def test_events_published_and_snapshot_agrees(tiny_llama):
     async def main():
         await collect(core, "x", list(range(40)))
         await core.close()
+        return await core.kv_snapshot()
 
-    asyncio.run(main())
+    snapshot = asyncio.run(main())
     events = [event for _, _, batch in batches for event in batch]
     assert [e.seq for e in events] == list(range(len(events)))
-    snapshot = core.kv_snapshot()
     assert snapshot.next_seq == len(events) and snapshot.epoch == core.epoch
     assert set(snapshot.block_hashes) == {e.block_hash for e in events}
+    finish_clean(llm)
+
+
+def test_pool_reads_wait_for_the_step_in_flight(tiny_llama):
+    """A snapshot, a pool check and push candidates asked for while a step runs are read after
+    it, on the loop thread: the step thread changes the pool and appends to its event list,
+    and a read beside it could see a half-changed pool or hand off an event list the step is
+    still appending to (a lost event: the index sees a gap and resyncs)."""
+    batches = []
+    llm, core = make_core(tiny_llama, sink=lambda w, e, ev: batches.append(ev))
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        core.chaos_stall(True, after_steps=2)  # the third step is held in flight
+        reader = asyncio.ensure_future(collect(core, "x", list(range(40)), long))
+        # `chaos_stall` holds the step thread before the engine step: a step in flight.
+        await until(lambda: core._stepping and not core._unstalled.is_set(), "a held step")
+        reads = (core.kv_snapshot(), core.check_pool(), core.push_candidates(4))
+        reads = [asyncio.ensure_future(read) for read in reads]
+        for _ in range(3):  # a read that did not wait would be done after its first turn
+            await asyncio.sleep(0)
+        waited = [not read.done() for read in reads]
+        core.chaos_stall(False)
+        snapshot, check, _ = await asyncio.gather(*reads)
+        await reader
+        await core.close()
+        return waited, snapshot, check, await core.kv_snapshot()
+
+    waited, snapshot, check, final = asyncio.run(main())
+    assert waited == [True, True, True]
+    assert check.ok and not check.idle  # read while the stream was open
+    events = [event for batch in batches for event in batch]
+    assert [e.seq for e in events] == list(range(len(events)))  # none lost or repeated
+    assert 0 < snapshot.next_seq <= final.next_seq == len(events)
     finish_clean(llm)
 
 
@@ -181,12 +215,11 @@ def run_moves(tiny_llama, prompts, params):
         results = await asyncio.gather(*follows)
         await core_a.close()
         await core_b.close()
-        return results
+        return results, await core_a.check_pool(), await core_b.check_pool()
 
-    results = asyncio.run(main())
-    assert core_a.engine.num_handoffs >= 1 and core_b.check_pool().ok
-    assert core_a.check_pool() == PoolCheck(ok=True, idle=True)
-    assert core_b.check_pool().idle
+    results, check_a, check_b = asyncio.run(main())
+    assert core_a.engine.num_handoffs >= 1
+    assert check_a == check_b == PoolCheck(ok=True, idle=True)
     return results
 
 
