@@ -147,6 +147,27 @@ def test_threads_and_work_split_do_not_change_the_result(gen: torch.Generator) -
     torch.testing.assert_close(alone, paged_prefill_attention_ref(*args))
 
 
+def test_a_decode_row_is_the_same_bits_whatever_its_batch(gen: torch.Generator) -> None:
+    """A decode row's attention depends on its own sequence only: alone, beside longer
+    contexts, or in a mixed step beside a short chunk (in the op) and a long one (gather +
+    SDPA), its output is bit for bit the same. So a request's tokens do not depend on what the
+    worker batched it with (with row-invariant projections: `workers/cpu_linear.py`). The torch
+    reference lacks this: it pads each decode group to its longest context, and a decode row
+    beside a longer one comes out a rounding apart."""
+    lens = [300, 900, 40, 20]
+    kv = make_paged_kv(lens, 3, 64, 16, generator=gen)
+    query = torch.randn(4, 9, 64, generator=gen)
+    caches = (kv.key_cache, kv.value_cache)
+    tables, seq_lens = kv.block_tables, kv.seq_lens
+    alone = paged_decode_attention_cpu(query[:1], *caches, tables[:1], seq_lens[:1], 0.125)
+    beside = paged_decode_attention_cpu(query[:3], *caches, tables[:3], seq_lens[:3], 0.125)
+    chunks, starts = _packed_queries([1, 1, 40, 20], 9, 64, torch.float32, gen)
+    chunks[:1] = query[:1]
+    mixed = paged_attention_cpu(chunks, *caches, tables, starts, seq_lens, 0.125)
+    assert torch.equal(beside[:1], alone)
+    assert torch.equal(mixed[:1], alone)
+
+
 @pytest.mark.parametrize("max_in_place", [0, 1 << 30], ids=["all-reference", "all-in-place"])
 def test_routing_by_query_length_does_not_change_the_result(
     max_in_place: int, gen: torch.Generator, monkeypatch
