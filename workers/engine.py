@@ -4,13 +4,8 @@ One `step()` plans a batch (Scheduler), moves blocks (swap, copy-on-write), runs
 forward (ModelRunner), samples one token per finished row (Sampler), and retires sequences that
 stopped. Finished, aborted and timed-out sequences free their blocks in the same step.
 
-With speculative decoding on (`EngineConfig.speculative`), a step first asks the proposer for
-up to k draft tokens per decoding sequence; the scheduler gives each its last token plus the
-drafts as one short chunk (`allocate_slots(..., num_draft_tokens=)`), the same forward yields
-logits at every draft position, `spec_verify` accepts a prefix of the drafts plus one token of
-the target's own, and `KVCacheManager.accept_draft_slots` releases the rejected slots. Tokens
-are appended one by one through the same stop checks as without speculation, so a run that
-stops inside the accepted drafts ends exactly where it would have.
+With speculative decoding on (`EngineConfig.speculative`), a step first takes drafts for its
+decoding sequences and verifies them after the forward (`spec_decoding.py`).
 
 A step returns deltas (`RequestDelta`, see `outputs.py`): per request it touched, only the new
 tokens and final text of each branch. Each `Request` keeps what it has not yet reported, so a
@@ -19,8 +14,6 @@ step costs O(new tokens), never a copy of the whole output.
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import math
 import time
 from collections.abc import Sequence
@@ -29,41 +22,28 @@ import torch
 
 from pagedserve.kernels import get_kernel_ops
 from pagedserve.workers.batch import build_batch
-from pagedserve.workers.detokenizer import IncrementalDetokenizer
-from pagedserve.workers.engine_config import (
-    CUDA_KV_MEMORY_FRACTION,
-    DEFAULT_CPU_KV_CACHE_BYTES,
-    EngineConfig,
-)
+from pagedserve.workers.engine_config import EngineConfig
+from pagedserve.workers.engine_sizing import kv_layout, num_kv_blocks
 from pagedserve.workers.errors import Overloaded, RequestRejected, RequestTooLarge
-from pagedserve.workers.handoff import HandoffReason, HandoffTimings, RequestHandoff, adopt_kv
+from pagedserve.workers.handoff import HandoffReason, RequestHandoff, adopt_kv, pack_handoff
 from pagedserve.workers.kv_cache import KVCache
 from pagedserve.workers.kv_cache_manager import KVCacheManager, KVUsage
-from pagedserve.workers.kv_tier_file import KVLayout
-from pagedserve.workers.kv_tier_load import build_tier_store, load_prefix_from_tiers
-from pagedserve.workers.kv_tiers import StepTierLoad, TierLoad, TierStats
+from pagedserve.workers.kv_tier_load import build_tier_store, load_waiting_prefixes
+from pagedserve.workers.kv_tiers import StepTierLoad, TierStats
 from pagedserve.workers.logprobs import (
-    raw_logits,
-    record_sample_logprobs,
     take_prompt_logprobs,
 )
 from pagedserve.workers.model_loader import LoadedModel, load_model
-from pagedserve.workers.model_registry import TINY_LLAMA_NAME
 from pagedserve.workers.model_runner import ModelRunner
 from pagedserve.workers.outputs import RequestDelta
 from pagedserve.workers.request import Request, RequestGroup, RequestStatus
-from pagedserve.workers.sampler import (
-    Sampler,
-    apply_penalties,
-    make_generator,
-    sampling_probs,
-    suppress_stop_tokens,
-)
+from pagedserve.workers.request_intake import RequestIntake
+from pagedserve.workers.sampler import Sampler, sample_rows
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedserve.workers.spec_decoding import SpecDecoding
 from pagedserve.workers.spec_proposer import Proposer, make_proposer
 from pagedserve.workers.spec_stats import SpecCounters, SpecStats
-from pagedserve.workers.spec_verify import Verdict, verify_greedy, verify_sampled
 from pagedserve.workers.stop_checker import FinishReason, check_stop
 from pagedserve.workers.worker_role import WorkerRole
 
@@ -102,7 +82,7 @@ class Engine:
         ops = get_kernel_ops(
             config.attention_backend, self.loaded.device, split_decodes=config.split_decodes
         )
-        num_blocks = self._num_kv_blocks()
+        num_blocks = num_kv_blocks(config, self.loaded)
         num_swap = config.num_swap_blocks
         if num_swap is None:
             num_swap = num_blocks if config.preemption_mode == "swap" else 0
@@ -126,6 +106,7 @@ class Engine:
             watermark=config.watermark,
             num_swap_blocks=num_swap,
         )
+        self.intake = RequestIntake(self.loaded, self.max_model_len, self.kv)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -155,7 +136,7 @@ class Engine:
             )
         self.tiers = build_tier_store(
             self.kv_cache,
-            self._kv_layout(),
+            kv_layout(config, self.loaded),
             host_bytes=config.kv_host_tier_bytes,
             disk_dir=config.kv_disk_tier_dir,
             disk_bytes=config.kv_disk_tier_bytes,
@@ -163,9 +144,19 @@ class Engine:
         if self.tiers is not None:
             self.kv.pool.attach_lower_tiers(self.tiers)
         self.spec_counters = SpecCounters()
+        self.speculation: SpecDecoding | None = None
+        if self.proposer is not None:
+            self.speculation = SpecDecoding(
+                self.proposer,
+                config.speculative.num_tokens,
+                self.max_model_len,
+                self.kv,
+                self.sampler,
+                self.loaded.eos_token_ids,
+                self.spec_counters,
+            )
         self._groups: dict[str, RequestGroup] = {}
         self._paused: set[str] = set()  # ids of paused groups (see `pause`)
-        self._arrivals = itertools.count()
         self.num_steps = 0
         self.num_handoffs = 0
         # Adopted handoffs whose KV came with them, and those recomputed from their tokens.
@@ -173,44 +164,10 @@ class Engine:
         self.num_adopted_recomputed = 0
         self.step_tier_loads: list[StepTierLoad] = []  # the last step's loads (for spans)
 
-    def _kv_layout(self) -> KVLayout:
-        """What a disk-tier block must match to be loaded here (a random model's weights
-        depend on the seed, so its seed is part of the name)."""
-        model = self.loaded.name
-        if model == TINY_LLAMA_NAME:
-            model = f"{model}#seed={self.config.seed}"
-        return KVLayout(
-            model=model,
-            num_layers=self.loaded.num_layers,
-            block_size=self.config.block_size,
-            num_kv_heads=self.loaded.num_kv_heads,
-            head_dim=self.loaded.head_dim,
-            dtype=str(self.loaded.dtype).removeprefix("torch."),
-        )
-
     def close(self) -> None:
         """Finish the disk tier's queued writes and release its directory."""
         if self.tiers is not None:
             self.tiers.close()
-
-    def _num_kv_blocks(self) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        budget = self.config.kv_cache_bytes
-        if budget is None:
-            if self.loaded.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.loaded.device)
-                budget = int(free * CUDA_KV_MEMORY_FRACTION)
-            else:
-                budget = DEFAULT_CPU_KV_CACHE_BYTES
-        return KVCache.num_blocks_for_budget(
-            budget,
-            block_size=self.config.block_size,
-            num_layers=self.loaded.num_layers,
-            num_kv_heads=self.loaded.num_kv_heads,
-            head_dim=self.loaded.head_dim,
-            dtype=self.loaded.dtype,
-        )
 
     # -------------------------------------------------------------- requests
     def add_request(
@@ -231,13 +188,13 @@ class Engine:
             raise RequestRejected(f"request_id {request_id!r} is already in flight")
         if self.scheduler.waiting_full():
             raise Overloaded(f"the engine's waiting queue is full ({self.config.max_waiting})")
-        prompt_text, token_ids = self._tokenize(prompt)
-        self._check_fits(len(token_ids), params)
+        prompt_text, token_ids = self.intake.tokenize(prompt)
+        self.intake.check_fits(len(token_ids), params)
         now = time.monotonic()
         deadline = None if timeout_s is None else now + timeout_s
         extra_keys = (self.loaded.name,) + (() if cache_salt is None else (cache_salt,))
         branches = [
-            self._new_branch(
+            self.intake.new_branch(
                 request_id, j, token_ids, params.for_branch(j), priority, extra_keys, deadline, now
             )
             for j in range(params.n)
@@ -251,70 +208,6 @@ class Engine:
             request_id, prompt_text, list(token_ids), branches, now, deadline
         )
         self.scheduler.add(first)
-
-    def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise RequestRejected("prompt is empty")
-            if self.tokenizer is None:
-                raise RequestRejected(
-                    "prompt is text but the model has no tokenizer; pass prompt_token_ids"
-                )
-            token_ids = self.tokenizer.encode(prompt)
-            if not token_ids:
-                raise RequestRejected("prompt encodes to no tokens")
-            return prompt, token_ids
-        token_ids = list(prompt)
-        if not token_ids:
-            raise RequestRejected("prompt_token_ids is empty")
-        vocab = self.loaded.vocab_size
-        bad = [
-            t
-            for t in token_ids
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
-        ]
-        if bad:
-            raise RequestRejected(
-                f"prompt_token_ids holds ids outside the vocabulary [0, {vocab}): {bad[:5]}"
-            )
-        return None, token_ids
-
-    def _check_fits(self, prompt_len: int, params: SamplingParams) -> None:
-        total = prompt_len + params.max_tokens
-        if total > self.max_model_len:
-            raise RequestRejected(
-                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds the model's context of {self.max_model_len} tokens"
-            )
-        if not self.kv.can_fit_ever(total):
-            raise RequestTooLarge(
-                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) can never fit "
-                f"in the KV pool ({self.kv.pool.num_blocks} blocks of {self.kv.block_size} "
-                f"tokens, {self.kv.reserve_blocks} kept in reserve)"
-            )
-
-    def _new_branch(
-        self, request_id, index, token_ids, params, priority, extra_keys, deadline, now
-    ) -> Request:
-        request = Request(
-            request_id=f"{request_id}#{index}",
-            group_id=request_id,
-            branch_index=index,
-            prompt_len=len(token_ids),
-            all_token_ids=list(token_ids),
-            params=params,
-            cache_extra_keys=extra_keys,
-            priority=priority,
-            arrival_order=next(self._arrivals),
-            deadline=deadline,
-            generator=make_generator(params.seed, self.loaded.device),
-        )
-        request.timings.arrival = now
-        if self.tokenizer is not None:
-            request.detokenizer = IncrementalDetokenizer(
-                self.tokenizer, params.stop, params.include_stop_str_in_output
-            )
-        return request
 
     def abort(
         self, request_id: str, reason: FinishReason = FinishReason.ABORT
@@ -365,7 +258,9 @@ class Engine:
         touched: dict[str, RequestGroup] = {}
         self._expire_deadlines(touched)
         self._hand_off_prefilled(touched)
-        drafted = self._propose_drafts()
+        drafted = []
+        if self.speculation is not None:
+            drafted = self.speculation.propose(self.scheduler.running, self._groups)
         self._load_from_tiers()
         plan = self.scheduler.schedule()
         if plan.swap_out:
@@ -384,114 +279,13 @@ class Engine:
         return [self._delta_for(group) for group in touched.values()]
 
     def _load_from_tiers(self) -> None:
-        """Before admission: bring the lower-tier prefixes of the waiting requests this step
-        can admit back into the device pool, so the scheduler sees them as prefix hits.
-
-        Requests are taken in queue order while their whole sequences fit the pool's free
-        blocks together: a load takes free (possibly cached) blocks, so loading for a request
-        the step cannot admit would evict the blocks just loaded for the one before it, and
-        a long queue on a full pool turned every step into a round of wasted tier reads.
-        """
-        tiers = self.tiers
-        if tiers is None:
-            return
-        self.step_tier_loads = []
-        tiers.reap_failed()
-        if not tiers.num_blocks:
+        """Before admission: the waiting requests' lower-tier prefixes, back into the pool."""
+        if self.tiers is None:
             return
         slots = self.config.max_num_seqs - self.scheduler.num_active
-        room = self.kv.pool.num_free_blocks - self.kv.reserve_blocks
-        for request in self.scheduler.waiting:
-            if slots <= 0:
-                return
-            if request.paused:
-                continue
-            room -= -(-len(request.all_token_ids) // self.kv.block_size)  # its blocks, rounded up
-            if room < 0:
-                return
-            slots -= 1 + len(request.pending_branches)
-            started, hits = time.time_ns(), tiers.hits()
-            if load_prefix_from_tiers(self.kv, self.kv_cache, tiers, request):
-                now = tiers.hits()
-                load = TierLoad(*(after - before for after, before in zip(now, hits, strict=True)))
-                self.step_tier_loads.append(
-                    StepTierLoad(request.group_id, started, time.time_ns(), load)
-                )
-
-    # ----------------------------------------------------------- speculation
-    def _propose_drafts(self) -> list[Request]:
-        """Ask the proposer for this step's drafts; the sequences that got some."""
-        if self.proposer is None:
-            return []
-        candidates = [(r, k) for r in self.scheduler.running if (k := self._max_drafts(r)) > 0]
-        if not candidates:
-            return []
-        started = time.perf_counter()
-        requests = [r for r, _ in candidates]
-        proposals = self.proposer.propose(requests, [k for _, k in candidates])
-        self.spec_counters.draft_time_s += time.perf_counter() - started
-        for request, drafts in zip(requests, proposals, strict=True):
-            request.draft_token_ids = list(drafts)
-        return [r for r in requests if r.draft_token_ids]
-
-    def _max_drafts(self, request: Request) -> int:
-        """How many drafts a sequence may verify this step: none unless it is decoding alone
-        (not one of n > 1 branches, no log-probabilities asked), and never past `max_tokens`
-        or the context (a verify chunk writes positions up to its last draft)."""
-        params = request.params
-        decoding = request.num_computed_tokens == len(request.all_token_ids) - 1
-        if request.status is not RequestStatus.RUNNING or request.paused or not decoding:
-            return 0
-        if len(self._groups[request.group_id].branches) > 1 or params.logprobs is not None:
-            return 0
-        return max(
-            0,
-            min(
-                self.config.speculative.num_tokens,
-                params.max_tokens - request.num_output_tokens - 1,
-                self.max_model_len - len(request.all_token_ids),
-            ),
+        self.step_tier_loads = load_waiting_prefixes(
+            self.kv, self.kv_cache, self.tiers, self.scheduler.waiting, slots
         )
-
-    def _verify(self, requests: list[Request], logits: torch.Tensor, touched, now) -> None:
-        """Accept each sequence's drafts (rows of `logits`, k + 1 per sequence), append its
-        tokens through the stop checks, and release the slots of what was rejected."""
-        offset = 0
-        for request in requests:
-            drafts = request.draft_token_ids
-            rows = logits[offset : offset + len(drafts) + 1].clone()
-            offset += len(drafts) + 1
-            verdict = self._verdict(request, rows)
-            emitted = 0
-            for token in verdict.token_ids:
-                self._append_token(request, token, now)
-                emitted += 1
-                if request.is_finished:  # a stop inside the run: the rest is dropped
-                    break
-            if not request.is_finished:
-                self.kv.accept_draft_slots(request, verdict.num_accepted)
-                request.num_computed_tokens += verdict.num_accepted
-            self.spec_counters.on_verified(len(drafts), verdict.num_accepted, emitted)
-            request.timings.num_verify_steps += 1
-            request.timings.num_draft_tokens += len(drafts)
-            request.timings.num_accepted_tokens += verdict.num_accepted
-            request.draft_token_ids = []
-            touched[request.group_id] = self._groups[request.group_id]
-
-    def _verdict(self, request: Request, rows: torch.Tensor) -> Verdict:
-        """Process each row as the sampler would at that position, then verify."""
-        drafts = request.draft_token_ids
-        params = [request.params] * len(rows)
-        num_out = request.num_output_tokens
-        suppress_stop_tokens(
-            rows, params, [num_out + i for i in range(len(rows))], self.loaded.eos_token_ids
-        )
-        histories = [request.all_token_ids + drafts[:i] for i in range(len(rows))]
-        apply_penalties(rows, params, histories, [request.prompt_len] * len(rows))
-        if request.params.is_greedy:
-            return verify_greedy(rows, drafts)
-        generator = self.sampler.generator_of(request.generator)
-        return verify_sampled(sampling_probs(rows, params), drafts, generator)
 
     def _expire_deadlines(self, touched: dict[str, RequestGroup]) -> None:
         now = time.monotonic()
@@ -521,7 +315,10 @@ class Engine:
         for request, num_new in plan.scheduled.items():
             request.num_computed_tokens += num_new - len(request.draft_token_ids)
         if batch.verified:
-            self._verify(batch.verified, verify_logits, touched, time.monotonic())
+            now = time.monotonic()
+            self.speculation.verify(batch.verified, verify_logits, self._append_token, now)
+            for request in batch.verified:
+                touched[request.group_id] = self._groups[request.group_id]
             self.spec_counters.verify_time_s += time.perf_counter() - started
             self.spec_counters.num_steps += 1
         if not batch.sampled:
@@ -534,16 +331,7 @@ class Engine:
                 row_logits.append(row)
         if len(rows) > len(batch.sampled):
             logits = logits[torch.tensor(row_logits, device=logits.device)]
-        params = [r.params for r in rows]
-        raw = raw_logits(logits, params)  # log-probabilities are of the model's own logits
-        suppress_stop_tokens(
-            logits, params, [r.num_output_tokens for r in rows], self.loaded.eos_token_ids
-        )
-        apply_penalties(
-            logits, params, [r.all_token_ids for r in rows], [r.prompt_len for r in rows]
-        )
-        tokens = self.sampler.sample(logits, params, [r.generator for r in rows]).tolist()
-        record_sample_logprobs(rows, raw, tokens, self.tokenizer)
+        tokens = sample_rows(self.sampler, logits, rows, self.loaded.eos_token_ids, self.tokenizer)
         now = time.monotonic()
         for request, token in zip(rows, tokens, strict=True):
             self._append_token(request, token, now)
@@ -577,31 +365,8 @@ class Engine:
         group = self._groups[victim.group_id]
         packed = self.kv_cache.export_blocks(block_ids) if block_ids else None
         now = time.monotonic()
-        params = victim.params
-        if params.prompt_logprobs is not None:  # they went out with the first token
-            params = dataclasses.replace(params, prompt_logprobs=None)
-        group.handoffs[victim.branch_index] = RequestHandoff(
-            request_id=group.request_id,
-            prompt_token_ids=list(group.prompt_token_ids),
-            output_token_ids=list(victim.output_token_ids),
-            num_computed_tokens=victim.num_computed_tokens if packed is not None else 0,
-            params=params,
-            priority=victim.priority,
-            cache_extra_keys=victim.cache_extra_keys,
-            block_size=self.kv.block_size,
-            packed_kv=packed,
-            generator_state=None if victim.generator is None else victim.generator.get_state(),
-            num_preemptions=victim.timings.num_preemptions,
-            deadline_remaining_s=None if group.deadline is None else group.deadline - now,
-            # What the client has: every token (each step reports its own, so none waits
-            # here) and the text reported so far; the peer's detokenizer goes on from there.
-            emitted_text_chars=(
-                victim.detokenizer.num_emitted_chars - len(victim.unreported_text)
-                if victim.detokenizer
-                else 0
-            ),
-            reason=reason,
-            timings=HandoffTimings.of(victim.timings, now),
+        group.handoffs[victim.branch_index] = pack_handoff(
+            group, victim, packed, self.kv.block_size, reason, now
         )
         victim.finish_reason = FinishReason.MOVED
         victim.timings.finished = now
@@ -619,34 +384,14 @@ class Engine:
         if handoff.request_id in self._groups:
             raise RequestRejected(f"request_id {handoff.request_id!r} is already in flight")
         now = time.monotonic()
-        prompt = handoff.prompt_token_ids
-        request = self._new_branch(
-            handoff.request_id,
-            0,
-            prompt,
-            handoff.params,
-            handoff.priority,
-            handoff.cache_extra_keys,
-            None,
-            now,
-        )
-        request.all_token_ids = handoff.all_token_ids
-        request.movable = True
-        if handoff.timings is not None:  # timed from its arrival at the source
-            handoff.timings.restore(request.timings, now)
-        request.timings.num_preemptions = handoff.num_preemptions
-        if request.generator is not None and handoff.generator_state is not None:
-            request.generator.set_state(handoff.generator_state)
-        # The peer streamed these tokens and part of their text: report only what follows.
-        request.num_reported_tokens = len(handoff.output_token_ids)
-        if request.detokenizer is not None:
-            request.detokenizer.resume(handoff.output_token_ids, handoff.emitted_text_chars)
-        deadline = None
-        if handoff.deadline_remaining_s is not None:
-            deadline = now + handoff.deadline_remaining_s
-        request.deadline = deadline
+        request = self.intake.adopted_branch(handoff, now)
         self._groups[handoff.request_id] = RequestGroup(
-            handoff.request_id, None, list(prompt), [request], request.timings.arrival, deadline
+            handoff.request_id,
+            None,
+            list(handoff.prompt_token_ids),
+            [request],
+            request.timings.arrival,
+            request.deadline,
         )
         if not adopt_kv(self.kv, self.kv_cache, request, handoff):
             self.scheduler.add(request)  # no KV, or no room for it: recompute from the tokens

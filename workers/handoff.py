@@ -10,14 +10,18 @@ If the peer has no room it recomputes the KV from the tokens instead; the output
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pagedserve.workers.kv_memory import blocks_needed
 from pagedserve.workers.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedserve.workers.request import Request, RequestGroup
 
 
 class HandoffReason(enum.Enum):
@@ -145,6 +149,45 @@ class RequestHandoff:
                     f"handoff carries {self.packed_kv.shape[2]} blocks for "
                     f"{self.num_computed_tokens} computed tokens (expected {expected})"
                 )
+
+
+def pack_handoff(
+    group: RequestGroup,
+    victim: Request,
+    packed: torch.Tensor | None,
+    block_size: int,
+    reason: HandoffReason,
+    now: float,
+) -> RequestHandoff:
+    """`victim` (a branch of `group`) as a peer needs it to go on: its tokens, progress,
+    sampler state, what its client has already been sent, and its KV (`packed`, the blocks of
+    its computed positions; None: the peer recomputes)."""
+    params = victim.params
+    if params.prompt_logprobs is not None:  # they went out with the first token
+        params = dataclasses.replace(params, prompt_logprobs=None)
+    return RequestHandoff(
+        request_id=group.request_id,
+        prompt_token_ids=list(group.prompt_token_ids),
+        output_token_ids=list(victim.output_token_ids),
+        num_computed_tokens=victim.num_computed_tokens if packed is not None else 0,
+        params=params,
+        priority=victim.priority,
+        cache_extra_keys=victim.cache_extra_keys,
+        block_size=block_size,
+        packed_kv=packed,
+        generator_state=None if victim.generator is None else victim.generator.get_state(),
+        num_preemptions=victim.timings.num_preemptions,
+        deadline_remaining_s=None if group.deadline is None else group.deadline - now,
+        # What the client has: every token (each step reports its own, so none waits here)
+        # and the text reported so far; the peer's detokenizer goes on from there.
+        emitted_text_chars=(
+            victim.detokenizer.num_emitted_chars - len(victim.unreported_text)
+            if victim.detokenizer
+            else 0
+        ),
+        reason=reason,
+        timings=HandoffTimings.of(victim.timings, now),
+    )
 
 
 def adopt_kv(kv, kv_cache, request, handoff: RequestHandoff) -> bool:

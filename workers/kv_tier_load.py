@@ -18,14 +18,20 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from pagedserve.workers.block import Block, BlockHash, BlockKey
 from pagedserve.workers.kv_cache import KVCache
 from pagedserve.workers.kv_cache_manager import KVCacheManager, KVRequest
+from pagedserve.workers.kv_memory import blocks_needed
 from pagedserve.workers.kv_tier_disk import DiskTier
 from pagedserve.workers.kv_tier_file import KVLayout
 from pagedserve.workers.kv_tier_host import HostTier
-from pagedserve.workers.kv_tiers import TierStore
+from pagedserve.workers.kv_tiers import StepTierLoad, TierLoad, TierStore
+
+if TYPE_CHECKING:
+    from pagedserve.workers.request import Request
 
 
 def build_tier_store(
@@ -43,6 +49,46 @@ def build_tier_store(
     if host is None and disk is None:
         return None
     return TierStore(host, disk, kv_cache.export_blocks, kv_cache.bytes_per_block)
+
+
+def load_waiting_prefixes(
+    kv: KVCacheManager,
+    kv_cache: KVCache,
+    tiers: TierStore,
+    waiting: Iterable[Request],
+    slots: int,
+) -> list[StepTierLoad]:
+    """Before admission: bring the lower-tier prefixes of the waiting requests a step can admit
+    (`slots` sequences) back into the device pool, so the scheduler sees them as prefix hits.
+
+    Requests are taken in queue order while their whole sequences fit the pool's free blocks
+    together: a load takes free (possibly cached) blocks, so loading for a request the step
+    cannot admit would evict the blocks just loaded for the one before it, and a long queue on
+    a full pool turned every step into a round of wasted tier reads.
+
+    Returns:
+        One `StepTierLoad` per request that loaded blocks (for its trace's spans).
+    """
+    loads: list[StepTierLoad] = []
+    tiers.reap_failed()
+    if not tiers.num_blocks:
+        return loads
+    room = kv.pool.num_free_blocks - kv.reserve_blocks
+    for request in waiting:
+        if slots <= 0:
+            break
+        if request.paused:
+            continue
+        room -= blocks_needed(len(request.all_token_ids), kv.block_size)
+        if room < 0:
+            break
+        slots -= 1 + len(request.pending_branches)
+        started, hits = time.time_ns(), tiers.hits()
+        if load_prefix_from_tiers(kv, kv_cache, tiers, request):
+            after = tiers.hits()
+            load = TierLoad(*(a - b for a, b in zip(after, hits, strict=True)))
+            loads.append(StepTierLoad(request.group_id, started, time.time_ns(), load))
+    return loads
 
 
 def load_prefix_from_tiers(

@@ -19,7 +19,7 @@ a block loaded back into the device pool stays in its tier, so evicting it again
 The pool reports the best tier each block is in to the prefix index (`BlockStored.tier`):
 `TierStore` calls `announce(hash, parent_hash)` whenever a block's lower-tier presence changes,
 and the pool turns that into an event. `read` gives back a run of blocks for the engine to load
-before a request's prefill (see `Engine._load_from_tiers`).
+before a request's prefill (see `load_waiting_prefixes` in `kv_tier_load.py`).
 """
 
 from __future__ import annotations

@@ -24,11 +24,16 @@ Sampled row, per step::
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
+from pagedserve.workers.logprobs import raw_logits, record_sample_logprobs
 from pagedserve.workers.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedserve.workers.request import Request
 
 _SEED_MODULUS = 2**64  # torch generators take seeds in [0, 2**64)
 
@@ -276,3 +281,22 @@ def _inverse_cdf(probs: Tensor, num_kept: Tensor, uniforms: Tensor) -> Tensor:
     chosen = torch.searchsorted(cdf, targets, right=True).squeeze(1)
     num_positive = (kept > 0).sum(dim=-1).clamp(min=1)
     return torch.minimum(chosen, num_positive - 1)
+
+
+def sample_rows(
+    sampler: Sampler,
+    logits: Tensor,
+    rows: Sequence[Request],
+    eos_token_ids: Collection[int],
+    tokenizer: Any,
+) -> list[int]:
+    """One token per sequence of a step (row `i` of `logits` is `rows[i]`'s): stop tokens
+    suppressed below `min_tokens`, penalties applied, sampled; the log-probabilities a row asks
+    for are recorded on it, of the model's own logits."""
+    params = [r.params for r in rows]
+    raw = raw_logits(logits, params)
+    suppress_stop_tokens(logits, params, [r.num_output_tokens for r in rows], eos_token_ids)
+    apply_penalties(logits, params, [r.all_token_ids for r in rows], [r.prompt_len for r in rows])
+    tokens = sampler.sample(logits, params, [r.generator for r in rows]).tolist()
+    record_sample_logprobs(rows, raw, tokens, tokenizer)
+    return tokens

@@ -167,7 +167,7 @@ class KVManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data(), tail=st.integers(0, 50), chunk=st.integers(1, 12))
     def admit_after_tier_load(self, data, tail, chunk):
         """A request for a prefix evicted to the host tier is loaded back, then admitted (as
-        `Engine._load_from_tiers` does before the scheduler runs)."""
+        `load_waiting_prefixes` does before the scheduler runs)."""
         chains = self._evicted_chains()
         if not chains:
             return
