@@ -24,6 +24,7 @@ from support.cluster import (
     run_request,
     start_router,
 )
+from support.wait import RESTART_DEADLINE_S
 
 from pagedserve.cluster.router_types import GenerateRequest, NoWorkerAvailable
 from pagedserve.cluster.worker_group import stop_worker_group
@@ -82,7 +83,7 @@ def test_worker_killed_mid_stream(ray_cluster, hf_reference, mode):
         held = await core.index.snapshot_of.remote(victim.worker_id)
         await assert_cluster_clean(core)  # the survivor leaked nothing; the victim restarts
         # Ray restarts the victim; the router notices and routes to it again.
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + RESTART_DEADLINE_S
         while not victim.alive:
             assert time.monotonic() < deadline, "killed worker never rejoined"
             await asyncio.sleep(0.2)

@@ -26,7 +26,7 @@ from support.cluster import (
     start_router,
 )
 from support.engine import load
-from support.wait import until
+from support.wait import RESTART_DEADLINE_S, until
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.cluster.router_types import GenerateRequest
@@ -43,7 +43,6 @@ CONFIG = cluster_config(
     decode_workers=1,
     engine={"max_num_batched_tokens": BUDGET},
 )
-RESTART_DEADLINE_S = 300.0  # a failsafe: a restarted tiny-llama worker is up in seconds
 
 
 def prompt(seed: int, length: int) -> list[int]:

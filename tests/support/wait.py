@@ -10,6 +10,10 @@ from collections.abc import Callable
 from typing import Any
 
 DEADLINE_S = 120.0
+# For a killed worker's restart: Ray starts a new process, which imports torch and loads its
+# model. Seconds on a quiet machine; on a loaded one the leak check after a kill waited out a
+# 60 s failsafe while the victim was still "restarting" (an integration run beside a busy loop).
+RESTART_DEADLINE_S = 300.0
 
 
 async def until(
