@@ -13,6 +13,11 @@ then kills and restarts it: at a load average of ~40 a proxy missed it again and
 test module's set-up, waiting on the proxy actor, failed with `ActorDiedError` (killed by
 `ray.kill`). That deadline is raised the same way.
 
+A new head node waits 30 s for its GCS server to write the port file
+(`RAY_gcs_server_port_wait_time_s`); a loaded full test run's `ray.init` failed with "Timed out
+waiting for file .../gcs_server_port_...". Raised the same way too. (Ray also takes this value as
+the number of one-second tries a node makes to reach the GCS: patient there as well.)
+
 One more deadline is a constant, not a variable: the process that starts a node waits 30 s
 for it to register with the GCS (`ray._private.node.Node`, polling
 `ray._private.services.get_node`), then raises "The current node timed out during startup".
@@ -46,6 +51,7 @@ STARTUP_DEADLINES: dict[str, str] = {
     "RAY_agent_register_timeout_ms": "300000",
     "RAY_worker_register_timeout_seconds": "300",
     "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "120",
+    "RAY_gcs_server_port_wait_time_s": "300",
 }
 NODE_REGISTRATION_DEADLINE_S = 300.0
 _PATIENT = "__pagedserve_patient__"

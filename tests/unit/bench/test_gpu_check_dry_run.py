@@ -20,6 +20,17 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 SCRIPT = REPO / "bench" / "gpu_check.sh"
+# The script's own time plan (an 8-minute budget, each step capped) is the plan for an idle GPU.
+# The rehearsal checks every step's flow, not that plan: it takes ~90 s on a quiet 2-core machine
+# and more than 300 s beside the other test process of a CI run, so it gets a budget and step caps
+# sized for a loaded machine, and the subprocess a failsafe past that budget.
+REHEARSAL_TIME_PLAN = {
+    "GPU_CHECK_BUDGET_S": "1500",
+    "GPU_CHECK_TESTS_S": "450",
+    "GPU_CHECK_KERNELS_S": "450",
+    "GPU_CHECK_E2E_S": "450",
+}
+REHEARSAL_FAILSAFE_S = int(REHEARSAL_TIME_PLAN["GPU_CHECK_BUDGET_S"]) + 120
 EXPECTED_FILES = {
     "gpu_check.log",
     "junit.xml",
@@ -43,7 +54,8 @@ def _run(out: pathlib.Path, extra_env: dict[str, str], timeout: int = 300):
 @pytest.fixture(scope="module")
 def rehearsal(tmp_path_factory) -> tuple[subprocess.CompletedProcess, pathlib.Path]:
     out = tmp_path_factory.mktemp("gpu_check")
-    return _run(out, {"GPU_CHECK_DRY_RUN": "1"}), out
+    env = {"GPU_CHECK_DRY_RUN": "1", **REHEARSAL_TIME_PLAN}
+    return _run(out, env, timeout=REHEARSAL_FAILSAFE_S), out
 
 
 def test_rehearsal_passes_and_leaves_only_returnable_files(rehearsal) -> None:
@@ -72,6 +84,20 @@ def test_rehearsal_measures_every_section_and_says_it_is_no_gpu_figure(rehearsal
     assert "CPU rehearsal" in summary and "No figure below is a GPU figure" in summary
     assert "| tests | pass |" in summary and "| e2e | pass |" in summary
     assert "failures 0" in summary
+
+
+def test_a_run_out_of_budget_skips_its_steps_and_fails(tmp_path: pathlib.Path) -> None:
+    """Steps the budget no longer covers are skipped, reported, and make the run fail."""
+    out = tmp_path / "out"
+    # 25 s less the 20 s kept for the report leaves under the 10 s a step needs.
+    env = {"GPU_CHECK_DRY_RUN": "1", "GPU_CHECK_BUDGET_S": "25", "GPU_CHECK_RESERVE_S": "20"}
+    result = _run(out, env)
+    assert result.returncode == 1, result.stdout[-3000:]
+    summary = (out / "summary.md").read_text()
+    for step in ("tests", "kernels", "e2e"):
+        assert f"| {step} | skipped | 0 | out of time |" in summary
+    assert "the test step did not finish" in summary
+    assert "some steps FAILED" in result.stdout
 
 
 def _fake_nvidia_smi(tmp_path: pathlib.Path) -> str:

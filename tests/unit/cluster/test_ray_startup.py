@@ -32,6 +32,13 @@ def test_missing_deadlines_are_raised_to_minutes():
     assert int(environ["RAY_agent_register_timeout_ms"]) >= 120_000  # Ray's default: 30,000
     assert int(environ["RAY_worker_register_timeout_seconds"]) >= 120  # Ray's default: 60
     assert float(environ["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"]) >= 60  # Serve's default: 5
+    assert int(environ["RAY_gcs_server_port_wait_time_s"]) >= 120  # Ray's default: 30
+
+
+def test_ray_still_reads_the_gcs_port_wait_from_the_environment():
+    """If a Ray upgrade renames the variable, the raised wait no longer applies and this fails."""
+    source = inspect.getsource(ray._private.node.Node.start_gcs_server)
+    assert '"RAY_gcs_server_port_wait_time_s"' in source
 
 
 def test_a_deadline_the_environment_sets_is_kept():
