@@ -14,6 +14,7 @@ from support.engine import ReferenceModel, load
 from support.leaks import WATCH
 from support.real_model import SMOLLM2
 from support.shared_cluster import SHARED
+from support.startups import STARTUPS, StartupCount
 
 # Every local Ray a test starts inherits this process's environment (cluster/ray_startup.py).
 allow_slow_startup()
@@ -65,6 +66,7 @@ def smollm2_tokenizer():
 def leak_watch():
     with pytest.MonkeyPatch.context() as monkeypatch:
         WATCH.install(monkeypatch)
+        STARTUPS.install(monkeypatch)
         yield WATCH
 
 
@@ -106,6 +108,7 @@ def pytest_runtest_makereport(item, call):
 # Under pytest-xdist (scripts/test.sh) each worker process has its own WATCH: it sends what
 # its checks covered home, and the controller's summary adds them up.
 COVERED_FROM_WORKERS: dict[str, set[str]] = {}
+STARTUPS_OF_WORKERS = StartupCount()
 
 
 def pytest_sessionfinish(session):
@@ -113,13 +116,17 @@ def pytest_sessionfinish(session):
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:  # an xdist worker
         workeroutput["leak_checks_covered"] = {k: sorted(v) for k, v in WATCH.covered.items()}
+        workeroutput["startups"] = STARTUPS.as_dict()
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):
     """xdist's hook, on the controller: a worker finished (only called under xdist)."""
-    for kind, tests in getattr(node, "workeroutput", {}).get("leak_checks_covered", {}).items():
+    output = getattr(node, "workeroutput", {})
+    for kind, tests in output.get("leak_checks_covered", {}).items():
         COVERED_FROM_WORKERS.setdefault(kind, set()).update(tests)
+    if "startups" in output:
+        STARTUPS_OF_WORKERS.merge(output["startups"])
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -129,3 +136,7 @@ def pytest_terminal_summary(terminalreporter):
     if covered:
         counts = ", ".join(f"{n} checked {kind}s" for kind, n in covered.items())
         terminalreporter.write_line(f"leak checks: {counts} (tests)")
+    startups = StartupCount()
+    startups.merge(STARTUPS.as_dict())
+    startups.merge(STARTUPS_OF_WORKERS.as_dict())
+    terminalreporter.write_line(startups.summary())
