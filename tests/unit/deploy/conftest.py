@@ -21,9 +21,9 @@ def crd_schemas() -> dict[str, Any]:
     """kind → apiVersion and a validator of the strict schema of the storage version."""
     if not CRD_DIR.is_dir():
         pytest.fail(
-            f"KubeRay CRD schemas not found: {CRD_DIR} is absent. CI lays ../shared beside the "
-            "clone (shared/kuberay-crds/ray.io_rayservices.yaml and ray.io_rayclusters.yaml, "
-            "from ray-project/kuberay); put that folder there to run the CRD validation.",
+            f"KubeRay CRD schemas not found: {CRD_DIR} is absent. The repository carries them "
+            "(ray.io_rayservices.yaml and ray.io_rayclusters.yaml, from ray-project/kuberay): "
+            "restore the folder from git.",
             pytrace=False,
         )
     schemas = {}

@@ -19,8 +19,8 @@ KUSTOMIZATIONS = {
     "cpu-demo": K8S / "overlays" / "cpu-demo",
     "gpu": K8S / "overlays" / "gpu",
 }
-# KubeRay's CRDs, as CI lays them out: ../shared beside the clone.
-CRD_DIR = REPO.parent / "shared" / "kuberay-crds"
+# KubeRay's CRDs, carried as data (deploy/kuberay-crds/README.md: their source and licence).
+CRD_DIR = DEPLOY / "kuberay-crds"
 # The Kubernetes version whose schemas the core objects must satisfy (kubernetes-validate).
 KUBERNETES_VERSION = "1.33.0"
 

@@ -1,13 +1,15 @@
 """deploy/Dockerfile (GPU) and deploy/Dockerfile.cpu: checked for structure (no Docker here).
 
-The base image must carry the installed Ray and this Python; torch goes in explicitly before
-the project; the project is installed (not editable) from every package folder pyproject.toml
-maps; the image runs as a non-root user. The last test builds the wheel the image installs,
-from exactly the files the Dockerfiles copy, and checks that it holds every module.
+The base image must carry the installed Ray (the lock's) and this Python; torch goes in
+explicitly first, then every other package from requirements/lock.txt (hash-checked), then the
+project alone (not editable) from every package folder pyproject.toml maps; the image runs as a
+non-root user. The last test builds the wheel the image installs, from exactly the files the
+Dockerfiles copy, and checks that it holds every module.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import shlex
@@ -34,6 +36,19 @@ PYTHON = f"py{sys.version_info.major}{sys.version_info.minor}"
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 VARIANTS = {"gpu": DEPLOY / "Dockerfile", "cpu": DEPLOY / "Dockerfile.cpu"}
 PROJECT_DIR = "/home/ray/pagedserve"
+LOCK_IN_IMAGE = "/tmp/lock.txt"
+
+
+def _lockfile():
+    spec = importlib.util.spec_from_file_location("lockfile", REPO / "scripts" / "lockfile.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+LOCKFILE = _lockfile()
+LOCK = LOCKFILE.read()
 
 
 def instructions(path: Path) -> list[tuple[str, str]]:
@@ -95,6 +110,15 @@ def test_base_image_matches_the_installed_ray_and_python(variant):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+def test_base_image_ray_and_torch_are_the_locks(variant):
+    """The lock's ray is the image's (lock.sh holds it there); its torch is the ARG's."""
+    (base,) = [args for keyword, args in instructions(VARIANTS[variant]) if keyword == "FROM"]
+    image_ray = base.removeprefix("rayproject/ray:").split("-")[0]
+    assert LOCK["ray"].version == image_ray, "change the FROM tags and the lock together"
+    assert args_of(VARIANTS[variant])["TORCH_VERSION"] == LOCK["torch"].version
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_runs_as_a_numeric_non_root_user_from_the_start(variant):
     steps = instructions(VARIANTS[variant])
     users = [(index, args) for index, (keyword, args) in enumerate(steps) if keyword == "USER"]
@@ -115,13 +139,39 @@ def test_torch_goes_in_first_and_explicitly(variant):
     torch_installs = [(i, argv) for i, argv in installs if f"torch=={TORCH_VERSION}" in argv]
     assert len(torch_installs) == 1, installs
     torch_index, torch_argv = torch_installs[0]
-    project_index = min(i for i, argv in installs if PROJECT_DIR in argv)
-    assert torch_index < project_index
+    assert all(torch_index <= i for i, _ in installs), "torch is not the first install"
     if variant == "cpu":
         assert torch_argv[torch_argv.index("--index-url") + 1] == CPU_INDEX
+        # That index need not hold the lock's versions of torch's dependencies: the lock
+        # brings them in the next step.
+        assert "--no-deps" in torch_argv
     else:
         # The CUDA build is the default wheel; the CPU index must not be anywhere near it.
         assert "--index-url" not in torch_argv and "--extra-index-url" not in torch_argv
+        # Its dependencies held to the lock's versions (the lock less its hashes).
+        assert "--constraint" in torch_argv
+        (text,) = [text for i, text in runs(VARIANTS[variant]) if i == torch_index]
+        assert f"sed -e '/^torch==/d' -e 's/ --hash=.*//' {LOCK_IN_IMAGE} >" in text
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_installs_every_other_package_from_the_lock(variant):
+    """Between torch and the project: the lock less its torch line, every file hash-checked,
+    nothing resolved beyond it."""
+    steps = instructions(VARIANTS[variant])
+    copies = [shlex.split(args) for keyword, args in steps if keyword == "COPY"]
+    assert ["--chown=1000:100", "requirements/lock.txt", LOCK_IN_IMAGE] in copies
+    installs = pip_installs(VARIANTS[variant])
+    locked = [(i, argv) for i, argv in installs if "--require-hashes" in argv]
+    assert len(locked) == 1, installs
+    index, argv = locked[0]
+    assert "--no-deps" in argv
+    requirements = argv[argv.index("-r") + 1]
+    (text,) = [text for i, text in runs(VARIANTS[variant]) if i == index]
+    assert f"grep -v '^torch==' {LOCK_IN_IMAGE} > {requirements}" in text
+    torch_index = min(i for i, argv in installs if f"torch=={TORCH_VERSION}" in argv)
+    project_index = min(i for i, argv in installs if PROJECT_DIR in argv)
+    assert torch_index < index < project_index
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -132,18 +182,19 @@ def test_copies_the_project_metadata_and_every_package_folder(variant):
     sources = set()
     for argv in copies:
         paths = [arg for arg in argv if not arg.startswith("--")]
+        if paths == ["requirements/lock.txt", LOCK_IN_IMAGE]:
+            continue  # the lock, installed before the project's files come in
         assert paths[-1].startswith(PROJECT_DIR)
         sources |= set(paths[:-1])
     assert {"pyproject.toml", "README.md", *PACKAGE_DIRS} <= sources
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_installs_the_project_not_editable_with_ray_and_torch_held(variant):
+def test_installs_the_project_alone_not_editable(variant):
+    """Its dependencies are the lock's, already there; built with the locked setuptools."""
     (argv,) = [argv for _, argv in pip_installs(VARIANTS[variant]) if PROJECT_DIR in argv]
     assert "-e" not in argv and "--editable" not in argv
-    assert "--constraint" in argv or "-c" in argv
-    (pinning,) = [text for _, text in runs(VARIANTS[variant]) if PROJECT_DIR in text]
-    assert "ray|torch" in pinning
+    assert "--no-deps" in argv and "--no-build-isolation" in argv
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -200,7 +251,7 @@ def test_dockerignore_keeps_the_venv_out_of_the_context(variant):
     ignore = VARIANTS[variant].with_name(VARIANTS[variant].name + ".dockerignore")
     patterns = {line.strip() for line in ignore.read_text().splitlines()}
     assert {".venv", ".git", "tests"} <= patterns
-    assert not patterns & {"pyproject.toml", "README.md", *PACKAGE_DIRS}
+    assert not patterns & {"pyproject.toml", "README.md", "requirements", *PACKAGE_DIRS}
 
 
 def test_the_image_wheel_holds_every_module(tmp_path):

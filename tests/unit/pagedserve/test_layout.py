@@ -11,11 +11,16 @@ under `pagedserve/`.
 from __future__ import annotations
 
 import importlib.metadata
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[3]
+# README.md still sends readers to the architecture document beside the clone; a change under
+# way rewrites that line. Take README.md out of this set once it has landed.
+OUTSIDE_REFERENCES_PENDING = {"README.md"}
 
 
 def root_package_folders() -> list[str]:
@@ -51,3 +56,21 @@ def test_the_installed_kernels_distribution_is_the_one_transformers_gets() -> No
 
     installed_file = importlib.metadata.distribution(owners[0]).locate_file("kernels/__init__.py")
     assert Path(kernels.__file__).resolve() == Path(installed_file).resolve()
+
+
+def test_no_tracked_file_relies_on_a_folder_beside_the_clone() -> None:
+    """A user's clone has nothing beside it: no file may read or point to the `shared` folder
+    that CI lays beside the clone, so the data the tests need lives in the repository."""
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("not a git checkout: no tracked files to search")
+    outside = "../" + "shared"  # spelled apart so that this file does not find itself
+    result = subprocess.run(
+        ["git", "grep", "-l", "-F", "-e", outside],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode in (0, 1), result.stderr  # 1: nothing found
+    found = set(result.stdout.split()) - OUTSIDE_REFERENCES_PENDING
+    assert not found, f"tracked files that refer to {outside}: {sorted(found)}"
