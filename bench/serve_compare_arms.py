@@ -5,19 +5,22 @@
     NAME     ours with the FLAGS of ``--variant NAME=FLAGS`` added
     base     ours from another install (``--baseline-python``)
     vllm     python -m vllm.entrypoints.openai.api_server --model DIR --served-model-name M
-                 --port P --host 127.0.0.1 --dtype float32
+                 --port P --host 127.0.0.1 --dtype float32, with VLLM_CPU_KVCACHE_SPACE=2
 
 (the ``engine`` arm, our engine alone, is `serve_compare_engine`). Both sides run with their
-own defaults: nothing else is given. ``--host 127.0.0.1`` is our server's default interface;
-``--dtype float32`` (``--vllm-dtype``) is there because vLLM's default (``auto``) downcasts a
-float32 checkpoint on the CPU to the first dtype its platform lists, bfloat16 on x86
-(`vllm/config/model.py`, `_resolve_auto_dtype`), while ours serves float32.
-``--ours-num-workers default`` leaves ``--num-workers`` out (the server then sizes itself).
-The equal-settings comparison of earlier figures is opt-in: ``--kv-cache-gib G`` gives both
-the same KV pool (our ``--kv-cache-bytes``, vLLM's ``VLLM_CPU_KVCACHE_SPACE``) and
-``--worker-threads N`` gives our worker N torch threads (vLLM's CPU build picks its own).
-Without ``--kv-cache-gib`` a ``VLLM_CPU_KVCACHE_SPACE`` of this environment is kept from
-vLLM, so that its default arm is its default.
+own defaults, given only what they need to serve. ``--host 127.0.0.1`` is our server's
+default interface. ``--dtype float32`` (``--vllm-dtype``): vLLM's default (``auto``)
+downcasts a float32 checkpoint on the CPU to the first dtype its platform lists, bfloat16 on
+x86 (`vllm/config/model.py`, `_resolve_auto_dtype`), while ours serves float32. A KV size
+(``--vllm-kv-gib``, 2 GiB; ``default`` leaves it out): without one vLLM's CPU worker reserves
+``gpu_memory_utilization`` (0.92) of the machine's memory and refuses to start where less
+than that is free (`vllm/v1/worker/cpu_worker.py`), as on a machine shared with others;
+2 GiB holds ~46,000 tokens of SmolLM2's KV. ``--ours-num-workers default`` leaves our
+``--num-workers`` out (the server then sizes itself). The equal-settings comparison of
+earlier figures is opt-in: ``--kv-cache-gib G`` gives both the same KV pool (our
+``--kv-cache-bytes``, vLLM's ``VLLM_CPU_KVCACHE_SPACE``) and ``--worker-threads N`` gives our
+worker N torch threads (vLLM's CPU build picks its own). A ``VLLM_CPU_KVCACHE_SPACE`` of this
+environment is not passed on: these options say what vLLM gets.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ if TYPE_CHECKING:  # numpy and torch stay out of `pagedserve --help`
 
 OURS, VLLM, BASE, ENGINE = "ours", "vllm", "base", "engine"
 VLLM_KV_ENV = "VLLM_CPU_KVCACHE_SPACE"
-DEFAULT_WORKERS = "default"
+DEFAULT = "default"  # of `--ours-num-workers` and `--vllm-kv-gib`: the setting left out
+VLLM_KV_GIB = 2  # what vLLM needs to start on a shared machine (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -58,18 +62,20 @@ class ArmRun:
     cpu_s: dict[str, float]
 
 
-def ours_num_workers(text: str) -> str:
-    """argparse type of ``--ours-num-workers``: a count >= 1, or ``default`` (flag left out)."""
-    if text == DEFAULT_WORKERS or (text.isdigit() and int(text) >= 1):
-        return text
-    raise argparse.ArgumentTypeError(f"expected a count >= 1 or {DEFAULT_WORKERS!r}, got {text!r}")
+def count_or_default(text: str) -> int | None:
+    """argparse type of ``--ours-num-workers`` and ``--vllm-kv-gib``: a count >= 1, or
+    ``default`` (None: the setting left out)."""
+    if text == DEFAULT:
+        return None
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"expected a count >= 1 or {DEFAULT!r}, got {text!r}")
 
 
 def our_flags(args: argparse.Namespace, extra: str = "") -> list[str]:
     """`pagedserve serve`'s flags of an arm of ours, less its ports: `extra` is a variant's."""
-    flags = (
-        [] if args.ours_num_workers == DEFAULT_WORKERS else ["--num-workers", args.ours_num_workers]
-    )
+    workers = args.ours_num_workers
+    flags = [] if workers is None else ["--num-workers", str(workers)]
     flags += ["--model", args.model, "--served-model-name", args.model]
     if args.kv_cache_gib is not None:
         flags += ["--kv-cache-bytes", str(args.kv_cache_gib << 30)]
@@ -96,7 +102,8 @@ def arm_commands(args, vllm_python, variants: dict[str, str], layout) -> dict[st
     if layout is not None:
         arms[ENGINE] = f"our engine alone, as the served worker 0: {layout.describe()}"
     if vllm_python:
-        kv = f"{VLLM_KV_ENV}={args.kv_cache_gib} " if args.kv_cache_gib is not None else ""
+        kv_gib = vllm_kv_gib(args)
+        kv = f"{VLLM_KV_ENV}={kv_gib} " if kv_gib is not None else ""
         arms[VLLM] = (
             f"{kv}python -m vllm.entrypoints.openai.api_server --model DIR "
             f"--served-model-name {args.model} --port P --host 127.0.0.1 "
@@ -122,12 +129,17 @@ def our_server(
     return Server(arm, command, child_env({}), str(scratch), http_port, log_path)
 
 
+def vllm_kv_gib(args: argparse.Namespace) -> int | None:
+    """vLLM's KV pool, GiB: ``--kv-cache-gib`` (both sides), else ``--vllm-kv-gib``."""
+    return args.kv_cache_gib if args.kv_cache_gib is not None else args.vllm_kv_gib
+
+
 def vllm_env(args: argparse.Namespace) -> dict[str, str]:
-    """vLLM's environment: ours less PYTHONPATH, its KV pool only when ``--kv-cache-gib``."""
+    """vLLM's environment: ours less PYTHONPATH, with its KV pool as `vllm_kv_gib` says."""
     env = child_env({})
     env.pop(VLLM_KV_ENV, None)
-    if args.kv_cache_gib is not None:
-        env[VLLM_KV_ENV] = str(args.kv_cache_gib)
+    if (kv_gib := vllm_kv_gib(args)) is not None:
+        env[VLLM_KV_ENV] = str(kv_gib)
     return env
 
 

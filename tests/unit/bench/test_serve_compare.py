@@ -72,8 +72,8 @@ def test_every_load_gets_the_same_prompts_and_one_arrival_pattern_scaled():
 
 # ------------------------------------------------------------------- the arms
 def args_of(**given) -> argparse.Namespace:
-    defaults = dict(model="smollm2-135m", ours_num_workers="1", kv_cache_gib=None,
-                    worker_threads=None, vllm_dtype="float32")  # fmt: skip
+    defaults = dict(model="smollm2-135m", ours_num_workers=1, kv_cache_gib=None,
+                    worker_threads=None, vllm_dtype="float32", vllm_kv_gib=2)  # fmt: skip
     return argparse.Namespace(**(defaults | given))
 
 
@@ -81,9 +81,10 @@ def test_the_default_arms_give_no_setting_beyond_what_serving_needs(monkeypatch,
     assert our_flags(args_of()) == [
         "--num-workers", "1", "--model", "smollm2-135m", "--served-model-name", "smollm2-135m"
     ]  # fmt: skip
-    assert "--num-workers" not in our_flags(args_of(ours_num_workers="default"))
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "7")
-    assert "VLLM_CPU_KVCACHE_SPACE" not in vllm_env(args_of())  # kept from vLLM's default arm
+    assert "--num-workers" not in our_flags(args_of(ours_num_workers=None))
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "7")  # not passed on: the options say
+    assert vllm_env(args_of())["VLLM_CPU_KVCACHE_SPACE"] == "2"  # what vLLM needs to start
+    assert "VLLM_CPU_KVCACHE_SPACE" not in vllm_env(args_of(vllm_kv_gib=None))
     server = vllm_server(args_of(), "/vllm/python", "/model", tmp_path, tmp_path / "v.log")
     command = server.command[server.command.index("--model") :]
     assert command[::2] == ["--model", "--served-model-name", "--port", "--host", "--dtype"]
@@ -91,11 +92,11 @@ def test_the_default_arms_give_no_setting_beyond_what_serving_needs(monkeypatch,
 
 
 def test_equal_settings_are_opt_in_and_apply_to_both():
-    args = args_of(kv_cache_gib=2, worker_threads=2)
+    args = args_of(kv_cache_gib=3, worker_threads=2)
     flags = our_flags(args, extra="--linear-backend torch")
-    assert flags[-6:] == ["--kv-cache-bytes", str(2 << 30), "--worker-threads", "2",
+    assert flags[-6:] == ["--kv-cache-bytes", str(3 << 30), "--worker-threads", "2",
                           "--linear-backend", "torch"]  # fmt: skip
-    assert vllm_env(args)["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert vllm_env(args)["VLLM_CPU_KVCACHE_SPACE"] == "3"  # --kv-cache-gib wins
 
 
 # ------------------------------------------------------------------- the engine arm
@@ -265,6 +266,7 @@ def test_figures_over_runs_median_spread_goodput_and_cpu():
         (["--min-input-len", "300", "--max-input-len", "10"], "above --max-input-len"),
         (["--variant", "vllm=--x"], "new NAME"),
         (["--ours-num-workers", "0"], "count >= 1 or 'default'"),
+        (["--vllm-kv-gib", "x"], "count >= 1 or 'default'"),
         (["--slo-tpot-ms", "0"], "must be > 0"),
         (["--closed-loop", "0"], "must be >= 1"),
         (["--engine-arm", "--variant", "x=--y", "--worker-threads", "x"], "expected an integer"),
