@@ -1,35 +1,72 @@
 """The `engine` arm of `bench serve-compare`: our engine alone, fed the served workload.
 
-The same requests at the same arrival times as the servers get, but added straight to an
-`Engine` stepped in a loop in this one process: no Ray, no router, no proxy, no HTTP. Each
-token is stamped when its step returns, so its TTFT/TPOT are what the engine alone gives
-under those arrivals; the gap to `pagedserve serve` is the serving path (hops, serialisation,
-and the control plane's share of the cores). With ``--request-rate inf`` every request is
-there at t = 0: its tokens/s is the offline engine's on that workload.
+The same requests at the same arrival times as the servers get (or, in a closed loop, the
+same number of requests in flight), but added straight to an `Engine` stepped in a loop in
+this one process: no Ray, no router, no proxy, no HTTP. Each token is stamped when its step
+returns, so its TTFT/TPOT are what the engine alone gives under those arrivals; the gap to
+`pagedserve serve` is the serving path (hops, serialisation, and the control plane's share
+of the cores). With every arrival at t = 0 its tokens/s is the offline engine's on that
+workload.
+
+The engine is the served worker's (`serve_compare_engine.served_worker_layout`): its
+`EngineConfig`, its torch threads (``OMP_NUM_THREADS``, set by the parent as Ray sets it for
+the worker), its niceness and cores (set here first, as `Worker.__init__` does), and steps
+taken on a thread of their own, as the worker's loop takes them (`WorkerCore._run_loop`:
+`asyncio.to_thread`). The last matters: libgomp spins at its barriers while it manages no
+more threads than the machine has cores, and throttles the spin once it manages more (a
+second thread starting OpenMP work adds its own team). Stepped on the main thread, with 2
+torch threads on the 2 loaded cores of bench/README.md, tiny-llama's steps took 110-520 ms
+and 2.5-4.6 CPU-s a run of 8 requests; on a thread of their own 3.4-4.7 ms and 0.2 CPU-s,
+as in the served worker. That spin is what made this arm's steps 10-100 times the served
+worker's.
 
 python -m pagedserve.bench.engine_arrivals SPEC.json OUT.json
 
-SPEC: {"model", "kv_cache_bytes", "requests": [{"index", "arrival_s", "token_ids",
+SPEC: {"engine": EngineConfig's fields, "nice": int or null, "cpus": [int] or null,
+"concurrency": int or null (closed loop), "requests": [{"index", "arrival_s", "token_ids",
 "max_tokens"}], "warmup": [same]}. OUT: one record per request (`openai_load.RequestRecord`
-fields, as JSON) and the engine's step times.
+fields, as JSON), every step's seconds, the timed run's CPU seconds, and the torch threads
+and niceness the engine ran with.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
 
-def run_requests(engine, requests: list[dict], prefix: str) -> tuple[list[dict], list[float]]:
-    """Add each request at its arrival offset, step until all are done; per-request records
-    (times in s after the start) and every step's seconds."""
+def run_requests(
+    engine,
+    requests: list[dict],
+    prefix: str,
+    step: Callable[[], list] | None = None,
+    concurrency: int | None = None,
+) -> tuple[list[dict], list[float]]:
+    """Add each request at its arrival offset (or, with `concurrency`, whenever fewer than
+    that many are unfinished), step until all are done.
+
+    Args:
+        engine: the engine (`add_request`, `has_unfinished_requests`).
+        requests: the workload's requests, as `SPEC` holds them.
+        prefix: of the engine's request ids, so that runs on one engine never clash.
+        step: one engine step (default `engine.step`; `main` runs it on a thread of its own).
+        concurrency: closed loop: requests kept in flight; their arrival is when added.
+
+    Returns:
+        Per-request records (times in s after the start) and every step's seconds.
+    """
     from pagedserve.bench.openai_load import RequestRecord
     from pagedserve.workers.sampling_params import SamplingParams
 
+    step = step or engine.step
     pending = sorted(requests, key=lambda r: r["arrival_s"])
+    if concurrency is not None:
+        pending = sorted(requests, key=lambda r: r["index"])  # workload order, as the client
     chunks: dict[int, list[float]] = {r["index"]: [] for r in requests}
     sent: dict[int, float] = {}
     ended: dict[int, float] = {}
@@ -37,16 +74,16 @@ def run_requests(engine, requests: list[dict], prefix: str) -> tuple[list[dict],
     t0 = time.monotonic()
     while pending or engine.has_unfinished_requests():
         now = time.monotonic() - t0
-        while pending and pending[0]["arrival_s"] <= now:
+        while pending and _due(pending[0], now, len(sent) - len(ended), concurrency):
             r = pending.pop(0)
             params = SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True)
             engine.add_request(f"{prefix}{r['index']}", list(r["token_ids"]), params)
-            sent[r["index"]] = r["arrival_s"]
+            sent[r["index"]] = now if concurrency is not None else r["arrival_s"]
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, pending[0]["arrival_s"] - now))  # idle until the next one
             continue
         started = time.monotonic()
-        deltas = engine.step()
+        deltas = step()
         done = time.monotonic()
         steps.append(done - started)
         for delta in deltas:
@@ -55,35 +92,65 @@ def run_requests(engine, requests: list[dict], prefix: str) -> tuple[list[dict],
                 chunks[index].append(done - t0)
             if delta.finished:
                 ended[index] = done - t0
-    records = [
-        RequestRecord(
-            index=r["index"],
-            arrival_s=r["arrival_s"],
-            prompt_tokens=len(r["token_ids"]),
-            max_tokens=r["max_tokens"],
-            send_s=sent[r["index"]],
-            end_s=ended[r["index"]],
-            chunk_times_s=tuple(chunks[r["index"]]),
-            output_tokens=r["max_tokens"],
-            finish_reason="length",
-            http_status=None,
-        )
-        for r in requests
-    ]
-    return [asdict(record) for record in records], steps
+    return [asdict(_record(r, sent, ended, chunks, RequestRecord)) for r in requests], steps
+
+
+def _due(request: dict, now: float, in_flight: int, concurrency: int | None) -> bool:
+    if concurrency is None:
+        return request["arrival_s"] <= now
+    return in_flight < concurrency
+
+
+def _record(r: dict, sent: dict, ended: dict, chunks: dict, record_type):
+    index = r["index"]
+    return record_type(
+        index=index,
+        arrival_s=sent[index],
+        prompt_tokens=len(r["token_ids"]),
+        max_tokens=r["max_tokens"],
+        send_s=sent[index],
+        end_s=ended[index],
+        chunk_times_s=tuple(chunks[index]),
+        output_tokens=r["max_tokens"],
+        finish_reason="length",
+        http_status=None,
+    )
+
+
+def place(nice: int | None, cpus: Sequence[int] | None) -> None:
+    """This process's niceness and cores, before the engine starts a thread (as the worker)."""
+    from pagedserve.workers.cpu_placement import pin_process, set_niceness
+
+    if cpus is not None:
+        pin_process(cpus, what="engine arm")
+    if nice is not None:
+        set_niceness(nice, what="engine arm")
 
 
 def main(argv: Sequence[str]) -> int:
+    with open(argv[0], encoding="utf-8") as f:
+        spec = json.load(f)
+    place(spec.get("nice"), spec.get("cpus"))
+    import torch
+
     from pagedserve.workers.engine import Engine
     from pagedserve.workers.engine_config import EngineConfig
 
-    with open(argv[0], encoding="utf-8") as f:
-        spec = json.load(f)
-    engine = Engine(EngineConfig(model=spec["model"], kv_cache_bytes=spec["kv_cache_bytes"]))
-    run_requests(engine, spec["warmup"], "warmup-")
-    records, steps = run_requests(engine, spec["requests"], "r-")
+    engine = Engine(EngineConfig(**spec["engine"]))
+    # One thread steps, as the served worker's loop does (see the module docstring).
+    with ThreadPoolExecutor(1, thread_name_prefix="engine-step") as stepper:
+
+        def step() -> list:
+            return stepper.submit(engine.step).result()
+
+        run_requests(engine, spec["warmup"], "warmup-", step)
+        cpu_before = time.process_time()
+        records, steps = run_requests(engine, spec["requests"], "r-", step, spec.get("concurrency"))
+        cpu_s = time.process_time() - cpu_before
+    threads, nice = torch.get_num_threads(), os.getpriority(os.PRIO_PROCESS, 0)
+    out = {"records": records, "step_s": steps, "cpu_s": cpu_s, "threads": threads, "nice": nice}
     with open(argv[1], "w", encoding="utf-8") as f:
-        json.dump({"records": records, "step_s": steps}, f)
+        json.dump(out, f)
     return 0
 
 

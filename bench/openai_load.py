@@ -10,10 +10,16 @@ offset as
 and its server-sent events (``data: {...}`` lines, then ``data: [DONE]``) are timed as they
 arrive. Times are the client's (`time.monotonic`), in seconds after the run's start:
 
-    TTFT   sent → first chunk carrying text
-    TPOT   (last chunk carrying text − first one) / (output tokens − 1)
-    E2E    sent → end of the stream
-    tok/s  all output tokens / (last end − first send)
+    TTFT     sent → first chunk carrying text
+    TPOT     (last chunk carrying text − first one) / (output tokens − 1)
+    E2E      sent → end of the stream
+    tok/s    all output tokens / (last end − first send)
+    goodput  requests that met an `Slo` (TTFT and TPOT at most its bounds) / (last end − first send)
+
+`run_load` sends at planned arrival times (open loop: the server's speed does not change when
+requests come); `run_closed_loop` keeps a fixed number of clients busy instead, each sending
+its next request when its last one ended (what saturates a server without a queue of arrivals
+piling up in front of it).
 
 A chunk may carry several tokens (a server holds back tokens whose text is an incomplete UTF-8
 character), so the token count is not the number of chunks: with ``ignore_eos`` a request that
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -158,9 +165,7 @@ def summarize(records: Sequence[RequestRecord]) -> LoadSummary:
     ttft = [t for r in ok if (t := r.ttft_s) is not None]
     tpot = [t for r in ok if (t := r.tpot_s) is not None]
     tokens = sum(r.output_tokens or 0 for r in ok)
-    duration = max((r.end_s for r in records), default=0.0) - min(
-        (r.send_s for r in records), default=0.0
-    )
+    duration = run_duration_s(records)
     return LoadSummary(
         num_requests=len(records),
         failures=len(records) - len(ok),
@@ -174,6 +179,38 @@ def summarize(records: Sequence[RequestRecord]) -> LoadSummary:
         duration_s=duration,
         output_tokens_per_s=tokens / duration if duration > 0 else 0.0,
     )
+
+
+def run_duration_s(records: Sequence[RequestRecord]) -> float:
+    """From the first send to the last end: what tok/s and goodput divide by."""
+    if not records:
+        return 0.0
+    return max(r.end_s for r in records) - min(r.send_s for r in records)
+
+
+@dataclass(frozen=True)
+class Slo:
+    """A latency target each request meets or misses: TTFT and TPOT at most these bounds."""
+
+    ttft_ms: float
+    tpot_ms: float
+
+    def __post_init__(self) -> None:
+        if not (self.ttft_ms > 0 and self.tpot_ms > 0):
+            raise ValueError(f"SLO bounds must be > 0 ms, got {self.ttft_ms}, {self.tpot_ms}")
+
+    def met_by(self, record: RequestRecord) -> bool:
+        """A failed request, or one whose token count is unknown (so its TPOT is), misses; one
+        of a single token has no TPOT to miss."""
+        ttft, tpot = record.ttft_s, record.tpot_s
+        if not record.ok or ttft is None or record.output_tokens is None:
+            return False
+        return ttft * 1e3 <= self.ttft_ms and (tpot is None or tpot * 1e3 <= self.tpot_ms)
+
+    def goodput_per_s(self, records: Sequence[RequestRecord]) -> float:
+        """Requests per second that met this SLO, over the run's duration."""
+        duration = run_duration_s(records)
+        return sum(map(self.met_by, records)) / duration if duration > 0 else 0.0
 
 
 def _percentile_ms(values: Sequence[float], q: float) -> float:
@@ -210,14 +247,8 @@ async def run_load(
     Returns:
         One record per request, failures included, in workload order.
     """
-    import aiohttp
-
     url = base_url.rstrip("/") + "/v1/completions"
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
-    # limit=0: no cap on open connections, so a burst is never queued inside the client.
-    async with aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0), timeout=timeout
-    ) as session:
+    async with _client_session(timeout_s) as session:
         t0 = time.monotonic() + 0.05  # every task is scheduled before the first arrival
 
         async def one(planned: PlannedRequest) -> RequestRecord:
@@ -225,6 +256,45 @@ async def run_load(
             return await _send(session, url, model, planned, t0)
 
         return list(await asyncio.gather(*(one(p) for p in workload)))
+
+
+async def run_closed_loop(
+    base_url: str,
+    model: str,
+    workload: Sequence[PlannedRequest],
+    concurrency: int,
+    timeout_s: float | None = None,
+) -> list[RequestRecord]:
+    """`concurrency` clients take the requests in workload order, each sending its next one
+    when its last one ended; arrival offsets are ignored.
+
+    Returns:
+        One record per request, in workload order; its `arrival_s` is when it was sent.
+    """
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    url = base_url.rstrip("/") + "/v1/completions"
+    queue = list(reversed(workload))  # popped from the end: workload order
+    records: dict[int, RequestRecord] = {}
+    async with _client_session(timeout_s) as session:
+        t0 = time.monotonic()
+
+        async def client() -> None:
+            while queue:
+                record = await _send(session, url, model, queue.pop(), t0)
+                records[record.index] = dataclasses.replace(record, arrival_s=record.send_s)
+
+        await asyncio.gather(*(client() for _ in range(min(concurrency, len(queue)))))
+    return [records[p.index] for p in workload]
+
+
+def _client_session(timeout_s: float | None) -> aiohttp.ClientSession:
+    import aiohttp
+
+    # limit=0: no cap on open connections, so a burst is never queued inside the client.
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=timeout_s)
+    )
 
 
 async def _send(

@@ -9,10 +9,12 @@ from aiohttp import web
 
 from pagedserve.bench.openai_load import (
     RequestRecord,
+    Slo,
     SseDecoder,
     StreamEvent,
     completion_body,
     parse_event,
+    run_closed_loop,
     run_load,
     summarize,
 )
@@ -70,6 +72,28 @@ def test_summary_percentiles_throughput_and_failures():
 def test_summary_of_only_failures_has_no_latencies():
     s = summarize([record(0, 0.0, [], 1.0, error="HTTP 500: boom")])
     assert s.failures == 1 and math.isnan(s.ttft_p50_ms) and s.output_tokens == 0
+
+
+def test_a_request_meets_the_slo_only_with_both_latencies_within_it():
+    slo = Slo(ttft_ms=200.0, tpot_ms=100.0)
+    assert slo.met_by(record(0, 0.0, [0.2, 0.5], 0.5, tokens=4))  # ttft 200, tpot 100: met
+    assert not slo.met_by(record(0, 0.0, [0.25, 0.5], 0.5))  # ttft 250
+    assert not slo.met_by(record(0, 0.0, [0.1, 0.5], 0.5))  # tpot 133
+    assert slo.met_by(record(0, 0.0, [0.1], 0.1, tokens=1))  # one token: no TPOT to miss
+    assert not slo.met_by(record(0, 0.0, [0.1, 0.2], 0.2, tokens=None))  # count unknown
+    assert not slo.met_by(record(0, 0.0, [], 0.1, error="HTTP 500: boom"))
+    with pytest.raises(ValueError, match="> 0"):
+        Slo(0.0, 100.0)
+
+
+def test_goodput_is_requests_that_met_the_slo_per_second_of_the_run():
+    records = [
+        record(0, send=0.0, chunks=[0.1, 0.4], end=0.5),  # met
+        record(1, send=1.0, chunks=[1.5, 1.9], end=2.0),  # ttft 500: missed
+        record(2, send=1.5, chunks=[], end=1.6, error="HTTP 400: bad"),
+    ]
+    assert Slo(200.0, 150.0).goodput_per_s(records) == pytest.approx(1 / 2.0)
+    assert Slo(200.0, 150.0).goodput_per_s([]) == 0.0
 
 
 # ------------------------------------------------------------------- the SSE parser
@@ -135,15 +159,31 @@ async def fake_completions(request: web.Request) -> web.StreamResponse:
     return response
 
 
-async def with_fake_server(model, workload):
+IN_FLIGHT = {"now": 0, "most": 0}
+
+
+async def counting_completions(request: web.Request) -> web.StreamResponse:
+    """`fake_completions`, counting the requests it serves at once."""
+    IN_FLIGHT["now"] += 1
+    IN_FLIGHT["most"] = max(IN_FLIGHT["most"], IN_FLIGHT["now"])
+    try:
+        return await fake_completions(request)
+    finally:
+        IN_FLIGHT["now"] -= 1
+
+
+async def with_fake_server(model, workload, concurrency=None):
     app = web.Application()
-    app.router.add_post("/v1/completions", fake_completions)
+    app.router.add_post("/v1/completions", counting_completions)
     runner = web.AppRunner(app)
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
+    url = f"http://127.0.0.1:{port}"
     try:
-        return await run_load(f"http://127.0.0.1:{port}", model, workload, timeout_s=5.0)
+        if concurrency is not None:
+            return await run_closed_loop(url, model, workload, concurrency, timeout_s=5.0)
+        return await run_load(url, model, workload, timeout_s=5.0)
     finally:
         await runner.cleanup()
 
@@ -161,6 +201,19 @@ def test_the_client_times_streams_at_their_arrivals():
         assert r.e2e_s >= r.ttft_s
     summary = summarize(records)
     assert summary.failures == 0 and summary.output_tokens == 3 * TOKENS
+
+
+def test_a_closed_loop_keeps_that_many_requests_in_flight_in_workload_order():
+    IN_FLIGHT.update(now=0, most=0)
+    workload = [PlannedRequest(i, 9.0, (5, 6, 7), TOKENS) for i in range(5)]  # arrivals unused
+    records = asyncio.run(with_fake_server("m", workload, concurrency=2))
+    assert IN_FLIGHT["most"] == 2
+    assert [r.index for r in records] == [0, 1, 2, 3, 4]
+    assert all(r.ok and r.arrival_s == r.send_s for r in records)
+    ends = sorted(r.end_s for r in records[:2])
+    assert records[2].send_s >= ends[0]  # the third waited for a client to be free
+    with pytest.raises(ValueError, match=">= 1"):
+        asyncio.run(run_closed_loop("http://127.0.0.1:1", "m", workload, 0))
 
 
 def test_a_4xx_is_a_failure_with_its_body():
