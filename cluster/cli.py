@@ -7,7 +7,10 @@ import os
 import signal
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagedserve.cluster.node_layout import NodeResources
 
 # Engine fields the cluster sets itself: each worker's queue bound is `max_waiting_per_worker`.
 ENGINE_FIELDS_SET_BY_THE_CLUSTER = ("max_waiting",)
@@ -84,8 +87,18 @@ def _speculative_from_args(args: argparse.Namespace, given: dict | None) -> dict
     return {**(given or {}), **flags}
 
 
-def cluster_config_from_args(args: argparse.Namespace, num_gpus: int) -> dict[str, Any]:
-    """Merge the YAML file, then flags, then machine defaults into plain config data."""
+def cluster_config_from_args(
+    args: argparse.Namespace, num_gpus: int, node: NodeResources | None = None
+) -> dict[str, Any]:
+    """Merge the YAML file, then flags, then machine defaults into plain config data.
+
+    `node`: the machine the defaults are sized to (None: this one; see `node_layout`)."""
+    data, _ = with_machine_defaults(user_config_from_args(args), args.address, num_gpus, node)
+    return data
+
+
+def user_config_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The YAML file, then flags, as plain config data: what the user set, nothing more."""
     from pagedserve.cluster.config import ClusterConfig
     from pagedserve.workers.config_flags import config_flags_set
     from pagedserve.workers.engine_config import EngineConfig
@@ -109,15 +122,34 @@ def cluster_config_from_args(args: argparse.Namespace, num_gpus: int) -> dict[st
         telemetry["exporter"] = args.trace_exporter
     if telemetry:
         data["telemetry"] = telemetry
+    data["engine"] = engine
+    return data
+
+
+def with_machine_defaults(
+    data: dict[str, Any], address: str | None, num_gpus: int, node: NodeResources | None = None
+) -> tuple[dict[str, Any], str]:
+    """`data` with what it leaves unset sized to the machine, and a line saying what was
+    chosen and why ('' when nothing was).
+
+    A cluster on this machine (`address` None) is sized by `node_layout.plan`; one joined by
+    address keeps the fixed defaults: one worker per GPU, else 2 (or the P/D roles' count)."""
+    from pagedserve.cluster.node_layout import NodeResources, plan
+
+    data, engine = dict(data), dict(data.get("engine") or {})
+    if address is None:
+        layout = plan(data, node or NodeResources.of_this_machine(num_gpus))
+        data.update(layout.settings)
+        data["engine"] = {**engine, **layout.engine}
+        return data, layout.describe()
     if num_gpus:
         data.setdefault("num_workers", num_gpus)
         data.setdefault("worker_num_gpus", 1.0)
         engine.setdefault("device", "cuda")
-    # Without --num-workers, a P/D layout larger than two workers sizes the pool.
     roles = (data.get("prefill_workers") or 0) + (data.get("decode_workers") or 0)
     data.setdefault("num_workers", max(2, roles))
     data["engine"] = engine
-    return data
+    return data, ""
 
 
 def _layout(config) -> str:
@@ -196,9 +228,8 @@ def run(args: argparse.Namespace) -> int:
     from pagedserve.cluster.api_config import split_app_args
     from pagedserve.cluster.app import build_app
     from pagedserve.cluster.config import ClusterConfig
-    from pagedserve.cluster.grpc_status import proxy_env_vars
     from pagedserve.cluster.ray_startup import allow_slow_startup
-    from pagedserve.cluster.serve_options import grpc_options, http_options
+    from pagedserve.cluster.serve_options import controller_env_vars, grpc_options, http_options
     from pagedserve.workers.model_cli import prepare_in_subprocess
 
     # 'local' starts a fresh cluster even when another one runs on this machine; join an
@@ -207,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
     ray.init(address=args.address or "local", include_dashboard=False)
     num_gpus = int(ray.cluster_resources().get("GPU", 0))
     try:
-        data = cluster_config_from_args(args, num_gpus)
+        data, layout = with_machine_defaults(user_config_from_args(args), args.address, num_gpus)
         build_app(data)  # validate the cluster and API config before starting anything
         if args.address is None:  # a cluster on this machine: its cores must exist here
             check_local_cores(ClusterConfig.from_dict(split_app_args(data)[0]))
@@ -216,7 +247,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"pagedserve serve: error: {error}", file=sys.stderr)
         return 2
     config = ClusterConfig.from_dict(split_app_args(data)[0])
-    env_vars = proxy_env_vars(args.host, config.max_request_bytes, config.max_pending_grpc_calls)
+    if layout:
+        print(f"pagedserve: sized to this machine: {layout}", flush=True)
+    env_vars = controller_env_vars(
+        args.host, config.max_request_bytes, config.max_pending_grpc_calls
+    )
     serve.start(
         http_options=http_options(args.host, args.http_port),
         grpc_options=grpc_options(args.grpc_port),

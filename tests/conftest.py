@@ -139,4 +139,5 @@ def pytest_terminal_summary(terminalreporter):
     startups = StartupCount()
     startups.merge(STARTUPS.as_dict())
     startups.merge(STARTUPS_OF_WORKERS.as_dict())
-    terminalreporter.write_line(startups.summary())
+    if any(startups.counts.values()):
+        terminalreporter.write_line(startups.summary())
