@@ -96,9 +96,10 @@ def plan(data: dict[str, Any], node: NodeResources) -> NodeLayout:
         + (f" for {roles} P/D role(s)" if roles > nodes else "")
     )
     num_workers = data.get("num_workers", workers)
-    threads = _threads_per_worker(node, num_workers)
-    settings["worker_threads"] = threads
-    reasons.append(f"{threads} torch thread(s) per worker (its share of the cores)")
+    if data.get("worker_cpus") is None:  # pinned workers get a thread per core of their slice
+        threads = _threads_per_worker(node, num_workers)
+        settings["worker_threads"] = threads
+        reasons.append(f"{threads} torch thread(s) per worker (its share of the cores)")
     kv = min(CPU_KV_MAX_BYTES, int(node.available_bytes * CPU_KV_MEMORY_FRACTION) // num_workers)
     if kv > 0:
         chosen_engine["kv_cache_bytes"] = kv

@@ -18,9 +18,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[3]
-# README.md still sends readers to the architecture document beside the clone; a change under
-# way rewrites that line. Take README.md out of this set once it has landed.
-OUTSIDE_REFERENCES_PENDING = {"README.md"}
 
 
 def root_package_folders() -> list[str]:
@@ -72,5 +69,5 @@ def test_no_tracked_file_relies_on_a_folder_beside_the_clone() -> None:
         check=False,
     )
     assert result.returncode in (0, 1), result.stderr  # 1: nothing found
-    found = set(result.stdout.split()) - OUTSIDE_REFERENCES_PENDING
+    found = set(result.stdout.split())
     assert not found, f"tracked files that refer to {outside}: {sorted(found)}"
