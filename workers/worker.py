@@ -2,6 +2,10 @@
 
 `Worker` is the Ray actor around `WorkerCore` (`workers/worker_core.py`, the logic, testable
 without Ray): it joins the prefix index, streams deltas and serves the migration endpoints.
+
+A router sends each request with `submit` and reads every request it sent here through one
+`channel(owner_id)` call, opened once: a `StepBatch` per engine step with all of that router's
+requests' messages. `generate` streams one request by itself (benchmarks, tests).
 """
 
 from __future__ import annotations
@@ -27,7 +31,13 @@ from pagedserve.workers.kv_events import KVEvent, KVSnapshot
 from pagedserve.workers.lease import DEFAULT_LEASE_TIMEOUT_S
 from pagedserve.workers.pid_files import DEFAULT_PID_DIR, register_pid
 from pagedserve.workers.request_trace import migration_span
-from pagedserve.workers.stream import DEFAULT_MAX_BUFFERED_DELTAS, RUN_AHEAD_MESSAGES, StreamDelta
+from pagedserve.workers.stream import (
+    DEFAULT_MAX_BUFFERED_DELTAS,
+    RUN_AHEAD_MESSAGES,
+    StepBatch,
+    StreamDelta,
+    StreamMessage,
+)
 from pagedserve.workers.telemetry import TelemetryConfig, worker_tracing
 from pagedserve.workers.worker_core import WorkerCore
 from pagedserve.workers.worker_role import WorkerRole
@@ -49,6 +59,12 @@ __all__ = ["Worker", "WorkerCore"]
 # pauses the request. (Ray's default, -1, lets a generator run ahead of its reader without
 # bound.) A generator held there is also closed by Ray when its caller dies.
 STREAM_BACKPRESSURE_OBJECTS = RUN_AHEAD_MESSAGES
+# Batches a `channel` may have sent and its router not yet taken; past it the channel's
+# messages wait on the worker and go out together as the next batch. Backpressure is also what
+# makes Ray close the generator at its next `yield` once the caller is dead (without it, Ray
+# never does: measured with Ray 2.60), which is how a dead router's requests end at once.
+# (It costs ~0.2 ms per message on each side over none; a batch per step makes that small.)
+CHANNEL_BACKPRESSURE_OBJECTS = RUN_AHEAD_MESSAGES
 # Deadline of each call to the prefix index (register, publish): it must never hang a worker.
 INDEX_CALL_TIMEOUT_S = 30.0
 # A worker drained on SIGTERM gives its open streams this long to finish (`ClusterConfig`).
@@ -215,13 +231,45 @@ class Worker:
                 owner_id=request.owner_id,
             )
         async for delta in deltas:
-            if isinstance(delta, RequestMoved):  # the router gets a ref, never the KV bytes
-                handoff = handoff_ref.by_reference(delta.handoff)
-                self._held_kv.hold(handoff)  # until the target fetched it
-                me = ray.get_runtime_context().current_actor
-                handoff = dataclasses.replace(handoff, source_worker=delta.worker_id, kv_owner=me)
-                delta = dataclasses.replace(delta, handoff=handoff)
-            yield delta
+            yield self._kv_by_reference(delta)
+
+    async def submit(self, request: WorkerRequest) -> None:
+        """Admit a request whose messages go out through the channel of `request.owner_id`
+        (the router opens it once: `channel`). Returns once the engine took it; raises
+        `RequestRejected`, `Overloaded` or `Draining` when it is refused. A moved request's KV
+        is fetched from its source first.
+
+        The owner's lease ties the request to its router as for `generate`; so does the
+        channel: once it closes, the owner's requests are aborted."""
+        if request.handoff is not None:
+            request = dataclasses.replace(request, handoff=await self._fetched(request.handoff))
+        await self.core.submit(request)
+
+    @ray.method(_generator_backpressure_num_objects=CHANNEL_BACKPRESSURE_OBJECTS)
+    async def channel(self, owner_id: str) -> AsyncIterator[StepBatch]:
+        """Streaming: every message of `owner_id`'s requests here, one `StepBatch` per engine
+        step (see `WorkerCore.channel`). A newer call of the same owner supersedes this one."""
+        async for batch in self.core.channel(owner_id):
+            if any(isinstance(m, RequestMoved) for m in batch.messages):
+                messages = tuple(self._kv_by_reference(m) for m in batch.messages)
+                batch = dataclasses.replace(batch, messages=messages)
+            yield batch
+
+    async def set_paused(self, request_id: str, paused: bool, seq: int) -> None:
+        """The router's buffer of a channel's request filled up (pause) or drained (resume);
+        `seq` orders its calls for that request (see `WorkerCore.set_paused`)."""
+        self.core.set_paused(request_id, paused, seq)
+
+    def _kv_by_reference(self, message: StreamMessage) -> StreamMessage:
+        """A `RequestMoved` with its KV put in the object store: the router gets a ref, never
+        the KV bytes. Any other message as it is."""
+        if not isinstance(message, RequestMoved):
+            return message
+        handoff = handoff_ref.by_reference(message.handoff)
+        self._held_kv.hold(handoff)  # until the target fetched it
+        me = ray.get_runtime_context().current_actor
+        handoff = dataclasses.replace(handoff, source_worker=message.worker_id, kv_owner=me)
+        return dataclasses.replace(message, handoff=handoff)
 
     async def _fetched(self, handoff: RequestHandoff) -> RequestHandoff:
         if self._fail_kv_fetches and handoff.packed_kv is not None:  # chaos: as if lost

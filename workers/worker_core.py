@@ -10,16 +10,22 @@ waits until no step is in flight and then runs on the loop thread. So exactly on
 touches the engine at any time, and an abort takes effect within one step. (`stats` alone reads
 counters during a step: the router's liveness poll must be answered by a busy or hung engine.)
 
-Two guards keep a request from running on when nobody wants it:
-- a bounded buffer per stream (`DeltaBuffer`): a reader that stops reading gets its request
-  paused in the engine once `max_buffered_deltas` wait, and resumed once it has read half;
+The logic is split by concept over three files: this one (the step loop, the engine's one
+thread, leases, stats), `workers/worker_requests.py` (admit, stream, pause, abort, drain: a
+request's messages go out through its owner's channel, one `StepBatch` per engine step, or
+through a stream of its own) and `workers/worker_kv.py` (what peers and checks read or write of
+the pool).
+
+Three guards keep a request from running on when nobody wants it:
+- a bounded buffer per stream: a reader that stops reading gets its request paused in the
+  engine once `max_buffered_deltas` wait, and resumed once it has read half (for a channel's
+  requests that buffer is the router's, which asks for the pause: `set_paused`);
+- a closed channel: when its owner's `channel` call ends (Ray closes it when the router dies;
+  a heartbeat batch every quarter lease makes sure an idle one notices), every request of
+  that owner here is aborted at once; so is a `generate` stream its reader leaves;
 - owner leases (`LeaseTable`): a request sent with an `owner_id` is aborted once that owner
   (a router replica) has not renewed within `lease_timeout_s`. A housekeeping task checks every
   quarter of that, engine busy or idle.
-
-A stream sends at most one message per branch per engine step, and fewer when its reader lags:
-the deltas of one branch waiting in a row go out as one (`DeltaBuffer.get_coalesced`), so a
-reader k steps behind gets one message carrying k steps' tokens, not k messages.
 """
 
 from __future__ import annotations
@@ -32,39 +38,31 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable
 from typing import Any, TypeVar
 
-from pagedserve.workers.block import BlockKey
 from pagedserve.workers.engine import Engine
-from pagedserve.workers.errors import Draining, HandedOff, Overloaded, RequestRejected
-from pagedserve.workers.handoff import RequestHandoff
-from pagedserve.workers.hot_chains import eviction_chains, hot_chains
 from pagedserve.workers.kv_cache_manager import PrefixTransfer
-from pagedserve.workers.kv_checks import KVInvariantError, assert_no_leaks, check_invariants
-from pagedserve.workers.kv_events import KVEvent, KVSnapshot
+from pagedserve.workers.kv_events import KVEvent
 from pagedserve.workers.lease import DEFAULT_LEASE_TIMEOUT_S, LeaseTable
 from pagedserve.workers.outputs import RequestDelta
-from pagedserve.workers.request_trace import RequestTrace, RequestTraces
-from pagedserve.workers.sampling_params import SamplingParams
+from pagedserve.workers.request_trace import RequestTraces
 from pagedserve.workers.stop_checker import FinishReason
-from pagedserve.workers.stream import (
-    DEFAULT_MAX_BUFFERED_DELTAS,
-    DeltaBuffer,
-    StreamDelta,
-    stream_deltas,
-)
+from pagedserve.workers.stream import DEFAULT_MAX_BUFFERED_DELTAS
 from pagedserve.workers.telemetry import NOOP, Tracing
-from pagedserve.workers.worker_types import DrainResult, PoolCheck, RequestMoved, WorkerStats
+from pagedserve.workers.worker_kv import WorkerKV
+from pagedserve.workers.worker_requests import WorkerRequests
+from pagedserve.workers.worker_streams import StreamTable
+from pagedserve.workers.worker_types import WorkerStats
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 EventSink = Callable[[str, str, list[KVEvent]], None]
 
 
-class WorkerCore:
-    """Owns one engine, its step loop, the open streams (each with its bounded buffer), the
-    owners' leases and the KV event feed.
+class WorkerCore(WorkerRequests, WorkerKV):
+    """Owns one engine, its step loop, the open streams and owners' channels (`StreamTable`),
+    the owners' leases and the KV event feed.
 
     Args:
         engine: the engine to drive.
@@ -98,7 +96,7 @@ class WorkerCore:
         self.transfer = PrefixTransfer(engine.kv)
         self.leases = LeaseTable(lease_timeout_s, clock)
         self.max_buffered_deltas = max_buffered_deltas
-        self._streams: dict[str, DeltaBuffer] = {}
+        self._streams = StreamTable(worker_id, self.leases, self.traces)
         self._pending: list[tuple[Callable[[], Any], asyncio.Future | None]] = []
         self._stepping = False
         self._wakeup = asyncio.Event()
@@ -143,14 +141,16 @@ class WorkerCore:
         await asyncio.to_thread(self.engine.close)
 
     async def _housekeeping_loop(self) -> None:
-        """Every quarter lease: abort the orphans of expired owners, and wake the step loop so
-        that a paused request's deadline is noticed while nothing else runs."""
+        """Every quarter lease: abort the orphans of expired owners, send a heartbeat on every
+        idle channel (a dead owner's ends at it), and wake the step loop so that a paused
+        request's deadline is noticed while nothing else runs."""
         while True:
             await asyncio.sleep(self.leases.timeout_s / 4)
             try:
                 await self.check_leases()
             except Exception:  # the next round tries again; the loop must live on
                 logger.exception("lease check failed")
+            self._streams.beat()
             self._wakeup.set()
 
     async def _run_loop(self) -> None:
@@ -236,13 +236,10 @@ class WorkerCore:
                     future.set_result(result)
 
     def _dispatch(self, delta: RequestDelta, error: str | None = None) -> None:
-        """Hand an engine delta to its stream's buffer, one `StreamDelta` per branch."""
-        buffer = self._streams.get(delta.request_id)
-        if buffer is None:
-            return
-        for branch_delta in stream_deltas(delta, self.worker_id, error):
-            buffer.put(branch_delta)
-        if not delta.finished and not buffer.paused and buffer.full():
+        """Hand an engine delta to its stream (`StreamTable.deliver`), one message per branch."""
+        stream = self._streams.deliver(delta, error)
+        buffer = stream.buffer if stream is not None else None
+        if buffer is not None and not delta.finished and not buffer.paused and buffer.full():
             # The reader lags: stop decoding for it (blocks kept) until it has read half.
             buffer.paused = True
             self._on_engine_soon(functools.partial(self.engine.pause, delta.request_id))
@@ -266,136 +263,8 @@ class WorkerCore:
 
     def buffered_deltas(self, request_id: str) -> int:
         """How many deltas wait unread in a stream's buffer (0: no such stream)."""
-        buffer = self._streams.get(request_id)
-        return 0 if buffer is None else len(buffer)
-
-    # ------------------------------------------------------------ requests
-    async def generate(
-        self,
-        request_id: str,
-        prompt: str | Sequence[int],
-        params: SamplingParams,
-        *,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        timeout_s: float | None = None,
-        trace_context: dict[str, str] | None = None,
-        owner_id: str | None = None,
-    ) -> AsyncIterator[StreamDelta]:
-        """Stream a request's deltas until every branch finished. Raises `RequestRejected`.
-
-        Leaving the iteration early (cancellation, a closed stream) aborts the request and
-        frees its blocks. `trace_context` (a W3C carrier) parents this request's spans.
-        `owner_id` ties the request to that owner's lease (None: no lease).
-        """
-        add = functools.partial(
-            self.engine.add_request,
-            request_id,
-            prompt,
-            params,
-            priority=priority,
-            cache_salt=cache_salt,
-            timeout_s=timeout_s,
-        )
-        trace = self.traces.open(request_id, trace_context, params)
-        async for delta in self._stream(request_id, params.n, add, trace, owner_id):
-            yield delta
-
-    async def adopt(
-        self,
-        handoff: RequestHandoff,
-        trace_context: dict[str, str] | None = None,
-        owner_id: str | None = None,
-    ) -> AsyncIterator[StreamDelta]:
-        """Continue a request a peer handed off; streams only the tokens it generates here (and
-        text the peer held back): the engine counts the handoff's output as reported.
-        `owner_id` as in `generate`."""
-        trace = self.traces.open(handoff.request_id, trace_context, handoff.params, "worker.adopt")
-        if handoff.timings is not None:
-            trace.elapsed_ns = int(handoff.timings.elapsed_s * 1e9)
-        start = functools.partial(self.engine.adopt, handoff)
-        async for delta in self._stream(handoff.request_id, 1, start, trace, owner_id):
-            yield delta
-
-    async def _stream(
-        self,
-        request_id: str,
-        num_branches: int,
-        add: Callable[[], None],
-        trace: RequestTrace,
-        owner_id: str | None,
-    ) -> AsyncIterator[StreamDelta]:
-        self.start()
-        if self.draining:
-            raise Draining(f"worker {self.worker_id} is draining", retry_after_s=0.0)
-        if self._refuse_next:
-            self._refuse_next -= 1
-            raise Overloaded(f"worker {self.worker_id} refused on purpose (chaos)")
-        if request_id in self._streams:
-            # Typed (INVALID_ARGUMENT at the front ends, not INTERNAL): two router replicas
-            # can each admit a request under one id, and the second must be refused by name.
-            raise RequestRejected(f"request_id {request_id!r} is already in flight")
-        buffer = DeltaBuffer(self.max_buffered_deltas)
-        self._streams[request_id] = buffer
-        remaining = num_branches
-        try:
-            await self._on_engine(add)
-            self.leases.attach(request_id, owner_id)
-            self._wakeup.set()
-            while remaining:
-                delta = await buffer.get_coalesced()  # what waits of one branch, as one
-                if delta is None:  # `drain` ran out of grace: the router replays the rest
-                    raise HandedOff(f"worker {self.worker_id} drained before this request ended")
-                if isinstance(delta, RequestMoved) or delta.finish_reason is not None:
-                    remaining -= 1
-                elif buffer.drained():
-                    await self._resume(request_id, buffer)
-                trace.on_delta(delta)
-                yield delta
-        finally:
-            self._streams.pop(request_id, None)
-            self.leases.detach(request_id)
-            self.traces.close(trace, aborted=bool(remaining))
-            if remaining:
-                await asyncio.shield(self._abort_quietly(request_id))
-
-    async def _resume(self, request_id: str, buffer: DeltaBuffer) -> None:
-        buffer.paused = False
-        await self._on_engine(functools.partial(self.engine.resume, request_id))
-        self._wakeup.set()
-
-    async def _abort_quietly(self, request_id: str) -> None:
-        await self._on_engine(lambda: self.engine.abort(request_id))
-        self._publish_events()
-
-    async def abort(self, request_id: str) -> bool:
-        """Abort a request; its stream ends with finish_reason "abort". False if unknown."""
-        delta = await self._on_engine(lambda: self.engine.abort(request_id))
-        if delta is None:
-            return False
-        self._dispatch(delta)
-        self._publish_events()
-        return True
-
-    async def drain(self, grace_s: float) -> DrainResult:
-        """Stop admitting, let open streams finish for up to `grace_s`, then end the rest with
-        `Draining` (their blocks are freed; the router replays them on a peer).
-
-        Returns:
-            How many streams finished within the grace period and how many were handed off.
-        """
-        self.draining = True
-        open_at_start = len(self._streams)
-        end = time.monotonic() + grace_s
-        while self._streams and time.monotonic() < end:
-            await asyncio.sleep(0.02)
-        handed_off = list(self._streams)
-        for buffer in self._streams.values():
-            buffer.put(None)
-        end = time.monotonic() + 5.0  # a deadline here too: a stuck stream must not hang us
-        while self._streams and time.monotonic() < end:  # each one's `finally` aborts it
-            await asyncio.sleep(0.01)
-        return DrainResult(finished=open_at_start - len(handed_off), handed_off=len(handed_off))
+        stream = self._streams.get(request_id)
+        return 0 if stream is None or stream.buffer is None else len(stream.buffer)
 
     # -------------------------------------------------------------- leases
     def renew_lease(self, owner_id: str) -> None:
@@ -434,22 +303,6 @@ class WorkerCore:
             **engine,
         )
 
-    async def check_pool(self) -> PoolCheck:
-        """Pool invariants between steps; when idle, also that no block is held (free + cached
-        = total)."""
-        return await self._on_engine(self._check_pool_now)
-
-    def _check_pool_now(self) -> PoolCheck:
-        idle = not self.engine.has_unfinished_requests() and not self._streams
-        proposer = self.engine.proposer
-        pools = [self.engine.kv] + ([proposer.kv] if proposer and proposer.kv else [])
-        try:
-            for kv in pools:  # the engine's, and a speculative draft model's own
-                (assert_no_leaks if idle else check_invariants)(kv)
-        except KVInvariantError as error:
-            return PoolCheck(ok=False, idle=idle, error=str(error))
-        return PoolCheck(ok=True, idle=idle)
-
     def chaos_stall(self, stalled: bool, after_steps: int = 0) -> None:
         """Hang every engine step from the next one on (True) until released (False): a
         worker alive and answering, whose requests make no progress (stall tests).
@@ -474,64 +327,3 @@ class WorkerCore:
     def chaos_drop_next_event_batch(self) -> None:
         """Lose the next KV event batch on purpose (soak and resync tests)."""
         self._drop_next_batch = True
-
-    async def kv_snapshot(self) -> KVSnapshot:
-        """The blocks held in every tier and the event sequence number they reflect, read
-        between steps (a step in flight changes both)."""
-        return await self._on_engine(self._snapshot_now)
-
-    def _snapshot_now(self) -> KVSnapshot:
-        pool = self.engine.kv.pool
-        self._publish_events()  # events below next_seq are reflected in the snapshot
-        held = pool.held_blocks()  # every tier's blocks, each with its fastest tier
-        hashes, tiers = tuple(h for h, _ in held), tuple(t for _, t in held)
-        return KVSnapshot(self.worker_id, self.epoch, pool.next_event_seq, hashes, tiers)
-
-    # ----------------------------------------------------------- migration
-    async def export_prefix(self, block_hashes: Sequence[bytes]) -> tuple[list[BlockKey], Any]:
-        """The leading cached blocks of `block_hashes`: their keys and KV packed on the CPU."""
-
-        def export():
-            blocks = self.transfer.cached_prefix(block_hashes)
-            if not blocks:
-                return [], None
-            packed = self.engine.kv_cache.export_blocks([b.block_id for b in blocks])
-            self.num_blocks_exported += len(blocks)
-            return [b.key for b in blocks], packed
-
-        return await self._on_engine(export)
-
-    async def push_candidates(self, max_chains: int) -> list[list[bytes]]:
-        """Chains (root first) ending in the cached free blocks next in line for eviction
-        (`eviction_chains`), read between steps."""
-        pool = self.engine.kv.pool
-        return await self._on_engine(lambda: eviction_chains(pool, max_chains))
-
-    async def hot_chains(self, max_blocks: int) -> list[list[bytes]]:
-        """Its cached prefixes as whole chains, hottest first (`workers/hot_chains.py`), read
-        on the engine's thread so that no step changes the pool under the walk."""
-        pool = self.engine.kv.pool
-        return await self._on_engine(lambda: hot_chains(pool, max_blocks))
-
-    async def import_prefix(self, keys: Sequence[BlockKey], packed: Any) -> int:
-        """Store exported blocks as cached here; returns how many were new. 0 without room."""
-
-        def do_import():
-            reserved = self.transfer.reserve_for_import(keys)
-            if reserved is None or not reserved[0]:
-                return 0
-            indices, blocks = reserved
-            try:
-                self.engine.kv_cache.import_blocks(
-                    packed[:, :, indices], [b.block_id for b in blocks]
-                )
-            except Exception:
-                self.transfer.abort_import(blocks)
-                raise
-            self.transfer.commit_import(blocks, [keys[i] for i in indices])
-            self.num_blocks_imported += len(blocks)
-            return len(blocks)
-
-        imported = await self._on_engine(do_import)
-        self._publish_events()
-        return imported

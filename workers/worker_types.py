@@ -3,13 +3,19 @@
 Each message is a frozen dataclass, validated once where it is built, never a dict read back
 by string key:
 
-    router ── WorkerRequest ──────────────► Worker.generate / Worker.adopt
-    router ◄── StreamDelta | RequestMoved ── (the stream: data, or "continue on a peer")
+    router ── WorkerRequest ──────────────► Worker.submit (admitted, or refused)
+    router ◄── StepBatch ───────────────────  Worker.channel(owner): per engine step, every
+               (StreamDelta | RequestMoved | RequestFailed) of that owner's requests
+    router ── Worker.set_paused / abort ──►  flow control and cancel, by request id
     router ── Worker.ready() / stats() ───► WorkerInfo / WorkerStats (holding KVUsage)
+
+(`Worker.generate` streams one request's messages by itself, for callers without a channel.)
 
 `RequestMoved` is the control message that used to ride inside a data delta: a worker that
 must preempt a request in `move` mode ends that branch's stream with it, and the router
-continues the request on a peer from `handoff`.
+continues the request on a peer from `handoff`. `RequestFailed` ends a request's stream with
+the error its reader raises (a drain's cut-off), since a channel carries many requests and
+cannot raise for one of them.
 """
 
 from __future__ import annotations
@@ -176,3 +182,22 @@ class RequestMoved:
     index: int
     worker_id: str
     handoff: RequestHandoff
+
+
+@dataclass(frozen=True)
+class RequestFailed:
+    """A request's stream ended with an error instead of its last delta: the reader raises
+    `error` (today a drain's cut-off, `HandedOff`: the router replays the request on a peer).
+
+    Attributes:
+        request_id: the request whose stream ends.
+        error: what its reader raises; a refusal type, so the front ends map it as they map
+            the same error raised by `Worker.submit`.
+    """
+
+    request_id: str
+    error: RequestRejected
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.error, RequestRejected):
+            raise TypeError(f"RequestFailed carries a RequestRejected, not {self.error!r}")

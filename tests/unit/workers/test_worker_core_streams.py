@@ -146,11 +146,11 @@ def test_an_unread_stream_pauses_at_its_bound_and_resumes_unchanged(tiny_llama, 
         stream = core.generate("r", prompt, params)
         deltas = [await anext(stream)]
         await wait_for(lambda: llm.engine.stats()["num_paused"] == 1, "the request to pause")
-        buffer = core._streams["r"]
+        buffered = core.buffered_deltas("r")
         (group,) = llm.engine._groups.values()
         generated = [b.num_output_tokens for b in group.branches]
         # One delta per branch per step, the reader took one: decoding stopped at the bound.
-        assert len(buffer) <= 4 + n - 1 and generated[0] == (len(buffer) + 1) // n
+        assert buffered <= 4 + n - 1 and generated[0] == (buffered + 1) // n
         assert not llm.engine.has_runnable_requests()
         deltas += await within(read_all(stream), DEADLINE_S)
         await core.close()
