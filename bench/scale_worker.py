@@ -13,13 +13,17 @@ cores on Ray's per-process threads and heartbeats, not on the work being measure
 core has its own step loop on the host's event loop, its own epoch and event sequence.
 
 `SimWorkerHandle` is what `RouterCore` and the prefix index get for one simulated worker: it
-looks like a `Worker` actor handle (`handle.generate.remote(request)`, `ready`, `stats`,
-`renew_lease`, `abort`, `kv_snapshot`, `check_pool`) and sends each call to its host with the
-worker's slot, so routing, liveness and the index's resync run unchanged.
+looks like a `Worker` actor handle (`submit`, `channel`, `set_paused`, `generate`, `ready`,
+`stats`, `renew_lease`, `abort`, `kv_snapshot`, `check_pool`) and sends each call to its host
+with the worker's slot, so routing, streaming through the channels, liveness and the index's
+resync run unchanged. As on a real worker, a router's requests stream back through its one
+channel per worker, a `StepBatch` per step (`workers/stream.py`'s `OwnerChannel`), and a
+channel that closes frees its owner's requests.
 
-What is not simulated: leases (`renew_lease` is a no-op), drain, migration, preemption (a
-running request whose next block does not fit waits a step), sampling and stop strings
-(every request decodes exactly `max_tokens`).
+What is not simulated: leases (`renew_lease` is a no-op), pauses (`set_paused` is a no-op:
+the router asks, nothing waits), heartbeats, drain, migration, preemption (a running request
+whose next block does not fit waits a step), sampling and stop strings (every request decodes
+exactly `max_tokens`).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from pagedserve.workers.kv_cache_manager import KVCacheManager
 from pagedserve.workers.kv_checks import KVInvariantError, assert_no_leaks
 from pagedserve.workers.kv_events import KVEvent, KVSnapshot
 from pagedserve.workers.outputs import Usage
-from pagedserve.workers.stream import StreamDelta
+from pagedserve.workers.stream import OwnerChannel, StepBatch, StreamDelta
 from pagedserve.workers.worker_types import PoolCheck, WorkerInfo, WorkerRequest, WorkerStats
 
 logger = logging.getLogger(__name__)
@@ -75,6 +79,13 @@ class SimRequest:
     admitted: bool = False
     finished: bool = False
     owner_id: str | None = None  # the router replica that sent it
+    channel: OwnerChannel | None = None  # its owner's channel (None: its own `queue`)
+
+    def send(self, delta: StreamDelta) -> None:
+        if self.channel is not None:
+            self.channel.put(delta)
+        else:
+            self.queue.put_nowait(delta)
 
     @property
     def num_output_tokens(self) -> int:
@@ -107,6 +118,7 @@ class SimWorkerCore:
         self.waiting: deque[SimRequest] = deque()
         self.running: dict[str, SimRequest] = {}
         self.num_steps = 0
+        self._channels: dict[str, OwnerChannel] = {}  # owner id → its channel
         self._wake = asyncio.Event()
         self._loop: asyncio.Task | None = None
 
@@ -181,7 +193,7 @@ class SimWorkerCore:
                 await self._wake.wait()
             await asyncio.sleep(self.config.step_s)  # the forward this step stands for
             for request, delta in self.step():
-                request.queue.put_nowait(delta)
+                request.send(delta)
             self.publish_events()
 
     # --------------------------------------------------------------- requests
@@ -198,6 +210,33 @@ class SimWorkerCore:
         self.waiting.append(sim)
         self._wake.set()
         return sim
+
+    def submit_to_channel(self, request: WorkerRequest) -> None:
+        """Queue a request whose deltas go out through its owner's channel (`channel`)."""
+        if request.owner_id is None:
+            raise ValueError("a request streamed through a channel needs its owner_id")
+        self.submit(request).channel = self._channel_of(request.owner_id)
+
+    def _channel_of(self, owner_id: str) -> OwnerChannel:
+        if owner_id not in self._channels:
+            self._channels[owner_id] = OwnerChannel(owner_id, self.worker_id)
+        return self._channels[owner_id]
+
+    async def channel(self, owner_id: str) -> AsyncIterator[StepBatch]:
+        """Every delta of `owner_id`'s requests, a batch per step (as `WorkerCore.channel`);
+        once the owner stops reading, its requests are freed."""
+        channel = self._channel_of(owner_id)
+        reader = channel.attach()
+        try:
+            while (batch := await channel.next_batch(reader)) is not None:
+                yield batch
+        finally:
+            if channel.detach(reader):  # not superseded: the owner is gone
+                self._channels.pop(owner_id, None)
+                for request in [*self.waiting, *self.running.values()]:
+                    if request.channel is channel:
+                        self._finish(request)
+                self.publish_events()
 
     async def generate(self, request: WorkerRequest) -> AsyncIterator[StreamDelta]:
         """Stream one fresh request's deltas (one token each); freed when it ends or the
@@ -221,7 +260,7 @@ class SimWorkerCore:
         if request is None:
             return False
         self._finish(request)
-        request.queue.put_nowait(
+        request.send(
             StreamDelta(request_id, 0, [], "", finish_reason="abort", worker_id=self.worker_id)
         )
         self.publish_events()
@@ -302,6 +341,9 @@ class SimWorkerHandle:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.host, self.slot = state["host"], state["slot"]
 
+    submit = property(lambda self: _Method(self.host, "submit", self.slot))
+    channel = property(lambda self: _Method(self.host, "channel", self.slot))
+    set_paused = property(lambda self: _Method(self.host, "set_paused", self.slot))
     generate = property(lambda self: _Method(self.host, "generate", self.slot))
     ready = property(lambda self: _Method(self.host, "ready", self.slot))
     stats = property(lambda self: _Method(self.host, "stats", self.slot))
@@ -363,6 +405,17 @@ class SimWorkerHost:
     async def generate(self, slot: int, request: WorkerRequest) -> AsyncIterator[StreamDelta]:
         async for delta in self.cores[slot].generate(request):
             yield delta
+
+    async def submit(self, slot: int, request: WorkerRequest) -> None:
+        self.cores[slot].submit_to_channel(request)
+
+    @ray.method(_generator_backpressure_num_objects=STREAM_BACKPRESSURE_OBJECTS)
+    async def channel(self, slot: int, owner_id: str) -> AsyncIterator[StepBatch]:
+        async for batch in self.cores[slot].channel(owner_id):
+            yield batch
+
+    async def set_paused(self, slot: int, request_id: str, paused: bool, seq: int) -> None:
+        return None  # no pauses in the simulation
 
     async def abort(self, slot: int, request_id: str) -> bool:
         return self.cores[slot].abort(request_id)

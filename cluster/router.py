@@ -21,6 +21,11 @@ reach every replica without a remote call on the request path. A worker that sto
 is dropped from routing, from this router's view and from the index at once; its requests
 are replayed on a peer from their tokens (or failed with UNAVAILABLE, by config).
 
+Streams: each worker sends everything of this router's requests there through one channel,
+a batch per engine step (`cluster/worker_channel.py`), read into a bounded buffer per request:
+a client that stops reading gets its request paused on the worker, one that leaves gets it
+aborted there.
+
 Request ids are the router's: a request's id is checked and reserved in one step, before any
 await, so two requests can never share one; with auth on, an id is scoped to its tenant (the
 token that sent it): what the workers see is `tenant:id`, so a tenant can neither see, abort
@@ -41,7 +46,6 @@ import asyncio
 import copy
 import dataclasses
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -67,6 +71,7 @@ from pagedserve.cluster.router_types import (
 from pagedserve.cluster.routing import make_policy
 from pagedserve.cluster.tier_costs import TierCosts
 from pagedserve.cluster.tracing import RouterTrace, record_decision
+from pagedserve.cluster.worker_channel import WorkerChannels
 from pagedserve.cluster.worker_liveness import WORKER_LOST_ERRORS, WorkerLiveness
 from pagedserve.cluster.worker_roles import PREFILL_PHASE, RoleFilter
 from pagedserve.cluster.worker_state import WorkerState
@@ -199,6 +204,8 @@ class RouterCore:
         self.migrations = Migrations(
             config, index, self.workers, tracing, self.counters, self.metrics
         )
+        # One channel per worker carries every delta of this router's requests there.
+        self.channels = WorkerChannels(self.router_id, config.max_buffered_deltas)
         self.liveness = WorkerLiveness(
             config,
             index,
@@ -207,6 +214,7 @@ class RouterCore:
             self.counters,
             on_polled=self.migrations.push_if_under_pressure,
             on_dropped=self.view.drop_worker,
+            on_hung=self.channels.worker_hung,
         )
         self.membership = None
         if pool is not None:
@@ -268,6 +276,7 @@ class RouterCore:
 
     async def close(self) -> None:
         self.liveness.close()
+        self.channels.close()
         for task in (self._started, self._following, self._reporting):
             if task is not None:
                 task.cancel()
@@ -534,31 +543,21 @@ class RouterCore:
     async def _stream(
         self, worker: WorkerState, request: WorkerRequest, demand: int
     ) -> AsyncIterator[StreamDelta | RequestMoved]:
+        """One leg on one worker: submit it, read its messages from the worker's channel
+        (`cluster/worker_channel.py`) until every branch ended; a worker lost or hung, or one
+        that cut the leg off while draining, ends it with `WorkerLost` (the caller replays)."""
         request_id = request.request_id
         self._inflight_ids[request_id] = worker
         worker.begin(demand, request_id)
-        stream = worker.handle.generate.remote(request)
+        stream = self.channels.open(worker, request_id)  # before the submit: deltas may come first
+        stream.submit(request)
         remaining = request.num_branches
-        taken = False  # the worker streamed something: it holds the request under its id
         try:
-            while True:
-                try:
-                    ref = await self._next_from(worker, stream)
-                except StopAsyncIteration:
-                    break
-                try:
-                    delta = await ref
-                except RequestRejected:
-                    if not taken:
-                        # Refused before it started: the worker holds nothing of ours, and
-                        # the id may be another replica's request there (an abort by id
-                        # would end that one), so there is nothing to cancel.
-                        remaining = 0
-                    raise
-                taken = True
-                if isinstance(delta, RequestMoved) or delta.finish_reason is not None:
+            while remaining:
+                message = await stream.next()
+                if isinstance(message, RequestMoved) or message.finish_reason is not None:
                     remaining -= 1
-                yield delta
+                yield message
         except WORKER_LOST_ERRORS as error:
             logger.warning("worker %s lost mid-stream: %s", worker.worker_id, error)
             await self.liveness.drop(worker)
@@ -573,29 +572,7 @@ class RouterCore:
             raise WorkerLost(str(error)) from error
         finally:
             worker.end(demand, request_id)
-            if remaining:  # cancelled or failed: the worker must free the blocks now
-                self._cancel(stream, worker, request_id)
-
-    async def _next_from(self, worker: WorkerState, stream: Any) -> Any:
-        """The stream's next delta ref; `WorkerLost` once the worker stalls or dies while we
-        wait (a worker alive but stuck must not hang its streams: the liveness poll judges
-        it every stats interval, and this wait looks at that judgement as often)."""
-        next_ref = asyncio.ensure_future(stream.__anext__())
-        while True:
-            done, _ = await asyncio.wait((next_ref,), timeout=self.config.stats_interval_s)
-            if done:
-                return next_ref.result()
-            if worker.hung(time.monotonic(), self.config.stall_timeout_s):
-                next_ref.cancel()
-                state = "stalled" if worker.stalled else "unanswering"
-                raise WorkerLost(f"worker {worker.worker_id} {state} mid-stream")
-
-    def _cancel(self, stream, worker: WorkerState, request_id: str) -> None:
-        import ray
-
-        ray.cancel(stream)
-        if worker.alive:
-            worker.handle.abort.remote(request_id)
+            stream.close(open_on_worker=bool(remaining))  # cancelled or failed: free it there
 
     async def abort(self, request_id: str, tenant: str = "") -> bool:
         """Abort a request by the id its client gave, within its tenant, wherever it runs.

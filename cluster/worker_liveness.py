@@ -5,8 +5,9 @@ then a poll loop refreshes each worker's `WorkerStats` every `stats_interval_s` 
 that stops answering is dropped from routing and from the index at once; one that answers
 with a new epoch was restarted by Ray and is revived: its loop started, the index rejoined;
 one that answers but has taken no engine step with work queued for `stall_timeout_s` is
-stalled: out of routing until it steps again, and the router ends its streams as lost; one
-that reports draining leaves routing until a new incarnation of it is ready),
+stalled: out of routing until it steps again; one that reports draining leaves routing until
+a new incarnation of it is ready; one stalled, or unanswering for `stall_timeout_s`, is hung:
+its streams end as lost from here, `on_hung`, so no stream waits on a timer of its own),
 and a lease loop renews this router's lease on every worker (a worker aborts the requests of
 a router whose lease lapsed, so a dead router leaves no orphan).
 """
@@ -47,6 +48,8 @@ class WorkerLiveness:
             it before the index's removal comes through the feed).
         sync: run at the start of every poll round (the worker pool's membership: joins and
             leaves change `workers` between rounds, never during one).
+        on_hung: run with a worker whose streams cannot progress (`WorkerState.hung`): after
+            each poll that finds it so, and once `stall_timeout_s` after it stopped answering.
     """
 
     def __init__(
@@ -59,6 +62,7 @@ class WorkerLiveness:
         on_polled: PolledHook | None = None,
         on_dropped: Callable[[str], None] | None = None,
         sync: Callable[[], Awaitable[None]] | None = None,
+        on_hung: Callable[[WorkerState], None] | None = None,
     ) -> None:
         self.config = config
         self.index = index
@@ -68,6 +72,7 @@ class WorkerLiveness:
         self.on_polled = on_polled
         self.on_dropped = on_dropped
         self.sync = sync
+        self.on_hung = on_hung
         self._tasks: list[asyncio.Task] = []
         self._removals: dict[str, asyncio.Future] = {}  # worker id → its index removal
         self._hooks: dict[str, asyncio.Task] = {}  # worker id → its running `on_polled`
@@ -117,6 +122,7 @@ class WorkerLiveness:
             )
         except (*WORKER_LOST_ERRORS, TimeoutError):
             await self.drop(worker)
+            self._end_if_hung(worker)
             return
         if not worker.alive or worker.info is None or stats.epoch != worker.info.epoch:
             await self.revive(worker)  # restarted by Ray: start its loop, rejoin the index
@@ -124,6 +130,7 @@ class WorkerLiveness:
         if stats.draining:  # draining for any reason (SIGTERM, another replica): leaving
             worker.draining = True
         self._judge_progress(worker, stats)
+        self._end_if_hung(worker)
         if worker.alive and self.on_polled is not None:
             self._start_hook(worker)
 
@@ -160,6 +167,12 @@ class WorkerLiveness:
             logger.warning("worker %s steps again; back in routing", worker.worker_id)
         worker.stalled = stalled
 
+    def _end_if_hung(self, worker: WorkerState) -> None:
+        """Hand a hung worker to `on_hung` (its streams end as lost); again at every look
+        while it stays hung, so that a stream opened on it meanwhile ends too."""
+        if self.on_hung is not None and worker.hung(time.monotonic(), self.config.stall_timeout_s):
+            self.on_hung(worker)
+
     async def drop(self, worker: WorkerState) -> None:
         """Take a dead worker out of routing and its entries out of the index at once.
 
@@ -176,6 +189,11 @@ class WorkerLiveness:
             if self.on_dropped is not None:
                 self.on_dropped(worker.worker_id)
             logger.warning("worker %s lost; dropped from routing and the index", worker.worker_id)
+            # Hung once unanswering for `stall_timeout_s`: looked at then, not a poll round
+            # later (a round waits `rpc_timeout_s` on each worker that does not answer).
+            loop = asyncio.get_running_loop()
+            later = self.config.stall_timeout_s + self.config.stats_interval_s
+            loop.call_later(later, self._end_if_hung, worker)
             removal = asyncio.ensure_future(self._remove_from_index(worker.worker_id))
             self._removals[worker.worker_id] = removal
             removal.add_done_callback(lambda _: self._removals.pop(worker.worker_id, None))

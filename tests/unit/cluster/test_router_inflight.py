@@ -59,25 +59,24 @@ def test_abort_of_an_id_another_replica_streams_asks_every_alive_worker_tenant_s
 
 
 class _RefusingWorker:
-    """A worker handle whose stream is refused before its first delta (as a worker refuses a
-    request id it already streams for another replica); `abort` records what it is asked."""
+    """A worker handle whose submit is refused (as a worker refuses a request id it already
+    streams for another replica); its channel sends nothing; `abort` records what it is
+    asked."""
 
     def __init__(self, asked: list[str]) -> None:
-        class Stream:
-            def __anext__(self):
-                async def next_ref():
-                    async def refused():
-                        raise RequestRejected("request_id 'r1' is already in flight")
+        async def submit(request) -> None:
+            raise RequestRejected("request_id 'r1' is already in flight")
 
-                    return refused()  # what awaiting the object ref raises
-
-                return next_ref()
+        async def channel(owner_id: str):
+            await asyncio.Event().wait()  # nothing to send
+            yield
 
         async def abort(request_id: str) -> bool:
             asked.append(request_id)
             return True
 
-        self.generate = type("Method", (), {"remote": staticmethod(lambda request: Stream())})()
+        self.submit = type("Method", (), {"remote": staticmethod(submit)})()
+        self.channel = type("Method", (), {"remote": staticmethod(channel)})()
         self.abort = type("Method", (), {"remote": staticmethod(abort)})()
 
 
