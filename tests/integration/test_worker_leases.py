@@ -1,5 +1,7 @@
 """A real Worker actor and owner leases: a request whose owner never renews is aborted by the
-worker (pool clean), one whose owner renews (via `stats(owner_id)`) lives past the lease."""
+worker (pool clean), one whose owner renews (via `stats(owner_id)`) lives past the lease; and
+before any lease: an owner that dies has its channel closed by Ray, and its requests end at
+once."""
 
 from __future__ import annotations
 
@@ -82,3 +84,33 @@ def test_an_orphan_is_aborted_and_a_renewed_request_lives_on(worker):
 
 async def _stat(worker, key: str, value) -> bool:
     return getattr(await worker.stats.remote(), key) == value
+
+
+@ray.remote
+class ChannelReader:
+    """Stands for a router: submits a request and reads its worker's channel until killed."""
+
+    async def read(self, worker, request: WorkerRequest) -> None:
+        channel = worker.channel.remote(request.owner_id)
+        await worker.submit.remote(request)
+        async for ref in channel:
+            await ref
+
+
+def test_a_dead_owner_s_channel_closes_and_its_requests_end_at_once(worker):
+    long = SamplingParams(max_tokens=480, temperature=0.0, ignore_eos=True)  # the whole pool
+    request = WorkerRequest.fresh("dead-router", list(range(20)), long, owner_id="router-dead")
+
+    async def main():
+        before = await worker.stats.remote()
+        reader = ChannelReader.remote()
+        reader.read.remote(worker, request)
+        await wait_for(lambda: _stat(worker, "num_streams", 1), "the request to stream")
+        ray.kill(reader)  # the router dies: Ray closes its channel call at the next batch
+        await wait_for(lambda: _stat(worker, "num_streams", 0), "the request to end")
+        return before, await worker.stats.remote(), await worker.check_pool.remote()
+
+    before, after, pool = asyncio.run(main())
+    assert after.lease_expired == before.lease_expired  # not by the lease: by the channel
+    assert after.num_steps - before.num_steps < long.max_tokens  # aborted, not finished
+    assert pool.clean and pool.error is None
