@@ -18,7 +18,7 @@ leaves both pools as they were; the receiver's KV events put the blocks in the i
   (`Scheduler._preempt`, mode `move`); the engine packs its tokens, sampler state and computed
   KV into a `RequestHandoff` and frees its blocks (`Engine._hand_off`); the worker puts the
   KV in Ray's object store and ends that branch's stream with `RequestMoved` whose handoff
-  carries only the `ObjectRef` (`workers/handoff_ref.py`, `Worker.generate`); the router sends
+  carries only the `ObjectRef` (`workers/handoff_ref.py`, `Worker.channel`); the router sends
   `WorkerRequest.moved(handoff)` to `Migrations.move_target(source)`, which fetches the KV by
   the ref from the source directly (the router never resolves it: the bytes go worker to
   worker) and whose engine adopts it (`Engine.adopt`, `handoff.adopt_kv`: cached prefix

@@ -20,8 +20,9 @@ GRPC_SERVICER_FUNCTIONS: list[str] = [
 
 # Environment of the Router replica. Serve (2.60) runs a replica's user code on a separate loop
 # by default and drives a streaming method there into an unbounded queue, so a router stream
-# would pull its worker's deltas as fast as they come whatever the client reads; on Serve's own
-# loop the replica pulls the Router's generator only as its (backpressured) Ray stream drains.
+# would take its request's deltas from its buffer as fast as the worker sends them whatever the
+# client reads (and the buffer would never fill to pause the request); on Serve's own loop the
+# replica pulls the Router's generator only as its (backpressured) Ray stream drains.
 # The proxies' setup hook (`grpc_backlog`), which the replica would inherit from the controller
 # and pass on to the workers, is turned off: none of them builds a gRPC server, and the hook
 # would import Serve into every worker.

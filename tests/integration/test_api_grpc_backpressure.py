@@ -4,8 +4,9 @@ what the same requests give unpaused; nothing leaks.
 
 The hops that carry it: gRPC flow control → `grpc_streams` (bounded buffer, Ray generator
 backpressure on the replica call) → the Router replica (user code on Serve's own loop, see
-`serve_options.ROUTER_ENV_VARS`) → Ray generator backpressure on `Worker.generate` → the
-worker's bounded `DeltaBuffer` → the engine pauses the request.
+`serve_options.ROUTER_ENV_VARS`) → the router's bounded buffer of the request, read from its
+worker's channel (`cluster/worker_channel.py`) → `Worker.set_paused` → the engine pauses the
+request.
 """
 
 from __future__ import annotations
