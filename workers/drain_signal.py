@@ -12,9 +12,10 @@ A second SIGTERM while the drain runs ends the process at once, undrained (as Ra
 
 Ray's exit waits for the actor's running calls, and a stream whose reader lags (a router's
 channel its router does not read, or a `generate` stream) is held at its `yield` by Ray's
-backpressure: the drain cannot end it, so the exit would wait for that reader. `exit_deadline_s` after handing the
-signal to Ray the process ends regardless (`os._exit`); the router then reads what the stream
-had produced, sees the worker lost, and replays the rest on a peer, as for any lost worker.
+backpressure: the drain cannot end it, so the exit would wait for that reader.
+`exit_deadline_s` after handing the signal to Ray the process ends regardless (`os._exit`); the
+router then reads what the stream had produced, sees the worker lost, and replays the rest on a
+peer, as for any lost worker.
 
 Why a setup hook: Ray runs every method of an async actor, its `__init__` too, on an
 event-loop thread, and Python lets only the main thread set a signal handler. Ray's main thread

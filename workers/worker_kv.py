@@ -10,7 +10,7 @@ pool's invariants (the leak checks).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pagedserve.workers.block import BlockKey
@@ -23,7 +23,18 @@ from pagedserve.workers.worker_types import PoolCheck
 class WorkerKV:
     """The KV endpoints `WorkerCore` inherits. Owns nothing of its own: it reads and writes the
     core's engine (`engine`, `transfer`) and counts what it moved (`num_blocks_imported`,
-    `num_blocks_exported`), always through `_on_engine`, so no step runs meanwhile."""
+    `num_blocks_exported`), always through `_on_engine`, so no step runs meanwhile. What it
+    uses of the core is declared below."""
+
+    engine: Any
+    transfer: Any  # the engine's `PrefixTransfer`
+    worker_id: str
+    epoch: str
+    num_blocks_imported: int
+    num_blocks_exported: int
+    _streams: Any  # the core's `StreamTable`: a worker with an open stream is not idle
+    _on_engine: Callable[[Callable[[], Any]], Any]
+    _publish_events: Callable[[], None]
 
     async def check_pool(self) -> PoolCheck:
         """Pool invariants between steps; when idle, also that no block is held (free + cached
