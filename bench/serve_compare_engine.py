@@ -28,12 +28,16 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pagedserve.bench.proc_cpu import ENGINE_ARM_ROLE
 from pagedserve.bench.serve_compare_arms import ENGINE, ArmRun
 from pagedserve.bench.serve_compare_server import ServerFailed
 from pagedserve.bench.serve_compare_sweep import LoadPoint
 from pagedserve.workers.engine_config import EngineConfig
+
+if TYPE_CHECKING:
+    from pagedserve.cluster.node_layout import NodeResources
 
 
 @dataclass(frozen=True)
@@ -59,9 +63,12 @@ class WorkerLayout:
 
 
 def served_worker_layout(
-    serve_flags: list[str], environ: dict[str, str] | os._Environ = os.environ
+    serve_flags: list[str],
+    environ: dict[str, str] | os._Environ = os.environ,
+    node: NodeResources | None = None,
 ) -> WorkerLayout:
-    """Worker 0's layout under ``pagedserve serve SERVE_FLAGS`` on this (CPU) machine.
+    """Worker 0's layout under ``pagedserve serve SERVE_FLAGS`` on this (CPU) machine (or
+    `node`: what `pagedserve serve` sizes from, `cluster/node_layout.py`).
 
     Raises:
         ValueError: flags `pagedserve serve` would refuse.
@@ -76,7 +83,7 @@ def served_worker_layout(
         args = parser.parse_args(["serve", *serve_flags])
     except (argparse.ArgumentError, SystemExit) as error:
         raise ValueError(f"pagedserve serve refuses {serve_flags}: {error}") from None
-    data = serve_cli.cluster_config_from_args(args, num_gpus=0)
+    data = serve_cli.cluster_config_from_args(args, num_gpus=0, node=node)
     config = ClusterConfig.from_dict(split_app_args(data)[0])
     threads, threads_from = config.worker_thread_count(0), "the cluster config"
     if threads is None and environ.get("OMP_NUM_THREADS", "").isdigit():

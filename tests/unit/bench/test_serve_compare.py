@@ -105,16 +105,23 @@ def test_the_engine_arm_gets_the_served_workers_engine_and_threads():
     from pagedserve.cluster.config import ClusterConfig
     from pagedserve.workers.engine_config import EngineConfig
 
+    from pagedserve.cluster.node_layout import NodeResources
+
+    node = NodeResources(numa_cores=((0, 1, 2),), available_bytes=5 << 30, num_gpus=0)
     flags = our_flags(args_of(model="tiny-llama"))
-    layout = served_worker_layout(flags, environ={})
+    layout = served_worker_layout(flags, environ={}, node=node)
     defaults = ClusterConfig()
     assert layout.engine.model == "tiny-llama"
     assert layout.engine.max_waiting == defaults.max_waiting_per_worker  # as the cluster sets it
-    assert layout.engine.kv_cache_bytes is None and layout.engine.linear_backend == "auto"
+    assert layout.engine.kv_cache_bytes == 2 << 30  # 40% of what the node has free
+    assert layout.engine.linear_backend == "auto"
     assert layout.engine.attention_backend == EngineConfig().attention_backend
-    assert layout.threads == max(math.floor(defaults.worker_num_cpus), 1)  # Ray's default
+    assert (layout.threads, layout.threads_from) == (3, "the cluster config")  # the node's cores
     assert (layout.nice, layout.cpus, layout.num_workers) == (defaults.worker_nice, None, 1)
-    assert served_worker_layout(flags, environ={"OMP_NUM_THREADS": "3"}).threads == 3
+    # Pinned to one core, the worker gets a thread per core of its slice; with no threads set
+    # anywhere (joining a cluster by address), Ray's OMP_NUM_THREADS is what the worker keeps.
+    pinned = served_worker_layout([*flags, "--worker-cpus", "1"], environ={}, node=node)
+    assert pinned.threads == 1 and pinned.cpus == (1,)
 
 
 def test_the_engine_arm_follows_the_ours_arms_settings():

@@ -8,8 +8,8 @@ from pagedserve.cluster.config import ClusterConfig
 def test_defaults_and_yaml_data():
     config = ClusterConfig()
     assert config.lease_timeout_s == 10.0 and config.max_buffered_deltas == 64
-    config = ClusterConfig.from_dict({"lease_timeout_s": 2.0, "max_buffered_deltas": 8})
-    assert (config.lease_timeout_s, config.max_buffered_deltas) == (2.0, 8)
+    config = ClusterConfig.from_dict({"lease_timeout_s": 4.0, "max_buffered_deltas": 8})
+    assert (config.lease_timeout_s, config.max_buffered_deltas) == (4.0, 8)
 
 
 @pytest.mark.parametrize("value", [0.0, -1.0, float("inf"), float("nan")])
