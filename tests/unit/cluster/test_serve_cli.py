@@ -17,7 +17,6 @@ from pagedserve.workers.engine_config import EngineConfig
 from pagedserve.workers.kv_cache_manager import ALLOCATION_MODES
 from pagedserve.workers.scheduling_policy import PREEMPTION_MODES, SchedulingPolicy
 
-
 # The machine the defaults are sized to in these tests: 2 cores on one NUMA node, 8 GiB free.
 NODE = NodeResources(numa_cores=((0, 1),), available_bytes=8 << 30, num_gpus=0)
 
