@@ -218,8 +218,8 @@ def stop_cleanly(plan: ServePlan, signals: StopSignals) -> str:
     )
     stop_pool(config)
     drained = drain_worker_group(config, grace)
-    if plan.address is not None:  # a joined cluster lives on: take the app's part out of it
-        serve.shutdown()
+    if plan.address is not None:  # a joined cluster lives on: take this app out of it (only:
+        serve.delete(APP_NAME)  # Serve itself may hold other apps)
         stop_worker_group(config, drain_grace_s=0.0)
     elif config.worker_engine.kv_disk_tier_dir is not None:
         close_workers(config)
