@@ -80,9 +80,9 @@ class PoolStats:
         retired: workers removed for good, oldest first (a leak check's "gone" list).
         counters: what it has done.
         last_action: the last decision, in words (empty before the first).
-        failed: why workers cannot start, when two starts in a row failed with the same error
-            (`StartFailures`): the pool then starts no more until it is configured again.
-            Empty while starts succeed, or failed differently.
+        failed: why workers cannot start, when two starts in a row failed with the same
+            constructor error (`StartFailures`): the pool then starts no more until a new
+            worker spec is configured. Empty while starts succeed, or failed differently.
         frozen: `freeze` was called: the pool decides nothing more (the app is stopping).
     """
 
@@ -100,9 +100,10 @@ class StartFailures:
     """Owns the causes of the pool's failed worker starts since the last one that succeeded.
 
     A worker whose constructor raises (a model it cannot load, a kernel that does not build)
-    fails the same way on every retry: two failed starts in a row with the same cause are
-    taken as deterministic, and the pool stops starting workers instead of trying one after
-    another for ever. Different causes (a node lost, then a timeout) are not.
+    fails the same way on every retry: two such failed starts in a row with the same cause
+    are taken as deterministic, and the pool stops starting workers instead of trying one
+    after another for ever. Different causes are not; the pool records only constructor
+    errors here (a start that timed out, or whose node was lost, may well pass next time).
     """
 
     def __init__(self) -> None:

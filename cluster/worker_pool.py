@@ -14,9 +14,11 @@ of the workers' stats. Each router replica asks for the membership on its stats 
 - **add**: create the actor (a new actor is new Ray resource demand: on KubeRay the in-tree
   autoscaler adds a pod when no node has room), wait for its `ready()` (up to
   `startup_timeout_s`), then publish it serving. One that never becomes ready is killed; two
-  in a row that fail with the same error (`StartFailures`: a model that does not load fails
-  on every worker) stop the pool from starting any more (`PoolStats.failed`, which
-  `pagedserve serve` prints as its last line) until a new worker spec is configured.
+  in a row whose constructor raised the same error (`StartFailures`: a model that does not
+  load fails on every worker) stop the pool from starting any more (`PoolStats.failed`,
+  which `pagedserve serve` prints as its last line) until a new worker spec is configured. A
+  start that timed out or whose process died is retried as before (a pod on its way, a
+  node lost).
 - **retire** (scale-down, or a worker replaced): publish it leaving and wait until every
   router holds that version (out of routing everywhere; a router silent for longer than its
   lease counts no more); push its hot cached prefixes to peers with room
@@ -185,7 +187,10 @@ class WorkerPoolActor:
             self._kill(handle)
             await self._forget_in_index(worker_id)
             self.planner.start_failed(len(self._in_state(MemberState.SERVING)))
-            if self._start_failures.failed(cause) and not self._failed:
+            deterministic = isinstance(error, ray.exceptions.RayActorError) and bool(
+                error.actor_init_failed  # its constructor raised; a timeout or crash may pass
+            )
+            if deterministic and self._start_failures.failed(cause) and not self._failed:
                 self._failed = cause
                 logger.error("pool: workers cannot start, the same error twice: %s", cause)
             return False
