@@ -58,12 +58,14 @@ def await_workers(pool: Any, config: Any, watch: LocalRayWatch | JoinedRayWatch)
     import ray
 
     from pagedserve.cluster.pool_types import MemberState
+    from pagedserve.workers.model_registry import DEFAULT_MODEL
 
     end = time.monotonic() + config.startup_timeout_s
     while True:
         stats = ray.get(pool.stats.remote(), timeout=config.rpc_timeout_s)
         if stats.failed:
-            raise WorkersFailed(f"workers of {config.engine.model} cannot start: {stats.failed}")
+            model = config.engine.model or DEFAULT_MODEL
+            raise WorkersFailed(f"workers of {model} cannot start: {stats.failed}")
         serving = stats.membership.in_state(MemberState.SERVING)
         if len(serving) >= config.num_workers:
             return
@@ -168,12 +170,14 @@ def start_serving(plan: ServePlan, watch: LocalRayWatch | JoinedRayWatch) -> Non
     from pagedserve.cluster.app import build_app
     from pagedserve.cluster.serve_options import controller_env_vars, grpc_options, http_options
     from pagedserve.cluster.worker_group import start_pool
+    from pagedserve.workers.model_registry import DEFAULT_MODEL
 
     config = plan.config
     if plan.layout:
         print(f"pagedserve: sized to this machine: {plan.layout}", flush=True)
     group = start_pool(config, split_app_args(plan.data)[1].telemetry)
-    print(f"pagedserve: starting {config.num_workers} workers of {config.engine.model}", flush=True)
+    model = config.engine.model or DEFAULT_MODEL
+    print(f"pagedserve: starting {config.num_workers} workers of {model}", flush=True)
     env_vars = controller_env_vars(
         plan.host, config.max_request_bytes, config.max_pending_grpc_calls
     )
