@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pagedserve.cluster.api_errors import ApiError
+from pagedserve.cluster.api_errors import ApiError, field_of
 from pagedserve.cluster.router import RouterCore
 from pagedserve.cluster.router_types import GenerateRequest
 from pagedserve.workers.errors import RequestRejected
@@ -31,12 +31,23 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack from Python 3.12
 
 
-def sampling_params(**kwargs: Unpack[SamplingKwargs]) -> SamplingParams:
-    """`SamplingParams(**kwargs)`, with its ValueError (which names the field) as an ApiError."""
+def sampling_params(
+    sent_as: Mapping[str, str] | None = None, **kwargs: Unpack[SamplingKwargs]
+) -> SamplingParams:
+    """`SamplingParams(**kwargs)`, with its ValueError (which names the field) as an ApiError.
+
+    Args:
+        sent_as: `SamplingParams` field → the request field it came from, where they differ
+            (chat `top_logprobs` is `logprobs`): the error names the field the client sent.
+    """
     try:
         return SamplingParams(**kwargs)
     except (TypeError, ValueError) as error:
-        raise ApiError.invalid(str(error)) from None
+        message = str(error)
+        field = field_of(message)
+        if field is not None and sent_as and field in sent_as:
+            message = sent_as[field] + message[len(field) :]
+        raise ApiError.invalid(message) from None
 
 
 def chat_prompt(messages: Sequence[Mapping[str, str]], tokenizer: Any) -> str:

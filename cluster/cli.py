@@ -1,19 +1,28 @@
-"""`pagedserve serve`: a local Ray cluster (or an existing one) serving the Router app."""
+"""`pagedserve serve`: a local Ray cluster (or an existing one) serving the Router app.
+
+This module reads the command line into config data and checks it (`cluster/preflight.py`)
+before anything starts: a mistake is one line, `pagedserve: error: ...`, and exit status 2,
+with no Ray process started (`--debug`, or PAGEDSERVE_DEBUG=1, adds the traceback). What
+runs once the checks pass (start, serve, stop on a signal) is `cluster/serve_process.py`.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
-import threading
-from typing import TYPE_CHECKING, Any
+import traceback
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
+    from pagedserve.cluster.config import ClusterConfig
     from pagedserve.cluster.node_layout import NodeResources
+    from pagedserve.cluster.preflight import Settings
 
 # Engine fields the cluster sets itself: each worker's queue bound is `max_waiting_per_worker`.
 ENGINE_FIELDS_SET_BY_THE_CLUSTER = ("max_waiting",)
+DEBUG_ENV = "PAGEDSERVE_DEBUG"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -35,6 +44,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--address", help="join this Ray cluster ('auto': the local one) instead of starting one"
     )
+    parser.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        help="on SIGINT or SIGTERM, how long requests in flight get to finish (none: the "
+        "stop is immediate; a second signal stops at once). Default: `drain_grace_s`",
+    )
+    parser.add_argument(
+        "--ray-dashboard",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="start the local Ray cluster with its dashboard, which `ray list` and the web UI "
+        "need (idle, it costs ~30 CPU-ms a second on 2 cores); `ray status` works without",
+    )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help=f"print the traceback behind an error (or set {DEBUG_ENV}=1)",
+    )
+    parser.error = _one_line_error  # type: ignore[method-assign]
     api = parser.add_argument_group("API")
     api.add_argument(
         "--auth-tokens-file",
@@ -71,7 +99,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--num-speculative-tokens", type=int, help="draft tokens per step, k (default: 3)"
     )
     spec.add_argument("--speculative-draft-model", help="the draft model of method 'draft'")
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, one_line_errors=True)
+
+
+def _one_line_error(message: str) -> NoReturn:
+    """argparse's refusal as one line (no usage block), like every start-up mistake."""
+    print(f"pagedserve: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    sys.exit(2)
 
 
 def _speculative_from_args(args: argparse.Namespace, given: dict | None) -> dict | None:
@@ -152,65 +186,6 @@ def with_machine_defaults(
     return data, ""
 
 
-def _layout(config) -> str:
-    """The P/D layout, as the serving line shows it ('' without P/D)."""
-    if not config.disaggregated:
-        return ""
-    mixed = config.num_workers - config.prefill_workers - config.decode_workers
-    return f" ({config.prefill_workers} prefill, {config.decode_workers} decode, {mixed} mixed)"
-
-
-def check_local_cores(config) -> None:
-    """Raise ValueError if `worker_cpus` or `control_cpus` names a core this machine lacks."""
-    from pagedserve.workers.cpu_placement import check_available, parse_cpu_list
-
-    for name in ("worker_cpus", "control_cpus"):
-        if (text := getattr(config, name)) is not None:
-            check_available(parse_cpu_list(text, name), name)
-
-
-def place_local_cluster(config) -> None:
-    """Pin this process and the local Ray cluster it started (GCS, raylet, Serve's proxy and
-    controller, pooled workers: every process under this one) to `control_cpus`, and give the
-    Ray actors among them (niceness 15) `control_nice`; the worker actors are left as they
-    placed themselves."""
-    import ray
-
-    from pagedserve.workers.cpu_placement import (
-        descendants,
-        format_cpu_list,
-        niceness,
-        pin_process,
-        set_niceness,
-    )
-
-    handles = [
-        ray.get_actor(config.worker_name(i), namespace=config.namespace)
-        for i in range(config.num_workers)
-    ]
-    workers = {info.pid for info in ray.get([h.describe.remote() for h in handles])}
-    cpus, nice = config.control_cpu_set, config.control_nice
-    placed = 0
-    for pid in [os.getpid(), *descendants(os.getpid())]:
-        if pid in workers:
-            continue
-        try:
-            if cpus is not None:
-                pin_process(cpus, pid, what="control plane")
-            if nice is not None and niceness(pid) > nice:  # Ray's actors, not its daemons
-                set_niceness(nice, pid, what="control plane")
-        except (FileNotFoundError, ProcessLookupError):
-            continue  # ended meanwhile
-        placed += 1
-    where = "any core" if cpus is None else f"cores {format_cpu_list(cpus)}"
-    print(
-        f"pagedserve: control plane ({placed} processes) on {where}, niceness "
-        f"{'as Ray set it' if nice is None else f'<= {nice}'}; workers on "
-        f"{config.worker_cpus or 'any core'}, niceness {config.worker_nice}",
-        flush=True,
-    )
-
-
 def _read_config_file(path: str) -> dict[str, Any]:
     import yaml
 
@@ -221,66 +196,134 @@ def _read_config_file(path: str) -> dict[str, Any]:
     return data
 
 
+@dataclass(frozen=True)
+class ServePlan:
+    """What one `pagedserve serve` starts, checked: the config data as Serve's app takes it,
+    the built config, and the process's own settings."""
+
+    data: dict[str, Any]
+    config: ClusterConfig
+    layout: str  # the machine-sized defaults, in words ('' when none)
+    address: str | None
+    host: str
+    http_port: int
+    grpc_port: int
+    shutdown_grace_s: float
+    ray_dashboard: bool = True
+
+
 def run(args: argparse.Namespace) -> int:
-    import ray
-    from ray import serve
+    from pagedserve.cluster.preflight import StartError
+    from pagedserve.cluster.process_watch import Interrupted, StopSignals
+    from pagedserve.cluster.serve_process import serve_until_stopped
 
-    from pagedserve.cluster.api_config import split_app_args
-    from pagedserve.cluster.app import build_app
-    from pagedserve.cluster.config import ClusterConfig
-    from pagedserve.cluster.ray_startup import allow_slow_startup
-    from pagedserve.cluster.serve_options import controller_env_vars, grpc_options, http_options
-    from pagedserve.workers.model_cli import prepare_in_subprocess
-
-    # 'local' starts a fresh cluster even when another one runs on this machine; join an
-    # existing one with --address auto (or its address).
-    allow_slow_startup()
-    ray.init(address=args.address or "local", include_dashboard=False)
-    num_gpus = int(ray.cluster_resources().get("GPU", 0))
+    signals = StopSignals()
+    signals.install()  # a signal while checking ends the process as cleanly as any other
+    debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     try:
-        data, layout = with_machine_defaults(user_config_from_args(args), args.address, num_gpus)
-        build_app(data)  # validate the cluster and API config before starting anything
-        if args.address is None:  # a cluster on this machine: its cores must exist here
-            check_local_cores(ClusterConfig.from_dict(split_app_args(data)[0]))
-        prepare_in_subprocess(data["engine"].get("model"))  # a GGUF model: convert it once here
-    except (OSError, ValueError, TypeError) as error:
-        print(f"pagedserve serve: error: {error}", file=sys.stderr)
+        num_gpus = local_gpus() if args.address is None else 0
+        plan = checked_plan(args, num_gpus)
+    except StartError as error:
+        if debug:
+            traceback.print_exc()
+        print(f"pagedserve: error: {error}", file=sys.stderr, flush=True)
         return 2
-    config = ClusterConfig.from_dict(split_app_args(data)[0])
-    if layout:
-        print(f"pagedserve: sized to this machine: {layout}", flush=True)
-    env_vars = controller_env_vars(
-        args.host, config.max_request_bytes, config.max_pending_grpc_calls
-    )
-    serve.start(
-        http_options=http_options(args.host, args.http_port),
-        grpc_options=grpc_options(args.grpc_port),
-        controller_options={"runtime_env": {"env_vars": env_vars}},
-    )
-    serve.run(build_app(data), name="pagedserve", route_prefix="/")
-    if args.address is None and (config.control_cpus, config.control_nice) != (None, None):
-        place_local_cluster(config)
-    print(
-        f"pagedserve: serving on http://{args.host}:{args.http_port} and gRPC :{args.grpc_port}"
-        f" with {data['num_workers']} workers{_layout(config)}; Ctrl-C stops",
-        flush=True,
-    )
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
-        while not stop.wait(1.0):
-            continue
-    except KeyboardInterrupt:
-        print("pagedserve: stopping", flush=True)
-    from pagedserve.cluster.worker_group import drain_worker_group, stop_pool, stop_worker_group
+    except Interrupted as stop:
+        print(f"pagedserve: {stop}: stopped before starting", file=sys.stderr, flush=True)
+        return 128 + stop.signum
+    except Exception as error:  # a check's own bug: still one line, the traceback on request
+        if debug:
+            traceback.print_exc()
+        what = " ".join(f"{type(error).__name__}: {error}".split())
+        hint = "" if debug else f" (--debug or {DEBUG_ENV}=1 shows where)"
+        print(f"pagedserve: error: checking the config failed: {what}{hint}", file=sys.stderr)
+        return 1
+    return serve_until_stopped(plan, args, signals, debug)
 
-    # Workers first: they drain while the Routers still stream what they finish (new requests
-    # are refused meanwhile), so nothing is left in flight when Serve stops; the pool goes
-    # before, so that it replaces no draining worker. The index and the workers go last, once
-    # no Router is left to ask them.
-    print(f"pagedserve: draining workers (up to {config.drain_grace_s:g} s)", flush=True)
-    stop_pool(config)
-    drain_worker_group(config)
-    serve.shutdown()
-    stop_worker_group(config, drain_grace_s=0.0)
-    return 0
+
+def local_gpus() -> int:
+    """The GPUs a Ray cluster started here would count (those CUDA_VISIBLE_DEVICES shows)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def checked_plan(args: argparse.Namespace, num_gpus: int) -> ServePlan:
+    """The config from the file, the flags and the machine, checked (`cluster/preflight.py`)
+    before anything starts.
+
+    Args:
+        num_gpus: the GPUs of the cluster: this machine's, or a joined cluster's.
+
+    Raises:
+        StartError: the first mistake, naming the setting and its value.
+    """
+    from pagedserve.cluster import preflight
+    from pagedserve.cluster.preflight import StartError
+
+    local = args.address is None
+    grace = args.shutdown_grace_s
+    if grace is not None and not 0 <= grace < float("inf"):
+        raise StartError(f"--shutdown-grace-s {grace:g}", "must be a finite number >= 0")
+    try:
+        user = user_config_from_args(args)
+    except Exception as error:  # the file: missing, unreadable, not YAML, not a mapping
+        raise StartError(f"--config {args.config}", str(error)) from error
+    data, layout = with_machine_defaults(user, args.address, num_gpus)
+    settings = settings_of(args, user, data)
+    config = preflight.check_config(data, settings)
+    if local:
+        preflight.check_machine(config, settings, num_gpus)
+        preflight.check_ports(args.host, args.http_port, args.grpc_port)
+    preflight.check_engine(config, settings, local)
+    return ServePlan(
+        data=data,
+        config=config,
+        layout=layout,
+        address=args.address,
+        host=args.host,
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        shutdown_grace_s=config.drain_grace_s if grace is None else grace,
+        ray_dashboard=args.ray_dashboard,
+    )
+
+
+def settings_of(args: argparse.Namespace, user: dict[str, Any], data: dict[str, Any]) -> Settings:
+    """Where each setting of `data` came from: a flag, the `--config` file, or this machine."""
+    from pagedserve.cluster.config import ClusterConfig
+    from pagedserve.cluster.preflight import Settings, defaults
+    from pagedserve.workers.config_flags import config_flags_set
+    from pagedserve.workers.engine_config import EngineConfig
+
+    flags = set(config_flags_set(args, ClusterConfig))
+    flags |= {f"engine.{name}" for name in config_flags_set(args, EngineConfig)}
+    speculative = {
+        "method": args.speculative_method,
+        "num_tokens": args.num_speculative_tokens,
+        "draft_model": args.speculative_draft_model,
+    }
+    flags |= {f"engine.speculative.{k}" for k, v in speculative.items() if v is not None}
+    if args.auth_tokens_file is not None:
+        flags.add("auth.tokens_file")
+    file_data = _read_config_file(args.config) if args.config else {}
+    in_file = set(_paths(file_data)) - flags
+    return Settings(
+        data=data,
+        flags=frozenset(flags),
+        config_file=args.config,
+        in_file=frozenset(in_file),
+        machine=frozenset(set(_paths(data)) - set(_paths(user))),
+        defaults=defaults(),
+    )
+
+
+def _paths(data: dict[str, Any], prefix: str = "") -> list[str]:
+    """The dotted paths of the leaves of nested config data (`engine.block_size`)."""
+    paths = []
+    for key, value in data.items():
+        if isinstance(value, dict) and key in ("engine", "speculative", "auth", "telemetry"):
+            paths += _paths(value, f"{prefix}{key}.")
+        else:
+            paths.append(f"{prefix}{key}")
+    return paths

@@ -127,8 +127,9 @@ class ClusterConfig:
             It rejoins routing once it steps again. Longer than any one step may take.
         drain_grace_s: how long a draining worker's open streams get to finish before the
             rest are handed back to the router (which replays them on a peer): on SIGTERM to
-            the worker's process (`pagedserve drain-node`, a pod's removal) and when
-            `stop_worker_group` stops the app (`pagedserve serve`'s Ctrl-C).
+            the worker's process (`pagedserve drain-node`, a pod's removal), when
+            `stop_worker_group` stops the app, and when `pagedserve serve` stops on SIGINT or
+            SIGTERM (unless `--shutdown-grace-s` says otherwise).
         router_replicas: Router replicas Serve runs (each one ingress of both proxies, with its
             own prefix view, liveness watch and `max_inflight`; any replica serves any call,
             Abort included). The floor when `router_max_replicas` is set.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 from typing import Any, Literal, get_args
 
 from pagedserve.cluster.api_common import CompletionCollector, chat_prompt, sampling_params
@@ -58,8 +59,7 @@ def request_from_proto(
         raise ApiError.invalid(f"timeout_s must be a finite number >= 0, got {message.timeout_s}")
     prompt = message.prompt or None
     if message.messages:
-        turns = [{"role": m.role, "content": m.content} for m in message.messages]
-        prompt = chat_prompt(turns, tokenizer)
+        prompt = chat_prompt(_turns(message.messages), tokenizer)
     return GenerateRequest(
         params=params_from_proto(message.sampling),
         prompt=prompt,
@@ -71,6 +71,19 @@ def request_from_proto(
         tenant=caller.tenant,
         cache_scope=caller.cache_scope,
     )
+
+
+def _turns(messages: Iterable[pb.ChatMessage]) -> list[dict[str, str]]:
+    """The chat as the template takes it; INVALID_ARGUMENT naming a message without content."""
+    turns = []
+    for i, message in enumerate(messages):
+        if not message.HasField("content"):
+            param = f"messages[{i}].content"
+            raise ApiError.invalid(
+                f"{param}: field required (role {message.role!r} needs content)", param
+            )
+        turns.append({"role": message.role, "content": message.content})
+    return turns
 
 
 def params_from_proto(message: pb.SamplingParams) -> SamplingParams:

@@ -96,6 +96,8 @@ def plan(data: dict[str, Any], node: NodeResources) -> NodeLayout:
         + (f" for {roles} P/D role(s)" if roles > nodes else "")
     )
     num_workers = data.get("num_workers", workers)
+    if not isinstance(num_workers, int) or num_workers < 1:  # the config check names it
+        return _only_unset(data, engine, settings, chosen_engine, reasons)
     if data.get("worker_cpus") is None:  # pinned workers get a thread per core of their slice
         threads = _threads_per_worker(node, num_workers)
         settings["worker_threads"] = threads

@@ -41,7 +41,6 @@ from pagedserve.cluster.openai_logprobs import CompletionExtras, chat_logprobs, 
 from pagedserve.cluster.openai_models import (
     Body,
     ChatCompletionBody,
-    ChatMessage,
     CompletionBody,
     parse_body,
 )
@@ -123,7 +122,7 @@ class OpenAIFrontend:
     async def chat_completions(self, request: Request) -> Response:
         try:
             body, caller = await self._read(request, ChatCompletionBody)
-            prompt = render_chat(body.messages, self.core.tokenizer)
+            prompt = chat_prompt(body.turns(), self.core.tokenizer)
             base_id = body.request_id or new_request_id("chatcmpl-")
             max_tokens = body.max_output_tokens()
             requests = [await self._request(body, prompt, max_tokens, base_id, caller)]
@@ -159,7 +158,7 @@ class OpenAIFrontend:
         if max_tokens is None:
             max_tokens = await self._room_for(prompt)
         return GenerateRequest(
-            params=sampling_params(max_tokens=max_tokens, **body.sampling_kwargs()),
+            params=sampling_params(body.sent_as(), max_tokens=max_tokens, **body.sampling_kwargs()),
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids=None if isinstance(prompt, str) else list(prompt),
             request_id=request_id,
@@ -367,12 +366,6 @@ async def _sse(
 
 
 # ------------------------------------------------------------------ helpers
-def render_chat(messages: list[ChatMessage], tokenizer: Any) -> str:
-    """The prompt for a chat by the model's chat template (tiny-llama's is `<|role|>` lines,
-    then `<|assistant|>`); a model without one gets INVALID_ARGUMENT."""
-    return chat_prompt([{"role": m.role, "content": m.text()} for m in messages], tokenizer)
-
-
 def error_json(error: ApiError) -> ErrorResponse:
     param = "prompt" if error.param == "prompt_token_ids" else error.param
     info = ErrorInfo(

@@ -5,7 +5,9 @@ parameter it relies on does nothing here. The extra sampling fields vLLM users k
 `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`, ...) and the cluster's own
 (`priority`, `cache_salt`, `request_id`) are accepted as top-level fields (the openai client's
 `extra_body`).
-Ranges are checked by `SamplingParams`, the one place that knows them.
+Ranges are checked by `SamplingParams`, the one place that knows them; where a body's field
+reaches it under another name (chat `top_logprobs` is its `logprobs`), `sent_as` maps it back,
+so the error names the field the client sent.
 """
 
 from __future__ import annotations
@@ -74,6 +76,10 @@ class _SamplingFields(_Body):
             kwargs["top_k"] = self.top_k
         return kwargs
 
+    def sent_as(self) -> dict[str, str]:
+        """`SamplingParams` field → the body field it came from, where the names differ."""
+        return {}
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -114,16 +120,17 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
+    """One turn. Its `content` is required: OpenAI lets an assistant turn go without one only
+    beside `tool_calls`, which pagedserve does not take (left out or null: a 400 naming it)."""
+
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content or ())
 
 
 class ChatCompletionBody(_SamplingFields):
@@ -134,6 +141,25 @@ class ChatCompletionBody(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+
+    def turns(self) -> list[dict[str, str]]:
+        """The messages as the chat template takes them; INVALID_ARGUMENT naming the first
+        message without content."""
+        for i, message in enumerate(self.messages):
+            if message.content is None:
+                param = f"messages[{i}].content"
+                raise ApiError.invalid(
+                    f"{param}: field required (role {message.role!r} needs content)", param
+                )
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def sent_as(self) -> dict[str, str]:
+        """`top_logprobs` is `SamplingParams.logprobs`; `max_completion_tokens`, when given,
+        its `max_tokens`."""
+        names = {"logprobs": "top_logprobs"}
+        if self.max_completion_tokens is not None:
+            names["max_tokens"] = "max_completion_tokens"
+        return names
 
     def sampling_kwargs(self) -> SamplingKwargs:
         """`logprobs: true` with `top_logprobs` alternatives (0 when unset)."""

@@ -80,6 +80,10 @@ class PoolStats:
         retired: workers removed for good, oldest first (a leak check's "gone" list).
         counters: what it has done.
         last_action: the last decision, in words (empty before the first).
+        failed: why workers cannot start, when two starts in a row failed with the same
+            constructor error (`StartFailures`): the pool then starts no more until a new
+            worker spec is configured. Empty while starts succeed, or failed differently.
+        frozen: `freeze` was called: the pool decides nothing more (the app is stopping).
     """
 
     membership: Membership
@@ -88,3 +92,28 @@ class PoolStats:
     retired: tuple[str, ...]
     counters: PoolCounters = field(default_factory=PoolCounters)
     last_action: str = ""
+    failed: str = ""
+    frozen: bool = False
+
+
+class StartFailures:
+    """Owns the causes of the pool's failed worker starts since the last one that succeeded.
+
+    A worker whose constructor raises (a model it cannot load, a kernel that does not build)
+    fails the same way on every retry: two such failed starts in a row with the same cause
+    are taken as deterministic, and the pool stops starting workers instead of trying one
+    after another for ever. Different causes are not; the pool records only constructor
+    errors here (a start that timed out, or whose node was lost, may well pass next time).
+    """
+
+    def __init__(self) -> None:
+        self._last: str | None = None
+
+    def failed(self, cause: str) -> bool:
+        """Record a failed start; True when it repeats the previous one's cause."""
+        repeated = cause == self._last
+        self._last = cause
+        return repeated
+
+    def succeeded(self) -> None:
+        self._last = None

@@ -18,6 +18,12 @@ A new head node waits 30 s for its GCS server to write the port file
 waiting for file .../gcs_server_port_...". Raised the same way too. (Ray also takes this value as
 the number of one-second tries a node makes to reach the GCS: patient there as well.)
 
+The raylet also waits for its dashboard agent to write its metrics port file, for
+`RAY_raylet_start_wait_time_s` (10 s by default): at a load average of ~20 on this project's
+2-core machine the agent wrote it after 31 s, the raylet died ("Check failed ... Timed out
+waiting for file .../metrics_agent_port_...") and `pagedserve serve` waited the full node
+registration deadline for a node that was gone. Raised the same way.
+
 One more deadline is a constant, not a variable: the process that starts a node waits 30 s
 for it to register with the GCS (`ray._private.node.Node`, polling
 `ray._private.services.get_node`), then raises "The current node timed out during startup".
@@ -52,6 +58,7 @@ STARTUP_DEADLINES: dict[str, str] = {
     "RAY_worker_register_timeout_seconds": "300",
     "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "120",
     "RAY_gcs_server_port_wait_time_s": "300",
+    "RAY_raylet_start_wait_time_s": "300",
 }
 NODE_REGISTRATION_DEADLINE_S = 300.0
 _PATIENT = "__pagedserve_patient__"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 
 import ray
@@ -21,6 +22,7 @@ from pagedserve.workers.worker_types import DrainResult
 __all__ = [
     "WORKER_MAX_CONCURRENCY",
     "WorkerGroup",
+    "close_workers",
     "drain_worker_group",
     "start_pool",
     "start_worker_group",
@@ -82,24 +84,36 @@ def start_worker_group(
 
 
 def stop_worker_group(config: ClusterConfig, drain_grace_s: float | None = None) -> None:
-    """Stop the app's named actors (no restart), losing nothing that can finish: the pool
-    first, so that it starts and retires no more workers; then every worker of the app's name
-    pattern drains (`drain_worker_group`), with a disk tier is closed (`Worker.close`: its
-    queued block files are written, for the next worker on the directory) and is killed (one
-    that does not drain or close is killed anyway); then the index."""
+    """Stop the app's named actors (no restart), losing nothing that can finish: the pool is
+    frozen first, so that it starts and retires no more workers; then every worker of the
+    app's name pattern drains (`drain_worker_group`), with a disk tier is closed
+    (`Worker.close`: its queued block files are written, for the next worker on the
+    directory) and is killed (one that does not drain or close is killed anyway); then the
+    pool and the index."""
     stop_pool(config)
     drain_worker_group(config, drain_grace_s)
     if config.worker_engine.kv_disk_tier_dir is not None:
-        _close_workers(config)
+        close_workers(config)
     for name in existing_workers(config):
         _kill(name, config.namespace)
+    _kill(config.pool_name, config.namespace)
     _kill(config.index_name, config.namespace)
 
 
 def stop_pool(config: ClusterConfig) -> None:
-    """Kill the app's worker pool (no restart): the workers stay as they are, and nothing
-    starts or retires any more of them."""
-    _kill(config.pool_name, config.namespace)
+    """Freeze the app's worker pool (`WorkerPoolActor.freeze`): the workers stay as they are,
+    and nothing starts or retires any more of them. The pool itself lives on, answering the
+    routers' membership polls (killed, it would leave every router polling a dead pool), until
+    `stop_worker_group` kills it; one that does not answer in time is killed now."""
+    try:
+        pool = ray.get_actor(config.pool_name, namespace=config.namespace)
+    except ValueError:
+        return  # none: nothing decides
+    try:
+        ray.get(pool.freeze.remote(), timeout=config.rpc_timeout_s)
+    except Exception as error:  # dead, restarting or stuck: it must not decide on
+        logger.warning("the worker pool did not freeze (%r); killing it", error)
+        _kill(config.pool_name, config.namespace)
 
 
 def drain_worker_group(
@@ -119,7 +133,7 @@ def drain_worker_group(
     if not refs:
         return {}
     deadline_s = grace_s + config.rpc_timeout_s
-    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=deadline_s)
+    ready = _wait_all(list(refs.values()), deadline_s)
     results = {}
     for name, ref in refs.items():
         if ref not in ready:
@@ -140,7 +154,23 @@ def drain_worker_group(
     return results
 
 
-def _close_workers(config: ClusterConfig) -> None:
+def _wait_all(refs: list, timeout_s: float) -> list:
+    """`ray.wait` for all of `refs` within `timeout_s`, in slices of at most a second, so that
+    the caller's signal handlers run meanwhile (a second Ctrl-C ends `pagedserve serve` at
+    once, not after the grace). Returns the refs that are ready."""
+    end = time.monotonic() + timeout_s
+    ready: list = []
+    pending = refs
+    while pending:
+        left = end - time.monotonic()
+        if left <= 0:
+            break
+        done, pending = ray.wait(pending, num_returns=len(pending), timeout=min(1.0, left))
+        ready += done
+    return ready
+
+
+def close_workers(config: ClusterConfig) -> None:
     """`Worker.close` on every worker of the app at once, within `WORKER_CLOSE_TIMEOUT_S`."""
     workers = _existing(config, list(existing_workers(config)))
     refs = {name: handle.close.remote() for name, handle in workers.items()}

@@ -13,7 +13,12 @@ of the workers' stats. Each router replica asks for the membership on its stats 
 
 - **add**: create the actor (a new actor is new Ray resource demand: on KubeRay the in-tree
   autoscaler adds a pod when no node has room), wait for its `ready()` (up to
-  `startup_timeout_s`), then publish it serving. One that never becomes ready is killed.
+  `startup_timeout_s`), then publish it serving. One that never becomes ready is killed; two
+  in a row whose constructor raised the same error (`StartFailures`: a model that does not
+  load fails on every worker) stop the pool from starting any more (`PoolStats.failed`,
+  which `pagedserve serve` prints as its last line) until a new worker spec is configured. A
+  start that timed out or whose process died is retried as before (a pod on its way, a
+  node lost).
 - **retire** (scale-down, or a worker replaced): publish it leaving and wait until every
   router holds that version (out of routing everywhere; a router silent for longer than its
   lease counts no more); push its hot cached prefixes to peers with room
@@ -41,6 +46,10 @@ router configures it again (routers do on their next poll when the pool says it 
 configured, or follows an older revision than theirs) and two stats intervals have passed
 (every live router has polled by then), so a restarted pool follows the newest config and
 never rolls the workers back to its creation config.
+
+Stop: `freeze` (the app is stopping) ends every decision; the pool goes on answering the
+routers' membership polls until the app's stop kills it after them (`worker_group`), so that
+no router sees its pool vanish while it still serves.
 """
 
 from __future__ import annotations
@@ -74,6 +83,7 @@ from pagedserve.cluster.pool_types import (
     MemberState,
     PoolCounters,
     PoolStats,
+    StartFailures,
 )
 from pagedserve.cluster.router_types import RouterCounters
 from pagedserve.cluster.worker_liveness import WORKER_LOST_ERRORS
@@ -112,6 +122,9 @@ class WorkerPoolActor:
         self._ready: dict[str, asyncio.Task] = {}
         self._action: asyncio.Task | None = None
         self._last_action = ""
+        self._start_failures = StartFailures()
+        self._failed = ""  # why workers cannot start (the same error twice); "" while they can
+        self._frozen = False
         self._index: ActorHandle | None = None
         loop = asyncio.get_running_loop()
         self._started = loop.create_task(self._start())
@@ -167,15 +180,24 @@ class WorkerPoolActor:
         try:
             info = await within(handle.ready.remote(), timeout)
         except CALL_ERRORS as error:
-            logger.warning("worker %s did not become ready (%r); stopping it", worker_id, error)
+            cause = start_failure_cause(error, timeout)
+            logger.warning("worker %s did not start (%s); stopping it", worker_id, cause)
             self.counters.start_failures += 1
             self.members.remove(worker_id, retired=True)
             self._kill(handle)
             await self._forget_in_index(worker_id)
             self.planner.start_failed(len(self._in_state(MemberState.SERVING)))
+            deterministic = isinstance(error, ray.exceptions.RayActorError) and bool(
+                error.actor_init_failed  # its constructor raised; a timeout or crash may pass
+            )
+            if deterministic and self._start_failures.failed(cause) and not self._failed:
+                self._failed = cause
+                logger.error("pool: workers cannot start, the same error twice: %s", cause)
             return False
         finally:
             self._ready.pop(worker_id, None)
+        self._start_failures.succeeded()
+        self._failed = ""
         self._roles[worker_id] = info.role  # an adopted worker's, known from here on
         self.members.set_state(worker_id, MemberState.SERVING, info.config_fingerprint)
         self.counters.workers_added += 1
@@ -207,6 +229,8 @@ class WorkerPoolActor:
             return self._published()
         old, self._config = self._config, config
         self._spec = WorkerSpec.of(config)
+        if self._spec.fingerprint != WorkerSpec.of(old).fingerprint:  # may start where it failed
+            self._start_failures, self._failed = StartFailures(), ""
         same_size = config.num_workers == old.num_workers and self._configured
         target = self.planner.target if same_size else config.num_workers
         self.planner.configure(ScalingSettings.of(config), self._spec.fingerprint, target)
@@ -227,7 +251,17 @@ class WorkerPoolActor:
             retired=tuple(self.members.retired),
             counters=dataclasses.replace(self.counters),
             last_action=self._last_action,
+            failed=self._failed,
+            frozen=self._frozen,
         )
+
+    async def freeze(self) -> None:
+        """Decide nothing more, and stop what is under way (the app is stopping): no worker
+        is added, replaced or retired from now on. Membership polls are still answered."""
+        self._frozen = True
+        for task in (self._loop, self._action):
+            if task is not None:
+                task.cancel()
 
     # ------------------------------------------------------------------ decide
     async def _control_loop(self) -> None:
@@ -235,6 +269,8 @@ class WorkerPoolActor:
         while True:
             await asyncio.sleep(self._config.scale_interval_s)
             if not self._settled() or (self._action is not None and not self._action.done()):
+                continue
+            if self._failed:  # starting more would fail the same way: wait for a new spec
                 continue
             try:
                 action = self.planner.decide(time.monotonic(), await self._observe())
@@ -374,6 +410,16 @@ class WorkerPoolActor:
 
     def _in_state(self, *states: MemberState) -> list:
         return [m for m in self.members.members() if m.state in states]
+
+
+def start_failure_cause(error: BaseException, timeout_s: float) -> str:
+    """Why a worker did not start, in one line: the exception its constructor raised (the last
+    line of the creation task's traceback, which Ray's error carries), Ray's words for a
+    process that died, or the deadline it missed."""
+    if isinstance(error, TimeoutError):
+        return f"not ready within startup_timeout_s ({timeout_s:g} s)"
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
 
 
 def existing_workers(config: ClusterConfig) -> dict[str, int]:

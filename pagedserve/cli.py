@@ -42,7 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     # Before any command imports grpc: this process starts Ray's (cluster/ray_startup.py).
     exec_only_forks()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # what parse_args does, unless the command refuses in one line (`serve`)
+        message = f"unrecognized arguments: {' '.join(unknown)}"
+        if not getattr(args, "one_line_errors", False):
+            parser.error(message)
+        print(f"pagedserve: error: {message}", file=sys.stderr)
+        return 2
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2

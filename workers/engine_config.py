@@ -15,6 +15,20 @@ from pagedserve.workers.spec_config import SpeculativeConfig
 
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024 * 1024
 CUDA_KV_MEMORY_FRACTION = 0.8
+# Weights and KV dtypes by the names a user may write, each to its torch name (model_loader
+# maps them to torch's dtypes); "auto" is the checkpoint's own.
+DTYPE_NAMES: dict[str, str] = {
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+}
+AUTO_DTYPE = "auto"
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
 @dataclass(frozen=True)
@@ -118,7 +132,41 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        self._check_names()
+        self._check_scheduling()
         self._check_tiers()
+
+    def _check_names(self) -> None:
+        """The names a worker would only refuse once it loads: dtype, device, backend."""
+        dtype = str(self.dtype).removeprefix("torch.").lower()
+        if dtype != AUTO_DTYPE and dtype not in DTYPE_NAMES:
+            known = ", ".join([*DTYPE_NAMES, AUTO_DTYPE])
+            raise ValueError(f"dtype must be one of {known}, got {self.dtype!r}")
+        if not _DEVICE.fullmatch(str(self.device)):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}"
+            )
+
+    def _check_scheduling(self) -> None:
+        """What the worker's scheduler and block manager refuse, refused where it is set."""
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_waiting is not None and self.max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1 or None, got {self.max_waiting}")
+        if not (isinstance(self.watermark, int | float) and 0 <= self.watermark < 1):
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
+        if self.scheduling_policy not in SchedulingPolicy.registry:
+            known = tuple(SchedulingPolicy.registry)
+            raise ValueError(
+                f"scheduling_policy must be one of {known}, got {self.scheduling_policy!r}"
+            )
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
+            )
 
     def _check_tiers(self) -> None:
         for name in ("kv_host_tier_bytes", "kv_disk_tier_bytes"):

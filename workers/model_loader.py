@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pagedserve.workers.engine_config import AUTO_DTYPE, DTYPE_NAMES
 from pagedserve.workers.model_registry import resolve_model
 from pagedserve.workers.tiny_llama import TINY_LLAMA_NAME, build_tiny_llama
 from pagedserve.workers.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
@@ -23,17 +24,10 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 _DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
+    name: getattr(torch, torch_name) for name, torch_name in DTYPE_NAMES.items()
 }
 # "auto": the checkpoint's own dtype (float32 for tiny-llama).
-_AUTO = "auto"
+_AUTO = AUTO_DTYPE
 
 
 @dataclass(frozen=True)
@@ -134,14 +128,14 @@ def _describe(
         num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
         head_dim=head_dim,
         vocab_size=model.get_output_embeddings().weight.shape[0],
-        max_model_len=_max_model_len(config),
+        max_model_len=context_length(config),
         eos_token_ids=_eos_token_ids(model, tokenizer),
         dtype=model.dtype,
         device=device,
     )
 
 
-def _max_model_len(config: Any) -> int:
+def context_length(config: Any) -> int:
     """Longest context served: the position limit, capped by a sliding window if one is used.
 
     Paged attention here is full causal attention; it equals sliding-window attention only while

@@ -30,12 +30,10 @@ import torch
 from torch import Tensor
 
 from pagedserve.workers.logprobs import raw_logits, record_sample_logprobs
-from pagedserve.workers.sampling_params import SamplingParams
+from pagedserve.workers.sampling_params import SEED_LIMIT, SamplingParams
 
 if TYPE_CHECKING:
     from pagedserve.workers.request import Request
-
-_SEED_MODULUS = 2**64  # torch generators take seeds in [0, 2**64)
 
 
 def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator | None:
@@ -52,8 +50,9 @@ def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torc
     if seed is None:
         return None
     generator = torch.Generator(device=device)
-    # Wrap rather than reject: seed + branch index may step past 2**64 - 1, negatives are legal.
-    generator.manual_seed(seed % _SEED_MODULUS)
+    # `SamplingParams` holds seeds in [0, 2**64) (torch's range); the modulo keeps a caller
+    # that builds its own seeds (seed + branch index) in range the same way.
+    generator.manual_seed(seed % SEED_LIMIT)
     return generator
 
 

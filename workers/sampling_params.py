@@ -19,6 +19,9 @@ GREEDY_TEMPERATURE = 1e-5
 # OpenAI's range for presence_penalty and frequency_penalty (vLLM checks the same).
 MAX_ABS_PENALTY = 2.0
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit (vLLM's default max_logprobs too)
+# Seeds are what a torch generator takes, [0, 2**64): a seed outside would wrap silently (-1
+# sampling exactly as 2**64 - 1), so a client sending one gets an error instead.
+SEED_LIMIT = 2**64
 # Every stop string is matched against the held-back text after every token, and every stop
 # token id against the newest token: unbounded lists let one request slow its worker's steps
 # for everyone (5,000 stop strings cost ~4 ms a token of detokenizing; 64 of 256 characters
@@ -38,7 +41,8 @@ class SamplingParams:
         temperature: softmax temperature; 0 (or below 1e-5) means greedy.
         top_p: nucleus sampling; keep the smallest set of tokens whose mass is >= top_p.
         top_k: keep the k most likely tokens; 0 or -1 turns it off.
-        seed: makes sampling reproducible; branch j of a seeded request uses ``seed + j``.
+        seed: makes sampling reproducible, in [0, 2**64); branch j of a seeded request uses
+            ``seed + j`` (modulo 2**64).
         stop: strings that end generation when they appear in the output text; at most 64,
             each of 1..512 characters.
         stop_token_ids: token ids that end generation (like EOS, but never ignored); at
@@ -106,6 +110,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= -1 (0 or -1: off), got {self.top_k}")
         if self.seed is not None:
             _check_int("seed", self.seed)
+            if not 0 <= self.seed < SEED_LIMIT:
+                raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
         _check_bool("ignore_eos", self.ignore_eos)
         _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         self._validate_penalties()
@@ -168,7 +174,8 @@ class SamplingParams:
         """The parameters of branch ``index`` of an ``n``-way request.
 
         Branch ``j`` samples exactly like the same request run alone with ``n=1`` and
-        ``seed + j``, so branches are reproducible one by one; branch 0 keeps the seed.
+        ``seed + j`` (wrapped into [0, 2**64), as a generator would take it), so branches are
+        reproducible one by one; branch 0 keeps the seed.
 
         Args:
             index: the branch, in ``[0, n)``.
@@ -179,7 +186,7 @@ class SamplingParams:
         _check_int("index", index)
         if not 0 <= index < self.n:
             raise ValueError(f"index must be in [0, n={self.n}), got {index}")
-        seed = None if self.seed is None else self.seed + index
+        seed = None if self.seed is None else (self.seed + index) % SEED_LIMIT
         return dataclasses.replace(self, n=1, seed=seed)
 
 

@@ -196,14 +196,15 @@ def render_chat(tokenizer: Tokenizer | None, messages: Sequence[Mapping[str, str
     return apply(messages)
 
 
-def load_tokenizer(path: str) -> Tokenizer | None:
+def load_tokenizer(path: str, strict: bool = False) -> Tokenizer | None:
     """The tokenizer for a model name, checkpoint directory or GGUF file, or ``None``.
 
     ``"tiny-llama"`` and directories written by ``save_tiny_llama`` give a ``ByteTokenizer``;
     built-in GGUF models and ``.gguf`` files give their converted checkpoint's tokenizer
     (converting on first use); other directories with tokenizer files give an ``HFTokenizer``
     (``local_files_only``; nothing is ever downloaded). A tokenizer that fails to load is logged
-    and treated as absent, since token-id prompts still work without one.
+    and treated as absent, since token-id prompts still work without one; with ``strict``
+    (`pagedserve serve`'s check before it starts anything) it raises ``ValueError`` instead.
     """
     from pagedserve.workers.model_registry import (
         BUILTIN_GGUF,
@@ -232,6 +233,8 @@ def load_tokenizer(path: str) -> Tokenizer | None:
 
         hf_tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as exc:  # a broken tokenizer must not stop token-id serving
+        if strict:
+            raise ValueError(f"its tokenizer files do not load: {exc}") from exc
         logger.warning("no tokenizer loaded from %s: %s", path, exc)
         return None
     return HFTokenizer(hf_tokenizer)

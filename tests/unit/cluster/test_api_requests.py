@@ -12,6 +12,7 @@ import pytest
 from pagedserve.cluster import client_cli
 from pagedserve.cluster.api_common import (
     CompletionCollector,
+    chat_prompt,
     find_malformed_text,
     merge_streams,
     sampling_params,
@@ -29,7 +30,6 @@ from pagedserve.cluster.openai_api import (
     ChatChunks,
     CompletionChunks,
     error_json,
-    render_chat,
 )
 from pagedserve.cluster.openai_logprobs import CompletionExtras, echoed_prompts
 from pagedserve.cluster.openai_models import ChatCompletionBody, CompletionBody, parse_body
@@ -282,7 +282,7 @@ def test_chat_without_a_template_uses_role_markers():
             {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
         ]},
     )  # fmt: skip
-    prompt = render_chat(body.messages, ByteTokenizer())
+    prompt = chat_prompt(body.turns(), ByteTokenizer())
     assert prompt == "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"
 
 
@@ -299,7 +299,7 @@ class _NoTemplate:
 def test_chat_for_a_model_without_a_template_is_invalid_argument(tokenizer):
     body = parse_body(ChatCompletionBody, {**MODEL, "messages": [{"role": "user", "content": "x"}]})
     with pytest.raises(ApiError, match="messages: this model has no chat template") as caught:
-        render_chat(body.messages, tokenizer)
+        chat_prompt(body.turns(), tokenizer)
     assert caught.value.code is ErrorCode.INVALID_ARGUMENT and caught.value.param == "messages"
     message = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="x")])
     with pytest.raises(ApiError, match="no chat template") as caught:

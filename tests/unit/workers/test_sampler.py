@@ -37,7 +37,7 @@ def test_make_generator() -> None:
     assert make_generator(None) is None
     a, b = make_generator(42), make_generator(42)
     assert torch.equal(torch.rand(5, generator=a), torch.rand(5, generator=b))
-    # Seeds past 2**64 - 1 (seed + branch index) wrap instead of failing; negatives work.
+    # Seeds past 2**64 - 1 wrap (SamplingParams refuses them; a caller's own may not).
     wrapped, small = make_generator(2**64 + 5), make_generator(5)
     assert torch.equal(torch.rand(3, generator=wrapped), torch.rand(3, generator=small))
     make_generator(-1)

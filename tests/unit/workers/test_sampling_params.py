@@ -95,6 +95,9 @@ def test_temperature_message_is_exact() -> None:
         ("repetition_penalty", -1.0),
         ("repetition_penalty", math.inf),
         ("repetition_penalty", True),
+        ("seed", -1),  # would sample exactly as 2**64 - 1
+        ("seed", 2**64),
+        ("seed", 2**70),
     ],
 )
 def test_invalid_value_names_its_field(field: str, value: object) -> None:
@@ -114,8 +117,7 @@ def test_invalid_value_names_its_field(field: str, value: object) -> None:
         {"top_k": -1},
         {"top_k": 100_000},
         {"seed": 0},
-        {"seed": -5},
-        {"seed": 2**70},
+        {"seed": 2**64 - 1},
         {"min_tokens": 16},
         {"max_tokens": 1, "min_tokens": 1},
         {"stop_token_ids": [0]},
@@ -154,6 +156,11 @@ def test_for_branch_offsets_the_seed() -> None:
         assert (b.temperature, b.top_k, b.stop, b.max_tokens) == (0.8, 5, ["x"], 9)
     assert branches[2] == SamplingParams(seed=9, temperature=0.8, top_k=5, stop=["x"], max_tokens=9)
     assert p.n == 4 and p.seed == 7  # the request itself is untouched
+
+
+def test_for_branch_wraps_the_seed_as_a_generator_takes_it() -> None:
+    p = SamplingParams(n=3, seed=2**64 - 2)
+    assert [p.for_branch(j).seed for j in range(3)] == [2**64 - 2, 2**64 - 1, 0]
 
 
 def test_for_branch_without_seed_stays_unseeded() -> None:

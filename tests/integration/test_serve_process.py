@@ -1,0 +1,348 @@
+"""`pagedserve serve` as a user runs it (issue 45), in a child process with tiny-llama:
+
+- Ray's own tools reach the cluster it started, as its start-up line says;
+- the API's small inconsistencies answer as 400 / INVALID_ARGUMENT through the real proxies;
+- SIGINT and SIGTERM stop it idle at once and cleanly (no line that reads as a failure), and
+  busy once its requests in flight finished; a second signal stops it at once;
+- the loss of its Ray cluster ends it, with a line saying so and status 1;
+- a worker that cannot start (the same error twice) ends the start-up, its cause last.
+
+Each asserts the state it leaves: the exit status, the lines printed, the requests' outputs,
+and no process it started still running (every process Ray starts inherits the marker this
+test puts in its environment). Durations are never asserted. One server serves the tests that
+leave it running, and its idle SIGINT stops it; the others start their own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+import requests
+
+from pagedserve.bench.ports import free_port
+from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
+from pagedserve.proto.pagedserve.v1 import serving_pb2_grpc
+from pagedserve.workers.tiny_llama import save_tiny_llama
+
+START_TIMEOUT_S = 600  # a loaded 2-core machine took minutes to start a local Ray
+EXIT_TIMEOUT_S = 300  # a failsafe only: what the tests check is the state at the exit
+LONG = 2000  # tokens: tiny-llama's context is 2048; seconds of decoding on a CPU
+
+
+@dataclass
+class Served:
+    """One `pagedserve serve` child process and what it printed."""
+
+    process: subprocess.Popen
+    log: Path
+    ray_dir: str
+    marker: str
+    http_port: int
+    grpc_port: int
+
+    def lines(self) -> list[str]:
+        return [line for line in self.log.read_text(errors="replace").splitlines() if line]
+
+    def wait_for_line(self, pattern: str, timeout_s: float = START_TIMEOUT_S) -> str:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            found = [line for line in self.lines() if re.search(pattern, line)]
+            if found:
+                return found[0]
+            if self.process.poll() is not None:
+                pytest.fail(f"exited {self.process.returncode} first:\n" + "\n".join(self.lines()))
+            time.sleep(0.2)
+        pytest.fail(f"no line matching {pattern!r}:\n" + "\n".join(self.lines()[-30:]))
+
+    def stop(self, signum: int) -> int:
+        self.process.send_signal(signum)
+        return self.wait_exit()
+
+    def wait_exit(self) -> int:
+        return self.process.wait(timeout=EXIT_TIMEOUT_S)
+
+    def after(self, pattern: str) -> list[str]:
+        """The lines from the first one matching `pattern` on."""
+        lines = self.lines()
+        first = next(i for i, line in enumerate(lines) if re.search(pattern, line))
+        return lines[first:]
+
+    def assert_nothing_left(self) -> None:
+        """No process it started runs on (each inherited the marker), nor does any Ray
+        process of its session directory."""
+        left = marked_processes(self.marker)
+        assert left == [], f"processes it started still run: {left}"
+
+    @property
+    def grpc_address(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+
+def marked_processes(marker: str) -> list[str]:
+    needle = f"PAGEDSERVE_TEST_MARK={marker}".encode()
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if needle in environ.read_bytes():
+                pid = environ.parent.name
+                found.append(f"{pid} {(environ.parent / 'comm').read_text().strip()}")
+        except OSError:
+            continue  # ended while we looked
+    return found
+
+
+@pytest.fixture
+def serve_process(tmp_path) -> Iterator:
+    """Start `pagedserve serve` children; each is killed at the end if a test left it."""
+    started: list[Served] = []
+
+    def start(*argv: str, serving: bool = True) -> Served:
+        served = launch(tmp_path / f"serve-{len(started)}.log", *argv)
+        started.append(served)
+        if serving:
+            served.wait_for_line(r"^pagedserve: serving on ")
+        return served
+
+    yield start
+    for served in started:
+        cleanup(served)
+
+
+def launch(log: Path, *argv: str) -> Served:
+    # Short: Ray's sockets live under it, and a socket path holds at most 107 characters.
+    ray_dir = tempfile.mkdtemp(prefix="ps-", dir="/tmp")
+    marker = uuid.uuid4().hex
+    http_port, grpc_port = free_port(), free_port()
+    command = [
+        sys.executable, "-m", "pagedserve", "serve", "--model", "tiny-llama",
+        "--num-workers", "1", "--num-kv-blocks", "512",
+        "--http-port", str(http_port), "--grpc-port", str(grpc_port), *argv,
+    ]  # fmt: skip
+    env = {**os.environ, "RAY_TMPDIR": ray_dir, "PAGEDSERVE_TEST_MARK": marker}
+    env.pop("PAGEDSERVE_DEBUG", None)
+    with open(log, "wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    return Served(process, log, ray_dir, marker, http_port, grpc_port)
+
+
+def cleanup(served: Served) -> None:
+    if served.process.poll() is None:
+        served.process.kill()
+        served.process.wait(timeout=60)
+    for line in marked_processes(served.marker):  # a failed test's leftovers: ours only
+        try:
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+    shutil.rmtree(served.ray_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> Iterator[Served]:
+    """The server the tests that leave it running share; the idle SIGINT test stops it."""
+    served = launch(tmp_path_factory.mktemp("served") / "serve.log")
+    try:
+        served.wait_for_line(r"^pagedserve: serving on ")
+        yield served
+    finally:
+        cleanup(served)
+
+
+# ------------------------------------------------------------- Ray's tools
+def test_ray_s_own_tools_reach_the_cluster_as_its_start_line_says(served):
+    line = served.wait_for_line(r"^pagedserve: Ray cluster at ")
+    command = line.split("Ray's tools: ", 1)[1].split()  # RAY_AUTH_MODE=... ray list actors
+    env = {**os.environ, **dict(word.split("=", 1) for word in command if "=" in word)}
+    ray_cli = str(Path(sys.executable).parent / "ray")
+    tools = [word for word in command if "=" not in word]
+    assert tools == ["ray", "list", "actors"]
+    listed = subprocess.run([ray_cli, *tools[1:]], env=env, capture_output=True, text=True)
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    assert "WorkerPoolActor" in listed.stdout and "pagedserve-worker-0" in listed.stdout
+    status = subprocess.run([ray_cli, "status"], env=env, capture_output=True, text=True)
+    assert status.returncode == 0 and "Active:" in status.stdout, status.stderr[-2000:]
+
+
+# --------------------------------------------------------------- API nits
+def test_the_api_nits_through_the_real_proxies(served):
+    chat = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}]}
+    cases = [
+        ({**chat, "logprobs": True, "top_logprobs": 1000}, "top_logprobs"),
+        ({**chat, "messages": [{"role": "user"}]}, "messages[0].content"),
+        ({**chat, "messages": [{"role": "system", "content": None}]}, "messages[0].content"),
+        ({**chat, "seed": -1}, "seed"),
+        ({**chat, "seed": 2**64}, "seed"),
+    ]
+    for body, param in cases:
+        response = requests.post(f"{served.http_url}/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 400, (body, response.text)
+        assert response.json()["error"]["param"] == param, response.text
+    good = requests.post(
+        f"{served.http_url}/v1/completions",
+        json={"model": "tiny-llama", "prompt": "a", "max_tokens": 2, "seed": 2**64 - 1},
+        timeout=120,
+    )
+    assert good.status_code == 200, good.text
+    with grpc.insecure_channel(served.grpc_address) as channel:
+        stub = serving_pb2_grpc.GenerationStub(channel)
+        for request, field in [
+            (pb.GenerateRequest(messages=[pb.ChatMessage(role="user")]), "messages[0].content"),
+            (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(seed=-1)), "seed"),
+        ]:
+            with pytest.raises(grpc.RpcError) as raised:
+                stub.Generate(request, timeout=60)
+            assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert raised.value.details().startswith(field), raised.value.details()
+
+
+# ------------------------------------------------------------------ stops
+def test_sigint_stops_an_idle_server_cleanly(served):
+    """The last test of the shared server: its stop."""
+    assert_idle_stop(served, signal.SIGINT)
+
+
+def assert_idle_stop(served: Served, signum: int) -> None:
+    """Exit 0 and, from the stop on, the two lines that say so: nothing else but what Ray
+    forwards late at INFO (the access log of an earlier request)."""
+    assert served.stop(signum) == 0
+    name = signal.Signals(signum).name
+    said = [line for line in served.after(r"^pagedserve: .*stopping") if " INFO " not in line]
+    assert said == [
+        f"pagedserve: {name}: stopping; requests in flight get up to 30 s (a second signal "
+        "stops at once)",
+        "pagedserve: stopped (0 streams in flight finished)",
+    ]
+    assert not [line for line in served.lines() if "did not answer" in line]
+    served.assert_nothing_left()
+
+
+def test_sigterm_stops_an_idle_server_cleanly(serve_process):
+    assert_idle_stop(serve_process(), signal.SIGTERM)
+
+
+def stream_completion(served: Served, max_tokens: int, first: threading.Event) -> dict:
+    """Stream one greedy completion over HTTP; set `first` at its first chunk. Returns its
+    token count (usage) and finish reason."""
+    body = {
+        "model": "tiny-llama", "prompt": "Paged attention", "max_tokens": max_tokens,
+        "temperature": 0, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    result: dict = {"finish_reason": None, "completion_tokens": None}
+    try:
+        with requests.post(
+            f"{served.http_url}/v1/completions", json=body, stream=True, timeout=EXIT_TIMEOUT_S
+        ) as response:
+            for raw in response.iter_lines():
+                first.set()
+                if not raw.startswith(b"data: ") or raw == b"data: [DONE]":
+                    continue
+                chunk = json.loads(raw[len(b"data: ") :])
+                for choice in chunk.get("choices") or ():
+                    result["finish_reason"] = choice.get("finish_reason") or result["finish_reason"]
+                if chunk.get("usage"):
+                    result["completion_tokens"] = chunk["usage"]["completion_tokens"]
+    except requests.RequestException as error:  # the server went away mid-stream
+        result["error"] = type(error).__name__
+    return result
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_busy_server_stops_once_its_requests_in_flight_finished(serve_process, signum):
+    served = serve_process("--shutdown-grace-s", "300")
+    first, outcome = threading.Event(), {}
+    reader = threading.Thread(
+        target=lambda: outcome.update(stream_completion(served, LONG, first)), daemon=True
+    )
+    reader.start()
+    assert first.wait(EXIT_TIMEOUT_S), "the stream never started"
+    assert served.stop(signum) == 0
+    reader.join(EXIT_TIMEOUT_S)
+    assert outcome == {"finish_reason": "length", "completion_tokens": LONG}  # whole
+    stopped = served.after(r"^pagedserve: .*stopping")
+    assert stopped[0].startswith(f"pagedserve: {signal.Signals(signum).name}: stopping")
+    assert stopped[-1] == "pagedserve: stopped (1 streams in flight finished)"
+    served.assert_nothing_left()
+
+
+def test_a_second_signal_stops_at_once(serve_process):
+    served = serve_process("--shutdown-grace-s", "3600")
+    first, outcome = threading.Event(), {}
+    reader = threading.Thread(
+        target=lambda: outcome.update(stream_completion(served, LONG, first)), daemon=True
+    )
+    reader.start()
+    assert first.wait(EXIT_TIMEOUT_S), "the stream never started"
+    served.process.send_signal(signal.SIGTERM)
+    served.wait_for_line(r"^pagedserve: SIGTERM: stopping")
+    # Still in its grace of an hour, for a request of seconds: the second signal ends it.
+    assert served.stop(signal.SIGINT) == 128 + signal.SIGINT
+    assert served.lines()[-1] == "pagedserve: SIGINT again: stopped at once"
+    served.assert_nothing_left()
+    reader.join(EXIT_TIMEOUT_S)
+    assert outcome.get("completion_tokens") != LONG  # cut, not finished
+
+
+def test_a_lost_ray_cluster_ends_the_server(serve_process):
+    served = serve_process()
+    gcs = [
+        int(stat.parent.name)
+        for stat in Path("/proc").glob("[0-9]*/stat")
+        if _ppid_and_comm(stat) == (served.process.pid, "gcs_server")
+    ]
+    assert len(gcs) == 1, gcs
+    os.kill(gcs[0], signal.SIGKILL)
+    assert served.wait_exit() == 1
+    assert served.lines()[-1] == (
+        f"pagedserve: the Ray cluster is gone: its gcs_server (pid {gcs[0]}) exited; exiting"
+    )
+    served.assert_nothing_left()
+
+
+def _ppid_and_comm(stat: Path) -> tuple[int, str] | None:
+    try:
+        text = stat.read_text()
+    except OSError:
+        return None
+    return int(text[text.rindex(")") + 2 :].split()[1]), text[
+        text.index("(") + 1 : text.rindex(")")
+    ]
+
+
+# --------------------------------------------------------- a failed start
+def test_a_worker_that_cannot_start_ends_the_start_with_its_cause_last(serve_process, tmp_path):
+    """A checkpoint whose config and tokenizer load (the checks before Ray pass) but whose
+    weights are garbage: every worker's constructor fails the same way."""
+    model = Path(save_tiny_llama(tmp_path / "broken"))
+    (model / "model.safetensors").write_bytes(b"not a safetensors file")
+    served = serve_process("--model", str(model), serving=False)
+    assert served.wait_exit() == 1
+    tries = [
+        match.group(1)
+        for line in served.lines()
+        if (match := re.search(r"worker \S+ did not start \((.+)\); stopping it", line))
+    ]
+    assert len(tries) == 2 and tries[0] == tries[1], tries  # the same error twice, no more
+    assert "header" in tries[0]  # the weights' own error
+    assert served.lines()[-1] == f"pagedserve: error: workers of {model} cannot start: {tries[0]}"
+    assert not [line for line in served.lines() if line.startswith("pagedserve: serving")]
+    served.assert_nothing_left()
