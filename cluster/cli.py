@@ -53,9 +53,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--ray-dashboard",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=False,
         help="start the local Ray cluster with its dashboard, which `ray list` and the web UI "
-        "need (idle, it costs ~30 CPU-ms a second on 2 cores); `ray status` works without",
+        "need; off by default: idle, it costs ~30 CPU-ms a second and ~0.9 GiB in 11 more "
+        "processes (bench/README.md, 'Serving defaults'); `ray status` works without",
     )
     parser.add_argument(
         "--debug",
@@ -209,7 +210,7 @@ class ServePlan:
     http_port: int
     grpc_port: int
     shutdown_grace_s: float
-    ray_dashboard: bool = True
+    ray_dashboard: bool = False
 
 
 def run(args: argparse.Namespace) -> int:

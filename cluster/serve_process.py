@@ -136,9 +136,10 @@ def ray_tools_line(address_info: dict[str, Any]) -> str:
     dashboard = address_info.get("webui_url") or ""
     where = f", dashboard http://{dashboard}" if dashboard else ""
     tool = "list actors" if dashboard else "status"
+    more = "" if dashboard else " (`ray list` and the web UI: start with --ray-dashboard)"
     return (
         f"pagedserve: Ray cluster at {gcs}{where}; Ray's tools: "
-        f"RAY_AUTH_MODE=token RAY_ADDRESS={gcs} ray {tool}"
+        f"RAY_AUTH_MODE=token RAY_ADDRESS={gcs} ray {tool}{more}"
     )
 
 

@@ -159,7 +159,8 @@ def cleanup(served: Served) -> None:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> Iterator[Served]:
     """The server the tests that leave it running share; the idle SIGINT test stops it."""
-    served = launch(tmp_path_factory.mktemp("served") / "serve.log")
+    # With Ray's dashboard, which `ray list` needs (off by default).
+    served = launch(tmp_path_factory.mktemp("served") / "serve.log", "--ray-dashboard")
     try:
         served.wait_for_line(r"^pagedserve: serving on ")
         yield served
