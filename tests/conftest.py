@@ -2,6 +2,7 @@
 check every test that runs requests ends with (see support/leaks.py)."""
 
 import os
+from pathlib import Path
 
 from pagedserve.cluster.ray_startup import allow_slow_startup, exec_only_forks
 
@@ -89,11 +90,15 @@ def nothing_leaked(leak_watch, request):
         pytest.fail("\n".join(problems), pytrace=False)
 
 
+INTEGRATION = Path(__file__).parent / "integration"
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
-    """The shared local cluster (support/shared_cluster.py) lives only across tests that use
-    it: idle, it would take CPU from every other test of this process."""
-    if "ray_cluster" not in item.fixturenames:
+    """The shared local cluster (support/shared_cluster.py) lives across the integration tests
+    (scripts/test.sh runs them first): idle, it would take CPU from every later test of this
+    process."""
+    if INTEGRATION not in item.path.parents:
         SHARED.stop()
 
 

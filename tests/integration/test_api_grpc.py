@@ -38,7 +38,7 @@ LONG = 900  # tokens: several seconds of decoding on a CPU, yet it fits the pool
 
 
 @pytest.fixture(scope="module")
-def app():
+def app(serve_cluster):
     with running_app("api-grpc", auth={"tokens": [TOKEN]}) as running:
         yield running
 

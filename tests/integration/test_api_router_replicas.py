@@ -44,7 +44,7 @@ INTERNALS = re.compile(r"Traceback|\.py\b|pid=|\d+\.\d+\.\d+\.\d+:\d+|actor_id|F
 
 
 @pytest.fixture(scope="module")
-def app():
+def app(serve_cluster):
     engine = {"num_kv_blocks": 1024, "block_size": 8, "attention_backend": "torch"}
     with running_app(
         "api-router-replicas", engine=engine, lease_timeout_s=LEASE_S, router_replicas=2
