@@ -53,6 +53,20 @@ SERVE_NAMESPACE = "serve"
 _SERVE_OWN = ("SERVE_CONTROLLER_ACTOR", "SERVE_PROXY_ACTOR")
 
 
+# Serve's proxy prefers the replicas on its own node, and our worker nodes share the head's
+# address: with two Router replicas, one on the head and one elsewhere, every request went to
+# the head's. On one node (where the API tests ran before) every replica is local; so here:
+# no preference. The queue lengths the proxy places requests by (power of two choices) come
+# from a probe with a 0.1 s deadline by default: on a loaded machine a replica answering late
+# lost every choice; this deadline is a failsafe only.
+SERVE_PROXY_ROUTING_ENV = {
+    "RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING": "0",
+    "RAY_SERVE_PROXY_PREFER_LOCAL_AZ_ROUTING": "0",
+    "RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "5",
+    "RAY_SERVE_MAX_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "30",
+}
+
+
 @dataclass(frozen=True)
 class ServePorts:
     """Where the kept Serve instance's proxies listen."""
@@ -109,7 +123,8 @@ class SharedCluster:
             proxy_location="HeadOnly",
             http_options={"host": "127.0.0.1", "port": ports.http},
             grpc_options=grpc_options(ports.grpc),
-            controller_options={"runtime_env": {"env_vars": env_vars}},
+            # The proxies inherit the controller's environment.
+            controller_options={"runtime_env": {"env_vars": env_vars | SERVE_PROXY_ROUTING_ENV}},
         )
         self._serve = _Serve(dict(env_vars), ports)
         return ports
