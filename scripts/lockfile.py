@@ -91,11 +91,15 @@ def read(path: Path = LOCK) -> dict[str, Pin]:
 
 
 def installed() -> dict[str, str]:
-    """Normalized name → version of every distribution this interpreter sees."""
-    return {
-        normalize(dist.metadata["Name"]): dist.version
-        for dist in importlib.metadata.distributions()
-    }
+    """Normalized name → version of every distribution this interpreter sees: the first one
+    on `sys.path` where several have a name, as `importlib.metadata.version` and an import
+    find it. (Importing setuptools puts its `_vendor` folder, older packaging, wheel and
+    platformdirs included, at the end of `sys.path`: a test process that had compiled a C++
+    extension read those and failed the lock check.)"""
+    found: dict[str, str] = {}
+    for dist in importlib.metadata.distributions():
+        found.setdefault(normalize(dist.metadata["Name"]), dist.version)
+    return found
 
 
 def differences(

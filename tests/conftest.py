@@ -2,6 +2,7 @@
 check every test that runs requests ends with (see support/leaks.py)."""
 
 import os
+from pathlib import Path
 
 from pagedserve.cluster.ray_startup import allow_slow_startup, exec_only_forks
 
@@ -18,6 +19,12 @@ from support.startups import STARTUPS, StartupCount
 
 # Every local Ray a test starts inherits this process's environment (cluster/ray_startup.py).
 allow_slow_startup()
+# Ray's token authentication, one mode for every cluster of the run. Unset, the first
+# `ray.init()` that starts a local Ray turns it on for this process (`RAY_AUTH_MODE=token`):
+# from then on this driver refused the calls of a cluster started before without it (the test
+# process's shared cluster, support/shared_cluster.py), and every call to its actors hung or
+# died. Test clusters listen on this machine only.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # Ray starts its processes 15 nicer than the one that started it; a test's cluster then lost
 # the cores to every pytest process beside it (the other xdist process running a CPU-bound
 # module, or HF references): beside two busy processes a tiny-llama worker took 2.5 min to
@@ -89,11 +96,15 @@ def nothing_leaked(leak_watch, request):
         pytest.fail("\n".join(problems), pytrace=False)
 
 
+INTEGRATION = Path(__file__).parent / "integration"
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
-    """The shared local cluster (support/shared_cluster.py) lives only across tests that use
-    it: idle, it would take CPU from every other test of this process."""
-    if "ray_cluster" not in item.fixturenames:
+    """The shared local cluster (support/shared_cluster.py) lives across the integration tests
+    (scripts/test.sh runs them first): idle, it would take CPU from every later test of this
+    process."""
+    if INTEGRATION not in item.path.parents:
         SHARED.stop()
 
 

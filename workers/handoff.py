@@ -15,12 +15,12 @@ import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from pagedserve.workers.kv_memory import blocks_needed
 from pagedserve.workers.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from pagedserve.workers.request import Request, RequestGroup
 
 

@@ -27,14 +27,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, NamedTuple
 
 from pagedserve.workers.block import BlockHash, BlockKey
-from pagedserve.workers.kv_tier_disk import DiskTier
-from pagedserve.workers.kv_tier_host import HostTier
+
+# torch is imported where a tensor is made: `TierStats` travels in `WorkerStats`, which
+# routers and the control actors read without paying torch's import.
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from pagedserve.workers.kv_tier_disk import DiskTier
+    from pagedserve.workers.kv_tier_host import HostTier
 
 DEVICE, HOST, DISK = "device", "host", "disk"
 TIERS: tuple[str, ...] = (DEVICE, HOST, DISK)
@@ -218,6 +221,8 @@ class TierStore:
             if kv is None:
                 break
             blocks.append(kv)
+        import torch
+
         return torch.stack(blocks, dim=2) if blocks else None
 
     def _read_one(self, block_hash: BlockHash, key: BlockKey) -> Tensor | None:

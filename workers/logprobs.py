@@ -22,10 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import torch
-from torch import Tensor
+# torch is imported where a tensor is made: routers and the control actors read `TokenLogprob`
+# and must not pay torch's import (seconds of CPU per process).
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 class TopLogprob(NamedTuple):
@@ -66,6 +68,8 @@ def token_logprobs(
         k: alternatives per row, 0..20.
         tokenizer: gives each token its text (``token_text``); none: empty texts.
     """
+    import torch
+
     text = getattr(tokenizer, "token_text", None) or (lambda _: "")
     ids = torch.tensor(list(token_ids), dtype=torch.int64, device=logprobs.device)
     chosen = logprobs.gather(1, ids.unsqueeze(1)).squeeze(1)

@@ -10,15 +10,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from pagedserve.workers.detokenizer import IncrementalDetokenizer
 from pagedserve.workers.logprobs import TokenLogprob, branch_logprobs, prompt_logprobs_of
 from pagedserve.workers.outputs import CompletionDelta, RequestDelta, RequestMetrics, Usage
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.stop_checker import FinishReason
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RequestStatus(Enum):

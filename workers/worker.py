@@ -18,13 +18,11 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import ray
-import torch
 
 from pagedserve.workers import drain_signal, handoff_ref
 from pagedserve.workers.block import BlockKey
 from pagedserve.workers.cpu_placement import niceness, pin_process, process_cpus, set_niceness
 from pagedserve.workers.deadline import within
-from pagedserve.workers.engine import Engine
 from pagedserve.workers.engine_config import EngineConfig
 from pagedserve.workers.handoff import RequestHandoff
 from pagedserve.workers.kv_events import KVEvent, KVSnapshot
@@ -39,7 +37,6 @@ from pagedserve.workers.stream import (
     StreamMessage,
 )
 from pagedserve.workers.telemetry import TelemetryConfig, worker_tracing
-from pagedserve.workers.worker_core import WorkerCore
 from pagedserve.workers.worker_role import WorkerRole
 from pagedserve.workers.worker_types import (
     DrainResult,
@@ -51,8 +48,6 @@ from pagedserve.workers.worker_types import (
 )
 
 logger = logging.getLogger(__name__)
-
-__all__ = ["Worker", "WorkerCore"]
 
 # Deltas a `generate`/`adopt` stream may have produced and its caller not yet taken; past it
 # Ray holds the generator at its `yield`, the stream's `DeltaBuffer` fills and the engine
@@ -131,6 +126,12 @@ class Worker:
         self._index = ray.get_actor(index_name, namespace=namespace) if index_name else None
         sink = self._publish if self._index is not None else None
         tracing = worker_tracing(telemetry, worker_id)
+        # The engine (torch, transformers, the kernels) is imported here, in the worker's own
+        # process: the pool that creates workers (`cluster/worker_spec.py`) imports only this
+        # class, and a control actor that imported torch paid seconds of CPU at every start.
+        from pagedserve.workers.engine import Engine
+        from pagedserve.workers.worker_core import WorkerCore
+
         self.core = WorkerCore(
             Engine(config.for_worker(worker_id), role=role),
             worker_id,
@@ -199,7 +200,7 @@ class Worker:
             vocab_size=engine.loaded.vocab_size,
             max_model_len=engine.max_model_len,
             num_blocks=engine.kv.pool.num_blocks,
-            num_threads=torch.get_num_threads(),
+            num_threads=_torch_threads(),
             pid=os.getpid(),
             cpus=process_cpus(),
             nice=niceness(),
@@ -375,3 +376,9 @@ class Worker:
             span.set_attribute("pagedserve.migration.blocks", imported)
             span.end()
         return imported
+
+
+def _torch_threads() -> int:
+    import torch  # loaded by the engine already (see `Worker.__init__`)
+
+    return torch.get_num_threads()

@@ -37,7 +37,7 @@ INTERNALS = re.compile(r"Traceback|\.py\b|pid=|\d+\.\d+\.\d+\.\d+:\d+|actor_id|A
 
 
 @pytest.fixture(scope="module")
-def app():
+def app(serve_cluster):
     with running_app(
         "api-defects",
         auth={"tokens": [TENANT_A, TENANT_B]},

@@ -112,7 +112,7 @@ GOOD_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUST
 
 
 @pytest.fixture(scope="module")
-def app():
+def app(serve_cluster):
     with running_app("api-fuzz") as running:
         yield running
 

@@ -38,7 +38,7 @@ LONG = 900  # tokens: several seconds of decoding on a CPU, yet it fits the pool
 
 
 @pytest.fixture(scope="module")
-def app():
+def app(serve_cluster):
     with running_app("api-grpc", auth={"tokens": [TOKEN]}) as running:
         yield running
 
@@ -394,7 +394,7 @@ def test_a_burst_ends_every_call_served_or_refused_with_a_retry_hint(app, client
     assert [o for o in outcomes if not o.expected] == []
     codes = {o.code for o in outcomes}
     assert codes <= {"OK", "RESOURCE_EXHAUSTED"} and "OK" in codes
-    wait_until(lambda: used_blocks(client) == 0, 30, "every block to be free")
+    wait_until(lambda: used_blocks(client) == 0, 120, "every block to be free")
 
 
 # ------------------------------------------------------ last: workers gone

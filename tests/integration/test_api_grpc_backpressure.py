@@ -37,7 +37,7 @@ def worker_stats() -> list[dict]:
     return ray.get([h.stats.remote() for h in handles])
 
 
-def test_unread_streams_pause_and_resume_with_unchanged_output():
+def test_unread_streams_pause_and_resume_with_unchanged_output(serve_cluster):
     # The Router deployment sets `serve_options.ROUTER_ENV_VARS` itself (cluster/app.py):
     # without it the replica would pull the Router's stream unread and nothing would pause.
     with running_app(NAME, max_buffered_deltas=4) as app:

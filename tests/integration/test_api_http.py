@@ -31,7 +31,7 @@ LONG = 900  # tokens: several seconds of decoding on a CPU, yet it fits the pool
 
 
 @pytest.fixture(scope="module")
-def app():
+def app(serve_cluster):
     tokens = [TOKEN, OTHER_TENANT, *(f"{token} team" for token in TEAM)]
     with running_app("api-http", auth={"tokens": tokens}) as running:
         yield running

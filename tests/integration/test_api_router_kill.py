@@ -25,7 +25,7 @@ INTERNALS = re.compile(r"Traceback|\.py\b|pid=|\d+\.\d+\.\d+\.\d+:\d+|actor_id|F
 
 
 @pytest.fixture(scope="module")
-def app():
+def app(serve_cluster):
     engine = {"num_kv_blocks": 512, "block_size": 8, "attention_backend": "torch"}
     with running_app("api-router-kill", engine=engine, lease_timeout_s=LEASE_S) as running:
         yield running

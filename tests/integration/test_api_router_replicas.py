@@ -22,19 +22,23 @@ from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
 from pagedserve.proto.pagedserve.v1 import serving_pb2_grpc
 
 # Every stream's reader is held after its first delta, so its request pauses on its worker
-# once the path's buffers fill (gRPC's windows, the router's and the worker's: well under a
-# thousand deltas, see test_api_grpc_backpressure.py): with this many tokens none can finish
-# while held, by construction.
-TOKENS = 2000
+# once the path's buffers fill: gRPC's windows (small here: `CLIENT_OPTIONS`), the router's
+# and the worker's (`max_buffered_deltas=4`). With these settings a stream nobody reads
+# pauses well before 200 tokens (test_api_grpc_backpressure.py asserts it), so with this
+# many tokens none can finish while held, by construction.
+TOKENS = 400
+CLIENT_OPTIONS = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+MAX_BUFFERED_DELTAS = 4
 # The workers' lease for the routers' requests: the default, so that a surviving replica whose
 # renewals run late on a loaded machine (a 3 s lease lapsed there, ending its streams with
 # "abort") keeps its requests; a killed replica's are ended by Ray closing its streams.
 LEASE_S = 10.0
 NUM_STREAMS = 6
 # Two tokens whose log-probabilities are closer than this are a tie that float rounding may
-# break either way: "replica kill 3" meets one at token 1,375 (margin 1e-5), and a batch that
-# differs from the reference's (survivors decoding alone after the kill) broke it the other
-# way in loaded runs. Past such a tie the two answers are both right and no longer comparable.
+# break either way: "replica kill 3" met one at token 1,375 of 2,000 (margin 1e-5), and a
+# batch that differs from the reference's (survivors decoding alone after the kill) broke it
+# the other way in loaded runs. Past such a tie the two answers are both right and no longer
+# comparable.
 NEAR_TIE = 1e-4
 # The cluster-wide routing decisions in `/metrics` (a prefix hit or miss is one decision).
 ROUTED_SAMPLE = (
@@ -44,10 +48,14 @@ INTERNALS = re.compile(r"Traceback|\.py\b|pid=|\d+\.\d+\.\d+\.\d+:\d+|actor_id|F
 
 
 @pytest.fixture(scope="module")
-def app():
+def app(serve_cluster):
     engine = {"num_kv_blocks": 1024, "block_size": 8, "attention_backend": "torch"}
     with running_app(
-        "api-router-replicas", engine=engine, lease_timeout_s=LEASE_S, router_replicas=2
+        "api-router-replicas",
+        engine=engine,
+        lease_timeout_s=LEASE_S,
+        router_replicas=2,
+        max_buffered_deltas=MAX_BUFFERED_DELTAS,
     ) as running:
         yield running
 
@@ -99,7 +107,7 @@ def test_abort_through_any_replica(app):
     ids = [f"replicas-abort-{i}" for i in range(4)]
 
     async def main():
-        async with grpc.aio.insecure_channel(app.grpc_address) as channel:
+        async with grpc.aio.insecure_channel(app.grpc_address, options=CLIENT_OPTIONS) as channel:
             stub = serving_pb2_grpc.GenerationStub(channel)
             streams = await open_streams(stub, [f"abort {i}" for i in range(4)], ids)
             aborted = [
@@ -141,9 +149,9 @@ def test_stats_and_metrics_are_cluster_wide_whichever_replica_answers(app):
         for i in range(num_requests):
             stub.Generate(request(f"stats {i}", max_tokens=2), timeout=300)
         expected = before + num_requests
-        wait_until(lambda: routed_by_stats(stub) >= expected, 60, "GetStats to count them")
+        wait_until(lambda: routed_by_stats(stub) >= expected, 120, "GetStats to count them")
         by_stats = [routed_by_stats(stub) for _ in range(num_answers)]
-        wait_until(lambda: routed_by_metrics() >= expected, 60, "/metrics to count them")
+        wait_until(lambda: routed_by_metrics() >= expected, 120, "/metrics to count them")
         by_metrics = [routed_by_metrics() for _ in range(num_answers)]
     finally:
         channel.close()
@@ -158,14 +166,16 @@ def test_a_killed_replica_ends_only_its_own_streams(app):
     (victim, survivor) = router_replicas()
 
     async def main():
-        async with grpc.aio.insecure_channel(app.grpc_address) as channel:
+        async with grpc.aio.insecure_channel(app.grpc_address, options=CLIENT_OPTIONS) as channel:
             streams = await open_streams(serving_pb2_grpc.GenerationStub(channel), prompts)
             ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=False)
             return [await finish(call, tokens) for call, tokens in streams]
 
     ends = asyncio.run(main())
     codes = [code for code, _, _, _ in ends]
-    assert set(codes) == {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}, ends
+    assert set(codes) == {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}, [
+        (code.name, len(tokens), reason) for code, _, tokens, reason in ends
+    ]
     for (code, details, tokens, reason), reference in zip(ends, references, strict=True):
         assert not INTERNALS.search(details), details
         if code is grpc.StatusCode.OK:  # the survivor's stream: untouched by the kill

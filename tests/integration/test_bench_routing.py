@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import ray
 
 from pagedserve.bench.pull import Point, crossover
 from pagedserve.bench.routing_report import percentile
@@ -16,15 +15,6 @@ from pagedserve.bench.routing_workload import (
     make_workload,
 )
 from pagedserve.cli import main
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def test_workload_is_seeded_poisson_over_shared_system_prompts():
@@ -75,7 +65,7 @@ def test_crossover_is_where_pull_wins_from_there_on():
     assert crossover([point(1, 0.01, 0.02), point(2, 0.01, 0.02)]) is None
 
 
-def test_routing_bench_runs_each_policy_on_the_same_arrivals(local_ray, tmp_path):
+def test_routing_bench_runs_each_policy_on_the_same_arrivals(ray_cluster, tmp_path):
     out = tmp_path / "routing.json"
     # The 4 KV blocks of each system prompt must come back as cached on later requests.
     args = "--num-workers 2 --num-requests 6 --num-system-prompts 2 --system-prompt-len 64"
@@ -99,7 +89,7 @@ def test_routing_bench_runs_each_policy_on_the_same_arrivals(local_ray, tmp_path
     assert result["kv_aware_ttft_p50_speedup"]["round_robin"] > 0
 
 
-def test_pull_bench_reports_every_length(local_ray, tmp_path, capsys):
+def test_pull_bench_reports_every_length(ray_cluster, tmp_path, capsys):
     out = tmp_path / "pull.json"
     args = "--lengths 1 4 --repeats 1 --ray-num-cpus 3"
     assert main(["bench", "pull", *args.split(), "--json", str(out)]) == 0

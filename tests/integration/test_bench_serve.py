@@ -186,7 +186,10 @@ def test_bench_serve_through_grpc_keeps_the_refused_request(no_ray, tmp_path, le
     assert (tmp_path / "serve_cdf.png").stat().st_size and (tmp_path / "serve_kv.png").exists()
 
 
-def test_bench_ablate_runs_each_arm_on_the_same_arrivals(no_ray, tmp_path, lengths_file):
+def test_bench_ablate_runs_each_arm_on_the_same_arrivals(ray_cluster, tmp_path, lengths_file):
+    # `bench ablate` drives each arm's worker group from this process: it runs on the Ray it
+    # finds, the test process's shared cluster. (`bench serve --start-local` above starts Serve
+    # with its proxies on every node, so it gets a local Ray of its own.)
     out = tmp_path / "ablate"
     argv = ["bench", "ablate", "--factors", "prefix-caching", "attention", "--device", "cpu"]
     argv += ["--num-workers", "1", "--workload", "file", "--length-file", lengths_file]

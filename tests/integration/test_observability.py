@@ -92,7 +92,7 @@ def receiver():
 
 
 @pytest.fixture(scope="module")
-def app(receiver):
+def app(serve_cluster, receiver):
     telemetry = {"exporter": "otlp", "endpoint": receiver.endpoint, "export_delay_ms": 100}
     with running_app("observability", telemetry=telemetry) as running:
         yield running

@@ -1,5 +1,5 @@
-"""PrefixIndexActor on a real (small) Ray: resync from a worker's snapshot, and its deadline;
-a restarted index resyncs from the worker pool's members at once."""
+"""PrefixIndexActor on a real Ray (the test process's shared cluster): resync from a worker's
+snapshot, and its deadline; a restarted index resyncs from the worker pool's members at once."""
 
 from __future__ import annotations
 
@@ -30,10 +30,15 @@ STUCK_SNAPSHOT_TIMEOUT_S = 1.0
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    ray.init(address="local", num_cpus=2, include_dashboard=False)  # never another session's
+def indexes_go_with_the_module(ray_cluster):
+    """The indexes made here are named and detached, in this module's job namespace: killed
+    after its last test, so the shared cluster (support/shared_cluster.py) is clean for the
+    next module."""
     yield
-    ray.shutdown()
+    namespace = ray.get_runtime_context().namespace
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["namespace"] == namespace:
+            ray.kill(ray.get_actor(actor["name"], namespace=namespace), no_restart=True)
 
 
 @ray.remote

@@ -1,21 +1,34 @@
-"""The CI soak: 300+ requests with shared prefixes, n > 1, cancellations, short deadlines and
-bad inputs, on a pool small enough to preempt and move; one worker killed mid-run, one KV event
-batch lost, one burst past the router's limit. Then the checks of `bench/soak_checks.py`:
-outputs as if run alone, none hung, pools clean, index in step, counters true.
+"""The CI soak: 190 requests with shared prefixes, n > 1, cancellations, short deadlines,
+slow readers and every kind of bad input (each twice: seed 6), on a pool small enough to
+preempt and move; one worker killed mid-run, one KV event batch lost, one burst past the
+router's limit. Then the checks of `bench/soak_checks.py`: outputs as if run alone, none hung,
+pools clean, index in step, counters true. Long soaks are `pagedserve bench soak`
+(bench/README.md).
 
-Own module so that the module-scoped Ray cluster is fresh: every worker slot is free.
+Own module so that the shared Ray cluster is clean when it starts: every worker slot is free.
 """
 
 import asyncio
 import time
+from collections import Counter
 
 from support.cluster import cluster_config, start_router
 
 from pagedserve.bench.soak_checks import check_soak, reference_outputs
-from pagedserve.bench.soak_driver import SoakSpec, run_soak
+from pagedserve.bench.soak_driver import BAD_INPUTS, SoakSpec, plan_requests, run_soak
 from pagedserve.cluster.worker_group import stop_worker_group
 
-SPEC = SoakSpec(num_requests=300, concurrency=12, burst_size=40, hang_timeout_s=60.0)
+SPEC = SoakSpec(num_requests=150, seed=6, concurrency=12, burst_size=40, hang_timeout_s=60.0)
+
+
+def test_the_load_holds_every_request_kind():
+    """What the seed was chosen for (no cluster needed)."""
+    steady, _ = plan_requests(SPEC)
+    kinds = Counter(r.kind for r in steady)
+    assert min(kinds[k] for k in ("ok", "cancel", "deadline", "bad", "slow")) >= 5, kinds
+    bad = Counter(r.bad_input for r in steady if r.kind == "bad")
+    assert set(bad) == set(BAD_INPUTS) and min(bad.values()) >= 2, bad
+    assert sum(r.params.n > 1 for r in steady) >= 10
 
 
 def test_soak_with_chaos(ray_cluster):
@@ -47,7 +60,7 @@ def test_soak_with_chaos(ray_cluster):
     print(summary)
     assert not problems, "\n".join(problems[:20])
     statuses = summary["statuses"]
-    assert summary["requests"] >= 300 + SPEC.burst_size
+    assert summary["requests"] >= SPEC.num_requests + SPEC.burst_size
     assert statuses.get("hung", 0) == 0
     # Steady clients send a refused request again after its retry hint, so each one that
     # asked for nothing unusual finishes, however long a loaded machine takes to drain the

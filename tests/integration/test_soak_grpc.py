@@ -1,8 +1,9 @@
 """The CI soak through the real gRPC front end (Serve's gRPC proxy, two Router replicas, two
-workers): ~230 requests of the soak load (shared prefixes, n > 1, cancellations, gRPC and
-worker deadlines, malformed inputs) with a burst past the router's and the workers' limits,
-duplicate-id pairs, the kill of one of the two Router replicas and a prefix index kill
-(`bench/soak_grpc.py`).
+workers): ~150 requests of the soak load (shared prefixes, n > 1, cancellations, gRPC and
+worker deadlines, every kind of malformed input, slow readers) with a burst past the router's
+and the workers' limits, duplicate-id pairs, the kill of one of the two Router replicas and a
+prefix index kill (`bench/soak_grpc.py`): every fault once. Long soaks are
+`pagedserve bench soak --front-end grpc` (bench/README.md).
 
 Each check fails on its own with examples, so a red run says which defect is back:
 codes and details of every request, every refusal RESOURCE_EXHAUSTED with retry-after, the
@@ -16,16 +17,26 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.bench.soak_driver import SoakSpec
-from pagedserve.bench.soak_grpc import GrpcSoakSpec, grpc_soak_config, soak_over_grpc
+from pagedserve.bench.soak_driver import BAD_INPUTS, SoakSpec, plan_requests
+from pagedserve.bench.soak_grpc import (
+    GrpcSoakSpec,
+    grpc_deadlines,
+    grpc_soak_config,
+    soak_over_grpc,
+)
+from pagedserve.bench.soak_grpc_calls import WIRE_BAD_INPUTS
 
 # The burst's requests are long (96-128 tokens): Serve's proxy admits calls one by one while
-# it chooses between the two replicas, so short ones would end before the rest arrived.
+# it chooses between the two replicas, so short ones would end before the rest arrived; 40 of
+# them with the 12 steady ones are twice the router's 24. Seed 106 makes 80 steady requests
+# hold every request kind: each of the six malformed inputs (two as wire bytes), gRPC and
+# worker deadlines, slow readers, cancellations, n > 1 (seed 0 needed 150 for four of the six).
 LOAD = SoakSpec(
-    num_requests=150,
+    num_requests=80,
     concurrency=12,
+    seed=106,
     burst_at=0.3,
-    burst_size=60,
+    burst_size=40,
     burst_max_tokens=(96, 128),
     hang_timeout_s=60,
 )
@@ -45,6 +56,21 @@ def soak():
     )
     print(summary)
     return report, problems, summary
+
+
+def test_the_load_holds_every_request_kind():
+    """What the seed was chosen for (no cluster needed)."""
+    steady, burst = plan_requests(LOAD)
+    grpc_deadlines(steady, LOAD.deadline_s)
+    kinds = {r.kind for r in steady}
+    assert {"ok", "cancel", "deadline", "bad", "slow"} <= kinds
+    assert {r.bad_input for r in steady if r.kind == "bad"} == set(BAD_INPUTS) | set(
+        WIRE_BAD_INPUTS
+    )
+    deadlines = [r for r in steady if r.kind == "deadline"]
+    assert any(r.timeout_s is None for r in deadlines)  # a gRPC deadline
+    assert any(r.timeout_s is not None for r in deadlines)  # a worker-side one
+    assert any(r.params.n > 1 for r in steady) and len(burst) == LOAD.burst_size
 
 
 def problems_about(problems: list[str], *needles: str) -> list[str]:

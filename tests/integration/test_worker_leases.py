@@ -23,10 +23,7 @@ PARAMS = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def worker():
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(address="local", num_cpus=2, include_dashboard=False)  # never another session's
+def worker(ray_cluster):
     config = EngineConfig(block_size=8, num_kv_blocks=64, attention_backend="torch")
     handle = (
         ray.remote(Worker)
@@ -36,7 +33,6 @@ def worker():
     ray.get(handle.ready.remote())
     yield handle
     ray.kill(handle, no_restart=True)
-    ray.shutdown()
 
 
 async def read(stream) -> list:

@@ -1,28 +1,34 @@
-"""A running pagedserve app for API tests: Ray, Serve's HTTP and gRPC proxies, two workers.
+"""A running pagedserve app for API tests: Serve's HTTP and gRPC proxies, two workers, on the
+test process's shared cluster (support/shared_cluster.py: the module uses the `serve_cluster`
+fixture).
 
 The app is watched by the session's leak check (support/leaks.py) while it runs: after each
-test, and when it stops, its Router, pools and index must be clean.
+test, and when it stops (`serve.delete`, then its worker group), its Router, pools and index
+must be clean. The Serve instance stays up for the next API module; the app does not.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import ray
+import requests
 from ray import serve
 
-from pagedserve.bench.ports import free_port
 from pagedserve.cluster.api_config import split_app_args
 from pagedserve.cluster.app import build_app
+from pagedserve.cluster.client import Client
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.grpc_status import proxy_env_vars
-from pagedserve.cluster.serve_options import grpc_options
 from pagedserve.cluster.worker_group import stop_worker_group
 from support.leaks import DEADLINE_S, WATCH, assert_cluster_clean, serve_router
+from support.shared_cluster import SHARED
 
 # 127 usable blocks of 8 tokens (one kept in reserve): prompt + max_tokens > 1016 never fits,
 # while tiny-llama's context is 2048, so the two refusals can be told apart.
@@ -50,33 +56,42 @@ class RunningApp:
 
 @contextmanager
 def running_app(name: str, **args: Any) -> Iterator[RunningApp]:
-    """Start a fresh local Ray (never another session's), Serve and the app; tear all down.
+    """Deploy the app on the shared cluster's Serve (started, or kept from the module before
+    when its proxies' options are the same); delete it and stop its workers after.
 
     `args` are `build_app` arguments over the defaults (API keys and cluster config keys).
     """
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(address="local", num_cpus=4, include_dashboard=False)
     defaults = {"engine": ENGINE, "num_workers": 2, "name": name, "stats_interval_s": 0.1}
     app_args = {**defaults, **args}
     # The default model is the real (slower) SmolLM2: tests name tiny-llama unless they say.
     app_args["engine"] = {"model": "tiny-llama", **app_args["engine"]}
     config = ClusterConfig.from_dict(split_app_args(app_args)[0])
-    app = RunningApp(name, free_port(), free_port(), config)
     env_vars = proxy_env_vars("127.0.0.1", config.max_request_bytes, config.max_pending_grpc_calls)
+    ports = SHARED.serve(env_vars)
+    app = RunningApp(name, ports.http, ports.grpc, config)
     try:
-        serve.start(
-            http_options={"host": "127.0.0.1", "port": app.http_port},
-            grpc_options=grpc_options(app.grpc_port),
-            controller_options={"runtime_env": {"env_vars": env_vars}},
-        )
         serve.run(build_app(app_args), name=name, route_prefix="/")
         WATCH.watch_serve_app(config, name)
+        _wait_routed(app)
         yield app
     finally:
-        serve.shutdown()
+        serve.delete(name)
         stop_worker_group(config)
-        ray.shutdown()
+
+
+def _wait_routed(app: RunningApp) -> None:
+    """Until both proxies route to the app (a kept proxy learns a new app's route a moment
+    after `serve.run` returns)."""
+
+    def routed() -> bool:
+        with contextlib.suppress(requests.RequestException, grpc.RpcError):
+            if requests.get(f"{app.http_url}/health", timeout=10).status_code != 200:
+                return False
+            with Client(app.grpc_address, timeout=10) as client:
+                return client.health() == "SERVING"
+        return False
+
+    wait_until(routed, DEADLINE_S, f"the proxies to route to {app.name!r}")
 
 
 def stall_workers(app: RunningApp, stalled: bool, after_steps: int = 0) -> None:

@@ -26,8 +26,8 @@ How it cannot be forgotten (`LeakWatch`, installed for the whole session by test
 - every `Engine` and `RouterCore` built in the test process is recorded as it is built;
 - `support.api_app.running_app` registers its Serve app's Router;
 - every call to `stop_worker_group` (the one way a cluster's actors are stopped: by tests, their
-  fixtures, `running_app`, and the bench commands the tests run) first checks that cluster, and
-  `serve.shutdown` first checks every Serve app's Router;
+  fixtures, `running_app`, and the bench commands the tests run) first checks that cluster,
+  `serve.delete` first checks the app's Router, and `serve.shutdown` every Serve app's Router;
 - after each test, every cluster still up (a module's shared cluster or app) is checked, and so
   are the engines the test built; problems found at a stop during the test are reported then.
 
@@ -286,7 +286,7 @@ class LeakWatch:
         """Record engines and routers as they are built; check clusters before they stop."""
         watch = self
         engine_init, core_init = Engine.__init__, RouterCore.__init__
-        stop, shutdown = worker_group.stop_worker_group, serve.shutdown
+        stop, shutdown, delete = worker_group.stop_worker_group, serve.shutdown, serve.delete
 
         def recording_engine(engine, *args, **kwargs):
             engine_init(engine, *args, **kwargs)
@@ -304,9 +304,14 @@ class LeakWatch:
             watch.serve_stopping()
             shutdown()
 
+        def checked_delete(name: str, *args, **kwargs) -> None:
+            watch.serve_stopping(only=name)
+            delete(name, *args, **kwargs)
+
         monkeypatch.setattr(Engine, "__init__", recording_engine)
         monkeypatch.setattr(RouterCore, "__init__", recording_core)
         monkeypatch.setattr(serve, "shutdown", checked_shutdown)
+        monkeypatch.setattr(serve, "delete", checked_delete)
         # Every module that imported the function by name gets the checked one too.
         for module in list(sys.modules.values()):
             if getattr(module, "stop_worker_group", None) is stop:
@@ -333,16 +338,19 @@ class LeakWatch:
         if problems:
             self.problems.append(_report(f"cluster {config.name!r} stopped unclean", problems))
 
-    def serve_stopping(self) -> None:
-        """Serve is about to shut down: every app's Router must hold nothing open."""
-        views = dict(self.serve_apps)
-        self.serve_apps.clear()
+    def serve_stopping(self, only: str | None = None) -> None:
+        """Serve is about to shut down (or delete the app `only`): every app's Router (that
+        one's) must hold nothing open."""
+        views = {name: view for name, view in self.serve_apps.items() if only in (None, name)}
+        for name in views:
+            del self.serve_apps[name]
         for watched in self.clusters.values():
             watched.routers = [r for r in watched.routers if r not in views.values()]
         try:
             names = list(serve.status().applications) if ray.is_initialized() else []
         except Exception:  # Serve is not running
             names = []
+        names = [name for name in names if only in (None, name)]
         for name in names:
             view = views.get(name, serve_router(name))
             problems = settle(lambda view=view: _router_problems(view))

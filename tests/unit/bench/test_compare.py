@@ -34,6 +34,7 @@ def test_an_arm_that_dies_says_why_with_its_log(tmp_path):
         arm.wait_ready()
 
 
+@pytest.mark.slow  # the real command in a subprocess: ~25-45 s on a 2-core machine
 def test_our_arm_runs_the_protocol_end_to_end(tmp_path):
     """The real command on tiny-llama, our arm alone (vLLM is not installed here)."""
     out = tmp_path / "compare.json"

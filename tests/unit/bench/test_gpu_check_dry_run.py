@@ -58,6 +58,7 @@ def rehearsal(tmp_path_factory) -> tuple[subprocess.CompletedProcess, pathlib.Pa
     return _run(out, env, timeout=REHEARSAL_FAILSAFE_S), out
 
 
+@pytest.mark.slow  # the whole rehearsal: ~40 s on a quiet 2-core machine
 def test_rehearsal_passes_and_leaves_only_returnable_files(rehearsal) -> None:
     result, out = rehearsal
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
@@ -67,6 +68,7 @@ def test_rehearsal_passes_and_leaves_only_returnable_files(rehearsal) -> None:
     assert all((out / n).is_file() for n in names)
 
 
+@pytest.mark.slow  # the whole rehearsal: ~40 s on a quiet 2-core machine
 def test_rehearsal_measures_every_section_and_says_it_is_no_gpu_figure(rehearsal) -> None:
     _, out = rehearsal
     rows = [json.loads(line) for line in (out / "bench_rows.jsonl").read_text().splitlines()]

@@ -7,6 +7,7 @@ import math
 import pytest
 from aiohttp import web
 
+from pagedserve.bench import openai_load
 from pagedserve.bench.openai_load import (
     RequestRecord,
     Slo,
@@ -139,42 +140,85 @@ def test_error_body_usage_chunk_and_junk():
 
 
 # ------------------------------------------------------------------- the client
+# Nothing below is timed against the clock: the fake server holds its streams on events the
+# client's own steps set, so each bound holds on a machine of any speed or load.
 TOKENS = 4
 TOKEN_DELAY_S = 0.05
+FAILSAFE_S = 120.0  # a request's deadline: only a hang reaches it
 
 
-async def fake_completions(request: web.Request) -> web.StreamResponse:
-    """Streams `max_tokens` one-token chunks TOKEN_DELAY_S apart; refuses model 'nope'."""
-    body = await request.json()
-    if body["model"] == "nope":
-        return web.json_response({"error": {"message": "no such model"}}, status=404)
-    assert body == completion_body("m", PlannedRequest(0, 0.0, tuple(body["prompt"]), TOKENS))
-    response = web.StreamResponse(headers={"content-type": "text/event-stream"})
-    await response.prepare(request)
-    for i in range(body["max_tokens"]):
-        await asyncio.sleep(TOKEN_DELAY_S)
-        finish = "length" if i == body["max_tokens"] - 1 else None
-        await response.write(chunk(f"t{i}", finish))
-    await response.write(b"data: [DONE]\n\n")
-    return response
+class FakeServer:
+    """Streams `max_tokens` one-token chunks, each TOKEN_DELAY_S after the client has decoded
+    the one before (`GatedDecoder`); refuses model 'nope'. The first `hold` requests wait
+    for each other before their first chunk: the client must have sent them all at once.
+    Requests are told apart by their prompt's last token."""
+
+    def __init__(self, hold: int = 0) -> None:
+        self.hold = hold
+        self.received: list[int] = []
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self.decoded: dict[tuple[int, int], asyncio.Event] = {}
+        self.all_held_arrived = asyncio.Event()
+
+    def decoded_event(self, key: int, token: int) -> asyncio.Event:
+        return self.decoded.setdefault((key, token), asyncio.Event())
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if body["model"] == "nope":
+            return web.json_response({"error": {"message": "no such model"}}, status=404)
+        assert body == completion_body("m", PlannedRequest(0, 0.0, tuple(body["prompt"]), TOKENS))
+        key = body["prompt"][-1]
+        self.received.append(key)
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            if len(self.received) <= self.hold:
+                if len(self.received) == self.hold:
+                    self.all_held_arrived.set()
+                await self.all_held_arrived.wait()
+            response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+            await response.prepare(request)
+            for i in range(body["max_tokens"]):
+                if i > 0:
+                    await self.decoded_event(key, i - 1).wait()
+                await asyncio.sleep(TOKEN_DELAY_S)
+                finish = "length" if i == body["max_tokens"] - 1 else None
+                await response.write(chunk(f"{key}:{i}", finish))
+            await response.write(b"data: [DONE]\n\n")
+            return response
+        finally:
+            self.in_flight -= 1
 
 
-IN_FLIGHT = {"now": 0, "most": 0}
+def gated_decoder(server: FakeServer) -> type[SseDecoder]:
+    """The client's SSE decoder, telling `server` each chunk it has decoded (the client takes
+    a chunk's time before it decodes it)."""
+
+    class GatedDecoder(SseDecoder):
+        def feed(self, data: bytes) -> list[str]:
+            payloads = super().feed(data)
+            for payload in payloads:
+                text = parse_event(payload).text
+                if text:
+                    key, token = text.split(":")
+                    server.decoded_event(int(key), int(token)).set()
+            return payloads
+
+    return GatedDecoder
 
 
-async def counting_completions(request: web.Request) -> web.StreamResponse:
-    """`fake_completions`, counting the requests it serves at once."""
-    IN_FLIGHT["now"] += 1
-    IN_FLIGHT["most"] = max(IN_FLIGHT["most"], IN_FLIGHT["now"])
-    try:
-        return await fake_completions(request)
-    finally:
-        IN_FLIGHT["now"] -= 1
+@pytest.fixture
+def fake_server(monkeypatch):
+    server = FakeServer()
+    monkeypatch.setattr(openai_load, "SseDecoder", gated_decoder(server))
+    return server
 
 
-async def with_fake_server(model, workload, concurrency=None):
+async def with_fake_server(server, model, workload, concurrency=None):
     app = web.Application()
-    app.router.add_post("/v1/completions", counting_completions)
+    app.router.add_post("/v1/completions", server.completions)
     runner = web.AppRunner(app)
     await runner.setup()
     port = free_port()
@@ -182,32 +226,43 @@ async def with_fake_server(model, workload, concurrency=None):
     url = f"http://127.0.0.1:{port}"
     try:
         if concurrency is not None:
-            return await run_closed_loop(url, model, workload, concurrency, timeout_s=5.0)
-        return await run_load(url, model, workload, timeout_s=5.0)
+            return await run_closed_loop(url, model, workload, concurrency, timeout_s=FAILSAFE_S)
+        return await run_load(url, model, workload, timeout_s=FAILSAFE_S)
     finally:
         await runner.cleanup()
 
 
-def test_the_client_times_streams_at_their_arrivals():
-    workload = [PlannedRequest(i, 0.1 * i, (5, 6, 7), TOKENS) for i in range(3)]
-    records = asyncio.run(with_fake_server("m", workload))
+def planned(index: int, arrival_s: float) -> PlannedRequest:
+    return PlannedRequest(index, arrival_s, (5, 6, 100 + index), TOKENS)
+
+
+def test_the_client_times_streams_at_their_arrivals(fake_server):
+    """Each request is sent at (never before) its arrival offset, all three at once (the
+    server holds them until all have come), and each chunk is timed as it arrives: chunk k+1
+    is written only TOKEN_DELAY_S after the client decoded chunk k, so its time is later by
+    at least that, whatever the machine's load."""
+    fake_server.hold = 3
+    workload = [planned(i, 0.1 * i) for i in range(3)]
+    records = asyncio.run(with_fake_server(fake_server, "m", workload))
     assert [r.index for r in records] == [0, 1, 2]
+    assert [r.send_s for r in records] == sorted(r.send_s for r in records)
     for r in records:
         assert r.ok and r.http_status == 200 and r.finish_reason == "length"
         assert r.output_tokens == TOKENS and len(r.chunk_times_s) == TOKENS
-        assert r.send_s == pytest.approx(r.arrival_s, abs=0.05)  # sent at its arrival offset
-        assert r.ttft_s >= TOKEN_DELAY_S * 0.9
-        assert r.tpot_s == pytest.approx(TOKEN_DELAY_S, rel=0.5)
-        assert r.e2e_s >= r.ttft_s
+        assert r.send_s >= r.arrival_s - 0.005  # sent at its arrival offset, not before
+        assert r.ttft_s >= TOKEN_DELAY_S
+        gaps = [b - a for a, b in zip(r.chunk_times_s, r.chunk_times_s[1:], strict=False)]
+        assert min(gaps) >= TOKEN_DELAY_S, gaps  # each chunk timed on its own arrival
+        assert r.tpot_s >= TOKEN_DELAY_S and r.e2e_s >= r.ttft_s
     summary = summarize(records)
     assert summary.failures == 0 and summary.output_tokens == 3 * TOKENS
 
 
-def test_a_closed_loop_keeps_that_many_requests_in_flight_in_workload_order():
-    IN_FLIGHT.update(now=0, most=0)
-    workload = [PlannedRequest(i, 9.0, (5, 6, 7), TOKENS) for i in range(5)]  # arrivals unused
-    records = asyncio.run(with_fake_server("m", workload, concurrency=2))
-    assert IN_FLIGHT["most"] == 2
+def test_a_closed_loop_keeps_that_many_requests_in_flight_in_workload_order(fake_server):
+    fake_server.hold = 2  # the two clients' first requests: in flight together
+    workload = [planned(i, 9.0) for i in range(5)]  # arrivals unused
+    records = asyncio.run(with_fake_server(fake_server, "m", workload, concurrency=2))
+    assert fake_server.most_in_flight == 2
     assert [r.index for r in records] == [0, 1, 2, 3, 4]
     assert all(r.ok and r.arrival_s == r.send_s for r in records)
     ends = sorted(r.end_s for r in records[:2])
@@ -216,8 +271,8 @@ def test_a_closed_loop_keeps_that_many_requests_in_flight_in_workload_order():
         asyncio.run(run_closed_loop("http://127.0.0.1:1", "m", workload, 0))
 
 
-def test_a_4xx_is_a_failure_with_its_body():
-    (r,) = asyncio.run(with_fake_server("nope", [PlannedRequest(0, 0.0, (5,), TOKENS)]))
+def test_a_4xx_is_a_failure_with_its_body(fake_server):
+    (r,) = asyncio.run(with_fake_server(fake_server, "nope", [planned(0, 0.0)]))
     assert not r.ok and r.http_status == 404
     assert r.error.startswith("HTTP 404: ") and "no such model" in r.error
     assert r.output_tokens is None and r.ttft_s is None
@@ -226,5 +281,5 @@ def test_a_4xx_is_a_failure_with_its_body():
 
 def test_a_refused_connection_is_a_failure_not_an_exception():
     workload = [PlannedRequest(0, 0.0, (5,), TOKENS)]
-    (r,) = asyncio.run(run_load(f"http://127.0.0.1:{free_port()}", "m", workload, 5.0))
+    (r,) = asyncio.run(run_load(f"http://127.0.0.1:{free_port()}", "m", workload, FAILSAFE_S))
     assert not r.ok and r.http_status is None and "Connect" in r.error

@@ -59,7 +59,7 @@ def test_hot_chains_go_to_the_peer_with_the_most_room_within_it():
     index = SimpleNamespace(match=Method(lambda chain: holders.get(tuple(chain), {})))
     migrations = FakeMigrations()
 
-    result = asyncio.run(hand_over(source, peers, migrations, index, timeout_s=1.0))
+    result = asyncio.run(hand_over(source, peers, migrations, index, timeout_s=60.0))
     assert asked == [16]
     assert migrations.transfers == [
         ("leaver", "p2", [a, b, c]),  # the most room: p2 (12)
@@ -72,5 +72,5 @@ def test_hot_chains_go_to_the_peer_with_the_most_room_within_it():
 def test_no_room_anywhere_asks_the_leaver_for_nothing():
     source = WorkerState("leaver", SimpleNamespace(hot_chains=Method(lambda n: 1 / 0)))
     peers = [WorkerState("p1", peer(10))]  # exactly at its low-water mark
-    result = asyncio.run(hand_over(source, peers, FakeMigrations(), None, timeout_s=1.0))
+    result = asyncio.run(hand_over(source, peers, FakeMigrations(), None, timeout_s=60.0))
     assert result == HandoverResult()
