@@ -36,6 +36,18 @@ def own_signal_handlers():
         signal.signal(signum, handler)
 
 
+@pytest.fixture(autouse=True)
+def never_serve(monkeypatch):
+    """A check that lets a start through fails its test at once instead of serving until
+    the suite's timeout; and the Triton check sees no interpreter (scripts/test.sh sets it)."""
+
+    def started(plan, *_):
+        raise AssertionError(f"serve started: nothing refused {plan.config}")
+
+    monkeypatch.setattr("pagedserve.cluster.serve_process.serve_until_stopped", started)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
 def serve_refuses(capsys, *argv: str) -> str:
     """Run `pagedserve serve ARGV` here; assert the refusal's shape; return its one line."""
     children = set(_children(os.getpid(), Path("/proc")))
