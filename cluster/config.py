@@ -21,7 +21,8 @@ class ClusterConfig:
 
     Attributes:
         engine: the config every worker's engine is built from.
-        num_workers: worker actors the pool starts with (one per GPU where there are GPUs).
+        num_workers: worker actors the pool starts with. `pagedserve serve` without it
+            sizes to the machine: one per GPU, else one per NUMA node (`cluster/node_layout.py`).
         min_workers: the fewest workers the pool scales down to. None: `num_workers`.
         max_workers: the most workers the pool scales up to. None: `num_workers` (with both
             None the pool is fixed, as before the pool could scale). A rolling replacement
@@ -45,8 +46,8 @@ class ClusterConfig:
         worker_threads: torch intra-op threads of each worker's engine (its
             `OMP_NUM_THREADS`). None: Ray's default, which is `worker_num_cpus` rounded down
             (at least 1), so each worker keeps to the cores it reserved and the router, proxy
-            and index keep the rest. On a machine that only serves, set it to the cores a
-            worker may really use (e.g. every core for one worker).
+            and index keep the rest. `pagedserve serve` without it (and without
+            `worker_cpus`) gives each CPU worker its share of the machine's cores.
         worker_cpus: cores the workers' engines run on, as a Linux CPU list (`"1"`, `"0-3"`,
             `"0,2-3"`); with several workers on one machine, worker i gets the i-th equal
             slice. Each worker pins its whole process there, and gets one torch thread per

@@ -45,7 +45,8 @@ class EngineConfig:
         block_size: tokens per KV block.
         num_kv_blocks: KV blocks in the pool; wins over `kv_cache_bytes`.
         kv_cache_bytes: KV pool size in bytes. With neither, the pool takes 256 MiB on the CPU
-            or 80% of free device memory on CUDA.
+            or 80% of free device memory on CUDA; `pagedserve serve` sizes a CPU worker's pool
+            from the machine's available memory instead (`cluster/node_layout.py`).
         num_swap_blocks: CPU swap slots for preempted requests (None: as many as KV blocks with
             `swap` preemption, else none).
         attention_backend: `auto` (Triton on CUDA; on the CPU the C++ `cpu` kernel, or `torch`

@@ -72,16 +72,16 @@ def test_every_load_gets_the_same_prompts_and_one_arrival_pattern_scaled():
 
 # ------------------------------------------------------------------- the arms
 def args_of(**given) -> argparse.Namespace:
-    defaults = dict(model="smollm2-135m", ours_num_workers=1, kv_cache_gib=None,
+    defaults = dict(model="smollm2-135m", ours_num_workers=None, kv_cache_gib=None,
                     worker_threads=None, vllm_dtype="float32", vllm_kv_gib=2)  # fmt: skip
     return argparse.Namespace(**(defaults | given))
 
 
 def test_the_default_arms_give_no_setting_beyond_what_serving_needs(monkeypatch, tmp_path):
     assert our_flags(args_of()) == [
-        "--num-workers", "1", "--model", "smollm2-135m", "--served-model-name", "smollm2-135m"
+        "--model", "smollm2-135m", "--served-model-name", "smollm2-135m"
     ]  # fmt: skip
-    assert "--num-workers" not in our_flags(args_of(ours_num_workers=None))
+    assert our_flags(args_of(ours_num_workers=1))[:2] == ["--num-workers", "1"]
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "7")  # not passed on: the options say
     assert vllm_env(args_of())["VLLM_CPU_KVCACHE_SPACE"] == "2"  # what vLLM needs to start
     assert "VLLM_CPU_KVCACHE_SPACE" not in vllm_env(args_of(vllm_kv_gib=None))
@@ -263,6 +263,14 @@ def test_figures_over_runs_median_spread_goodput_and_cpu():
 
 
 # ------------------------------------------------------------------- the command's checks
+def test_our_worker_count_is_left_to_the_server_unless_given():
+    from pagedserve.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["bench", "serve-compare"]).ours_num_workers is None
+    assert parse(["bench", "serve-compare", "--ours-num-workers", "2"]).ours_num_workers == 2
+
+
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
