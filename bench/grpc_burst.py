@@ -3,8 +3,9 @@ final status (code, details, `retry-after` trailer) and how long a refusal took.
 
     pagedserve bench grpc-burst --address 127.0.0.1:9000 --calls 1500 --bursts 3
 
-The README promises each call ends OK, RESOURCE_EXHAUSTED with a `retry-after` trailer, or an
-error that names its problem; this counts the calls that do not (`unexpected`).
+The README ("What a client can count on") promises each call ends OK, RESOURCE_EXHAUSTED with a
+`retry-after` trailer, or an error that names its problem; this counts the calls that do not
+(`unexpected`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,13 @@
-"""Print the README's flag tables from the CLI's own parsers (what `--help` prints).
+"""Print the flag tables of docs/configuration.md from the CLI's own parsers (what `--help`
+prints).
 
-    python scripts/flag_tables.py                # print the tables
-    python scripts/flag_tables.py --write README.md   # replace the marked blocks in place
+    python scripts/flag_tables.py              # print the tables
+    python scripts/flag_tables.py --write      # replace the marked blocks of docs/configuration.md
+    python scripts/flag_tables.py --write F    # ... of another file
 
-Each table sits in the README between `<!-- flags:COMMAND -->` and `<!-- /flags:COMMAND -->`;
-`tests/unit/scripts/test_flag_tables.py` fails when a block differs from this output.
+Each table sits between `<!-- flags:COMMAND -->` and `<!-- /flags:COMMAND -->`;
+`tests/unit/scripts/test_flag_tables.py` fails when a block of docs/configuration.md differs
+from this output.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from pathlib import Path
 from pagedserve.cli import build_parser
 
 COMMANDS: tuple[tuple[str, ...], ...] = (("serve",),)
+# The file that holds the tables (README.md links to it).
+TARGET = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
 
 def command_parser(path: tuple[str, ...]) -> argparse.ArgumentParser:
@@ -65,7 +70,7 @@ def _cell(text: str) -> str:
 
 
 def block(path: tuple[str, ...]) -> str:
-    """The README block of one command, markers included."""
+    """The marked block of one command's table, markers included."""
     name = " ".join(path)
     return f"<!-- flags:{name} -->\n{flag_table(command_parser(path))}\n<!-- /flags:{name} -->"
 
@@ -83,7 +88,13 @@ def rewrite(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--write", metavar="README", help="replace the blocks in this file")
+    parser.add_argument(
+        "--write",
+        nargs="?",
+        const=str(TARGET),
+        metavar="FILE",
+        help="replace the blocks in this file (default: docs/configuration.md)",
+    )
     args = parser.parse_args(argv)
     if args.write:
         path = Path(args.write)
