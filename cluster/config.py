@@ -25,8 +25,8 @@ class ClusterConfig:
             sizes to the machine: one per GPU, else one per NUMA node (`cluster/node_layout.py`).
         min_workers: the fewest workers the pool scales down to. None: `num_workers`.
         max_workers: the most workers the pool scales up to. None: `num_workers` (with both
-            None the pool is fixed, as before the pool could scale). A rolling replacement
-            (reconcile, below) briefly runs one worker more than the pool holds.
+            None the pool is fixed). A rolling replacement (reconcile, below) briefly runs one
+            worker more than the pool holds.
         scale_up_waiting_per_worker: scale up (one worker at a time, up to `max_workers`) when
             the mean of the serving workers' waiting queues reaches this many requests ...
         scale_up_kv_usage: ... or when their mean KV usage (used / total blocks) reaches this
