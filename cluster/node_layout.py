@@ -8,11 +8,11 @@ printed at start-up as the decision with its reasons.
 - **CPUs**: one worker per NUMA node, each with one torch thread per core of its node. An
   engine's decode step on a CPU is bound by reading the weights; threads of one engine share
   that read, and a worker spanning two NUMA nodes would read half its weights across the
-  interconnect. On the 2-core, one-node machine of bench/README.md ("Serving defaults"), one
-  worker with both cores served the 30-request workload at 1 req/s with TTFT p50 and TPOT p50
-  below two workers of one core each and below one worker of one core, and below one worker
-  pinned to a core with the control plane on the other. Ray alone would give a worker one
-  thread per reserved CPU (1).
+  interconnect. On the 2-core, one-node machine of bench/README.md ("Serving defaults"; 30
+  requests at 1 req/s, 3 alternated runs each), one worker with both cores had the lowest
+  TTFT p50 (each alternative 1.10-1.14x per pair) and a TPOT p50 level with two workers of one
+  core each (0.99x) and 4-5% below one worker of one core, with or without the control plane
+  pinned to the other core. Ray alone would give a worker one thread per reserved CPU (1).
 - **KV pool on CPUs**: `CPU_KV_MEMORY_FRACTION` of the memory available at start-up, shared
   among the node's workers, at most `CPU_KV_MAX_BYTES` each. The engine's own CPU default
   (256 MiB: 5,824 positions of SmolLM2-135M) admitted ~25 requests of the saturating workload
