@@ -76,24 +76,23 @@ def plan(data: dict[str, Any], node: NodeResources) -> NodeLayout:
     `engine` mapping) leaves unset.
 
     P/D roles count as workers: without `num_workers`, the pool holds at least
-    `prefill_workers + decode_workers` (and 2 once roles are set, as before).
+    `prefill_workers + decode_workers`, and at least 2 once roles are set.
     """
     engine = data.get("engine") or {}
     roles = (data.get("prefill_workers") or 0) + (data.get("decode_workers") or 0)
     settings: dict[str, Any] = {}
     chosen_engine: dict[str, Any] = {}
-    reasons: list[str] = []
+    reasons: dict[str, str] = {}  # the setting → why its value; only kept ones are printed
     if node.num_gpus:
         settings.update(num_workers=node.num_gpus, worker_num_gpus=1.0)
         chosen_engine["device"] = "cuda"
-        reasons.append(f"{node.num_gpus} GPU(s): one worker per GPU")
+        reasons["num_workers"] = f"{node.num_gpus} GPU(s): one worker per GPU"
         return _only_unset(data, engine, settings, chosen_engine, reasons)
     nodes = len(node.numa_cores)
     workers = max(nodes, roles, 2 if roles else 1)
     settings["num_workers"] = workers
-    reasons.append(
-        f"{node.num_cores} core(s) on {nodes} NUMA node(s): {workers} worker(s)"
-        + (f" for {roles} P/D role(s)" if roles > nodes else "")
+    reasons["num_workers"] = f"{node.num_cores} core(s) on {nodes} NUMA node(s): " + (
+        f"{workers} worker(s) for {roles} P/D role(s)" if roles > nodes else f"{workers} worker(s)"
     )
     num_workers = data.get("num_workers", workers)
     if not isinstance(num_workers, int) or num_workers < 1:  # the config check names it
@@ -101,11 +100,14 @@ def plan(data: dict[str, Any], node: NodeResources) -> NodeLayout:
     if data.get("worker_cpus") is None:  # pinned workers get a thread per core of their slice
         threads = _threads_per_worker(node, num_workers)
         settings["worker_threads"] = threads
-        reasons.append(f"{threads} torch thread(s) per worker (its share of the cores)")
+        reasons["worker_threads"] = (
+            f"{threads} torch thread(s) per worker (its share of {node.num_cores} core(s) "
+            f"among {num_workers} worker(s))"
+        )
     kv = min(CPU_KV_MAX_BYTES, int(node.available_bytes * CPU_KV_MEMORY_FRACTION) // num_workers)
     if kv > 0:
         chosen_engine["kv_cache_bytes"] = kv
-        reasons.append(
+        reasons["kv_cache_bytes"] = (
             f"KV pool {kv / GIB:.1f} GiB per worker ({CPU_KV_MEMORY_FRACTION:.0%} of "
             f"{node.available_bytes / GIB:.1f} GiB available, at most "
             f"{CPU_KV_MAX_BYTES / GIB:.0f} GiB each)"
@@ -118,13 +120,15 @@ def _only_unset(
     engine: dict[str, Any],
     settings: dict[str, Any],
     chosen_engine: dict[str, Any],
-    reasons: list[str],
+    reasons: dict[str, str],
 ) -> NodeLayout:
+    """The chosen settings the user left unset, and the reasons of those only."""
     kept = {k: v for k, v in settings.items() if data.get(k) is None}
     kept_engine = {k: v for k, v in chosen_engine.items() if engine.get(k) is None}
     if "num_kv_blocks" in engine and engine["num_kv_blocks"] is not None:
         kept_engine.pop("kv_cache_bytes", None)  # the user's block count wins over bytes
-    return NodeLayout(kept, kept_engine, tuple(reasons))
+    said = tuple(why for name, why in reasons.items() if name in kept or name in kept_engine)
+    return NodeLayout(kept, kept_engine, said)
 
 
 def _threads_per_worker(node: NodeResources, num_workers: int) -> int:

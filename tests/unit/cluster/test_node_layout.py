@@ -61,8 +61,13 @@ def test_what_the_user_set_is_kept_and_shapes_the_rest():
     layout = plan({"num_workers": 2, "engine": {"num_kv_blocks": 100}}, node)
     assert layout.settings == {"worker_threads": 2}  # the cores split between two workers
     assert layout.engine == {}  # a block count wins over a byte budget
+    assert (
+        layout.describe()
+        == "2 torch thread(s) per worker (its share of 4 core(s) among 2 worker(s))"
+    )
     layout = plan({"worker_threads": 1, "engine": {"kv_cache_bytes": 123}}, node)
     assert layout.settings == {"num_workers": 1} and layout.engine == {}
+    assert layout.describe() == "4 core(s) on 1 NUMA node(s): 1 worker(s)"  # only what it chose
     layout = plan({"worker_cpus": "1", "engine": {}}, node)  # pinned: a thread per its core
     assert "worker_threads" not in layout.settings
 
