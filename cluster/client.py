@@ -85,6 +85,9 @@ class Client:
         address: `host:port` of Serve's gRPC proxy.
         token: bearer token, when the cluster has auth on.
         timeout: default deadline in seconds of every call (None: no deadline).
+        options: gRPC channel options, e.g. `("grpc.keepalive_time_ms", 30000)` or a small
+            receive window (`("grpc.http2.lookahead_bytes", 1024)`, `("grpc.http2.bdp_probe",
+            0)`) for a reader that should hold the server back when it stops reading.
     """
 
     def __init__(
@@ -93,9 +96,10 @@ class Client:
         *,
         token: str | None = None,
         timeout: float | None = None,
+        options: Sequence[tuple[str, Any]] = (),
     ) -> None:
         self.address = address
-        self.channel = grpc.insecure_channel(address)
+        self.channel = grpc.insecure_channel(address, options=list(options))
         self.stub = serving_pb2_grpc.GenerationStub(self.channel)
         self.metadata = _metadata(token)
         self.timeout = timeout
@@ -162,6 +166,9 @@ class AsyncClient:
         address: `host:port` of Serve's gRPC proxy.
         token: bearer token, when the cluster has auth on.
         timeout: default deadline in seconds of every call (None: no deadline).
+        options: gRPC channel options, e.g. `("grpc.keepalive_time_ms", 30000)` or a small
+            receive window (`("grpc.http2.lookahead_bytes", 1024)`, `("grpc.http2.bdp_probe",
+            0)`) for a reader that should hold the server back when it stops reading.
     """
 
     def __init__(
@@ -170,9 +177,10 @@ class AsyncClient:
         *,
         token: str | None = None,
         timeout: float | None = None,
+        options: Sequence[tuple[str, Any]] = (),
     ) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = grpc.aio.insecure_channel(address, options=list(options))
         self.stub = serving_pb2_grpc.GenerationStub(self.channel)
         self.metadata = _metadata(token)
         self.timeout = timeout

@@ -35,6 +35,11 @@ from pagedserve.workers.tokenizer import ByteTokenizer
 TOKEN = "grpc-test-token"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
 LONG = 900  # tokens: several seconds of decoding on a CPU, yet it fits the pool
+# A reader that stops reading holds its stream back through small receive windows: its request
+# pauses on the worker well before LONG tokens (test_api_grpc_backpressure.py), so a stream
+# left early cannot have finished before its cancel, however fast the machine. (With gRPC's
+# default windows the client's buffer alone takes in ~900 one-token messages.)
+SMALL_WINDOWS = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +51,13 @@ def app(serve_cluster):
 @pytest.fixture(scope="module")
 def client(app):
     with Client(app.grpc_address, token=TOKEN, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture
+def reader(app):
+    """A client whose streams, once it stops reading them, hold still (`SMALL_WINDOWS`)."""
+    with Client(app.grpc_address, token=TOKEN, timeout=60, options=SMALL_WINDOWS) as c:
         yield c
 
 
@@ -144,7 +156,9 @@ def test_async_client_streams_and_leaving_early_frees_blocks(app, client):
     steps = engine_steps(client)
 
     async def main():
-        async with AsyncClient(app.grpc_address, token=TOKEN, timeout=60) as aclient:
+        async with AsyncClient(
+            app.grpc_address, token=TOKEN, timeout=60, options=SMALL_WINDOWS
+        ) as aclient:
             assert await aclient.health() == "SERVING"
             assert len(await aclient.list_workers()) == 2
             response = await aclient.generate("async", max_tokens=3, temperature=0.0)
@@ -163,9 +177,9 @@ def test_async_client_streams_and_leaving_early_frees_blocks(app, client):
 
 
 # ------------------------------------------------------- cancel and deadlines
-def test_cancel_mid_stream_frees_the_blocks(app, client):
+def test_cancel_mid_stream_frees_the_blocks(app, client, reader):
     steps = engine_steps(client)
-    call = client.stub.GenerateStream(
+    call = reader.stub.GenerateStream(
         pb.GenerateRequest(
             prompt="cancel me", sampling=pb.SamplingParams(max_tokens=LONG, ignore_eos=True)
         ),
@@ -181,13 +195,13 @@ def test_cancel_mid_stream_frees_the_blocks(app, client):
     assert sum(w.num_running + w.num_waiting for w in client.stats().workers) == 0
 
 
-def test_many_cancels_at_any_moment_free_every_block(app, client):
+def test_many_cancels_at_any_moment_free_every_block(app, client, reader):
     """Cancels land at random points of the stream (while a message is being written, too)."""
     steps = engine_steps(client)
     request = pb.GenerateRequest(
         prompt="cancel us", sampling=pb.SamplingParams(max_tokens=LONG, ignore_eos=True)
     )
-    calls = [client.stub.GenerateStream(request, metadata=AUTH, timeout=60) for _ in range(8)]
+    calls = [reader.stub.GenerateStream(request, metadata=AUTH, timeout=60) for _ in range(8)]
     for k, call in enumerate(calls):
         for i, _ in enumerate(call):
             if i >= k:
