@@ -9,7 +9,6 @@ Dockerfiles copy, and checks that it holds every module.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shlex
@@ -23,6 +22,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+from support.scripts import load_script
 from unit.deploy.manifests import DEPLOY, REPO, find, ray_containers
 
 from pagedserve.cluster import serve_options
@@ -39,15 +39,7 @@ PROJECT_DIR = "/home/ray/pagedserve"
 LOCK_IN_IMAGE = "/tmp/lock.txt"
 
 
-def _lockfile():
-    spec = importlib.util.spec_from_file_location("lockfile", REPO / "scripts" / "lockfile.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-LOCKFILE = _lockfile()
+LOCKFILE = load_script("lockfile")
 LOCK = LOCKFILE.read()
 
 

@@ -3,27 +3,18 @@ environment was installed from it (scripts/setup.sh); scripts/lockfile.py's piec
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 import tomllib
 from pathlib import Path
 
 from packaging.requirements import Requirement
+from support.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[3]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
 
 
-def _lockfile():
-    spec = importlib.util.spec_from_file_location("lockfile", REPO / "scripts" / "lockfile.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-lockfile = _lockfile()
+lockfile = load_script("lockfile")
 
 
 def pyproject_requirements() -> list[Requirement]:
