@@ -18,9 +18,11 @@ from support.api_app import (
     POOL_TOKENS,
     VOCAB,
     assert_app_clean,
+    held_workers,
     running_app,
     stall_workers,
     view_entries,
+    wait_router_let_go,
     wait_until,
     wait_viewed,
 )
@@ -40,6 +42,7 @@ LONG = 900  # tokens: several seconds of decoding on a CPU, yet it fits the pool
 # left early cannot have finished before its cancel, however fast the machine. (With gRPC's
 # default windows the client's buffer alone takes in ~900 one-token messages.)
 SMALL_WINDOWS = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+HELD_STEPS = 20  # engine steps a request may take before its workers hold still
 
 
 @pytest.fixture(scope="module")
@@ -217,12 +220,15 @@ def test_deadline_exceeded_frees_the_blocks(app, client, streaming):
         prompt="too slow", sampling=pb.SamplingParams(max_tokens=LONG, ignore_eos=True)
     )
     steps = engine_steps(client)
-    with pytest.raises(grpc.RpcError) as raised:
-        if streaming:
-            list(client.stub.GenerateStream(request, metadata=AUTH, timeout=1.0))
-        else:
-            client.stub.Generate(request, metadata=AUTH, timeout=1.0)
-    assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # Held after HELD_STEPS: the request cannot finish before its deadline on any machine.
+    with held_workers(app, after_steps=HELD_STEPS):
+        with pytest.raises(grpc.RpcError) as raised:
+            if streaming:
+                list(client.stub.GenerateStream(request, metadata=AUTH, timeout=1.0))
+            else:
+                client.stub.Generate(request, metadata=AUTH, timeout=1.0)
+        assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        wait_router_let_go(app)
     assert_ended_early(app, client, steps)  # the deadline reached the worker, not just us
 
 

@@ -105,6 +105,24 @@ def stall_workers(app: RunningApp, stalled: bool, after_steps: int = 0) -> None:
     ray.get([h.chaos_stall.remote(stalled, after_steps) for h in handles], timeout=60)
 
 
+@contextmanager
+def held_workers(app: RunningApp, after_steps: int) -> Iterator[None]:
+    """Every worker's engine holds still after `after_steps` more steps until the block ends:
+    a request sent meanwhile cannot finish, however fast the machine (`stall_workers`)."""
+    stall_workers(app, True, after_steps=after_steps)
+    try:
+        yield
+    finally:
+        stall_workers(app, False)
+
+
+def wait_router_let_go(app: RunningApp) -> None:
+    """Until the app's Router holds no request: a client's cancel or deadline reached it (and
+    it sent the abort on to the worker), before a held worker is released."""
+    router = serve_router(app.name)
+    wait_until(lambda: router.read().idle, DEADLINE_S, "the Router to let the request go")
+
+
 def assert_app_clean(app: RunningApp, deadline_s: float = DEADLINE_S) -> None:
     """The leak check, now (see `support.leaks`): the Router holds nothing open, every worker's
     pool is idle and clean, the index equals the pools. Waits up to `deadline_s` (a failsafe)
