@@ -33,6 +33,8 @@ from pathlib import Path
 import grpc
 import pytest
 import requests
+from support.api_app import LocalPorts
+from support.processes import MARK_ENV, processes_marked
 
 from pagedserve.bench.ports import free_port
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
@@ -46,7 +48,7 @@ LONGEST = 2000  # tiny-llama's context is 2048: a stream that outlasts two signa
 
 
 @dataclass
-class Served:
+class Served(LocalPorts):
     """One `pagedserve serve` child process and what it printed."""
 
     process: subprocess.Popen
@@ -86,29 +88,8 @@ class Served:
     def assert_nothing_left(self) -> None:
         """No process it started runs on (each inherited the marker), nor does any Ray
         process of its session directory."""
-        left = marked_processes(self.marker)
+        left = processes_marked(self.marker)
         assert left == [], f"processes it started still run: {left}"
-
-    @property
-    def grpc_address(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
-
-    @property
-    def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
-
-
-def marked_processes(marker: str) -> list[str]:
-    needle = f"PAGEDSERVE_TEST_MARK={marker}".encode()
-    found = []
-    for environ in Path("/proc").glob("[0-9]*/environ"):
-        try:
-            if needle in environ.read_bytes():
-                pid = environ.parent.name
-                found.append(f"{pid} {(environ.parent / 'comm').read_text().strip()}")
-        except OSError:
-            continue  # ended while we looked
-    return found
 
 
 @pytest.fixture
@@ -138,7 +119,7 @@ def launch(log: Path, *argv: str) -> Served:
         "--num-workers", "1", "--num-kv-blocks", "512",
         "--http-port", str(http_port), "--grpc-port", str(grpc_port), *argv,
     ]  # fmt: skip
-    env = {**os.environ, "RAY_TMPDIR": ray_dir, "PAGEDSERVE_TEST_MARK": marker}
+    env = {**os.environ, "RAY_TMPDIR": ray_dir, MARK_ENV: marker}
     env.pop("PAGEDSERVE_DEBUG", None)
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -149,9 +130,9 @@ def cleanup(served: Served) -> None:
     if served.process.poll() is None:
         served.process.kill()
         served.process.wait(timeout=60)
-    for line in marked_processes(served.marker):  # a failed test's leftovers: ours only
+    for pid, _ in processes_marked(served.marker):  # a failed test's leftovers: ours only
         try:
-            os.kill(int(line.split()[0]), signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             continue
     shutil.rmtree(served.ray_dir, ignore_errors=True)

@@ -38,12 +38,11 @@ CONTEXT = 2048
 VOCAB = 259
 
 
-@dataclass(frozen=True)
-class RunningApp:
-    name: str
+class LocalPorts:
+    """The addresses of a server on this machine, from its `http_port` and `grpc_port`."""
+
     http_port: int
     grpc_port: int
-    config: ClusterConfig
 
     @property
     def grpc_address(self) -> str:
@@ -52,6 +51,14 @@ class RunningApp:
     @property
     def http_url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
+
+
+@dataclass(frozen=True)
+class RunningApp(LocalPorts):
+    name: str
+    http_port: int
+    grpc_port: int
+    config: ClusterConfig
 
 
 @contextmanager

@@ -25,7 +25,7 @@ def test_different_causes_or_a_success_between_are_not():
 
 def test_the_cause_is_the_constructor_s_exception_line():
     class CreationFailed(Exception):
-        pass
+        """Ray's error for an actor whose constructor raised."""
 
     traceback_text = (
         "The actor died because of an error raised in its creation task, "

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import ray
+from support.processes import MARK_ENV, processes_marked
 
 from pagedserve.cli import main
 from pagedserve.cluster.preflight import Settings, defaults
@@ -169,7 +170,7 @@ def run_serve(tmp_path, *argv: str, **env: str) -> subprocess.CompletedProcess:
     ray_dir.mkdir(exist_ok=True)
     marker = uuid.uuid4().hex
     environ = {k: v for k, v in os.environ.items() if k != "PAGEDSERVE_DEBUG"}
-    environ.update(RAY_TMPDIR=str(ray_dir), PAGEDSERVE_TEST_MARK=marker, **env)
+    environ.update(RAY_TMPDIR=str(ray_dir), **{MARK_ENV: marker}, **env)
     result = subprocess.run(
         [sys.executable, "-m", "pagedserve", "serve", *argv],
         capture_output=True,
@@ -180,19 +181,6 @@ def run_serve(tmp_path, *argv: str, **env: str) -> subprocess.CompletedProcess:
     assert list(ray_dir.iterdir()) == [], "a Ray session was started"
     assert processes_marked(marker) == [], "a process it started is still running"
     return result
-
-
-def processes_marked(marker: str) -> list[int]:
-    """Processes whose environment holds `PAGEDSERVE_TEST_MARK=marker`."""
-    needle = f"PAGEDSERVE_TEST_MARK={marker}".encode()
-    found = []
-    for environ in Path("/proc").glob("[0-9]*/environ"):
-        try:
-            if needle in environ.read_bytes():
-                found.append(int(environ.parent.name))
-        except OSError:
-            continue
-    return found
 
 
 @pytest.mark.parametrize(
