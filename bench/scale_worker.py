@@ -39,6 +39,7 @@ from typing import Any
 
 import ray
 
+from pagedserve.workers.block_hash import cache_key
 from pagedserve.workers.deadline import within
 from pagedserve.workers.kv_cache_manager import KVCacheManager
 from pagedserve.workers.kv_checks import KVInvariantError, assert_no_leaks
@@ -203,7 +204,7 @@ class SimWorkerCore:
             raise ValueError("simulated workers take fresh token-id prompts only")
         if request.request_id in self.running:
             raise ValueError(f"request {request.request_id} is already running here")
-        extra = (SIM_MODEL,) + ((request.cache_salt,) if request.cache_salt else ())
+        extra = cache_key(SIM_MODEL, request.cache_salt)
         prompt = list(request.prompt)
         sim = SimRequest(request.request_id, prompt, extra, len(prompt), request.params.max_tokens)
         sim.owner_id = request.owner_id

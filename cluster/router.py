@@ -75,7 +75,7 @@ from pagedserve.cluster.worker_channel import WorkerChannels
 from pagedserve.cluster.worker_liveness import WORKER_LOST_ERRORS, WorkerLiveness
 from pagedserve.cluster.worker_roles import PREFILL_PHASE, RoleFilter
 from pagedserve.cluster.worker_state import WorkerState
-from pagedserve.workers.block_hash import hash_full_blocks
+from pagedserve.workers.block_hash import cache_key, hash_full_blocks
 from pagedserve.workers.deadline import within
 from pagedserve.workers.errors import Draining, HandedOff, Overloaded, RequestRejected
 from pagedserve.workers.handoff import RequestHandoff
@@ -326,8 +326,8 @@ class RouterCore:
             others = [w for w in self.workers.values() if w.routable and w.worker_id not in exclude]
         if not (ranking if others is None else others):
             raise NoWorkerAvailable("no worker is alive and admitting")
-        extra = (self.model_name,) + ((cache_salt,) if cache_salt else ())
-        hashes = hash_full_blocks(token_ids, self.block_size, extra)
+        key = cache_key(self.model_name, cache_salt)
+        hashes = hash_full_blocks(token_ids, self.block_size, key)
         matches = self.view.match(hashes)  # local: no remote call on the request path
         tier_hits = self.view.tier_hits(hashes, matches)
         tier_load = self.tier_costs.per_worker(tier_hits)
@@ -519,8 +519,7 @@ class RouterCore:
         if self.config.on_worker_failure == "fail":
             raise NoWorkerAvailable("the worker serving this request died")
         self.counters.replays += 1
-        salt = request.prefix_salt
-        extra_keys = (self.model_name,) + ((salt,) if salt else ())
+        extra_keys = cache_key(self.model_name, request.prefix_salt)
         plan = []
         for j in sorted(set(emitted) - finished):
             done = emitted[j]

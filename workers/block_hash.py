@@ -26,6 +26,14 @@ _DOMAIN = b"pagedserve.block.v1"
 _NO_PARENT = b"\x00" * 32
 
 
+def cache_key(model: str, cache_salt: str | None) -> tuple[str, ...]:
+    """The extra keys every process hashes a request's blocks with: the model id, then the
+    request's cache salt when it has one. An empty salt is no salt (a gRPC request without one
+    carries ""): the router, which routes by these hashes, and the worker, which caches under
+    them, must build the same key for every request, or a prefix hit is never seen."""
+    return (model, cache_salt) if cache_salt else (model,)
+
+
 def _encode_extra_keys(extra_keys: Sequence[str]) -> bytes:
     parts = [struct.pack("<I", len(extra_keys))]
     for key in extra_keys:

@@ -22,6 +22,7 @@ import torch
 
 from pagedserve.kernels import get_kernel_ops
 from pagedserve.workers.batch import build_batch
+from pagedserve.workers.block_hash import cache_key
 from pagedserve.workers.engine_config import EngineConfig
 from pagedserve.workers.engine_sizing import kv_layout, num_kv_blocks
 from pagedserve.workers.errors import Overloaded, RequestRejected, RequestTooLarge
@@ -192,7 +193,7 @@ class Engine:
         self.intake.check_fits(len(token_ids), params)
         now = time.monotonic()
         deadline = None if timeout_s is None else now + timeout_s
-        extra_keys = (self.loaded.name,) + (() if cache_salt is None else (cache_salt,))
+        extra_keys = cache_key(self.loaded.name, cache_salt)
         branches = [
             self.intake.new_branch(
                 request_id, j, token_ids, params.for_branch(j), priority, extra_keys, deadline, now
