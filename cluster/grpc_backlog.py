@@ -31,7 +31,8 @@ ends it sooner if it has one.
 from __future__ import annotations
 
 import os
-from typing import Any
+
+from pagedserve.workers.ray_internals import serve_grpc_server_options, setup_hook_env_var
 
 PENDING_CALLS_ENV = "PAGEDSERVE_GRPC_MAX_PENDING_CALLS"
 SETUP_HOOK = "pagedserve.cluster.grpc_backlog.raise_pending_limit"
@@ -41,14 +42,6 @@ _MAX_WAIT = "grpc.server_max_unrequested_time_in_server"
 _OPTION_NAMES = (_SOFT_LIMIT, _HARD_LIMIT, _MAX_WAIT)
 # How long gRPC core holds a call our proxy has not taken up yet, in seconds (gRPC's own: 30).
 MAX_PENDING_SECONDS = 600
-
-
-def setup_hook_env_var() -> str:
-    """The variable Ray's worker processes read their setup hook from (Ray's private name:
-    `runtime_env={"worker_process_setup_hook": ...}` is honoured only for a whole job)."""
-    from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR
-
-    return WORKER_PROCESS_SETUP_HOOK_ENV_VAR
 
 
 def backlog_env_vars(max_pending_calls: int) -> dict[str, str]:
@@ -78,11 +71,3 @@ def raise_pending_limit() -> None:
     options = serve_grpc_server_options()
     options[:] = [o for o in options if o[0] not in _OPTION_NAMES]
     options.extend(pending_backlog_options(int(limit)))
-
-
-def serve_grpc_server_options() -> list[tuple[str, Any]]:
-    """The options Serve builds every gRPC server of this process with (the list itself:
-    Serve's grpc_util reads this very object when it builds one)."""
-    from ray.serve._private import constants
-
-    return constants.DEFAULT_GRPC_SERVER_OPTIONS

@@ -38,6 +38,7 @@ from typing import Any
 import grpc
 
 from pagedserve.cluster.grpc_backlog import backlog_env_vars
+from pagedserve.workers.ray_internals import wrap_grpc_handlers
 
 logger = logging.getLogger(__name__)
 
@@ -99,16 +100,15 @@ def finish_statuses(server: Any) -> None:
     """Wrap the handlers Serve's proxy makes (for every service registered after this) so
     that each call's final status gets its retry trailer and loses any internals. Idempotent;
     a server without Serve's handler factory is left alone."""
-    factory = getattr(server, "service_handler_factory", None)
-    if factory is None or getattr(factory, "_pagedserve_statuses", False):
-        return
+    wrap_grpc_handlers(server, "statuses", _finishing_statuses)
 
+
+def _finishing_statuses(factory: Callable) -> Callable:
     def wrapped_factory(service_method: str, streaming_type: Any) -> Callable:
         handler = factory(service_method=service_method, streaming_type=streaming_type)
         return _finishing(handler)
 
-    wrapped_factory._pagedserve_statuses = True  # type: ignore[attr-defined]
-    server.service_handler_factory = wrapped_factory
+    return wrapped_factory
 
 
 def _finishing(handler: Callable) -> Callable:

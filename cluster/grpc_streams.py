@@ -36,6 +36,8 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
+from pagedserve.workers.ray_internals import replica_wrapper_class, wrap_grpc_handlers
+
 # Messages a stream buffers between Serve's handler and gRPC's writer (deltas are small).
 MAX_BUFFERED_MESSAGES = 16
 # Unconsumed objects a replica's streaming call may run ahead of this proxy.
@@ -48,20 +50,18 @@ def cancel_streams_in_flight(server: Any, bound_replicas: bool = True) -> None:
     this) so that an early end of the stream cancels the call to the replica and an unread
     stream stops pulling; with `bound_replicas`, also `bound_replica_streams()` in this
     process. Idempotent; a server without Serve's handler factory is left alone."""
-    factory = getattr(server, "service_handler_factory", None)
-    if factory is None or getattr(factory, "_pagedserve_wrapped", False):
-        return
-    if bound_replicas:
+    if wrap_grpc_handlers(server, "streams", _streams_driven_in_tasks) and bound_replicas:
         bound_replica_streams()
 
+
+def _streams_driven_in_tasks(factory: Callable) -> Callable:
     def wrapped_factory(service_method: str, streaming_type: Any) -> Callable:
         handler = factory(service_method=service_method, streaming_type=streaming_type)
         if getattr(streaming_type, "name", "") != "UNARY_STREAM":
             return handler
         return _driven_in_a_task(handler)
 
-    wrapped_factory._pagedserve_wrapped = True  # type: ignore[attr-defined]
-    server.service_handler_factory = wrapped_factory
+    return wrapped_factory
 
 
 _DONE = object()
@@ -137,11 +137,8 @@ def bound_replica_streams(num_objects: int = REPLICA_STREAM_BACKPRESSURE_OBJECTS
     `ActorReplicaWrapper.send_request_python`. Idempotent; a Serve without that class is left
     alone (then the hop stays unbounded, as before).
     """
-    try:
-        from ray.serve._private.request_router.replica_wrapper import ActorReplicaWrapper
-    except ImportError:
-        return
-    if getattr(ActorReplicaWrapper, "_pagedserve_bounded", False):
+    ActorReplicaWrapper = replica_wrapper_class()  # noqa: N806 (Serve's class)
+    if ActorReplicaWrapper is None or getattr(ActorReplicaWrapper, "_pagedserve_bounded", False):
         return
     original = ActorReplicaWrapper.send_request_python
 

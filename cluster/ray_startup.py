@@ -53,6 +53,8 @@ import time
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
+from pagedserve.workers.ray_internals import current_get_node, wrap_get_node
+
 STARTUP_DEADLINES: dict[str, str] = {
     "RAY_agent_register_timeout_ms": "300000",
     "RAY_worker_register_timeout_seconds": "300",
@@ -90,10 +92,8 @@ def allow_slow_startup(environ: MutableMapping[str, str] = os.environ) -> None:
 def wait_patiently_for_node_registration() -> None:
     """Make this process's node start-up wait `NODE_REGISTRATION_DEADLINE_S` for a new node to
     register with the GCS instead of Ray's fixed 30 s. Idempotent."""
-    from ray._private import services
-
-    if not getattr(services.get_node, _PATIENT, False):
-        services.get_node = patient(services.get_node, NODE_REGISTRATION_DEADLINE_S)
+    if not getattr(current_get_node(), _PATIENT, False):
+        wrap_get_node(lambda get_node: patient(get_node, NODE_REGISTRATION_DEADLINE_S))
 
 
 def patient(

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # imported where called: importing this module must not import Serve
     from ray.serve.config import HTTPOptions, gRPCOptions
 
-from pagedserve.cluster.grpc_backlog import setup_hook_env_var
+from pagedserve.workers.ray_internals import setup_hook_env_var
 
 # Import paths of the functions Serve's gRPC proxy registers services with: our Generation
 # service (with lenient request parsing, see `grpc_wire`) and the standard health service.

@@ -172,8 +172,11 @@ def start_serving(plan: ServePlan, watch: LocalRayWatch | JoinedRayWatch) -> Non
     from pagedserve.cluster.serve_options import controller_env_vars, grpc_options, http_options
     from pagedserve.cluster.worker_group import start_pool
     from pagedserve.workers.model_registry import DEFAULT_MODEL
+    from pagedserve.workers.ray_internals import version_warning
 
     config = plan.config
+    if (warning := version_warning()) is not None:
+        print(f"pagedserve: warning: {warning}", file=sys.stderr, flush=True)
     if plan.layout:
         print(f"pagedserve: sized to this machine: {plan.layout}", flush=True)
     group = start_pool(config, split_app_args(plan.data)[1].telemetry)

@@ -20,9 +20,9 @@ import ray
 from ray.actor import ActorHandle
 
 from pagedserve.cluster.config import ClusterConfig
-from pagedserve.cluster.grpc_backlog import setup_hook_env_var
 from pagedserve.workers import drain_signal
 from pagedserve.workers.engine_config import EngineConfig
+from pagedserve.workers.ray_internals import setup_hook_env_var
 from pagedserve.workers.telemetry import TelemetryConfig, otel_env
 from pagedserve.workers.worker import Worker
 from pagedserve.workers.worker_role import WorkerRole

@@ -38,6 +38,8 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from pagedserve.workers.ray_internals import route_sigterm_handlers
+
 logger = logging.getLogger(__name__)
 
 SETUP_HOOK = "pagedserve.workers.drain_signal.install"
@@ -126,8 +128,6 @@ HANDLER = DrainOnSigterm()
 def install() -> None:
     """Ray worker-process setup hook (main thread, before Ray sets its SIGTERM handler): put
     `HANDLER` in place, and keep any handler set later through Ray's helper as its fallback."""
-    import ray._private.utils as ray_utils
-
     HANDLER.fallback = signal.getsignal(signal.SIGTERM) or signal.SIG_DFL
     signal.signal(signal.SIGTERM, HANDLER.handle)
 
@@ -135,4 +135,4 @@ def install() -> None:
         HANDLER.fallback = ray_handler
         signal.signal(signal.SIGTERM, HANDLER.handle)
 
-    ray_utils.set_sigterm_handler = keep_ours_first
+    route_sigterm_handlers(keep_ours_first)

@@ -24,10 +24,10 @@ from pagedserve.cluster.grpc_backlog import (
     backlog_env_vars,
     pending_backlog_options,
     raise_pending_limit,
-    setup_hook_env_var,
 )
 from pagedserve.cluster.grpc_status import proxy_env_vars
 from pagedserve.cluster.serve_options import ROUTER_ENV_VARS
+from pagedserve.workers.ray_internals import setup_hook_env_var
 
 METHOD = "/test.Echo/Echo"
 Echo = grpc.UnaryUnaryMultiCallable

@@ -1,0 +1,126 @@
+"""Every part of Ray's private API pagedserve touches, in one place, for one Ray version.
+
+Ray and Serve offer no public way to do six things pagedserve needs. Each is reached only
+through a function here, and each has a test (`tests/unit/workers/test_ray_internals.py`) that
+fails when an upgrade moves or reshapes what it touches:
+
+- `setup_hook_env_var`: `ray._private.ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR`, a
+  setup hook for the processes Serve and the pool start (`grpc_backlog`, `drain_signal`);
+- `serve_grpc_server_options`: `ray.serve._private.constants.DEFAULT_GRPC_SERVER_OPTIONS`,
+  room for a gRPC burst (`grpc_backlog`);
+- `wrap_grpc_handlers`: the `service_handler_factory` of Serve's gRPC proxy server, for cancels
+  that reach the replica and statuses without internals (`grpc_streams`, `grpc_status`);
+- `replica_wrapper_class`: `ActorReplicaWrapper.send_request_python`
+  (`ray.serve._private.request_router.replica_wrapper`), backpressure from the proxy to the
+  replica (`grpc_streams`);
+- `wrap_get_node`: `ray._private.services.get_node`, a node start-up that waits longer than
+  Ray's fixed 30 s (`ray_startup`);
+- `route_sigterm_handlers`: `ray._private.utils.set_sigterm_handler`, a worker's drain on
+  SIGTERM (`drain_signal`).
+
+Serve also reads settings from the environment that its docs do not list (set in
+`serve_options`, `ray_startup` and `grpc_status`): `RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD`,
+`RAY_SERVE_CONTROL_LOOP_INTERVAL_S`, `RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S`,
+`RAY_SERVE_GRPC_MAX_MESSAGE_SIZE`; the test checks Serve still reads each one.
+
+`pyproject.toml` pins Ray to `RAY_VERSION` exactly (and the lock holds that version). Moving
+Ray is a change of its own: the pin, `RAY_VERSION`, then this module's tests and the whole
+suite. `pagedserve serve` warns when the installed Ray is another version (`version_warning`).
+
+It runs inside Serve's proxy too, so it imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+RAY_VERSION = "2.60.0"
+SERVE_ENV_SETTINGS = (
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD",
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S",
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S",
+    "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE",
+)
+HandlerFactory = Callable[..., Callable]
+
+
+def version_warning() -> str | None:
+    """A warning when the installed Ray is not the version this module was written for."""
+    import ray
+
+    if ray.__version__ == RAY_VERSION:
+        return None
+    return (
+        f"Ray {ray.__version__} is installed; pagedserve is built and tested against Ray "
+        f"{RAY_VERSION} (it relies on Ray internals: pagedserve/workers/ray_internals.py)"
+    )
+
+
+def setup_hook_env_var() -> str:
+    """The variable a Ray worker process reads its setup hook from (the public
+    `runtime_env={"worker_process_setup_hook": ...}` is honoured only for a whole job)."""
+    from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR
+
+    return WORKER_PROCESS_SETUP_HOOK_ENV_VAR
+
+
+def serve_grpc_server_options() -> list[tuple[str, Any]]:
+    """The options Serve builds every gRPC server of this process with: the list itself, which
+    Serve reads when it builds one, so that what is added to it applies."""
+    from ray.serve._private import constants
+
+    return constants.DEFAULT_GRPC_SERVER_OPTIONS
+
+
+def wrap_grpc_handlers(
+    server: Any, name: str, wrap: Callable[[HandlerFactory], HandlerFactory]
+) -> bool:
+    """Replace the handler factory of Serve's gRPC proxy server by `wrap(factory)`: every
+    service registered afterwards gets its handlers from it. Idempotent per `name`; False for
+    a server without Serve's factory (left alone)."""
+    factory = getattr(server, "service_handler_factory", None)
+    if factory is None:
+        return False
+    marker = f"_pagedserve_{name}"
+    if getattr(factory, marker, False):
+        return True
+    wrapped = wrap(factory)
+    setattr(wrapped, marker, True)
+    for earlier in dir(factory):  # keep the markers of the wrappers already in place
+        if earlier.startswith("_pagedserve_"):
+            setattr(wrapped, earlier, True)
+    server.service_handler_factory = wrapped
+    return True
+
+
+def replica_wrapper_class() -> type | None:
+    """Serve's wrapper of a replica's actor handle, whose `send_request_python` makes the
+    proxy's calls to the replica; None on a Serve without it."""
+    try:
+        from ray.serve._private.request_router.replica_wrapper import ActorReplicaWrapper
+    except ImportError:
+        return None
+    return ActorReplicaWrapper
+
+
+def wrap_get_node(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace `get_node`, which a starting node polls to see itself registered with the GCS,
+    by `wrap(get_node)` in this process."""
+    from ray._private import services
+
+    services.get_node = wrap(services.get_node)
+
+
+def current_get_node() -> Callable[..., Any]:
+    from ray._private import services
+
+    return services.get_node
+
+
+def route_sigterm_handlers(keep: Callable[[Any], None]) -> None:
+    """Make Ray's later setting of this process's SIGTERM handler (its main loop sets "exit
+    now" just before it takes tasks) call `keep(ray_handler)` instead."""
+    import ray._private.utils as ray_utils
+
+    ray_utils.set_sigterm_handler = keep
