@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterable
 from typing import Any, Literal, get_args
 
@@ -13,6 +12,7 @@ from pagedserve.cluster.auth import ANONYMOUS, Caller
 from pagedserve.cluster.router_types import ClusterStats, GenerateRequest, WorkerView
 from pagedserve.cluster.worker_state import WorkerState
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
+from pagedserve.workers.errors import RequestRejected
 from pagedserve.workers.logprobs import TokenLogprob
 from pagedserve.workers.outputs import RequestMetrics
 from pagedserve.workers.sampling_params import SamplingKwargs, SamplingParams
@@ -55,22 +55,24 @@ def request_from_proto(
         raise ApiError.invalid("messages: set messages or a prompt, not both", "messages")
     if not message.prompt and not message.prompt_token_ids and not message.messages:
         raise ApiError.invalid("prompt is empty: set prompt, prompt_token_ids or messages")
-    if not (math.isfinite(message.timeout_s) and message.timeout_s >= 0):  # NaN too
-        raise ApiError.invalid(f"timeout_s must be a finite number >= 0, got {message.timeout_s}")
     prompt = message.prompt or None
     if message.messages:
         prompt = chat_prompt(_turns(message.messages), tokenizer)
-    return GenerateRequest(
-        params=params_from_proto(message.sampling),
-        prompt=prompt,
-        prompt_token_ids=list(message.prompt_token_ids) or None,
-        request_id=message.request_id or None,
-        priority=message.priority,
-        cache_salt=message.cache_salt or None,
-        timeout_s=message.timeout_s or None,
-        tenant=caller.tenant,
-        cache_scope=caller.cache_scope,
-    )
+    params = params_from_proto(message.sampling)
+    try:
+        return GenerateRequest(
+            params=params,
+            prompt=prompt,
+            prompt_token_ids=list(message.prompt_token_ids) or None,
+            request_id=message.request_id or None,
+            priority=message.priority,
+            cache_salt=message.cache_salt or None,
+            timeout_s=message.timeout_s or None,  # 0: none (proto3's unset); checked there
+            tenant=caller.tenant,
+            cache_scope=caller.cache_scope,
+        )
+    except RequestRejected as error:  # a field the request checks itself (`timeout_s`)
+        raise ApiError.invalid(str(error)) from None
 
 
 def _turns(messages: Iterable[pb.ChatMessage]) -> list[dict[str, str]]:

@@ -5,13 +5,12 @@ errors, clients, benches) can name them. Import them from here, never from `clus
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagedserve.cluster.index_stats import IndexStats
 from pagedserve.cluster.prefix_view import ViewStats
-from pagedserve.workers.errors import RequestRejected
+from pagedserve.workers.deadline import check_timeout_s
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.worker_types import WorkerInfo, WorkerStats
 
@@ -45,10 +44,7 @@ class GenerateRequest:
     cache_scope: str = ""
 
     def __post_init__(self) -> None:
-        if self.timeout_s is not None and not (
-            math.isfinite(self.timeout_s) and self.timeout_s > 0
-        ):
-            raise RequestRejected(f"timeout_s must be a finite number > 0, got {self.timeout_s}")
+        check_timeout_s(self.timeout_s)
 
     @property
     def prefix_salt(self) -> str | None:

@@ -14,7 +14,6 @@ step costs O(new tokens), never a copy of the whole output.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 
@@ -23,6 +22,7 @@ import torch
 from pagedserve.kernels import get_kernel_ops
 from pagedserve.workers.batch import build_batch
 from pagedserve.workers.block_hash import cache_key
+from pagedserve.workers.deadline import check_timeout_s
 from pagedserve.workers.engine_config import EngineConfig
 from pagedserve.workers.engine_sizing import kv_layout, num_kv_blocks
 from pagedserve.workers.errors import Overloaded, RequestRejected, RequestTooLarge
@@ -183,8 +183,7 @@ class Engine:
     ) -> None:
         """Queue a request. Raises `RequestRejected` naming the problem if it can never run."""
         params = params or SamplingParams()
-        if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
-            raise RequestRejected(f"timeout_s must be a finite number > 0, got {timeout_s}")
+        check_timeout_s(timeout_s)
         if request_id in self._groups:
             raise RequestRejected(f"request_id {request_id!r} is already in flight")
         if self.scheduler.waiting_full():

@@ -20,10 +20,10 @@ cannot raise for one of them.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from pagedserve.workers.deadline import check_timeout_s
 from pagedserve.workers.errors import RequestRejected
 from pagedserve.workers.handoff import RequestHandoff
 from pagedserve.workers.kv_cache_manager import KVUsage
@@ -129,10 +129,7 @@ class WorkerRequest:
             object.__setattr__(self, "prompt", tuple(self.prompt))
         if (self.handoff is None) == (not self.prompt):
             raise RequestRejected("give a prompt or a handoff, not both or neither")
-        if self.timeout_s is not None and not (
-            math.isfinite(self.timeout_s) and self.timeout_s > 0
-        ):
-            raise RequestRejected(f"timeout_s must be a finite number > 0, got {self.timeout_s}")
+        check_timeout_s(self.timeout_s)
 
     @classmethod
     def fresh(
