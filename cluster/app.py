@@ -40,6 +40,7 @@ from pagedserve.cluster.serve_options import ROUTER_ENV_VARS
 from pagedserve.cluster.worker_group import start_pool
 from pagedserve.workers.cpu_placement import pin_process, set_niceness
 from pagedserve.workers.model_registry import DEFAULT_MODEL
+from pagedserve.workers.ray_internals import bound_http_responses
 from pagedserve.workers.stream import StreamDelta
 from pagedserve.workers.telemetry import ROUTER_SERVICE, get_tracing
 
@@ -80,6 +81,7 @@ class Router:
             pin_process(config.control_cpu_set, what="router")
         if config.control_nice is not None:
             set_niceness(config.control_nice, what="router")
+        bound_http_responses()  # unread HTTP streams pause (cluster/sse_response.py)
         api_config = api or ApiConfig()
         telemetry = api_config.telemetry
         group = start_pool(self.config, telemetry, config_revision)

@@ -11,9 +11,11 @@ server does not know), which the replica answers with INVALID_ARGUMENT.
 Registering it also installs `grpc_streams.cancel_streams_in_flight` on the proxy, so that a
 stream that ends early always cancels its request on the replica, and
 `grpc_status.finish_statuses`, so that a refusal carries its `retry-after` trailer and no status
-carries a traceback or other internals.
+carries a traceback or other internals; and, for the HTTP proxy of the same process,
+`sse_response.limit_send_buffers`, so that an unread HTTP stream pauses too.
 
-This module runs inside the proxy actor, so it imports only grpc, protobuf and the stubs.
+This module runs inside the proxy actor, so it imports only grpc, protobuf, the stubs and
+starlette.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from google.protobuf.message import DecodeError, Message
 
 from pagedserve.cluster.grpc_status import finish_statuses
 from pagedserve.cluster.grpc_streams import cancel_streams_in_flight
+from pagedserve.cluster.sse_response import limit_send_buffers
 from pagedserve.proto.pagedserve.v1 import serving_pb2
 
 SERVICE = serving_pb2.DESCRIPTOR.services_by_name["Generation"]
@@ -60,6 +63,7 @@ class StreamFailed(RuntimeError):
 def add_generation_servicer(servicer: Any, server: grpc.Server) -> None:
     """Register `pagedserve.v1.Generation` on `server` with lenient request parsing."""
     cancel_streams_in_flight(server)
+    limit_send_buffers()  # the HTTP proxy of the same process: unread SSE streams pause
     finish_statuses(server)  # after: it wraps the stream canceller and sees its final status
     handlers = {}
     for method in SERVICE.methods:

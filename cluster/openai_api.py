@@ -24,7 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from pagedserve.cluster.api_common import (
     CompletionCollector,
@@ -63,6 +63,7 @@ from pagedserve.cluster.openai_responses import (
 )
 from pagedserve.cluster.router import RouterCore
 from pagedserve.cluster.router_types import GenerateRequest
+from pagedserve.cluster.sse_response import PacedStreamingResponse
 from pagedserve.cluster.tracing import tag_ingress
 from pagedserve.workers.outputs import Usage
 from pagedserve.workers.stream import StreamDelta
@@ -200,7 +201,7 @@ class OpenAIFrontend:
                 return _error_or_raise(error)
             return JSONResponse(chunks.whole(collectors).model_dump())
         events = _sse(first, merged, chunks, include_usage)
-        return StreamingResponse(events, media_type="text/event-stream")
+        return PacedStreamingResponse(events)
 
 
 # ------------------------------------------------------------------- chunks

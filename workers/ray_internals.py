@@ -16,7 +16,10 @@ fails when an upgrade moves or reshapes what it touches:
 - `wrap_get_node`: `ray._private.services.get_node`, a node start-up that waits longer than
   Ray's fixed 30 s (`ray_startup`);
 - `route_sigterm_handlers`: `ray._private.utils.set_sigterm_handler`, a worker's drain on
-  SIGTERM (`drain_signal`).
+  SIGTERM (`drain_signal`);
+- `bound_http_responses` and `room_in_http_response`: `MessageQueue`
+  (`ray.serve._private.http_util`), the replica's queue of a response's ASGI messages, which
+  Serve fills without bound, for HTTP streams that pause when unread (`openai_api`).
 
 Serve also reads settings from the environment that its docs do not list (set in
 `serve_options`, `ray_startup` and `grpc_status`): `RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD`,
@@ -32,7 +35,9 @@ It runs inside Serve's proxy too, so it imports nothing heavy.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Any
 
 RAY_VERSION = "2.60.0"
@@ -43,6 +48,9 @@ SERVE_ENV_SETTINGS = (
     "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE",
 )
 HandlerFactory = Callable[..., Callable]
+# The queue of the HTTP response this task writes (set as the replica creates it, and so seen by
+# the task it then starts for the ASGI app).
+_RESPONSE_QUEUE: ContextVar[Any] = ContextVar("pagedserve_response_queue", default=None)
 
 
 def version_warning() -> str | None:
@@ -124,3 +132,45 @@ def route_sigterm_handlers(keep: Callable[[Any], None]) -> None:
     import ray._private.utils as ray_utils
 
     ray_utils.set_sigterm_handler = keep
+
+
+def bound_http_responses() -> None:
+    """Let an HTTP response's writer wait for the proxy in this (Router replica) process.
+
+    Serve's replica puts each ASGI message of a response into a `MessageQueue` without bound
+    (its `send` never waits) and yields what the queue holds to the proxy, that yield waiting
+    while the proxy has `REPLICA_STREAM_BACKPRESSURE_OBJECTS` unread (`grpc_streams`). This
+    makes every new queue known to the task that fills it and tells it when it was emptied,
+    for `room_in_http_response`. Idempotent.
+    """
+    from ray.serve._private.http_util import MessageQueue
+
+    if getattr(MessageQueue, "_pagedserve_bounded", False):
+        return
+    init, take = MessageQueue.__init__, MessageQueue.get_messages_nowait
+
+    def __init__(self: Any) -> None:
+        init(self)
+        self._pagedserve_taken = asyncio.Event()
+        _RESPONSE_QUEUE.set(self)
+
+    def get_messages_nowait(self: Any) -> list:
+        messages = take(self)
+        self._pagedserve_taken.set()
+        return messages
+
+    MessageQueue.__init__ = __init__
+    MessageQueue.get_messages_nowait = get_messages_nowait
+    MessageQueue._pagedserve_bounded = True
+
+
+async def room_in_http_response(max_queued: int) -> None:
+    """Wait while the replica's queue of this task's HTTP response holds `max_queued` messages
+    or more, not yet taken for the proxy; at once without `bound_http_responses` in place."""
+    queue = _RESPONSE_QUEUE.get()
+    taken = getattr(queue, "_pagedserve_taken", None)
+    if taken is None:
+        return
+    while len(queue._message_queue) >= max_queued and not queue._closed:
+        taken.clear()
+        await taken.wait()

@@ -5,6 +5,7 @@ tested where it is used: the gRPC API, drain and start-up tests).
 """
 
 import ast
+import asyncio
 import inspect
 import re
 from pathlib import Path
@@ -22,8 +23,10 @@ from pagedserve.workers import ray_internals
 from pagedserve.workers.ray_internals import (
     RAY_VERSION,
     SERVE_ENV_SETTINGS,
+    bound_http_responses,
     current_get_node,
     replica_wrapper_class,
+    room_in_http_response,
     route_sigterm_handlers,
     serve_grpc_server_options,
     setup_hook_env_var,
@@ -73,7 +76,10 @@ def test_serve_s_grpc_server_takes_its_handlers_from_a_replaceable_factory():
 
         return wrap
 
-    server = grpc_util.gRPCGenericServer(factory)
+    async def make_server():  # a grpc.aio server needs the running loop
+        return grpc_util.gRPCGenericServer(factory)
+
+    server = asyncio.run(make_server())
     assert server.service_handler_factory is factory
     assert wrap_grpc_handlers(server, "a", tagging("a"))
     assert wrap_grpc_handlers(server, "a", tagging("a"))  # once per name
@@ -141,3 +147,41 @@ def _private_names(path: Path) -> list[str]:
         elif isinstance(item, ast.Attribute):
             names.append(ast.unparse(item))
     return [name for name in names if re.match(r"ray\.(serve\.)?_private", name)]
+
+
+def test_a_response_s_writer_waits_for_the_replica_to_take_its_messages(monkeypatch):
+    from ray.serve._private import http_util, replica
+
+    # Serve's replica makes the queue, then starts the ASGI app's task, which fills it.
+    source = inspect.getsource(replica.UserCallableWrapper.call_http_entrypoint)
+    assert source.index("result_queue = MessageQueue()") < source.index("asyncio.create_task(")
+    for name in ("__init__", "get_messages_nowait"):
+        monkeypatch.setattr(http_util.MessageQueue, name, getattr(http_util.MessageQueue, name))
+    monkeypatch.setattr(http_util.MessageQueue, "_pagedserve_bounded", False, raising=False)
+    bound_http_responses()
+
+    async def main():
+        queue = http_util.MessageQueue()
+        sent = []
+
+        async def writer():
+            for i in range(5):
+                await room_in_http_response(max_queued=2)
+                await queue({"i": i})
+                sent.append(i)
+
+        task = asyncio.create_task(writer())  # sees the queue, as the app's task does
+        while len(sent) < 2:
+            await asyncio.sleep(0)
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert sent == [0, 1]  # waits: two messages not taken
+        taken = [m["i"] for m in queue.get_messages_nowait()]
+        assert taken == [0, 1]
+        while not task.done():  # the proxy takes what the queue holds, as it can
+            await asyncio.sleep(0)
+            taken += [m["i"] for m in queue.get_messages_nowait()]
+        taken += [m["i"] for m in queue.get_messages_nowait()]
+        assert sent == taken == [0, 1, 2, 3, 4]
+
+    asyncio.run(main())
