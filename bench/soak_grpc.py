@@ -347,7 +347,15 @@ def grpc_soak_config(
 def soak_over_grpc(
     config: ClusterConfig, spec: GrpcSoakSpec, command: str, log: Any = None
 ) -> tuple[GrpcSoakReport, list[str], dict[str, Any]]:
-    """Start the app, run the soak, check it, tear the app down.
+    """Start a local Ray, Serve and the app, run the soak (`soak_app`), tear it all down."""
+    with serving_app(config) as app:
+        return soak_app(app, spec, command, log)
+
+
+def soak_app(
+    app: SoakApp, spec: GrpcSoakSpec, command: str, log: Any = None
+) -> tuple[GrpcSoakReport, list[str], dict[str, Any]]:
+    """Run the soak on a running app and check it.
 
     Returns:
         The report, every problem found (empty: the soak passed) and the summary.
@@ -357,6 +365,5 @@ def soak_over_grpc(
         report = await run_grpc_soak(app, spec, log)
         return report, await check_grpc_soak(app, report, log=log)
 
-    with serving_app(config) as app:
-        report, problems = asyncio.run(main())
+    report, problems = asyncio.run(main())
     return report, problems, summarize(report, problems, command)

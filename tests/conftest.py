@@ -13,6 +13,7 @@ import pytest
 import torch
 from support.engine import ReferenceModel, load
 from support.leaks import WATCH
+from support.module_order import order_modules
 from support.real_model import SMOLLM2
 from support.shared_cluster import SHARED
 from support.startups import STARTUPS, StartupCount
@@ -97,6 +98,12 @@ def nothing_leaked(leak_watch, request):
 
 
 INTEGRATION = Path(__file__).parent / "integration"
+
+
+def pytest_collection_modifyitems(items):
+    """Integration modules first, those with a Ray of their own before the rest; then the
+    longest modules first (support/module_order.py): the order pytest-xdist hands them out."""
+    items[:] = order_modules(items)
 
 
 @pytest.hookimpl(tryfirst=True)

