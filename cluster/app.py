@@ -34,6 +34,7 @@ from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.grpc_api import SERVING, GrpcFrontend
 from pagedserve.cluster.metrics import CONTENT_TYPE
 from pagedserve.cluster.openai_api import OpenAIFrontend, error_response
+from pagedserve.cluster.openai_tokenize import TokenizeFrontend
 from pagedserve.cluster.router import RouterCore
 from pagedserve.cluster.router_types import ClusterStats, GenerateRequest, RouterInflight
 from pagedserve.cluster.serve_options import ROUTER_ENV_VARS
@@ -97,6 +98,7 @@ class Router:
         model_name = served_model_name(self.config, api_config)
         self.grpc = GrpcFrontend(self.core, auth)
         self.openai = OpenAIFrontend(self.core, auth, model_name)
+        self.tokenizing = TokenizeFrontend(self.core, auth, model_name)
 
     # ---------------------------------------------------------------- Python
     async def generate(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
@@ -154,6 +156,14 @@ class Router:
     @http_app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         return await self.openai.chat_completions(request)
+
+    @http_app.post("/tokenize")
+    async def tokenize(self, request: Request) -> Response:
+        return await self.tokenizing.tokenize(request)
+
+    @http_app.post("/detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        return await self.tokenizing.detokenize(request)
 
     @http_app.get("/metrics")
     async def metrics(self, request: Request) -> Response:
