@@ -34,6 +34,7 @@ from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.grpc_api import SERVING, GrpcFrontend
 from pagedserve.cluster.metrics import CONTENT_TYPE
 from pagedserve.cluster.openai_api import OpenAIFrontend, error_response
+from pagedserve.cluster.openai_embeddings import EmbeddingsFrontend
 from pagedserve.cluster.openai_tokenize import TokenizeFrontend
 from pagedserve.cluster.router import RouterCore
 from pagedserve.cluster.router_types import ClusterStats, GenerateRequest, RouterInflight
@@ -99,6 +100,9 @@ class Router:
         self.grpc = GrpcFrontend(self.core, auth)
         self.openai = OpenAIFrontend(self.core, auth, model_name)
         self.tokenizing = TokenizeFrontend(self.core, auth, model_name)
+        self.embedding = EmbeddingsFrontend(
+            self.core, auth, model_name, api_config.embedding_pooling
+        )
 
     # ---------------------------------------------------------------- Python
     async def generate(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
@@ -156,6 +160,10 @@ class Router:
     @http_app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         return await self.openai.chat_completions(request)
+
+    @http_app.post("/v1/embeddings")
+    async def embeddings(self, request: Request) -> Response:
+        return await self.embedding.embeddings(request)
 
     @http_app.post("/tokenize")
     async def tokenize(self, request: Request) -> Response:

@@ -27,10 +27,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pagedserve.cluster.api_common import chat_prompt
-from pagedserve.cluster.api_errors import ApiError, ErrorCode, to_api_error
+from pagedserve.cluster.api_errors import ApiError, to_api_error
 from pagedserve.cluster.auth import TokenAuth
-from pagedserve.cluster.openai_api import error_response, parse_request, read_body
+from pagedserve.cluster.openai_api import error_response
 from pagedserve.cluster.openai_models import ChatMessage
+from pagedserve.cluster.openai_reading import read_request
 from pagedserve.cluster.router import RouterCore, check_prompt_size
 from pagedserve.workers.errors import RequestRejected
 
@@ -110,16 +111,9 @@ class TokenizeFrontend:
         return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
     # -------------------------------------------------------------- plumbing
-    async def _read(self, request: Request, model: type[_Body]) -> Any:
-        self.auth.check(request.headers.get("authorization"))
-        raw = await read_body(request, self.core.config.max_request_bytes)
-        body = parse_request(raw, model)
-        if body.model is not None and body.model != self.model_name:
-            raise ApiError(
-                ErrorCode.NOT_FOUND,
-                f"model: {body.model!r} is not served here (GET /v1/models: {self.model_name!r})",
-                "model",
-            )
+    async def _read(self, request: Request, body_type: type[_Body]) -> Any:
+        max_bytes = self.core.config.max_request_bytes
+        body, _ = await read_request(request, self.auth, max_bytes, body_type, self.model_name)
         if self.core.tokenizer is None:
             raise ApiError.invalid("the served model has no tokenizer")
         return body
