@@ -35,6 +35,7 @@ from pagedserve.cluster.grpc_api import SERVING, GrpcFrontend
 from pagedserve.cluster.metrics import CONTENT_TYPE
 from pagedserve.cluster.openai_api import OpenAIFrontend, error_response
 from pagedserve.cluster.openai_embeddings import EmbeddingsFrontend
+from pagedserve.cluster.openai_responses_api import ResponsesFrontend
 from pagedserve.cluster.openai_tokenize import TokenizeFrontend
 from pagedserve.cluster.router import RouterCore
 from pagedserve.cluster.router_types import ClusterStats, GenerateRequest, RouterInflight
@@ -103,6 +104,7 @@ class Router:
         self.embedding = EmbeddingsFrontend(
             self.core, auth, model_name, api_config.embedding_pooling
         )
+        self.responding = ResponsesFrontend(self.core, auth, model_name)
 
     # ---------------------------------------------------------------- Python
     async def generate(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
@@ -160,6 +162,10 @@ class Router:
     @http_app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         return await self.openai.chat_completions(request)
+
+    @http_app.post("/v1/responses")
+    async def responses(self, request: Request) -> Response:
+        return await self.responding.responses(request)
 
     @http_app.post("/v1/embeddings")
     async def embeddings(self, request: Request) -> Response:

@@ -13,14 +13,16 @@ import pytest
 import requests
 import torch
 import torch.nn.functional as F
-from support.api_app import CONTEXT, VOCAB, running_app
+from support.api_app import CONTEXT, VOCAB, assert_app_clean, running_app
 
+from pagedserve.cluster.client import Client
 from pagedserve.workers.model_loader import load_model
 
 TOKEN = "surface-test-token"
 MODEL = "tiny-llama"
 HEADERS = {"authorization": f"Bearer {TOKEN}"}
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
+IGNORE_EOS = {"extra_body": {"ignore_eos": True}}
 
 
 @pytest.fixture(scope="module")
@@ -166,3 +168,147 @@ def test_embedding_refusals_name_the_field(app, oai):
     )
     with pytest.raises(openai.BadRequestError, match="input is empty"):
         oai.embeddings.create(model=MODEL, input=[])
+
+
+# ----------------------------------------------------------------- responses
+QUESTION = "Paged attention"
+CHAT_TEXT = f"<|user|>\n{QUESTION}\n<|assistant|>\n"  # tiny-llama's template of one user turn
+STREAM_EVENTS = [
+    "response.created",
+    "response.in_progress",
+    "response.output_item.added",
+    "response.content_part.added",
+]
+END_EVENTS = [
+    "response.output_text.done",
+    "response.content_part.done",
+    "response.output_item.done",
+]
+
+
+def test_responses_with_the_openai_client(oai):
+    response = oai.responses.create(
+        model=MODEL, input=QUESTION, max_output_tokens=8, temperature=0.0, **IGNORE_EOS
+    )
+    assert response.object == "response" and response.model == MODEL
+    assert response.status == "incomplete" and response.store is False
+    assert response.incomplete_details.reason == "max_output_tokens"
+    (message,) = response.output
+    assert message.type == "message" and message.role == "assistant"
+    assert message.content[0].type == "output_text"
+    assert response.output_text == message.content[0].text
+    chat = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_tokens=8, **GREEDY
+    )
+    assert message.content[0].text == chat.choices[0].message.content
+    usage = response.usage
+    assert usage.input_tokens == len(CHAT_TEXT) and usage.output_tokens == 8
+    assert usage.total_tokens == len(CHAT_TEXT) + 8
+    assert usage.input_tokens_details.cached_tokens >= 0
+
+
+def test_responses_take_instructions_and_messages(oai):
+    turns = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Hello"}]},
+        {"role": "user", "content": [{"type": "input_text", "text": "More"}]},
+    ]
+    response = oai.responses.create(
+        model=MODEL,
+        instructions="Be brief.",
+        input=turns,
+        max_output_tokens=6,
+        temperature=0.0,
+        **IGNORE_EOS,
+    )
+    messages = [{"role": "system", "content": "Be brief."}]
+    messages += [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    messages += [{"role": "user", "content": "More"}]
+    chat = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, **GREEDY)
+    assert response.output_text == chat.choices[0].message.content
+    assert response.instructions == "Be brief." and response.max_output_tokens == 6
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_responses_stream_the_standard_events(app, oai):
+    whole = oai.responses.create(
+        model=MODEL, input=QUESTION, max_output_tokens=12, temperature=0.0, **IGNORE_EOS
+    )
+    stream = oai.responses.create(
+        model=MODEL,
+        input=QUESTION,
+        max_output_tokens=12,
+        temperature=0.0,
+        stream=True,
+        **IGNORE_EOS,
+    )
+    events = list(stream)
+    types = [event.type for event in events]
+    assert types[:4] == STREAM_EVENTS and types[-4:] == [*END_EVENTS, "response.incomplete"]
+    assert set(types[4:-4]) == {"response.output_text.delta"}
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == whole.output_text == events[-4].text
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    final = events[-1].response
+    assert final.id == events[0].response.id and final.output_text == whole.output_text
+    assert final.usage.output_tokens == 12
+
+
+def test_the_client_s_stream_helper_gets_the_completed_response(app, oai):
+    """`responses.stream(...)` folds the events into its final Response; a stop token ends
+    the answer, so its status is `completed` (`response.completed` last)."""
+    with Client(app.grpc_address, token=TOKEN, timeout=60) as grpc_client:
+        tokens = (
+            grpc_client.generate(CHAT_TEXT, max_tokens=12, temperature=0.0, ignore_eos=True)
+            .completions[0]
+            .token_ids
+        )
+    tokens = list(tokens)
+    stop_at = {"stop_token_ids": [tokens[5]], "ignore_eos": True}
+    with oai.responses.stream(
+        model=MODEL, input=QUESTION, max_output_tokens=12, temperature=0.0, extra_body=stop_at
+    ) as stream:
+        texts = [event.delta for event in stream if event.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert final.status == "completed" and final.incomplete_details is None
+    assert final.output_text == "".join(texts)
+    assert final.usage.output_tokens == tokens.index(tokens[5]) + 1
+    whole = oai.responses.create(
+        model=MODEL, input=QUESTION, max_output_tokens=12, temperature=0.0, extra_body=stop_at
+    )
+    assert whole.status == "completed" and whole.output_text == final.output_text
+
+
+def test_a_client_leaving_a_response_stream_frees_its_blocks(app, oai):
+    stream = oai.responses.create(
+        model=MODEL, input=QUESTION, max_output_tokens=900, temperature=0.0, stream=True,
+        **IGNORE_EOS,
+    )  # fmt: skip
+    for event in stream:
+        if event.type == "response.output_text.delta":
+            break
+    stream.close()
+    assert_app_clean(app)
+
+
+def test_response_refusals_name_the_field(app, oai):
+    def respond(**fields) -> requests.Response:
+        return post(app, "/v1/responses", {"model": MODEL, "input": "Hi", **fields})
+
+    assert "stateless" in assert_invalid(respond(store=True), "store")
+    assert respond(store=False, max_output_tokens=1).json()["store"] is False
+    assert_invalid(respond(previous_response_id="resp_1"), "previous_response_id")
+    assert_invalid(respond(tools=[{"type": "function", "name": "f"}]), "tools")
+    assert_invalid(respond(text={"format": {"type": "json_object"}}), "text.format.type")
+    assert_invalid(respond(input=[]), "input")
+    image = [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]
+    assert_invalid(respond(input=image), "input")
+    assert_invalid(respond(max_output_tokens=0), "max_output_tokens")
+    assert_invalid(respond(temperature=-1.0), "temperature")
+    assert_invalid(respond(stream=True, top_p=0.0), "top_p")
+    assert_invalid(respond(reasoning={"effort": "high"}), "reasoning")
+    assert_invalid(post(app, "/v1/responses", {"model": "x", "input": "a"}), "model", 404)
+    assert post(app, "/v1/responses", {"model": MODEL, "input": "a"}, {"x": "y"}).status_code == 401
+    with pytest.raises(openai.BadRequestError, match="store"):
+        oai.responses.create(model=MODEL, input="Hi", store=True)
