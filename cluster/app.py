@@ -34,7 +34,7 @@ from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.grpc_api import SERVING, GrpcFrontend
 from pagedserve.cluster.metrics import CONTENT_TYPE
 from pagedserve.cluster.openai_api import OpenAIFrontend, error_response
-from pagedserve.cluster.openai_embeddings import EmbeddingsFrontend
+from pagedserve.cluster.openai_embeddings import Embedder, EmbeddingsFrontend
 from pagedserve.cluster.openai_responses_api import ResponsesFrontend
 from pagedserve.cluster.openai_tokenize import TokenizeFrontend
 from pagedserve.cluster.router import RouterCore
@@ -98,12 +98,11 @@ class Router:
         )
         auth = self.auth = TokenAuth.from_config(api_config.auth)
         model_name = served_model_name(self.config, api_config)
-        self.grpc = GrpcFrontend(self.core, auth)
+        embedder = Embedder(self.core, api_config.embedding_pooling)
+        self.grpc = GrpcFrontend(self.core, auth, embedder)
         self.openai = OpenAIFrontend(self.core, auth, model_name)
         self.tokenizing = TokenizeFrontend(self.core, auth, model_name)
-        self.embedding = EmbeddingsFrontend(
-            self.core, auth, model_name, api_config.embedding_pooling
-        )
+        self.embedding = EmbeddingsFrontend(embedder, auth, model_name)
         self.responding = ResponsesFrontend(self.core, auth, model_name)
 
     # ---------------------------------------------------------------- Python
@@ -141,6 +140,9 @@ class Router:
 
     async def ListWorkers(self, request: Any, grpc_context: Any) -> Any:
         return await self.grpc.list_workers(request, grpc_context)
+
+    async def Embed(self, request: Any, grpc_context: Any) -> Any:
+        return await self.grpc.embed(request, grpc_context)
 
     # ------------------------------------------------- gRPC: grpc.health.v1.Health
     async def Check(self, request: Any, grpc_context: Any) -> Any:

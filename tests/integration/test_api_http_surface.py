@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import struct
 
+import grpc
 import openai
 import pytest
 import requests
@@ -168,6 +169,33 @@ def test_embedding_refusals_name_the_field(app, oai):
     )
     with pytest.raises(openai.BadRequestError, match="input is empty"):
         oai.embeddings.create(model=MODEL, input=[])
+
+
+def test_grpc_embeds_as_http_does(app, oai, tiny_llama_model):
+    texts = ["gRPC embeddings", "KV"]
+    http = oai.embeddings.create(model=MODEL, input=texts, encoding_format="float")
+    with Client(app.grpc_address, token=TOKEN, timeout=60) as client:
+        response = client.embed(texts)
+        ids = client.embed(token_ids=[list(b"KV")])
+        for fields, field in (({}, "texts"), ({"texts": ["a", ""]}, "texts[1]")):
+            with pytest.raises(grpc.RpcError) as caught:
+                client.embed(**fields)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert caught.value.details().startswith(field)
+        with pytest.raises(grpc.RpcError, match="not both"):
+            client.embed(["a"], token_ids=[[72]])
+        with pytest.raises(grpc.RpcError, match="token_ids holds ids outside"):
+            client.embed(token_ids=[[72, VOCAB]])
+    assert [e.index for e in response.embeddings] == [0, 1]
+    for grpc_vector, http_vector, text in zip(response.embeddings, http.data, texts, strict=True):
+        assert_vector(grpc_vector.values, http_vector.embedding, atol=1e-6)
+        assert_vector(grpc_vector.values, hf_embedding(tiny_llama_model, list(text.encode())))
+    assert response.usage.prompt_tokens == len(texts[0]) + len(texts[1])
+    assert list(ids.embeddings[0].values) == list(response.embeddings[1].values)
+    with Client(app.grpc_address, timeout=60) as anonymous:
+        with pytest.raises(grpc.RpcError) as caught:
+            anonymous.embed(["a"])
+        assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 # ----------------------------------------------------------------- responses

@@ -114,6 +114,25 @@ def test_mean_pooling_takes_no_hit_and_sums_its_chunks(tiny_llama):
     finish_clean(llm)
 
 
+def test_an_embedding_s_last_token_is_never_drafted(tiny_llama):
+    """Chunks of 16 leave the last of 49 prompt tokens to a step of its own, which looks like a
+    decode step to speculative decoding (and the prompt repeats itself, so n-grams would
+    propose): it is pooled, never drafted, beside a generation that speculates."""
+    loaded, reference = tiny_llama
+    llm = engine(
+        loaded,
+        speculative={"method": "ngram", "num_tokens": 3},
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=16,
+    )
+    prompt = list(b"ab" * 24 + b"a")
+    room = SamplingParams(max_tokens=16, pooling="last")  # max_tokens would leave room to draft
+    outputs = llm.generate([prompt, PROMPTS[1]], [room, GREEDY])
+    assert_embeds(outputs[0], reference.model, prompt, Pooling.LAST)
+    assert outputs[1].outputs[0].token_ids == reference.greedy(PROMPTS[1], 12)
+    finish_clean(llm)
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_a_preempted_mean_pooling_request_sums_each_position_once(tiny_llama, mode):
     loaded, reference = tiny_llama
