@@ -50,11 +50,13 @@ def sampling_params(
         raise ApiError.invalid(message) from None
 
 
-def chat_prompt(messages: Sequence[Mapping[str, str]], tokenizer: Any) -> str:
+def chat_prompt(
+    messages: Sequence[Mapping[str, str]], tokenizer: Any, add_generation_prompt: bool = True
+) -> str:
     """The prompt text of a chat by the model's chat template; INVALID_ARGUMENT (param
     `messages`) when the model has none or a message is malformed."""
     try:
-        return render_chat(tokenizer, messages)
+        return render_chat(tokenizer, messages, add_generation_prompt)
     except RequestRejected as error:
         raise ApiError.invalid(str(error), "messages") from None
 

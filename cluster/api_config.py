@@ -3,6 +3,7 @@
     build_app({"num_workers": 2, "engine": {...},              # ClusterConfig
                "auth": {"tokens": ["s3cret"], "tokens_file": "/etc/pagedserve/tokens"},
                "served_model_name": "tiny",
+               "embedding_pooling": "mean",                        # default "last"
                "telemetry": {"exporter": "otlp", "metrics": True}})  # see workers/telemetry
 
 `split_app_args` takes the API's keys out, so the rest goes to `ClusterConfig.from_dict` as is.
@@ -13,9 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from pagedserve.workers.sampling_params import Pooling
 from pagedserve.workers.telemetry import TelemetryConfig
 
-API_KEYS = ("auth", "served_model_name", "telemetry")
+API_KEYS = ("auth", "served_model_name", "telemetry", "embedding_pooling")
 
 
 @dataclass(frozen=True)
@@ -57,11 +59,23 @@ class ApiConfig:
         auth: bearer-token auth (off by default).
         served_model_name: the model id of the OpenAI API (default: the engine's model).
         telemetry: tracing and metrics of the router and its workers (tracing off by default).
+        embedding_pooling: how `/v1/embeddings` pools the final hidden states: `last` (the
+            prompt's last token, vLLM's default for decoder models) or `mean`.
     """
 
     auth: AuthConfig = field(default_factory=AuthConfig)
     served_model_name: str | None = None
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    embedding_pooling: Pooling = Pooling.LAST
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "embedding_pooling", Pooling(self.embedding_pooling))
+        except ValueError:
+            kinds = ", ".join(kind.value for kind in Pooling)
+            raise ValueError(
+                f"embedding_pooling must be one of {kinds}, got {self.embedding_pooling!r}"
+            ) from None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ApiConfig:

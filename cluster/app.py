@@ -34,6 +34,9 @@ from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.grpc_api import SERVING, GrpcFrontend
 from pagedserve.cluster.metrics import CONTENT_TYPE
 from pagedserve.cluster.openai_api import OpenAIFrontend, error_response
+from pagedserve.cluster.openai_embeddings import Embedder, EmbeddingsFrontend
+from pagedserve.cluster.openai_responses_api import ResponsesFrontend
+from pagedserve.cluster.openai_tokenize import TokenizeFrontend
 from pagedserve.cluster.router import RouterCore
 from pagedserve.cluster.router_types import ClusterStats, GenerateRequest, RouterInflight
 from pagedserve.cluster.serve_options import ROUTER_ENV_VARS
@@ -97,8 +100,12 @@ class Router:
         )
         auth = self.auth = TokenAuth.from_config(api_config.auth)
         model_name = served_model_name(self.config, api_config)
-        self.grpc = GrpcFrontend(self.core, auth)
+        embedder = Embedder(self.core, api_config.embedding_pooling)
+        self.grpc = GrpcFrontend(self.core, auth, embedder)
         self.openai = OpenAIFrontend(self.core, auth, model_name)
+        self.tokenizing = TokenizeFrontend(self.core, auth, model_name)
+        self.embedding = EmbeddingsFrontend(embedder, auth, model_name)
+        self.responding = ResponsesFrontend(self.core, auth, model_name)
 
     # ---------------------------------------------------------------- Python
     async def generate(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
@@ -136,6 +143,9 @@ class Router:
     async def ListWorkers(self, request: Any, grpc_context: Any) -> Any:
         return await self.grpc.list_workers(request, grpc_context)
 
+    async def Embed(self, request: Any, grpc_context: Any) -> Any:
+        return await self.grpc.embed(request, grpc_context)
+
     # ------------------------------------------------- gRPC: grpc.health.v1.Health
     async def Check(self, request: Any, grpc_context: Any) -> Any:
         return await self.grpc.check(request, grpc_context)
@@ -156,6 +166,22 @@ class Router:
     @http_app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         return await self.openai.chat_completions(request)
+
+    @http_app.post("/v1/responses")
+    async def responses(self, request: Request) -> Response:
+        return await self.responding.responses(request)
+
+    @http_app.post("/v1/embeddings")
+    async def embeddings(self, request: Request) -> Response:
+        return await self.embedding.embeddings(request)
+
+    @http_app.post("/tokenize")
+    async def tokenize(self, request: Request) -> Response:
+        return await self.tokenizing.tokenize(request)
+
+    @http_app.post("/detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        return await self.tokenizing.detokenize(request)
 
     @http_app.get("/metrics")
     async def metrics(self, request: Request) -> Response:

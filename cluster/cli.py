@@ -30,6 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from pagedserve.cluster.config import ClusterConfig
     from pagedserve.workers.config_flags import add_config_flags
     from pagedserve.workers.engine_config import EngineConfig
+    from pagedserve.workers.sampling_params import Pooling
     from pagedserve.workers.spec_config import SPEC_METHODS
     from pagedserve.workers.telemetry import EXPORTERS
 
@@ -70,6 +71,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="require `authorization: Bearer <token>` with a token from this file (one a line)",
     )
     api.add_argument("--served-model-name", help="model id of the OpenAI API")
+    api.add_argument(
+        "--embedding-pooling",
+        choices=[kind.value for kind in Pooling],
+        help="how /v1/embeddings pools the final hidden states: the prompt's last token "
+        "(default, vLLM's for decoder models) or the mean over its tokens",
+    )
     api.add_argument(
         "--trace-exporter",
         choices=EXPORTERS,
@@ -146,6 +153,8 @@ def user_config_from_args(args: argparse.Namespace) -> dict[str, Any]:
     data.update(config_flags_set(args, ClusterConfig))
     if args.served_model_name is not None:
         data["served_model_name"] = args.served_model_name
+    if args.embedding_pooling is not None:
+        data["embedding_pooling"] = args.embedding_pooling
     if args.auth_tokens_file is not None:
         data["auth"] = {**(data.get("auth") or {}), "tokens_file": args.auth_tokens_file}
     telemetry = dict(data.get("telemetry") or {})

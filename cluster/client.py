@@ -8,6 +8,7 @@
         print(client.generate(messages=chat, max_tokens=32).completions[0].text)
         for delta in client.generate_stream("Hello", max_tokens=32):
             print(delta.text, end="", flush=True)
+        vector = client.embed(["Paged attention"]).embeddings[0].values
 
 Results are the `pagedserve.v1` messages (see `serving.proto`); failures raise `grpc.RpcError`
 with the server's status code and message. Leaving a stream early cancels the request on the
@@ -74,6 +75,24 @@ def build_request(
     )
 
 
+def build_embed_request(
+    texts: Sequence[str] = (),
+    *,
+    token_ids: Sequence[Sequence[int]] = (),
+    request_id: str = "",
+    priority: int = 0,
+    cache_salt: str = "",
+) -> pb.EmbedRequest:
+    """An `EmbedRequest`: texts, or token-id lists (one of the two)."""
+    return pb.EmbedRequest(
+        texts=list(texts),
+        token_ids=[pb.TokenIds(ids=list(ids)) for ids in token_ids],
+        request_id=request_id,
+        priority=priority,
+        cache_salt=cache_salt,
+    )
+
+
 def _metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
@@ -123,6 +142,16 @@ class Client:
             yield from call
         finally:
             call.cancel()  # no-op once the stream is done
+
+    def embed(
+        self, texts: Sequence[str] = (), *, timeout: float | None = None, **kwargs: Any
+    ) -> pb.EmbedResponse:
+        """The embeddings of `texts` (or `token_ids=[[...], ...]`); see `build_embed_request`."""
+        return self.stub.Embed(
+            build_embed_request(texts, **kwargs),
+            timeout=self._timeout(timeout),
+            metadata=self.metadata,
+        )
 
     def abort(self, request_id: str) -> bool:
         return self.stub.Abort(
@@ -204,6 +233,15 @@ class AsyncClient:
                 yield delta
         finally:
             call.cancel()
+
+    async def embed(
+        self, texts: Sequence[str] = (), *, timeout: float | None = None, **kwargs: Any
+    ) -> pb.EmbedResponse:
+        return await self.stub.Embed(
+            build_embed_request(texts, **kwargs),
+            timeout=self._timeout(timeout),
+            metadata=self.metadata,
+        )
 
     async def abort(self, request_id: str) -> bool:
         response = await self.stub.Abort(

@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2
 
-from pagedserve.cluster.api_common import collect
+from pagedserve.cluster.api_common import collect, new_request_id
 from pagedserve.cluster.api_errors import ApiError, engine_failure, to_api_error
 from pagedserve.cluster.auth import Caller, TokenAuth
 from pagedserve.cluster.grpc_convert import (
@@ -33,11 +33,13 @@ from pagedserve.cluster.grpc_convert import (
 )
 from pagedserve.cluster.grpc_status import RETRY_AFTER_KEY, with_retry_hint
 from pagedserve.cluster.grpc_wire import SERVICE, MalformedRequest, StreamFailed
+from pagedserve.cluster.openai_embeddings import Embedder, check_inputs, input_error
 from pagedserve.cluster.router import WORKER_LOST_ERRORS, RouterCore, scoped_request_id
 from pagedserve.cluster.router_types import GenerateRequest, NoWorkerAvailable
 from pagedserve.cluster.tracing import tag_ingress
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
 from pagedserve.workers.deadline import within
+from pagedserve.workers.sampling_params import Pooling
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +58,10 @@ class GrpcFrontend:
         auth: the token check (a no-op when auth is off).
     """
 
-    def __init__(self, core: RouterCore, auth: TokenAuth) -> None:
+    def __init__(self, core: RouterCore, auth: TokenAuth, embedder: Embedder | None = None) -> None:
         self.core = core
         self.auth = auth
+        self.embedder = embedder or Embedder(core, Pooling.LAST)
 
     # ----------------------------------------------------------- Generation
     async def generate(self, request: Any, context: Any) -> pb.GenerateResponse:
@@ -106,6 +109,31 @@ class GrpcFrontend:
             return workers_to_proto(list(self.core.workers.values()))
         except Exception as error:
             return self._fail(context, error, pb.ListWorkersResponse())
+
+    async def embed(self, request: Any, context: Any) -> pb.EmbedResponse:
+        try:
+            caller = self._admit(request, context)
+            inputs, field = embed_inputs(request)
+            base_id = request.request_id or new_request_id("embd-")
+            template = GenerateRequest(
+                params=self.embedder.params,
+                priority=request.priority,
+                cache_salt=request.cache_salt or None,
+                tenant=caller.tenant,
+                cache_scope=caller.cache_scope,
+            )
+            tag_ingress([template], context.invocation_metadata(), "grpc")
+            try:
+                vectors, prompt_tokens = await self.embedder.embed(inputs, base_id, template)
+            except Exception as error:
+                raise input_error(to_api_error(error), field) from error
+            return pb.EmbedResponse(
+                request_id=base_id,
+                embeddings=[pb.Embedding(index=i, values=v) for i, v in enumerate(vectors)],
+                usage=pb.Usage(prompt_tokens=prompt_tokens),
+            )
+        except Exception as error:
+            return self._fail(context, error, pb.EmbedResponse())
 
     async def _abort(self, request_id: str, tenant: str) -> bool:
         """Abort through this replica's router; else ask every worker (another router replica
@@ -181,6 +209,15 @@ class GrpcFrontend:
         context.set_code(getattr(grpc.StatusCode, api_error.code.value))
         context.set_details(details)
         return empty
+
+
+def embed_inputs(request: Any) -> tuple[list[str | list[int]], str]:
+    """An `EmbedRequest`'s inputs and the field they came in; INVALID_ARGUMENT naming it."""
+    if request.texts and request.token_ids:
+        raise ApiError.invalid("give texts or token_ids, not both", "texts")
+    if request.token_ids:
+        return check_inputs([list(t.ids) for t in request.token_ids], "token_ids"), "token_ids"
+    return check_inputs(list(request.texts), "texts"), "texts"
 
 
 def _raise_on_engine_error(completions: list) -> None:

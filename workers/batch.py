@@ -7,6 +7,8 @@ seq_lens        [3, 10, 5]                  context after this step
 logits_indices  rows whose last token's logits are sampled, then (prompt log-probabilities only)
                 every prompt position of the chunks that score the prompt, then (speculative
                 decoding) every position of each verify chunk: last token + its k drafts
+hidden_indices  rows whose final hidden state an embedding request pools (`workers/pooling.py`):
+                its last prompt token, or every prompt position (mean pooling)
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ class Batch:
     prompt_rows: list[tuple[Request, range]] = field(default_factory=list)
     # Last: sequences verifying drafts, each with len(draft_token_ids) + 1 rows of logits.
     verified: list[Request] = field(default_factory=list)
+    # Embedding requests: (request, the prompt positions its rows of `hidden_indices` hold).
+    pooled: list[tuple[Request, range]] = field(default_factory=list)
+    hidden_indices: torch.Tensor | None = None  # None: no request pools this step
 
     @property
     def num_verify_rows(self) -> int:
@@ -52,6 +57,8 @@ def build_batch(scheduled: dict[Request, int], kv: KVCacheManager, device: torch
     prompt_indices: list[int] = []
     verified: list[Request] = []
     verify_indices: list[int] = []
+    pooled: list[tuple[Request, range]] = []
+    hidden_indices: list[int] = []
     for request, num_new in scheduled.items():
         start = request.num_computed_tokens
         end = start + num_new
@@ -63,7 +70,12 @@ def build_batch(scheduled: dict[Request, int], kv: KVCacheManager, device: torch
         tables.append(block_ids)
         starts.append(starts[-1] + num_new)
         seq_lens.append(end)
-        if drafts:
+        if request.pooling is not None:  # never sampled: its hidden states instead
+            positions_pooled = request.pooling.positions_to_pool(start, end, request.prompt_len)
+            pooled.append((request, positions_pooled))
+            first_row = starts[-2] - start
+            hidden_indices.extend(first_row + p for p in positions_pooled)
+        elif drafts:
             verified.append(request)
             verify_indices.extend(range(starts[-1] - len(drafts) - 1, starts[-1]))
         elif end == len(request.all_token_ids):
@@ -99,6 +111,10 @@ def build_batch(scheduled: dict[Request, int], kv: KVCacheManager, device: torch
         sampled=sampled,
         prompt_rows=prompt_rows,
         verified=verified,
+        pooled=pooled,
+        hidden_indices=torch.tensor(hidden_indices, dtype=torch.int64, device=device)
+        if pooled
+        else None,
     )
 
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from pagedserve.kernels import get_kernel_ops
-from pagedserve.workers.batch import build_batch
+from pagedserve.workers.batch import Batch, build_batch
 from pagedserve.workers.block_hash import cache_key
 from pagedserve.workers.deadline import check_timeout_s
 from pagedserve.workers.engine_config import EngineConfig
@@ -201,7 +201,8 @@ class Engine:
         ]
         first, *others = branches
         first.pending_branches = others
-        first.movable = params.n == 1 and params.prompt_logprobs is None  # scored here
+        # Prompt log-probabilities and a mean's sum so far are this engine's: not moved.
+        first.movable = params.n == 1 and params.prompt_logprobs is None and params.pooling is None
         for branch in branches:  # each branch leaves once its first token went out
             branch.hand_off_after_prefill = self.role.hands_off_after_prefill
         self._groups[request_id] = RequestGroup(
@@ -305,8 +306,12 @@ class Engine:
     def _run(self, plan: SchedulerOutput, touched: dict[str, RequestGroup]) -> None:
         started = time.perf_counter()
         batch = build_batch(plan.scheduled, self.kv, self.loaded.device)
-        logits = self.runner.execute(
-            batch.input_ids, batch.positions, batch.metadata, batch.logits_indices
+        logits, hidden = self.runner.execute_pooling(
+            batch.input_ids,
+            batch.positions,
+            batch.metadata,
+            batch.logits_indices,
+            batch.hidden_indices,
         )
         if batch.verified:
             num_other = logits.shape[0] - batch.num_verify_rows
@@ -314,6 +319,8 @@ class Engine:
         logits = take_prompt_logprobs(batch, logits, self.tokenizer)
         for request, num_new in plan.scheduled.items():
             request.num_computed_tokens += num_new - len(request.draft_token_ids)
+        if batch.pooled:
+            self._pool(batch, hidden, touched)
         if batch.verified:
             now = time.monotonic()
             self.speculation.verify(batch.verified, verify_logits, self._append_token, now)
@@ -336,6 +343,17 @@ class Engine:
         for request, token in zip(rows, tokens, strict=True):
             self._append_token(request, token, now)
             touched[request.group_id] = self._groups[request.group_id]
+
+    def _pool(self, batch: Batch, hidden: torch.Tensor, touched) -> None:
+        """Embedding requests add this step's hidden rows; one whose prompt is done ends here
+        with its embedding (finish reason `stop`), freeing its blocks (`workers/pooling.py`)."""
+        row = 0
+        for request, positions in batch.pooled:
+            rows = hidden[row : row + len(positions)]
+            row += len(positions)
+            if request.pooling.add(rows, positions, request.prompt_len):
+                self._finish(request, FinishReason.STOP)
+                touched[request.group_id] = self._groups[request.group_id]
 
     def _hand_off_prefilled(self, touched) -> None:
         """P/D, on a `prefill` engine: every fresh sequence whose first token went out (the

@@ -99,6 +99,19 @@ class FusedDecoder:
         logits_indices: Tensor,
     ) -> Tensor:
         """Logits ``[S', vocab]`` (the model's dtype) of the packed rows ``logits_indices``."""
+        hidden = self.hidden_states(input_ids, positions, metadata, kv_cache, ops)
+        return self.logits(hidden, logits_indices)
+
+    def hidden_states(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        metadata: AttentionMetadata,
+        kv_cache: KVCache,
+        ops: KernelOps,
+    ) -> Tensor:
+        """``[T, hidden]``: the last layer's output for every packed row, before the final
+        norm (after storing every layer's new K/V)."""
         hidden = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary(hidden.unsqueeze(0), positions.unsqueeze(0))
         # [1, T, D] -> [T, 1, D]: broadcast over the heads of the token-major layout.
@@ -118,9 +131,16 @@ class FusedDecoder:
             normed = _rms_norm(hidden, layer.post_norm, self.eps)
             gate, up = layer.gate_up(normed).split(self._intermediate, dim=-1)
             hidden = hidden + layer.down(F.silu(gate) * up)
-        # The final norm is per row, so the rows whose logits are wanted are picked first.
-        kept = _rms_norm(hidden[logits_indices], self.final_norm, self.eps)
-        return self.lm_head(kept)
+        return hidden
+
+    def logits(self, hidden: Tensor, logits_indices: Tensor) -> Tensor:
+        """Logits ``[S', vocab]`` of the rows ``logits_indices`` of ``hidden_states``."""
+        return self.lm_head(self.normed(hidden, logits_indices))
+
+    def normed(self, hidden: Tensor, indices: Tensor) -> Tensor:
+        """``[S', hidden]``: the final norm's output (what the LM head reads) of the rows
+        ``indices`` of ``hidden_states``. The norm is per row, so the rows are picked first."""
+        return _rms_norm(hidden[indices], self.final_norm, self.eps)
 
     def _attend(
         self,

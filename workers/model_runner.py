@@ -155,19 +155,40 @@ class ModelRunner:
         Returns:
             ``[S', vocab]`` float32 logits, on the model's device.
         """
+        return self.execute_pooling(input_ids, positions, metadata, logits_indices, None)[0]
+
+    @torch.inference_mode()
+    def execute_pooling(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        metadata: AttentionMetadata,
+        logits_indices: Tensor,
+        hidden_indices: Tensor | None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """`execute`, and the final hidden states of the rows ``hidden_indices`` (embedding
+        requests pool them: `workers/pooling.py`).
+
+        Returns:
+            ``[S', vocab]`` float32 logits, and ``[H', hidden]`` hidden states after the final
+            norm (what the LM head reads; the model's dtype), or None without
+            ``hidden_indices``.
+        """
         _check_inputs(input_ids, positions, metadata, logits_indices)
         device = self.loaded.device
         metadata = metadata.to(device, non_blocking=True)
+        hidden_rows = None if hidden_indices is None else hidden_indices.to(device)
         if self.fused is not None:
-            logits = self.fused.forward(
+            hidden = self.fused.hidden_states(
                 input_ids.to(device, non_blocking=True),
                 positions.to(device, non_blocking=True),
                 metadata,
                 self.kv_cache,
                 self.ops,
-                logits_indices.to(device, non_blocking=True),
             )
-            return logits.float()
+            logits = self.fused.logits(hidden, logits_indices.to(device, non_blocking=True))
+            pooled = None if hidden_rows is None else self.fused.normed(hidden, hidden_rows)
+            return logits.float(), pooled
         context = PagedAttentionContext(metadata, self.kv_cache, self.ops)
         # logits_to_keep selects the rows before lm_head, so the full [T, vocab] is never made;
         # going through the CausalLM forward keeps any model-specific logit post-processing.
@@ -176,9 +197,12 @@ class ModelRunner:
             position_ids=positions.to(device, non_blocking=True).unsqueeze(0),
             use_cache=False,
             logits_to_keep=logits_indices.to(device, non_blocking=True),
+            output_hidden_states=hidden_rows is not None,
             **{CONTEXT_KWARG: context},
         )
-        return output.logits[0].float()
+        # HF's last hidden state is the final norm's output (transformers ties it so).
+        pooled = None if hidden_rows is None else output.hidden_states[-1][0][hidden_rows]
+        return output.logits[0].float(), pooled
 
 
 def _check_pool_fits(loaded: LoadedModel, kv_cache: KVCache) -> None:

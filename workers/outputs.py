@@ -92,6 +92,8 @@ class CompletionDelta:
     # per prompt token (the first None), on the branch's first delta only.
     logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # An embedding request's (`SamplingParams.pooling`) vector, on its last delta.
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -126,6 +128,7 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     # One per token of `token_ids` when `SamplingParams.logprobs` asked for them.
     logprobs: list[TokenLogprob | None] | None = None
+    embedding: list[float] | None = None  # an embedding request's vector (`pooling`)
 
     @property
     def finished(self) -> bool:
@@ -192,6 +195,7 @@ class OutputBuilder:
                 None if (end := self._ends.get(index)) is None else end.finish_reason,
                 None if end is None else end.stop_reason,
                 self._logprobs.get(index),
+                None if end is None else end.embedding,
             )
             for index in sorted(self._tokens)
         ]

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 from pagedserve.workers.detokenizer import IncrementalDetokenizer
 from pagedserve.workers.logprobs import TokenLogprob, branch_logprobs, prompt_logprobs_of
 from pagedserve.workers.outputs import CompletionDelta, RequestDelta, RequestMetrics, Usage
-from pagedserve.workers.sampling_params import SamplingParams
+from pagedserve.workers.pooling import PoolingState
+from pagedserve.workers.sampling_params import Pooling, SamplingParams
 from pagedserve.workers.stop_checker import FinishReason
 
 if TYPE_CHECKING:
@@ -98,6 +99,12 @@ class Request:
     # branch that computes the prompt).
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # An embedding request (`params.pooling`): what it pooled so far (`workers/pooling.py`).
+    pooling: PoolingState | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.pooling is not None and self.pooling is None:
+            self.pooling = PoolingState(self.params.pooling)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -134,8 +141,10 @@ class Request:
 
     @property
     def skip_prefix_cache(self) -> bool:
-        """A cached prompt position is never computed, so it would have no logits to score."""
-        return self.wants_prompt_logprobs
+        """A cached prompt position is never computed, so it would have no logits to score,
+        nor a hidden state to mean-pool."""
+        mean_pooled = self.pooling is not None and self.pooling.kind is Pooling.MEAN
+        return self.wants_prompt_logprobs or mean_pooled
 
     def take_delta(
         self,
@@ -172,6 +181,7 @@ class Request:
             stop_reason=self.detokenizer.stopped_by if self.detokenizer else None,
             usage=Usage(prompt_tokens, self.num_output_tokens, cached_tokens),
             metrics=metrics,
+            embedding=None if self.pooling is None else self.pooling.embedding,
         )
 
 

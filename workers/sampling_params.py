@@ -10,6 +10,7 @@ import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, TypedDict
 
 MAX_N = 64
@@ -29,6 +30,14 @@ SEED_LIMIT = 2**64
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
+
+
+class Pooling(StrEnum):
+    """How an embedding request pools the final hidden states of its prompt
+    (`workers/pooling.py`)."""
+
+    LAST = "last"  # the last prompt position's (vLLM's default for decoder models)
+    MEAN = "mean"  # the mean over every prompt position
 
 
 @dataclass
@@ -59,6 +68,10 @@ class SamplingParams:
             likely alternatives (0..20); ``None``: none.
         prompt_logprobs: the same for every prompt token but the first (what evaluation
             harnesses score); ``None``: none. Such a request never reuses cached prefix blocks.
+        pooling: make this an embedding request (`workers/pooling.py`): a prefill only, whose
+            result is the prompt's final hidden states pooled this way (`Pooling`: "last" or
+            "mean") and L2-normalised, instead of tokens; ``n`` must be 1 and no
+            log-probabilities are asked. ``None``: generate.
     """
 
     n: int = 1
@@ -77,6 +90,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    pooling: Pooling | None = None
 
     def __post_init__(self) -> None:
         self.stop = _as_list("stop", self.stop)
@@ -84,6 +98,21 @@ class SamplingParams:
         self._validate_counts()
         self._validate_sampling()
         self._validate_stops()
+        self._validate_pooling()
+
+    def _validate_pooling(self) -> None:
+        if self.pooling is None:
+            return
+        try:
+            self.pooling = Pooling(self.pooling)
+        except ValueError:
+            kinds = ", ".join(kind.value for kind in Pooling)
+            raise ValueError(f"pooling must be one of {kinds}, got {self.pooling!r}") from None
+        if self.n != 1:
+            raise ValueError(f"n must be 1 for an embedding (pooling), got {self.n}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name}: an embedding (pooling) has no log-probabilities")
 
     def _validate_counts(self) -> None:
         _check_int("n", self.n)
@@ -212,6 +241,7 @@ class SamplingKwargs(TypedDict, total=False):
     repetition_penalty: float
     logprobs: int | None
     prompt_logprobs: int | None
+    pooling: Pooling | str | None
 
 
 def _as_list(name: str, value: Any) -> list[Any]:

@@ -80,13 +80,15 @@ class SpecDecoding:
 
     def max_drafts(self, request: Request, groups: Mapping[str, RequestGroup]) -> int:
         """How many drafts a sequence may verify this step: none unless it is decoding alone
-        (not one of n > 1 branches, no log-probabilities asked), and never past `max_tokens`
-        or the context (a verify chunk writes positions up to its last draft)."""
+        (not one of n > 1 branches, no log-probabilities asked, not an embedding), and never
+        past `max_tokens` or the context (a verify chunk writes positions up to its last draft)."""
         params = request.params
         decoding = request.num_computed_tokens == len(request.all_token_ids) - 1
         if request.status is not RequestStatus.RUNNING or request.paused or not decoding:
             return 0
         if len(groups[request.group_id].branches) > 1 or params.logprobs is not None:
+            return 0
+        if request.pooling is not None:  # an embedding's last prompt token: never drafted
             return 0
         return max(
             0,

@@ -41,6 +41,8 @@ class StreamDelta:
     # prompt token (the first None), on the branch's first delta.
     logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # An embedding request's vector (`SamplingParams.pooling`), on its last delta.
+    embedding: list[float] | None = None
 
 
 def stream_deltas(
@@ -65,6 +67,7 @@ def stream_deltas(
             error=error if c.finished else None,
             logprobs=c.logprobs,
             prompt_logprobs=c.prompt_logprobs,
+            embedding=c.embedding,
         )
         for c in delta.completions
     ]
@@ -92,6 +95,7 @@ def merge_deltas(first: StreamDelta, then: StreamDelta) -> StreamDelta:
         prompt_logprobs=first.prompt_logprobs
         if first.prompt_logprobs is not None
         else then.prompt_logprobs,
+        embedding=then.embedding,
     )
 
 

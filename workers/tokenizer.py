@@ -85,11 +85,14 @@ class ByteTokenizer:
                 return name
         return self.decode([token_id])
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
-        """tiny-llama's chat format: a ``<|role|>`` line before each turn, then
-        ``<|assistant|>`` (plain bytes: the model has no special tokens for them)."""
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """tiny-llama's chat format: a ``<|role|>`` line before each turn, then (with
+        ``add_generation_prompt``) ``<|assistant|>`` (plain bytes: the model has no special
+        tokens for them)."""
         turns = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
-        return turns + "<|assistant|>\n"
+        return turns + "<|assistant|>\n" if add_generation_prompt else turns
 
 
 class HFTokenizer:
@@ -141,9 +144,11 @@ class HFTokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self._tokenizer, "chat_template", None))
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+    ) -> str:
         """The prompt text for ``messages`` by the model's own template, ending where the
-        assistant's reply starts.
+        assistant's reply starts (without ``add_generation_prompt``: after the last turn).
 
         Raises:
             NoChatTemplate: the tokenizer has none.
@@ -152,7 +157,7 @@ class HFTokenizer:
             raise NoChatTemplate("messages: this model has no chat template")
         turns = [dict(m) for m in messages]
         return self._tokenizer.apply_chat_template(
-            turns, tokenize=False, add_generation_prompt=True
+            turns, tokenize=False, add_generation_prompt=add_generation_prompt
         )
 
 
@@ -165,13 +170,18 @@ def _adds_bos(tokenizer: Any) -> bool:
     return bool(with_special) and with_special[0] == bos
 
 
-def render_chat(tokenizer: Tokenizer | None, messages: Sequence[Mapping[str, str]]) -> str:
+def render_chat(
+    tokenizer: Tokenizer | None,
+    messages: Sequence[Mapping[str, str]],
+    add_generation_prompt: bool = True,
+) -> str:
     """The prompt text of a chat, by the model's chat template.
 
     Args:
         tokenizer: the model's tokenizer (``None``: the model has none).
         messages: turns as ``{"role": ..., "content": ...}``; roles among system, user,
             assistant, developer, tool.
+        add_generation_prompt: end with the assistant's turn opened (what generation needs).
 
     Raises:
         NoChatTemplate: the model has no tokenizer or its tokenizer no chat template.
@@ -193,7 +203,7 @@ def render_chat(tokenizer: Tokenizer | None, messages: Sequence[Mapping[str, str
             "messages: this model has no chat template; send a plain prompt instead "
             "(/v1/completions, or `prompt` over gRPC)"
         )
-    return apply(messages)
+    return apply(messages, add_generation_prompt=add_generation_prompt)
 
 
 def load_tokenizer(path: str, strict: bool = False) -> Tokenizer | None:

@@ -101,6 +101,7 @@ def test_servicer_functions_import_and_register_every_method():
         "Abort",
         "GetStats",
         "ListWorkers",
+        "Embed",
     }
     assert "grpc.health.v1.Health" in server.registered
     stream = server.registered["pagedserve.v1.Generation"]["GenerateStream"]

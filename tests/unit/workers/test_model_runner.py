@@ -227,6 +227,31 @@ def test_hf_modules_build_no_mask_and_compute_only_wanted_logits():
     assert logits.shape == (2, loaded.vocab_size) and logits.dtype == torch.float32
 
 
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "hf-modules"])
+def test_pooled_hidden_states_are_hf_s_last_hidden_state(fuse: bool):
+    """The rows an embedding pools are the final norm's output, as HF's `last_hidden_state`,
+    beside logits of other rows in the same step."""
+    loaded = load_model(TINY_LLAMA_NAME)
+    harness = _PagedHarness(loaded, block_size=8, seed=4, fuse=fuse)
+    a, b = list(range(60, 90)), list(range(40, 52))
+    harness.seqs["a"], harness.seqs["b"] = _Seq(a), _Seq(b)
+    input_ids, positions, metadata = harness._pack(
+        [("a", harness.seqs["a"], 30), ("b", harness.seqs["b"], 12)]
+    )
+    as_long = lambda values: torch.tensor(values, dtype=torch.int64)
+    logits, hidden = harness.runner.execute_pooling(
+        input_ids, positions, metadata, as_long([41]), as_long([3, 29, 30, 41])
+    )
+    with torch.no_grad():
+        last_a = harness.reference.model(torch.tensor([a])).last_hidden_state[0]
+        last_b = harness.reference.model(torch.tensor([b])).last_hidden_state[0]
+    expected = torch.stack([last_a[3], last_a[29], last_b[0], last_b[11]])
+    torch.testing.assert_close(hidden, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[0], harness._reference_logits(b)[-1], atol=1e-4, rtol=1e-4)
+    _, none = harness.runner.execute_pooling(input_ids, positions, metadata, as_long([1]), None)
+    assert none is None
+
+
 def test_runner_rejects_a_pool_that_does_not_fit_the_model():
     loaded = load_model(TINY_LLAMA_NAME)
     wrong = KVCache(

@@ -60,6 +60,11 @@ class GenerationStub:
                 request_serializer=pagedserve_dot_v1_dot_serving__pb2.ListWorkersRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_serving__pb2.ListWorkersResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/pagedserve.v1.Generation/Embed',
+                request_serializer=pagedserve_dot_v1_dot_serving__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_serving__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -102,6 +107,15 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """The served model's embeddings of texts or token-id lists (as HTTP's /v1/embeddings): the
+        final hidden state of each input's last token (or their mean, by the deployment's
+        embedding_pooling), L2-normalised. Each input is a prefill-only request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -129,6 +143,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.ListWorkers,
                     request_deserializer=pagedserve_dot_v1_dot_serving__pb2.ListWorkersRequest.FromString,
                     response_serializer=pagedserve_dot_v1_dot_serving__pb2.ListWorkersResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=pagedserve_dot_v1_dot_serving__pb2.EmbedRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_serving__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -267,6 +286,33 @@ class Generation:
             '/pagedserve.v1.Generation/ListWorkers',
             pagedserve_dot_v1_dot_serving__pb2.ListWorkersRequest.SerializeToString,
             pagedserve_dot_v1_dot_serving__pb2.ListWorkersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.Generation/Embed',
+            pagedserve_dot_v1_dot_serving__pb2.EmbedRequest.SerializeToString,
+            pagedserve_dot_v1_dot_serving__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

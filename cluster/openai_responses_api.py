@@ -1,0 +1,306 @@
+"""`POST /v1/responses`: the OpenAI Responses API, stateless, over the chat path.
+
+    {"model", "input": TEXT | [messages], "instructions"?, "max_output_tokens"?, "temperature"?,
+     "top_p"?, "stream"?, "store"?: false}
+      → a Response (`openai_responses_objects`): `output[0]` the assistant message, its
+        `content[0].text` the answer, `usage` {input_tokens, output_tokens, total_tokens, ...}
+
+`input` is a text (one user turn) or a list of messages (`role` user, assistant, system or
+developer; `content` a text or `input_text` / `output_text` parts); `instructions` goes first
+as a system turn. The turns are rendered by the model's chat template, as
+`/v1/chat/completions` renders them, and the request runs through the router as any
+generation. Status: `completed` when the model stopped, `incomplete` (`incomplete_details:
+{"reason": "max_output_tokens"}`) when the output budget ran out.
+
+Stateless: nothing is stored, so `store` is false. It may be left out (the response says
+`"store": false`; OpenAI's own default is true, but a client leaving it out does not rely on
+a stored response), and `store: true` is a 400 naming `store`, as is `previous_response_id`
+(it needs stored responses). Function `tools` are refused until tool calling lands; `text`
+takes only the plain text format. vLLM's extra sampling fields (`top_k`, `seed`, `stop`, ...)
+and the cluster's (`priority`, `cache_salt`, `request_id`) are accepted as in completions.
+
+A streamed response checks the request and waits for its first delta before the 200, so a bad
+request still gets its status; the events are those the official client's
+`responses.stream(...)` folds into its final Response (see `ResponseEvents`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from pagedserve.cluster.api_common import (
+    CompletionCollector,
+    chat_prompt,
+    new_request_id,
+    sampling_params,
+)
+from pagedserve.cluster.api_errors import ApiError, engine_failure, to_api_error
+from pagedserve.cluster.auth import Caller, TokenAuth
+from pagedserve.cluster.openai_api import error_response
+from pagedserve.cluster.openai_reading import read_request, room_for
+from pagedserve.cluster.openai_responses_objects import (
+    IncompleteDetails,
+    OutputMessage,
+    OutputText,
+    ResponseEvents,
+    ResponseObject,
+    ResponseUsage,
+)
+from pagedserve.cluster.router import RouterCore, check_prompt_size
+from pagedserve.cluster.router_types import GenerateRequest
+from pagedserve.cluster.sse_response import PacedStreamingResponse
+from pagedserve.cluster.tracing import tag_ingress
+from pagedserve.workers.sampling_params import SamplingKwargs
+from pagedserve.workers.stream import StreamDelta
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class InputText(_Body):
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[Any] | None = None  # an earlier response's output sent back
+    logprobs: list[Any] | None = None
+
+
+class InputMessage(_Body):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[InputText]
+    id: str | None = None  # an earlier response's output message sent back
+    status: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class TextFormatIn(_Body):
+    type: Literal["text"]
+
+
+class TextConfigIn(_Body):
+    format: TextFormatIn
+
+
+class ResponsesBody(_Body):
+    """`POST /v1/responses`."""
+
+    model: str
+    input: str | list[InputMessage] = Field(min_length=1)
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    store: bool | None = None
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    tools: list[Any] | None = None
+    tool_choice: Literal["auto", "none"] | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfigIn | None = None
+    truncation: Literal["disabled"] | None = None
+    # vLLM-style extras
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # cluster extras
+    priority: int = 0
+    cache_salt: str | None = None
+    request_id: str | None = None
+
+    def turns(self) -> list[dict[str, str]]:
+        """The chat: `instructions` as a system turn, then `input`; INVALID_ARGUMENT naming
+        what a stateless server cannot do."""
+        if self.store:
+            raise ApiError.invalid(
+                "store: stored responses are not supported here; send store: false or leave "
+                "it out (this server is stateless)",
+                "store",
+            )
+        if self.previous_response_id is not None:
+            raise ApiError.invalid(
+                "previous_response_id: needs stored responses, which this server does not "
+                "keep; send the earlier turns in input",
+                "previous_response_id",
+            )
+        if self.tools:
+            raise ApiError.invalid("tools: function tools are not supported yet", "tools")
+        turns = [] if self.instructions is None else [("system", self.instructions)]
+        if isinstance(self.input, str):
+            turns.append(("user", self.input))
+        else:
+            turns.extend((message.role, message.text()) for message in self.input)
+        return [{"role": role, "content": content} for role, content in turns]
+
+    def sampling_kwargs(self) -> SamplingKwargs:
+        kwargs = SamplingKwargs(
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+        )
+        for name in ("temperature", "top_p", "top_k"):
+            if (value := getattr(self, name)) is not None:
+                kwargs[name] = value
+        return kwargs
+
+
+class ResponsesFrontend:
+    """Serves `/v1/responses` through the router.
+
+    Args:
+        core: the router.
+        auth: the token check (a no-op when auth is off).
+        model_name: the served model's id.
+    """
+
+    def __init__(self, core: RouterCore, auth: TokenAuth, model_name: str) -> None:
+        self.core = core
+        self.auth = auth
+        self.model_name = model_name
+
+    async def responses(self, request: Request) -> Response:
+        try:
+            max_bytes = self.core.config.max_request_bytes
+            body, caller = await read_request(
+                request, self.auth, max_bytes, ResponsesBody, self.model_name
+            )
+            generate = await self._request(body, caller)
+            tag_ingress([generate], request.headers.items(), "http")
+            stream = self.core.generate(generate)
+            first = await anext(stream)  # a refused request gets its status, not a 200
+        except Exception as error:
+            return error_response(to_api_error(error))
+        start = self._start(body, generate.request_id)
+        if body.stream:
+            events = ResponseEvents(start, new_request_id("msg_"))
+            return PacedStreamingResponse(_sse(events, first, stream, self._finish))
+        collector = CompletionCollector()
+        collector.add(first)
+        try:
+            async for delta in stream:
+                collector.add(delta)
+                if delta.error:
+                    raise engine_failure(delta.error)
+        except Exception as error:
+            return error_response(to_api_error(error))
+        done = self._finish(start, new_request_id("msg_"), collector)
+        return JSONResponse(done.model_dump())
+
+    async def _request(self, body: ResponsesBody, caller: Caller) -> GenerateRequest:
+        turns = body.turns()
+        check_prompt_size(sum(len(t["content"]) for t in turns), self.core.config.max_prompt_chars)
+        prompt = await asyncio.to_thread(chat_prompt, turns, self.core.tokenizer)
+        max_tokens = body.max_output_tokens
+        if max_tokens is None:
+            max_tokens = await room_for(self.core, prompt)
+        params = sampling_params(
+            {"max_tokens": "max_output_tokens"}, max_tokens=max_tokens, **body.sampling_kwargs()
+        )
+        return GenerateRequest(
+            params=params,
+            prompt=prompt,
+            request_id=body.request_id or new_request_id("resp_"),
+            priority=body.priority,
+            cache_salt=body.cache_salt,
+            tenant=caller.tenant,
+            cache_scope=caller.cache_scope,
+        )
+
+    def _start(self, body: ResponsesBody, response_id: str) -> ResponseObject:
+        """The Response as it starts: what the request asked for, status in_progress."""
+        return ResponseObject(
+            id=response_id,
+            created_at=int(time.time()),
+            status="in_progress",
+            instructions=body.instructions,
+            max_output_tokens=body.max_output_tokens,
+            model=self.model_name,
+            temperature=body.temperature if body.temperature is not None else 1.0,
+            top_p=body.top_p if body.top_p is not None else 1.0,
+            tool_choice=body.tool_choice or "auto",
+            parallel_tool_calls=body.parallel_tool_calls is not False,
+            user=body.user,
+            metadata=body.metadata or {},
+        )
+
+    @staticmethod
+    def _finish(
+        start: ResponseObject, message_id: str, collector: CompletionCollector
+    ) -> ResponseObject:
+        """The whole Response from the request's collected stream."""
+        (result,) = collector.completions
+        incomplete = result.finish_reason == "length"
+        message = OutputMessage(
+            id=message_id,
+            status="incomplete" if incomplete else "completed",
+            content=[OutputText(text=result.text)],
+        )
+        return start.model_copy(
+            update={
+                "status": "incomplete" if incomplete else "completed",
+                "incomplete_details": IncompleteDetails(reason="max_output_tokens")
+                if incomplete
+                else None,
+                "output": [message],
+                "usage": ResponseUsage.of(collector.usage()),
+            }
+        )
+
+
+async def _sse(
+    events: ResponseEvents,
+    first: StreamDelta,
+    rest: AsyncIterator[StreamDelta],
+    finish: Any,
+) -> AsyncIterator[str]:
+    """The stream's events: the start, a delta per piece of text, then the end (or
+    `response.failed` after a failure). Leaving early closes `rest`, which aborts the request
+    on its worker."""
+    for event in events.start():
+        yield event
+    collector = CompletionCollector()
+    try:
+        async for delta in _chained(first, rest):
+            collector.add(delta)
+            if delta.text:
+                yield events.delta(delta.text)
+            if delta.error:
+                raise engine_failure(delta.error)
+    except Exception as error:
+        failure = to_api_error(error)
+        yield events.fail(failure.code.value.lower(), failure.message)
+        return
+    finally:
+        await rest.aclose()  # a client gone mid-stream: abort the request on its worker now
+    for event in events.finish(finish(events.response, events.message_id, collector)):
+        yield event
+
+
+async def _chained(first: StreamDelta, rest: AsyncIterator[StreamDelta]) -> AsyncIterator:
+    yield first
+    async for delta in rest:
+        yield delta
