@@ -39,8 +39,9 @@ def guided_spec(sent: dict[str, tuple[GuidedKind, Any, bool]]) -> GuidedSpec | N
     if not sent:
         return None
     if len(sent) > 1:
-        names = " and ".join(sorted(sent))
-        raise ApiError.invalid(f"{names}: at most one structured-output field may be set", names)
+        first, *others = sorted(sent)
+        names = " and ".join([first, *others])
+        raise ApiError.invalid(f"{names}: at most one structured-output field may be set", first)
     ((field, (kind, value, strict)),) = sent.items()
     # Imported here: xgrammar imports torch, which the Router's process loads only once a
     # request asks for a grammar (tests/unit/cluster/test_light_imports.py).
