@@ -327,3 +327,38 @@ def test_a_grammar_that_fails_on_the_worker_ends_only_its_request(tiny_llama):
     assert outputs[0].outputs[0].finish_reason == "error"
     assert outputs[1].outputs[0].finish_reason == "length"
     finish_clean(llm)
+
+
+def test_a_request_moved_mid_output_continues_on_the_peer(tiny_llama):
+    """`move` preemption: a pool too small for four constrained requests hands some to a
+    roomy peer with their KV; the peer rebuilds each matcher from the tokens and the outputs
+    are the ones of each request run alone."""
+    loaded, _ = tiny_llama
+    small = EngineConfig(
+        block_size=8,
+        num_kv_blocks=16,
+        attention_backend="torch",
+        preemption_mode="move",
+        watermark=0.0,
+        enable_prefix_caching=False,
+    )
+    roomy = EngineConfig(block_size=8, num_kv_blocks=64, attention_backend="torch")
+    source, peer = Engine(small, loaded=loaded), Engine(roomy, loaded=loaded)
+    prompts = {f"r{i}": PROMPT + [ord("a") + i] for i in range(4)}
+    params = SamplingParams(temperature=0.0, max_tokens=90, guided=JSON)
+    tokens = {request_id: [] for request_id in prompts}
+    for request_id, prompt in prompts.items():
+        source.add_request(request_id, prompt, params)
+    for engine in (source, peer):
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                for completion in delta.completions:
+                    tokens[delta.request_id] += completion.token_ids
+                for handoff in delta.handoffs.values():
+                    peer.adopt(handoff)
+    assert source.num_handoffs >= 1, "nothing moved: nothing tested"
+    llm = make_llm(tiny_llama)
+    for request_id, prompt in prompts.items():
+        alone = run(llm, [prompt], params)[0].outputs[0]
+        assert tokens[request_id] == alone.token_ids and valid(alone.text)
+    finish_clean(llm)
