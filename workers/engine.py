@@ -7,6 +7,10 @@ stopped. Finished, aborted and timed-out sequences free their blocks in the same
 With speculative decoding on (`EngineConfig.speculative`), a step first takes drafts for its
 decoding sequences and verifies them after the forward (`spec_decoding.py`).
 
+A request with a grammar (`SamplingParams.guided`) waits outside the queues until its grammar
+is compiled off the step (`structured/guided_requests.py`); its tokens are masked in the
+sampler and advance its matcher in `_append_token` (`docs/structured_outputs.md`).
+
 A step returns deltas (`RequestDelta`, see `outputs.py`): per request it touched, only the new
 tokens and final text of each branch. Each `Request` keeps what it has not yet reported, so a
 step costs O(new tokens), never a copy of the whole output.
@@ -324,7 +328,6 @@ class Engine(EngineHandoffs):
         now = time.monotonic()
         for group in list(self._groups.values()):
             if group.deadline is not None and now >= group.deadline:
-                self.guided.drop(group.request_id)
                 self._end_group(group, FinishReason.TIMEOUT)
                 touched[group.request_id] = group
 
