@@ -197,7 +197,7 @@ class Engine(EngineHandoffs):
             raise RequestRejected(f"timeout_s must be a finite number > 0, got {timeout_s}")
         if request_id in self._groups:
             raise RequestRejected(f"request_id {request_id!r} is already in flight")
-        if self.scheduler.waiting_full():
+        if self.scheduler.waiting_full(self.guided.num_parked):
             raise Overloaded(f"the engine's waiting queue is full ({self.config.max_waiting})")
         prompt_text, token_ids = self.intake.tokenize(prompt)
         self.intake.check_fits(len(token_ids), params)

@@ -17,7 +17,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.workers import spec_decoding
 from pagedserve.workers.engine import Engine
 from pagedserve.workers.engine_config import EngineConfig
-from pagedserve.workers.errors import RequestRejected
+from pagedserve.workers.errors import Overloaded, RequestRejected
 from pagedserve.workers.handoff import RequestHandoff
 from pagedserve.workers.structured import GuidedKind, GuidedSpec
 from pagedserve.workers.structured.compiler import GrammarCompiler
@@ -316,6 +316,21 @@ def test_a_slow_compile_stalls_nobody_and_times_out(tiny_llama):
             finishes.update((delta.request_id, c.finish_reason) for c in ended(delta))
     held.release.set()
     assert finishes == {"plain": "length", "slow": "error"}
+    finish_clean(llm)
+
+
+def test_requests_waiting_for_their_grammar_count_against_max_waiting(tiny_llama):
+    llm = make_llm(tiny_llama, max_waiting=2)
+    engine = llm.engine
+    held = HeldBackend(engine.guided.compiler.backend)
+    engine.guided._compiler = GrammarCompiler(held, "held")
+    engine.add_request("a", PROMPT, SamplingParams(max_tokens=8, guided=JSON))
+    engine.add_request("b", PROMPT, SamplingParams(max_tokens=8, guided=JSON))
+    with pytest.raises(Overloaded, match="waiting queue is full"):
+        engine.add_request("c", PROMPT, SamplingParams(max_tokens=8))
+    held.release.set()
+    while engine.has_unfinished_requests():
+        engine.step()
     finish_clean(llm)
 
 
