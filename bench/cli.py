@@ -19,6 +19,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "pagedserve.bench.grpc_burst",
     "pagedserve.bench.serve_compare",
     "pagedserve.bench.spec",
+    "pagedserve.bench.structured",
     "pagedserve.bench.scale",
 )
 

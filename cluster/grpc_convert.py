@@ -8,6 +8,7 @@ from typing import Any, Literal, get_args
 
 from pagedserve.cluster.api_common import CompletionCollector, chat_prompt, sampling_params
 from pagedserve.cluster.api_errors import ApiError
+from pagedserve.cluster.api_guided import guided_spec
 from pagedserve.cluster.auth import ANONYMOUS, Caller
 from pagedserve.cluster.router_types import ClusterStats, GenerateRequest, WorkerView
 from pagedserve.cluster.worker_state import WorkerState
@@ -17,6 +18,7 @@ from pagedserve.workers.logprobs import TokenLogprob
 from pagedserve.workers.outputs import RequestMetrics
 from pagedserve.workers.sampling_params import SamplingKwargs, SamplingParams
 from pagedserve.workers.stream import StreamDelta, Usage
+from pagedserve.workers.structured.spec import GuidedKind
 from pagedserve.workers.tokenizer import Tokenizer
 
 # Sampling fields declared `optional`: unset means the SamplingParams default, not zero.
@@ -99,7 +101,29 @@ def params_from_proto(message: pb.SamplingParams) -> SamplingParams:
     for name in _OPTIONAL_SAMPLING:
         if message.HasField(name):
             kwargs[name] = getattr(message, name)
+    kwargs["guided"] = guided_spec(_guided_fields(message))
+    kwargs["logit_bias"] = dict(message.logit_bias)
+    kwargs["bad_words"] = list(message.bad_words)
+    if message.allowed_token_ids:
+        kwargs["allowed_token_ids"] = list(message.allowed_token_ids)
     return sampling_params(**kwargs)
+
+
+def _guided_fields(message: pb.SamplingParams) -> dict[str, tuple[GuidedKind, Any, bool]]:
+    """The structured-output fields the message set (`guided_spec` refuses more than one)."""
+    sent: dict[str, tuple[GuidedKind, Any, bool]] = {}
+    strict = message.guided_json_strict
+    if message.HasField("guided_json"):
+        sent["guided_json"] = (GuidedKind.JSON_SCHEMA, message.guided_json, strict)
+    if message.HasField("guided_regex"):
+        sent["guided_regex"] = (GuidedKind.REGEX, message.guided_regex, False)
+    if message.guided_choice:
+        sent["guided_choice"] = (GuidedKind.CHOICE, list(message.guided_choice), False)
+    if message.HasField("guided_grammar"):
+        sent["guided_grammar"] = (GuidedKind.GRAMMAR, message.guided_grammar, False)
+    if message.guided_json_object:
+        sent["guided_json_object"] = (GuidedKind.JSON_OBJECT, None, False)
+    return sent
 
 
 # ----------------------------------------------------------------- responses

@@ -17,7 +17,9 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pagedserve.cluster.api_errors import ApiError
+from pagedserve.cluster.api_guided import guided_spec
 from pagedserve.workers.sampling_params import SamplingKwargs
+from pagedserve.workers.structured.spec import GuidedKind
 
 
 class _Body(BaseModel):
@@ -26,6 +28,32 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Body):
+    """`response_format.json_schema`: OpenAI's named schema."""
+
+    name: str = Field(min_length=1, max_length=64)
+    schema_: dict[str, Any] = Field(alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's `response_format`: `text` (unconstrained), `json_object`, or `json_schema`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs`: one of these (the `guided_*` fields' newer spelling)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _SamplingFields(_Body):
@@ -49,6 +77,16 @@ class _SamplingFields(_Body):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    # structured outputs and token constraints (docs/api.md, "Structured outputs")
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # cluster extras
     priority: int = 0
     cache_salt: str | None = None
@@ -67,6 +105,10 @@ class _SamplingFields(_Body):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
+            guided=guided_spec(self.guided_fields()),
+            logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
         )
         if self.temperature is not None:
             kwargs["temperature"] = self.temperature
@@ -79,6 +121,47 @@ class _SamplingFields(_Body):
     def sent_as(self) -> dict[str, str]:
         """`SamplingParams` field → the body field it came from, where the names differ."""
         return {}
+
+    def guided_fields(self) -> dict[str, tuple[GuidedKind, Any, bool]]:
+        """Every structured-output field set, by the name the client sent it under."""
+        sent: dict[str, tuple[GuidedKind, Any, bool]] = {}
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            sent["response_format"] = (GuidedKind.JSON_OBJECT, None, True)
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise ApiError.invalid(
+                    "response_format.json_schema: field required for type json_schema",
+                    "response_format.json_schema",
+                )
+            schema = fmt.json_schema
+            strict = bool(schema.strict)
+            sent["response_format.json_schema"] = (GuidedKind.JSON_SCHEMA, schema.schema_, strict)
+        extras = {
+            "guided_json": (GuidedKind.JSON_SCHEMA, self.guided_json),
+            "guided_regex": (GuidedKind.REGEX, self.guided_regex),
+            "guided_choice": (GuidedKind.CHOICE, self.guided_choice),
+            "guided_grammar": (GuidedKind.GRAMMAR, self.guided_grammar),
+        }
+        outputs = self.structured_outputs
+        if outputs is not None:
+            extras |= {
+                "structured_outputs.json": (GuidedKind.JSON_SCHEMA, outputs.json_),
+                "structured_outputs.regex": (GuidedKind.REGEX, outputs.regex),
+                "structured_outputs.choice": (GuidedKind.CHOICE, outputs.choice),
+                "structured_outputs.grammar": (GuidedKind.GRAMMAR, outputs.grammar),
+                "structured_outputs.json_object": (
+                    GuidedKind.JSON_OBJECT,
+                    True if outputs.json_object else None,
+                ),
+            }
+        # vLLM's extras keep a schema's own `additionalProperties` (strict off).
+        sent |= {
+            name: (kind, value, False)
+            for name, (kind, value) in extras.items()
+            if value is not None
+        }
+        return sent
 
     @property
     def include_usage(self) -> bool:

@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 _PUBLIC_NAMES: dict[str, str] = {
     "LLM": "pagedserve.workers.llm",
     "SamplingParams": "pagedserve.workers.sampling_params",
+    "GuidedSpec": "pagedserve.workers.structured.spec",
     "RequestOutput": "pagedserve.workers.outputs",
     "CompletionOutput": "pagedserve.workers.outputs",
     "Client": "pagedserve.cluster.client",
@@ -25,6 +26,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports
     from pagedserve.workers.llm import LLM  # noqa: F401
     from pagedserve.workers.outputs import CompletionOutput, RequestOutput  # noqa: F401
     from pagedserve.workers.sampling_params import SamplingParams  # noqa: F401
+    from pagedserve.workers.structured.spec import GuidedSpec  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

@@ -7,6 +7,10 @@ stopped. Finished, aborted and timed-out sequences free their blocks in the same
 With speculative decoding on (`EngineConfig.speculative`), a step first takes drafts for its
 decoding sequences and verifies them after the forward (`spec_decoding.py`).
 
+A request with a grammar (`SamplingParams.guided`) waits outside the queues until its grammar
+is compiled off the step (`structured/guided_requests.py`); its tokens are masked in the
+sampler and advance its matcher in `_append_token` (`docs/structured_outputs.md`).
+
 A step returns deltas (`RequestDelta`, see `outputs.py`): per request it touched, only the new
 tokens and final text of each branch. Each `Request` keeps what it has not yet reported, so a
 step costs O(new tokens), never a copy of the whole output.
@@ -14,6 +18,7 @@ step costs O(new tokens), never a copy of the whole output.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 
@@ -24,9 +29,9 @@ from pagedserve.workers.batch import Batch, build_batch
 from pagedserve.workers.block_hash import cache_key
 from pagedserve.workers.deadline import check_timeout_s
 from pagedserve.workers.engine_config import EngineConfig
+from pagedserve.workers.engine_handoffs import EngineHandoffs
 from pagedserve.workers.engine_sizing import kv_layout, num_kv_blocks
 from pagedserve.workers.errors import Overloaded, RequestRejected, RequestTooLarge
-from pagedserve.workers.handoff import HandoffReason, RequestHandoff, adopt_kv, pack_handoff
 from pagedserve.workers.kv_cache import KVCache
 from pagedserve.workers.kv_cache_manager import KVCacheManager, KVUsage
 from pagedserve.workers.kv_tier_load import build_tier_store, load_waiting_prefixes
@@ -46,10 +51,13 @@ from pagedserve.workers.spec_decoding import SpecDecoding
 from pagedserve.workers.spec_proposer import Proposer, make_proposer
 from pagedserve.workers.spec_stats import SpecCounters, SpecStats
 from pagedserve.workers.stop_checker import FinishReason, check_stop
+from pagedserve.workers.structured.guided_requests import GuidedRequests, guided_stop
 from pagedserve.workers.worker_role import WorkerRole
 
+_log = logging.getLogger(__name__)
 
-class Engine:
+
+class Engine(EngineHandoffs):
     """One worker's engine: model, KV pool, scheduler and sampler behind three calls.
 
     Args:
@@ -123,6 +131,7 @@ class Engine:
             self.loaded, self.kv_cache, ops, linear_backend=config.linear_backend
         )
         self.sampler = Sampler(config.seed)
+        self.guided = GuidedRequests(self.loaded, config.grammar_compile_timeout_s)
         self.proposer: Proposer | None = None
         if config.speculative is not None:
             self.proposer = make_proposer(
@@ -155,6 +164,7 @@ class Engine:
                 self.sampler,
                 self.loaded.eos_token_ids,
                 self.spec_counters,
+                self.guided,
             )
         self._groups: dict[str, RequestGroup] = {}
         self._paused: set[str] = set()  # ids of paused groups (see `pause`)
@@ -167,6 +177,7 @@ class Engine:
 
     def close(self) -> None:
         """Finish the disk tier's queued writes and release its directory."""
+        self.guided.close()
         if self.tiers is not None:
             self.tiers.close()
 
@@ -186,10 +197,11 @@ class Engine:
         check_timeout_s(timeout_s)
         if request_id in self._groups:
             raise RequestRejected(f"request_id {request_id!r} is already in flight")
-        if self.scheduler.waiting_full():
+        if self.scheduler.waiting_full(self.guided.num_parked):
             raise Overloaded(f"the engine's waiting queue is full ({self.config.max_waiting})")
         prompt_text, token_ids = self.intake.tokenize(prompt)
         self.intake.check_fits(len(token_ids), params)
+        self.intake.check_token_ids(params)
         now = time.monotonic()
         deadline = None if timeout_s is None else now + timeout_s
         extra_keys = cache_key(self.loaded.name, cache_salt)
@@ -208,7 +220,17 @@ class Engine:
         self._groups[request_id] = RequestGroup(
             request_id, prompt_text, list(token_ids), branches, now, deadline
         )
-        self.scheduler.add(first)
+        if params.guided is None:
+            self.scheduler.add(first)
+            return
+
+        # Queued once its grammar is compiled (`_admit_compiled`): a matcher per branch.
+        def start(compiled) -> None:
+            for branch in branches:
+                self.guided.attach(branch, compiled)
+            self.scheduler.add(first)
+
+        self.guided.park(request_id, params.guided, start)
 
     def abort(
         self, request_id: str, reason: FinishReason = FinishReason.ABORT
@@ -247,7 +269,7 @@ class Engine:
 
     def has_runnable_requests(self) -> bool:
         """Whether a step could do anything: a request not paused, or a deadline that passed."""
-        if len(self._groups) > len(self._paused):
+        if len(self._groups) > len(self._paused) or self.guided.num_parked:
             return True
         now = time.monotonic()
         deadlines = (self._groups[r].deadline for r in self._paused)
@@ -258,6 +280,7 @@ class Engine:
         """Run one scheduling + forward + sampling step; the deltas of requests it touched."""
         touched: dict[str, RequestGroup] = {}
         self._expire_deadlines(touched)
+        self._admit_compiled(touched)
         self._hand_off_prefilled(touched)
         drafted = []
         if self.speculation is not None:
@@ -278,6 +301,20 @@ class Engine:
         for request in drafted:  # drafts the plan had no room for
             request.draft_token_ids = []
         return [self._delta_for(group) for group in touched.values()]
+
+    def _admit_compiled(self, touched: dict[str, RequestGroup]) -> None:
+        """Queue the requests whose grammar compiled; fail those whose compile failed. An
+        engine with nothing else to do waits here (briefly) for a compile instead of spinning."""
+        if not self.guided.num_parked:
+            return
+        if not self.scheduler.num_active and not self.scheduler.waiting:
+            self.guided.wait_for_compile()
+        for group_id, message in self.guided.admit_ready():
+            group = self._groups.get(group_id)
+            if group is not None:
+                _log.warning("request %s failed: %s", group_id, message)
+                self._end_group(group, FinishReason.ERROR)
+                touched[group_id] = group
 
     def _load_from_tiers(self) -> None:
         """Before admission: the waiting requests' lower-tier prefixes, back into the pool."""
@@ -338,7 +375,8 @@ class Engine:
                 row_logits.append(row)
         if len(rows) > len(batch.sampled):
             logits = logits[torch.tensor(row_logits, device=logits.device)]
-        tokens = sample_rows(self.sampler, logits, rows, self.loaded.eos_token_ids, self.tokenizer)
+        eos_ids, backend = self.loaded.eos_token_ids, self.guided.backend
+        tokens = sample_rows(self.sampler, logits, rows, eos_ids, self.tokenizer, backend)
         now = time.monotonic()
         for request, token in zip(rows, tokens, strict=True):
             self._append_token(request, token, now)
@@ -354,71 +392,6 @@ class Engine:
             if request.pooling.add(rows, positions, request.prompt_len):
                 self._finish(request, FinishReason.STOP)
                 touched[request.group_id] = self._groups[request.group_id]
-
-    def _hand_off_prefilled(self, touched) -> None:
-        """P/D, on a `prefill` engine: every fresh sequence whose first token went out (the
-        last step's delta carried it, so TTFT never waits for a transfer) leaves for a decode
-        worker, as a `move` preemption does. Its blocks are freed here; the full ones stay
-        cached, so a later request with the same prefix hits them on this worker."""
-        if not self.role.hands_off_after_prefill:  # no scan of the running queue elsewhere
-            return
-        ready = [
-            r
-            for r in self.scheduler.running
-            if r.hand_off_after_prefill and r.num_output_tokens and not r.is_prefilling
-        ]
-        for request in ready:
-            block_ids = self.scheduler.release_for_handoff(request)
-            self._hand_off(request, block_ids, touched, HandoffReason.PREFILLED)
-
-    def _hand_off(
-        self,
-        victim: Request,
-        block_ids: list[int],
-        touched,
-        reason: HandoffReason = HandoffReason.PREEMPTED,
-    ) -> None:
-        """Pack a sequence for a peer (a preempted one, or one whose prefill is done) and end
-        it here with finish reason `moved`."""
-        group = self._groups[victim.group_id]
-        packed = self.kv_cache.export_blocks(block_ids) if block_ids else None
-        now = time.monotonic()
-        group.handoffs[victim.branch_index] = pack_handoff(
-            group, victim, packed, self.kv.block_size, reason, now
-        )
-        victim.finish_reason = FinishReason.MOVED
-        victim.timings.finished = now
-        if self.proposer is not None:
-            self.proposer.release(victim.request_id)
-        touched[group.request_id] = group
-        self.num_handoffs += 1
-
-    def adopt(self, handoff: RequestHandoff) -> None:
-        """Continue a sequence a peer handed off: reuse cached blocks, write back its KV, go on.
-
-        Without room for its KV the sequence recomputes it from its tokens (same output).
-        """
-        handoff.check_compatible(self.kv.block_size, self.loaded.name)
-        if handoff.request_id in self._groups:
-            raise RequestRejected(f"request_id {handoff.request_id!r} is already in flight")
-        now = time.monotonic()
-        request = self.intake.adopted_branch(handoff, now)
-        self._groups[handoff.request_id] = RequestGroup(
-            handoff.request_id,
-            None,
-            list(handoff.prompt_token_ids),
-            [request],
-            request.timings.arrival,
-            request.deadline,
-        )
-        if not adopt_kv(self.kv, self.kv_cache, request, handoff):
-            self.scheduler.add(request)  # no KV, or no room for it: recompute from the tokens
-            self.num_adopted_recomputed += 1
-            return
-        self.num_adopted_with_kv += 1
-        if request.timings.first_scheduled is None:
-            request.timings.first_scheduled = now
-        self.scheduler.add_running(request)
 
     def _fork_pending(self, request: Request) -> list[Request]:
         """Once a prompt is computed, its sibling branches share its blocks (no re-prefill)."""
@@ -447,6 +420,7 @@ class Engine:
             stop_hit,
             max_model_len_hit=len(request.all_token_ids) >= self.max_model_len,
         )
+        reason = guided_stop(request, token) or reason
         if reason is not None:
             self._finish(request, reason)
 
@@ -462,6 +436,7 @@ class Engine:
             request.unreported_text += request.detokenizer.flush()
 
     def _end_group(self, group: RequestGroup, reason: FinishReason) -> None:
+        self.guided.drop(group.request_id)
         for branch in group.branches:
             self._finish(branch, reason)
 

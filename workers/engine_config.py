@@ -84,6 +84,9 @@ class EngineConfig:
             uses its own subdirectory, named after the worker.
         kv_disk_tier_bytes: bytes of files the disk tier may hold (required with
             kv_disk_tier_dir).
+        grammar_compile_timeout_s: how long a request with a grammar (structured outputs)
+            waits for it to compile before it fails with finish reason `error`; compiles run
+            off the step, so a slow one never holds back other requests.
     """
 
     model: str | None = DEFAULT_MODEL
@@ -111,6 +114,7 @@ class EngineConfig:
     kv_host_tier_bytes: int = 0
     kv_disk_tier_dir: str | None = None
     kv_disk_tier_bytes: int = 0
+    grammar_compile_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         # A dict (from `LLM(speculative={...})` or YAML) becomes the typed config here, once.
@@ -133,6 +137,9 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        timeout = self.grammar_compile_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+            raise ValueError(f"grammar_compile_timeout_s must be > 0, got {timeout!r}")
         self._check_names()
         self._check_scheduling()
         self._check_tiers()

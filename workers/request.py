@@ -89,6 +89,10 @@ class Request:
     paused: bool = False
     # This step's draft tokens (speculative decoding): verified after the forward, then cleared.
     draft_token_ids: list[int] = field(default_factory=list)
+    # Structured outputs: its grammar's matcher (`params.guided`; set once compiled), and its
+    # `bad_words` as token ids (`structured/masking.py`).
+    matcher: Any = None
+    bad_words_ids: list[list[int]] = field(default_factory=list)
     # What the engine has not yet put in a delta (`Engine._branch_delta` takes it).
     num_reported_tokens: int = 0  # output tokens already reported
     unreported_text: str = ""  # final text produced since the last delta

@@ -16,6 +16,7 @@ from pagedserve.workers.model_loader import LoadedModel
 from pagedserve.workers.request import Request
 from pagedserve.workers.sampler import make_generator
 from pagedserve.workers.sampling_params import SamplingParams
+from pagedserve.workers.structured.masking import bad_word_token_ids
 
 
 class RequestIntake:
@@ -77,6 +78,18 @@ class RequestIntake:
                 f"tokens, {self.kv.reserve_blocks} kept in reserve)"
             )
 
+    def check_token_ids(self, params: SamplingParams) -> None:
+        """Raises `RequestRejected` naming the field whose token ids are outside the vocabulary."""
+        vocab = self.loaded.vocab_size
+        for name, ids in params.token_ids_to_check().items():
+            bad = [t for t in ids if t >= vocab]
+            if bad and name != "stop_token_ids":  # a stop id past the vocabulary never matches
+                raise RequestRejected(
+                    f"{name} holds ids outside the vocabulary [0, {vocab}): {bad[:5]}"
+                )
+        if params.bad_words and self.tokenizer is None:
+            raise RequestRejected("bad_words needs a model with a tokenizer")
+
     def new_branch(
         self, request_id, index, token_ids, params, priority, extra_keys, deadline, now
     ) -> Request:
@@ -99,6 +112,7 @@ class RequestIntake:
             request.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, params.stop, params.include_stop_str_in_output
             )
+            request.bad_words_ids = bad_word_token_ids(self.tokenizer, params.bad_words)
         return request
 
     def adopted_branch(self, handoff: RequestHandoff, now: float) -> Request:

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from pagedserve.workers.logprobs import raw_logits, record_sample_logprobs
 from pagedserve.workers.sampling_params import SEED_LIMIT, SamplingParams
+from pagedserve.workers.structured.masking import apply_token_constraints
 
 if TYPE_CHECKING:
     from pagedserve.workers.request import Request
@@ -56,6 +57,7 @@ def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torc
     return generator
 
 
+@torch.inference_mode()  # the runner's logits are inference tensors: in place only in here
 def suppress_stop_tokens(
     logits: Tensor,
     params: Sequence[SamplingParams],
@@ -80,7 +82,12 @@ def suppress_stop_tokens(
         banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
         ids = [t for t in banned if t < vocab_size]
         if ids:
+            kept = logits[row, ids].clone()
             logits[row, ids] = float("-inf")
+            if p.has_token_constraints and not torch.isfinite(logits[row]).any():
+                # A grammar (or allowed_token_ids) that allows only a stop here: the stop
+                # stays, since a row with nothing left to sample has no token at all.
+                logits[row, ids] = kept
 
 
 @torch.inference_mode()  # the runner's logits are inference tensors: in place only in here
@@ -288,12 +295,16 @@ def sample_rows(
     rows: Sequence[Request],
     eos_token_ids: Collection[int],
     tokenizer: Any,
+    grammar_backend: Any = None,
 ) -> list[int]:
-    """One token per sequence of a step (row `i` of `logits` is `rows[i]`'s): stop tokens
-    suppressed below `min_tokens`, penalties applied, sampled; the log-probabilities a row asks
-    for are recorded on it, of the model's own logits."""
+    """One token per sequence of a step (row `i` of `logits` is `rows[i]`'s): token constraints
+    applied (`logit_bias`, `allowed_token_ids`, `bad_words`, the grammar's bitmask for the whole
+    batch: `structured/masking.py`), stop tokens suppressed below `min_tokens`, penalties
+    applied, sampled; the log-probabilities a row asks for are recorded on it, of the model's
+    own logits. `grammar_backend` builds the bitmask (needed when a row has a matcher)."""
     params = [r.params for r in rows]
     raw = raw_logits(logits, params)
+    apply_token_constraints(logits, rows, grammar_backend)
     suppress_stop_tokens(logits, params, [r.num_output_tokens for r in rows], eos_token_ids)
     apply_penalties(logits, params, [r.all_token_ids for r in rows], [r.prompt_len for r in rows])
     tokens = sampler.sample(logits, params, [r.generator for r in rows]).tolist()

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, TypedDict
 
+from pagedserve.workers.structured.spec import GuidedSpec
+
 MAX_N = 64
 
 # Temperatures this small would overflow ``logits / temperature``; they mean "greedy" anyway.
@@ -30,6 +32,12 @@ SEED_LIMIT = 2**64
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
+# OpenAI's logit_bias: at most 300 ids, each biased by [-100, 100] (-100 bans, 100 forces).
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_ABS_LOGIT_BIAS = 100.0
+# Banned words are matched against the output's last tokens every step: bounded like stops.
+MAX_BAD_WORDS = 64
+MAX_ALLOWED_TOKEN_IDS = 1 << 20
 
 
 class Pooling(StrEnum):
@@ -72,6 +80,13 @@ class SamplingParams:
             result is the prompt's final hidden states pooled this way (`Pooling`: "last" or
             "mean") and L2-normalised, instead of tokens; ``n`` must be 1 and no
             log-probabilities are asked. ``None``: generate.
+        guided: a grammar the output must match (`GuidedSpec`: JSON object, JSON schema, regex,
+            choice, EBNF); ``None``: unconstrained. Generation ends once the grammar is complete.
+        logit_bias: token id → a bias in [-100, 100] added to its logit every step (at most 300
+            ids); ids are checked against the model's vocabulary when the request arrives.
+        allowed_token_ids: only these ids may be generated; ``None``: all.
+        bad_words: words never generated (each banned as the model's tokens spell it, with and
+            without a leading space); at most 64.
     """
 
     n: int = 1
@@ -91,13 +106,22 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     pooling: Pooling | None = None
+    guided: GuidedSpec | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.stop = _as_list("stop", self.stop)
         self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids)
+        self.bad_words = _as_list("bad_words", self.bad_words)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _as_list("allowed_token_ids", self.allowed_token_ids)
+        self.logit_bias = _as_bias("logit_bias", self.logit_bias)
         self._validate_counts()
         self._validate_sampling()
         self._validate_stops()
+        self._validate_constraints()
         self._validate_pooling()
 
     def _validate_pooling(self) -> None:
@@ -113,6 +137,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 raise ValueError(f"{name}: an embedding (pooling) has no log-probabilities")
+        if self.guided is not None:
+            raise ValueError("guided: an embedding (pooling) generates no tokens to constrain")
 
     def _validate_counts(self) -> None:
         _check_int("n", self.n)
@@ -185,6 +211,53 @@ class SamplingParams:
             if token_id < 0:
                 raise ValueError(f"stop_token_ids[{i}] must be >= 0, got {token_id}")
 
+    def _validate_constraints(self) -> None:
+        if self.guided is not None and not isinstance(self.guided, GuidedSpec):
+            raise ValueError(f"guided must be a GuidedSpec, got {self.guided!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(
+                f"logit_bias has {len(self.logit_bias)} entries; "
+                f"at most {MAX_LOGIT_BIAS_ENTRIES} are allowed"
+            )
+        for token_id, bias in self.logit_bias.items():
+            _check_token_id(f"logit_bias[{token_id!r}]", token_id)
+            _check_float(f"logit_bias[{token_id}]", bias)
+            if not -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS:
+                raise ValueError(f"logit_bias[{token_id}] must be in [-100, 100], got {bias}")
+        if self.allowed_token_ids is not None:
+            if not 1 <= len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS:
+                raise ValueError(
+                    f"allowed_token_ids must hold 1..{MAX_ALLOWED_TOKEN_IDS} ids, "
+                    f"got {len(self.allowed_token_ids)}"
+                )
+            for i, token_id in enumerate(self.allowed_token_ids):
+                _check_token_id(f"allowed_token_ids[{i}]", token_id)
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words has {len(self.bad_words)} words; at most {MAX_BAD_WORDS}")
+        for i, word in enumerate(self.bad_words):
+            if not isinstance(word, str) or not word.strip():
+                raise ValueError(f"bad_words[{i}] must be a non-blank string, got {word!r}")
+            if len(word) > MAX_STOP_CHARS:
+                raise ValueError(f"bad_words[{i}] has more than {MAX_STOP_CHARS} characters")
+
+    def token_ids_to_check(self) -> dict[str, list[int]]:
+        """Field name → the token ids it names, for the engine's vocabulary check."""
+        return {
+            "logit_bias": list(self.logit_bias),
+            "allowed_token_ids": list(self.allowed_token_ids or ()),
+            "stop_token_ids": list(self.stop_token_ids),
+        }
+
+    @property
+    def has_token_constraints(self) -> bool:
+        """Whether the logits of this request are masked or biased before sampling."""
+        return bool(
+            self.guided is not None
+            or self.logit_bias
+            or self.allowed_token_ids is not None
+            or self.bad_words
+        )
+
     @property
     def has_penalties(self) -> bool:
         """Whether any penalty changes the logits (all off by default)."""
@@ -242,6 +315,10 @@ class SamplingKwargs(TypedDict, total=False):
     logprobs: int | None
     prompt_logprobs: int | None
     pooling: Pooling | str | None
+    guided: GuidedSpec | None
+    logit_bias: dict[int, float]
+    allowed_token_ids: list[int] | None
+    bad_words: list[str] | None
 
 
 def _as_list(name: str, value: Any) -> list[Any]:
@@ -253,6 +330,28 @@ def _as_list(name: str, value: Any) -> list[Any]:
     if isinstance(value, bytes) or not isinstance(value, Iterable):
         raise ValueError(f"{name} must be a list, got {value!r}")
     return list(value)
+
+
+def _as_bias(name: str, value: Any) -> dict[int, float]:
+    """`logit_bias` as a fresh dict of int ids; JSON's string keys ("50256") become ints."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a map of token id to bias, got {value!r}")
+    bias = {}
+    for key, weight in value.items():
+        if isinstance(key, str):
+            if not key.strip().isdigit():
+                raise ValueError(f"{name} keys must be token ids, got {key!r}")
+            key = int(key)
+        bias[key] = weight
+    return bias
+
+
+def _check_token_id(name: str, value: Any) -> None:
+    _check_int(name, value)
+    if value < 0:
+        raise ValueError(f"{name} must be a token id >= 0, got {value}")
 
 
 def _check_int(name: str, value: Any) -> None:

@@ -127,11 +127,12 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self._insert(self.running, request)
 
-    def waiting_full(self) -> bool:
+    def waiting_full(self, num_outside: int = 0) -> bool:
         """Whether a new request must be refused. Preempted sequences re-enter `waiting`
-        regardless: they are in flight already, and refusing them would lose their work."""
+        regardless: they are in flight already, and refusing them would lose their work.
+        `num_outside`: new requests that wait outside the queue (for their grammar)."""
         limit = self.config.max_waiting
-        return limit is not None and len(self.waiting) >= limit
+        return limit is not None and len(self.waiting) + num_outside >= limit
 
     @property
     def num_active(self) -> int:

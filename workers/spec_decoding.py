@@ -4,10 +4,12 @@ its forward.
 Before the scheduler runs, each decoding sequence that may speculate gets up to k drafts from
 the proposer (`spec_proposer.py`); the scheduler gives it its last token plus the drafts as one
 short chunk, and the forward yields logits at every draft position. After it, each sequence's
-rows go through the same logit processing as the sampler's (stop-token suppression,
-penalties), `spec_verify.py` accepts a prefix of the drafts plus one token of the target's own,
-and the tokens are appended one by one through the engine's stop checks, so a run that stops
-inside the accepted drafts ends exactly where it would have without speculation.
+rows go through the same logit processing as the sampler's (token constraints and the
+grammar's bitmask as it stands after each draft: drafts the grammar forbids are dropped before
+verification; stop-token suppression, penalties), `spec_verify.py` accepts a prefix of the
+drafts plus one token of the target's own, and the tokens are appended one by one through the
+engine's stop checks, so a run that stops inside the accepted drafts ends exactly where it
+would have without speculation.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pagedserve.workers.sampler import (
 from pagedserve.workers.spec_proposer import Proposer
 from pagedserve.workers.spec_stats import SpecCounters
 from pagedserve.workers.spec_verify import Verdict, verify_greedy, verify_sampled
+from pagedserve.workers.structured.masking import constrain_drafts
 
 AppendToken = Callable[[Request, int, float], None]
 
@@ -54,6 +57,7 @@ class SpecDecoding:
         sampler: Sampler,
         eos_token_ids,
         counters: SpecCounters,
+        guided=None,
     ) -> None:
         self.proposer = proposer
         self.num_tokens = num_tokens
@@ -62,6 +66,7 @@ class SpecDecoding:
         self.sampler = sampler
         self.eos_token_ids = eos_token_ids
         self.counters = counters
+        self.guided = guided  # `GuidedRequests`: the grammar backend of constrained sequences
 
     def propose(
         self, running: Iterable[Request], groups: Mapping[str, RequestGroup]
@@ -133,6 +138,10 @@ class SpecDecoding:
     def verdict(self, request: Request, rows: torch.Tensor) -> Verdict:
         """Process each row as the sampler would at that position, then verify."""
         drafts = request.draft_token_ids
+        if request.params.has_token_constraints:
+            backend = None if self.guided is None else self.guided.backend
+            drafts = constrain_drafts(rows, request, drafts, backend)
+            rows = rows[: len(drafts) + 1]
         params = [request.params] * len(rows)
         num_out = request.num_output_tokens
         suppress_stop_tokens(

@@ -36,7 +36,7 @@ VALID = {
     ChatCompletionBody: {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
 }
 # Fields OpenAI or vLLM clients send that pagedserve does not serve: refused, by name.
-UNSERVED = ["logit_bias", "tools", "functions", "response_format", "suffix", "best_of", "extra"]
+UNSERVED = ["tools", "functions", "suffix", "best_of", "extra"]
 EXTREME_INTS = [0, -1, 1, 64, 65, 10_000, 2**31, 2**63, -(2**63) - 1, 2**64, 10**100]
 EXTREME_FLOATS = [0.0, -0.0, 1e-300, 5e-324, 1e300, -1e300, float("nan"), float("inf")]
 
@@ -145,7 +145,7 @@ def test_spoiled_json_is_refused_by_name(model, spoil, field):
         ({"stop": [f"s{i}" for i in range(5000)]}, "stop"),
         ({"stop": ["x" * 5000]}, "stop[0]"),
         ({"stop_token_ids": list(range(5000))}, "stop_token_ids"),
-        ({"logit_bias": {"50256": -100}}, "logit_bias"),
+        ({"logit_bias": {"50256": -101}}, "logit_bias[50256]"),
         ({"best_of": 3}, "best_of"),
         ({"temperature": 10**100}, "temperature"),
         ({"max_tokens": -1}, "max_tokens"),
