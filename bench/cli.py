@@ -20,6 +20,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "pagedserve.bench.serve_compare",
     "pagedserve.bench.spec",
     "pagedserve.bench.scale",
+    "pagedserve.bench.kv_dtype",
 )
 
 
