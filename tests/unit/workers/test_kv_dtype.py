@@ -270,3 +270,54 @@ def test_disk_tier_files_hold_the_8_bit_rows_and_refuse_another_kv_dtype(tiny_ll
     )
     with pytest.raises(CorruptBlockFile, match="layout"):
         read_header(path, kv_layout(EngineConfig(**BASE), loaded))
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_rollback_on_an_fp8_pool_keeps_the_output(tiny_llama, method):
+    from support.spec import repetitive_prompts
+
+    loaded, _ = tiny_llama
+    prompts = repetitive_prompts(loaded.vocab_size, 4, seed=3)
+    spec = {"method": method, "num_tokens": 3}
+    if method == "draft":
+        spec["draft_model"] = "tiny-llama"
+    runs = []
+    for speculative in (None, spec):
+        llm = LLM(
+            loaded_model=loaded, model="tiny-llama", num_kv_blocks=64, kv_cache_dtype="fp8",
+            speculative=speculative, **BASE,
+        )  # fmt: skip
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)])
+        finish_clean(llm)
+    assert runs[1] == runs[0]
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_an_evicted_fp8_prefix_comes_back_from_a_tier_not_prefilled(tiny_llama, tier, tmp_path):
+    loaded, _ = tiny_llama
+    prompt_a = [(7 * i + 3) % 200 + 1 for i in range(36)]  # 4 full blocks of 8
+    prompt_b = [(11 * i + 5) % 200 + 1 for i in range(60)]  # fills the pool: evicts A
+    small = {"num_kv_blocks": 8, "watermark": 0.0, "kv_cache_dtype": "fp8", **BASE}
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+    def run(llm, prompt):
+        counters = llm.engine.scheduler.counters
+        before = counters.prefill_tokens
+        (output,) = llm.generate([prompt], params)
+        return output.outputs[0].token_ids, counters.prefill_tokens - before
+
+    plain = LLM(loaded_model=loaded, **small)
+    expected = run(plain, prompt_a)[0]
+    finish_clean(plain)
+    block_bytes = plain.engine.kv_cache.packed_bytes_per_block
+    tiers = {"kv_host_tier_bytes": 16 * block_bytes}
+    if tier == "disk":
+        tiers = {"kv_host_tier_bytes": block_bytes, "kv_disk_tier_dir": str(tmp_path)}
+        tiers["kv_disk_tier_bytes"] = 64 * block_bytes
+    llm = LLM(loaded_model=loaded, **small, **tiers)
+    assert run(llm, prompt_a) == (expected, 36)
+    run(llm, prompt_b)
+    assert run(llm, prompt_a) == (expected, 36 - 32)  # 4 blocks loaded back, 8-bit
+    assert llm.engine.tier_stats().of(tier).hit_blocks >= (4 if tier == "host" else 3)
+    finish_clean(llm)
+    llm.engine.close()
