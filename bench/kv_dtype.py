@@ -6,9 +6,10 @@ text, `compare_workload.text_prompts`; fp8 scales are computed at write time, so
 ever used to calibrate them):
 
 - greedy agreement: the share of prompts whose first `--max-tokens` greedy tokens are equal;
-- |Δ logprob|: both engines score the reference's continuation (teacher forcing, prompt
-  logprobs over prompt + continuation), and the log-probabilities of those tokens are compared
-  position by position: max and mean over every continuation token of every prompt.
+- |Δ logprob|: the log-probability of each of the reference's continuation tokens under the
+  reference cache (reported as it generated them) and under the 8-bit cache (teacher forcing:
+  prompt logprobs over prompt + continuation, every position computed, none from a prefix
+  cache), compared position by position: max and mean over every continuation token.
 
     $ pagedserve bench kv-dtype --num-prompts 64 --max-tokens 32
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -60,11 +62,14 @@ def _engine(loaded, kv_dtype: str, backend: str, blocks: int):
     )
 
 
-def _continuations(llm, prompts, max_tokens: int) -> list[list[int]]:
+def _continuations(llm, prompts, max_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
+    """Greedy continuations and the log-probability of each of their tokens."""
     from pagedserve import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
+    outputs = [out.outputs[0] for out in llm.generate(prompts, params)]
+    tokens = [list(out.token_ids) for out in outputs]
+    return tokens, [[entry.logprob for entry in out.logprobs] for out in outputs]
 
 
 def _scores(llm, prompts, continuations) -> list[list[float]]:
@@ -79,6 +84,10 @@ def _scores(llm, prompts, continuations) -> list[list[float]]:
         tail = out.prompt_logprobs[-len(cont) :]
         scores.append([entry.logprob for entry in tail])
     return scores
+
+
+def _progress(what: str) -> None:
+    print(f"[bench kv-dtype] {what}", file=sys.stderr, flush=True)
 
 
 def _agreeing_prefix(a: list[int], b: list[int]) -> int:
@@ -101,9 +110,11 @@ def measure(args: argparse.Namespace) -> KVDtypeAccuracy:
     blocks = sum(-(-(len(p) + args.max_tokens + 1) // 16) for p in prompts) + 8
     reference = _engine(loaded, "auto", args.backend, blocks)
     quantised = _engine(loaded, args.kv_dtype, args.backend, blocks)
-    ref_tokens = _continuations(reference, prompts, args.max_tokens)
-    q_tokens = _continuations(quantised, prompts, args.max_tokens)
-    ref_scores = _scores(reference, prompts, ref_tokens)
+    _progress(f"{len(prompts)} prompts: the reference cache generates")
+    ref_tokens, ref_scores = _continuations(reference, prompts, args.max_tokens)
+    _progress(f"the {args.kv_dtype} cache generates")
+    q_tokens, _ = _continuations(quantised, prompts, args.max_tokens)
+    _progress(f"the {args.kv_dtype} cache scores the reference's continuations")
     q_scores = _scores(quantised, prompts, ref_tokens)
     deltas = [
         abs(a - b)

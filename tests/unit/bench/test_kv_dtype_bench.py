@@ -18,5 +18,5 @@ def test_fp8_cache_against_float32_on_smollm2():
     assert 0 <= result.prompts_agreeing <= 3
     assert 0 <= result.mean_agreeing_prefix <= 4
     assert 0 < result.mean_abs_dlogprob <= result.max_abs_dlogprob < 1.0
-    assert result.reference_kv_dtype == "float32" and 24 <= result.prompt_lens[0]
+    assert result.reference_kv_dtype == "float32" and result.prompt_lens[0] >= 24
     assert "greedy agreement" in format_report(result)

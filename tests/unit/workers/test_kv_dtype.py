@@ -321,3 +321,27 @@ def test_an_evicted_fp8_prefix_comes_back_from_a_tier_not_prefilled(tiny_llama, 
     assert llm.engine.tier_stats().of(tier).hit_blocks >= (4 if tier == "host" else 3)
     finish_clean(llm)
     llm.engine.close()
+
+
+def test_the_preflight_budget_check_counts_8_bit_blocks():
+    from pagedserve.workers.engine_checks import EngineConfigError, ModelShape, check_kv_budget
+
+    shape = ModelShape(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32", context=512)
+    fp8_block = 16 * 2 * 2 * 2 * 64  # B x M_KV at 1 byte
+    check_kv_budget(EngineConfig(kv_cache_bytes=fp8_block, kv_cache_dtype="fp8"), shape)
+    with pytest.raises(EngineConfigError, match="holds no KV block") as error:
+        check_kv_budget(EngineConfig(kv_cache_bytes=fp8_block), shape)
+    assert error.value.field == "kv_cache_bytes"
+
+
+def test_a_head_dim_fp8_rows_cannot_hold_is_refused_naming_kv_cache_dtype():
+    from types import SimpleNamespace
+
+    from pagedserve.workers.engine_checks import EngineConfigError
+    from pagedserve.workers.engine_sizing import kv_pool_dtype
+
+    odd = SimpleNamespace(name="odd-model", head_dim=30, dtype=torch.float32)
+    assert kv_pool_dtype(EngineConfig(), odd) == torch.float32
+    with pytest.raises(EngineConfigError, match="head_dim divisible by 4") as error:
+        kv_pool_dtype(EngineConfig(kv_cache_dtype="fp8"), odd)
+    assert error.value.field == "kv_cache_dtype"
