@@ -18,13 +18,17 @@ from pagedserve.workers.kv_tier_file import KVLayout
 from pagedserve.workers.model_loader import LoadedModel
 from pagedserve.workers.model_registry import TINY_LLAMA_NAME
 
+# Triton converts fp8 in hardware from Ada / Hopper (sm_89) on.
+FP8_MIN_CAPABILITY = (8, 9)
+
 
 def kv_pool_dtype(config: EngineConfig, loaded: LoadedModel) -> torch.dtype:
     """The pool's dtype: the model's for `kv_cache_dtype` `auto`, else the fp8 format.
 
     Raises:
         EngineConfigError: (field `kv_cache_dtype`) the model's head_dim is not a multiple
-            of 4, which fp8 rows need (their scales sit 4-byte aligned beside the codes).
+            of 4, which fp8 rows need (their scales sit 4-byte aligned beside the codes), or
+            the Triton kernels would run on a GPU older than compute capability 8.9.
     """
     if config.kv_cache_dtype == AUTO_DTYPE:
         return loaded.dtype
@@ -34,6 +38,15 @@ def kv_pool_dtype(config: EngineConfig, loaded: LoadedModel) -> torch.dtype:
             f"kv_cache_dtype {config.kv_cache_dtype!r} needs a head_dim divisible by 4; "
             f"{loaded.name} has {loaded.head_dim}",
         )
+    if loaded.device.type == "cuda" and config.attention_backend in ("auto", "triton"):
+        capability = torch.cuda.get_device_capability(loaded.device)
+        if capability < FP8_MIN_CAPABILITY:
+            raise EngineConfigError(
+                "kv_cache_dtype",
+                f"kv_cache_dtype {config.kv_cache_dtype!r} with the triton attention backend "
+                f"needs a GPU of compute capability 8.9 or newer (fp8 conversions); this one "
+                f"is {capability[0]}.{capability[1]}: use kv_cache_dtype 'auto'",
+            )
     return FP8_FORMATS[config.kv_cache_dtype]
 
 

@@ -160,3 +160,19 @@ def test_triton_write_and_block_moves_on_fp8_are_the_references_bytes(fmt, gen, 
     )
     for ours, theirs in zip(pools[:2], pools[2:], strict=True):
         assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fmt", FP8)
+def test_a_later_outlier_changes_no_earlier_row_and_keeps_its_own_precision(fmt, gen):
+    """Scales are per row and fixed at the write: an outlier 1000x larger written later into
+    the same block neither clips nor requantises what was there (a per-block or static scale
+    would do one or the other)."""
+    pool = [torch.zeros(2, 4, 1, 16 + SCALE_BYTES, dtype=fmt) for _ in range(2)]
+    early = torch.randn(3, 1, 16, generator=gen)
+    reference.write_kv_ref(early, early, *pool, torch.tensor([0, 1, 2]))
+    before = pool[0].view(torch.uint8).clone()
+    outlier = torch.randn(1, 1, 16, generator=gen) * 1000
+    reference.write_kv_ref(outlier, outlier, *pool, torch.tensor([3]))
+    assert torch.equal(pool[0].view(torch.uint8)[0, :3], before[0, :3])
+    back = dequantise_rows(pool[0][0, 3])
+    assert bool(((back - outlier[0]).abs() <= STEP[fmt] * outlier.abs().max()).all())

@@ -340,8 +340,27 @@ def test_a_head_dim_fp8_rows_cannot_hold_is_refused_naming_kv_cache_dtype():
     from pagedserve.workers.engine_checks import EngineConfigError
     from pagedserve.workers.engine_sizing import kv_pool_dtype
 
-    odd = SimpleNamespace(name="odd-model", head_dim=30, dtype=torch.float32)
+    odd = SimpleNamespace(name="odd-model", head_dim=30, dtype=torch.float32, device=None)
     assert kv_pool_dtype(EngineConfig(), odd) == torch.float32
     with pytest.raises(EngineConfigError, match="head_dim divisible by 4") as error:
         kv_pool_dtype(EngineConfig(kv_cache_dtype="fp8"), odd)
     assert error.value.field == "kv_cache_dtype"
+
+
+def test_fp8_on_a_gpu_without_fp8_conversions_is_refused_for_triton(monkeypatch):
+    from types import SimpleNamespace
+
+    from pagedserve.workers.engine_checks import EngineConfigError
+    from pagedserve.workers.engine_sizing import kv_pool_dtype
+
+    gpu = SimpleNamespace(name="m", head_dim=64, dtype=torch.float16, device=torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    with pytest.raises(EngineConfigError, match="compute capability 8.9") as error:
+        kv_pool_dtype(EngineConfig(kv_cache_dtype="fp8", device="cuda"), gpu)
+    assert error.value.field == "kv_cache_dtype"
+    torch_backend = EngineConfig(kv_cache_dtype="fp8", device="cuda", attention_backend="torch")
+    assert kv_pool_dtype(torch_backend, gpu) == torch.float8_e4m3fn
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    assert kv_pool_dtype(EngineConfig(kv_cache_dtype="fp8_e5m2", device="cuda"), gpu) == (
+        torch.float8_e5m2
+    )
