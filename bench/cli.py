@@ -21,6 +21,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "pagedserve.bench.spec",
     "pagedserve.bench.structured",
     "pagedserve.bench.scale",
+    "pagedserve.bench.kv_dtype",
 )
 
 

@@ -13,6 +13,7 @@ Bad input exits 2 with ``pagedserve kv-calc: error: ...`` on stderr.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -20,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from pagedserve.bench import kv_calc_dtype
 from pagedserve.bench.bench_io import positive_int
 from pagedserve.bench.extras import require_bench_extra
 from pagedserve.workers.kv_memory import (
@@ -42,17 +44,33 @@ class KvCalcError(ValueError):
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The four numbers equation (1) needs: layers, KV heads, head dim and dtype."""
+    """The four numbers equation (1) needs: layers, KV heads, head dim and dtype; and the
+    pool's KV dtype (`auto`: the dtype; `fp8`...: 1 byte per value plus scales, apart)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: str
+    kv_dtype: str = "auto"
+
+    @property
+    def kv_value_dtype(self) -> str:
+        """The dtype b of equation (1): the model's, or the 8-bit format's."""
+        return kv_calc_dtype.code_dtype(self.dtype, self.kv_dtype)
 
     @property
     def kv_bytes_per_token(self) -> int:
         """M_KV = 2 · L · h_kv · d_h · b."""
-        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        return kv_bytes_per_token(
+            self.num_layers, self.num_kv_heads, self.head_dim, self.kv_value_dtype
+        )
+
+    @property
+    def scale_bytes_per_token(self) -> int:
+        """Scale bytes per position of an 8-bit pool (0 otherwise), beside M_KV."""
+        return kv_calc_dtype.scale_bytes_per_token(
+            self.num_layers, self.num_kv_heads, self.kv_dtype
+        )
 
 
 @dataclass(frozen=True)
@@ -201,8 +219,9 @@ def resolve_shape(args: argparse.Namespace) -> ModelShape | None:
     flags = {"--layers": args.layers, "--kv-heads": args.kv_heads, "--head-dim": args.head_dim}
     if args.model is None:
         if all(value is None for value in flags.values()):
-            if args.dtype is not None:
-                raise KvCalcError("--dtype needs a model shape: --layers/--kv-heads/--head-dim")
+            for name, value in (("--dtype", args.dtype), ("--kv-dtype", args.kv_dtype)):
+                if value is not None:
+                    raise KvCalcError(f"{name} needs a model shape: --layers/--kv-heads/--head-dim")
             return None
         missing = [name for name, value in flags.items() if value is None]
         if args.dtype is None:
@@ -218,6 +237,7 @@ def resolve_shape(args: argparse.Namespace) -> ModelShape | None:
             args.head_dim or shape.head_dim,
             shape.dtype,
         )
+    shape = dataclasses.replace(shape, kv_dtype=args.kv_dtype or "auto")
     try:
         dtype_bytes(shape.dtype)
     except ValueError as error:
@@ -269,6 +289,8 @@ def layout_dict(layout: LayoutUsage, shape: ModelShape | None) -> dict[str, Any]
         }
         if paged:
             out["block_table_bytes"] = layout.block_table_bytes
+        if shape.scale_bytes_per_token:
+            out["scale_bytes"] = layout.allocated * shape.scale_bytes_per_token
     return out
 
 
@@ -278,7 +300,8 @@ def report_dict(inputs: KvCalcInputs, layouts: list[LayoutUsage]) -> dict[str, A
     shape = inputs.shape
     if shape is not None:
         out["kv_bytes_per_token"] = shape.kv_bytes_per_token
-        out["model"] = asdict(shape) | {"dtype_bytes": dtype_bytes(shape.dtype)}
+        out["model"] = asdict(shape) | {"dtype_bytes": dtype_bytes(shape.kv_value_dtype)}
+        out |= kv_calc_dtype.per_position(shape.kv_bytes_per_token, shape.scale_bytes_per_token)
     out["layouts"] = [layout_dict(layout, shape) for layout in layouts]
     return out
 
@@ -321,12 +344,13 @@ def format_text(inputs: KvCalcInputs, layouts: list[LayoutUsage]) -> str:
     header += ["block-table bytes"]
     if shape is not None:
         m_kv = shape.kv_bytes_per_token
-        b = dtype_bytes(shape.dtype)
+        b = dtype_bytes(shape.kv_value_dtype)
         lines.append(
             f"KV bytes per token: M_KV = 2*L*h_kv*d_h*b = 2*{shape.num_layers}*"
-            f"{shape.num_kv_heads}*{shape.head_dim}*{b} ({shape.dtype}) = {m_kv} "
+            f"{shape.num_kv_heads}*{shape.head_dim}*{b} ({shape.kv_value_dtype}) = {m_kv} "
             f"({_human_bytes(m_kv)})"
         )
+        lines += kv_calc_dtype.text_lines(shape.kv_dtype, m_kv, shape.scale_bytes_per_token)
         lines.append(f"useful KV bytes: {useful * m_kv} ({_human_bytes(useful * m_kv)})")
         header += ["allocated bytes", "wasted bytes"]
     rows = []
@@ -397,6 +421,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     shape.add_argument("--kv-heads", type=positive_int, metavar="H", help="KV heads h_kv")
     shape.add_argument("--head-dim", type=positive_int, metavar="D", help="head dim d_h")
     shape.add_argument("--dtype", help="KV dtype: float16, bfloat16, fp8, ... (overrides config)")
+    shape.add_argument(
+        "--kv-dtype",
+        choices=kv_calc_dtype.KV_DTYPES,
+        help="the pool's kv_cache_dtype: auto (--dtype) or fp8 (1 byte per value; the "
+        "scales, 4 bytes per token and KV head of K and V, reported apart)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", metavar="FILE.png", help="write utilization vs block size")
     parser.set_defaults(func=run)

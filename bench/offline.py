@@ -54,6 +54,7 @@ from pagedserve.bench.offline_workload import (
     make_prompts,
 )
 from pagedserve.kernels.backends import BACKENDS
+from pagedserve.workers.engine_config import KV_CACHE_DTYPES
 from pagedserve.workers.kv_cache_manager import ALLOCATION_MODES
 
 if TYPE_CHECKING:
@@ -235,17 +236,21 @@ def _build_llm(
 ) -> LLM:
     from pagedserve import LLM
 
-    num_kv_blocks = config.num_kv_blocks or default_num_kv_blocks(
-        prompt_lens,
-        output_lens,
-        config.block_size,
-        config.kv_allocation,
-        loaded.max_model_len,
-    )
+    num_kv_blocks = config.num_kv_blocks
+    if num_kv_blocks is None and config.kv_cache_bytes is None:
+        num_kv_blocks = default_num_kv_blocks(
+            prompt_lens,
+            output_lens,
+            config.block_size,
+            config.kv_allocation,
+            loaded.max_model_len,
+        )
     return LLM(
         loaded_model=loaded,
         block_size=config.block_size,
         num_kv_blocks=num_kv_blocks,
+        kv_cache_bytes=config.kv_cache_bytes,
+        kv_cache_dtype=config.kv_cache_dtype,
         attention_backend=config.attention_backend,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
@@ -282,6 +287,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--seed", type=int, default=0)
     add("--block-size", type=positive_int, default=16)
     add("--num-kv-blocks", type=positive_int, default=None, help="default: enough for the batch")
+    add("--kv-cache-bytes", type=positive_int, default=None, help="size the pool by bytes")
+    add("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="auto or fp8")
     add("--max-num-seqs", type=positive_int, default=64)
     add("--max-num-batched-tokens", type=positive_int, default=2048)
     add("--attention-backend", choices=BACKENDS, default="auto")
@@ -318,6 +325,8 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
+        kv_cache_bytes=args.kv_cache_bytes,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         attention_backend=args.attention_backend,

@@ -16,7 +16,8 @@ UTILIZATION_GOAL = 0.96
 
 @dataclass(frozen=True)
 class OfflineBenchConfig:
-    """One run's settings, as given on the command line (``num_kv_blocks`` None: sized to fit)."""
+    """One run's settings, as given on the command line (``num_kv_blocks`` None: sized to fit,
+    or from ``kv_cache_bytes`` when that is given)."""
 
     model: str | None = None
     dtype: str = "float32"
@@ -31,6 +32,8 @@ class OfflineBenchConfig:
     seed: int = 0
     block_size: int = 16
     num_kv_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    kv_cache_dtype: str = "auto"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     attention_backend: str = "auto"
@@ -186,7 +189,8 @@ def format_summary(result: OfflineBenchResult) -> str:
         f"output targets max_tokens_i CONSTRUCTED per request ({c.output_len_dist} "
         f"{output_range}, seed {c.seed}: {_describe(result.output_lens)}; "
         f"{sum(result.output_lens)} in all); greedy, EOS ignored on both sides.",
-        f"ours: B={c.block_size}, {result.num_kv_blocks} KV blocks, {c.kv_allocation}, "
+        f"ours: B={c.block_size}, {result.num_kv_blocks} KV blocks (KV {c.kv_cache_dtype}), "
+        f"{c.kv_allocation}, "
         f"max_num_seqs {c.max_num_seqs}, max_num_batched_tokens {c.max_num_batched_tokens}, "
         f"attention {c.attention_backend}, prefix caching {caching}; each request stops at its "
         "own target.",

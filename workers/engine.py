@@ -30,7 +30,7 @@ from pagedserve.workers.block_hash import cache_key
 from pagedserve.workers.deadline import check_timeout_s
 from pagedserve.workers.engine_config import EngineConfig
 from pagedserve.workers.engine_handoffs import EngineHandoffs
-from pagedserve.workers.engine_sizing import kv_layout, num_kv_blocks
+from pagedserve.workers.engine_sizing import kv_layout, kv_pool_dtype, num_kv_blocks
 from pagedserve.workers.errors import Overloaded, RequestRejected, RequestTooLarge
 from pagedserve.workers.kv_cache import KVCache
 from pagedserve.workers.kv_cache_manager import KVCacheManager, KVUsage
@@ -101,7 +101,7 @@ class Engine(EngineHandoffs):
             block_size=config.block_size,
             num_kv_heads=self.loaded.num_kv_heads,
             head_dim=self.loaded.head_dim,
-            dtype=self.loaded.dtype,
+            dtype=kv_pool_dtype(config, self.loaded),
             device=self.loaded.device,
             num_swap_blocks=num_swap,
             ops=ops,

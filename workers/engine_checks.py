@@ -14,6 +14,7 @@ config and tokenizer files) and use the KV equations the worker sizes its pool b
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 from dataclasses import dataclass
@@ -191,6 +192,8 @@ def check_kv_budget(config: EngineConfig, shape: ModelShape) -> None:
     if budget is None and config.device.startswith("cuda"):
         return
     budget = DEFAULT_CPU_KV_CACHE_BYTES if budget is None else budget
+    if config.kv_cache_dtype != AUTO_DTYPE:  # 8-bit codes; the scales are counted apart
+        shape = dataclasses.replace(shape, dtype="float8_e4m3fn")
     block_bytes = shape.block_bytes(config.block_size)
     if budget < block_bytes:
         raise EngineConfigError(

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from pagedserve.kernels.kv_quant import FP8_FORMATS, row_width
+from pagedserve.workers.engine_checks import EngineConfigError
 from pagedserve.workers.engine_config import (
+    AUTO_DTYPE,
     CUDA_KV_MEMORY_FRACTION,
     DEFAULT_CPU_KV_CACHE_BYTES,
     EngineConfig,
@@ -14,6 +17,37 @@ from pagedserve.workers.kv_cache import KVCache
 from pagedserve.workers.kv_tier_file import KVLayout
 from pagedserve.workers.model_loader import LoadedModel
 from pagedserve.workers.model_registry import TINY_LLAMA_NAME
+
+# Triton converts fp8 in hardware from Ada / Hopper (sm_89) on.
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def kv_pool_dtype(config: EngineConfig, loaded: LoadedModel) -> torch.dtype:
+    """The pool's dtype: the model's for `kv_cache_dtype` `auto`, else the fp8 format.
+
+    Raises:
+        EngineConfigError: (field `kv_cache_dtype`) the model's head_dim is not a multiple
+            of 4, which fp8 rows need (their scales sit 4-byte aligned beside the codes), or
+            the Triton kernels would run on a GPU older than compute capability 8.9.
+    """
+    if config.kv_cache_dtype == AUTO_DTYPE:
+        return loaded.dtype
+    if loaded.head_dim % 4:
+        raise EngineConfigError(
+            "kv_cache_dtype",
+            f"kv_cache_dtype {config.kv_cache_dtype!r} needs a head_dim divisible by 4; "
+            f"{loaded.name} has {loaded.head_dim}",
+        )
+    if loaded.device.type == "cuda" and config.attention_backend in ("auto", "triton"):
+        capability = torch.cuda.get_device_capability(loaded.device)
+        if capability < FP8_MIN_CAPABILITY:
+            raise EngineConfigError(
+                "kv_cache_dtype",
+                f"kv_cache_dtype {config.kv_cache_dtype!r} with the triton attention backend "
+                f"needs a GPU of compute capability 8.9 or newer (fp8 conversions); this one "
+                f"is {capability[0]}.{capability[1]}: use kv_cache_dtype 'auto'",
+            )
+    return FP8_FORMATS[config.kv_cache_dtype]
 
 
 def num_kv_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
@@ -34,13 +68,15 @@ def num_kv_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
         num_layers=loaded.num_layers,
         num_kv_heads=loaded.num_kv_heads,
         head_dim=loaded.head_dim,
-        dtype=loaded.dtype,
+        dtype=kv_pool_dtype(config, loaded),
     )
 
 
 def kv_layout(config: EngineConfig, loaded: LoadedModel) -> KVLayout:
     """What a disk-tier block must match to be loaded here (a random model's weights depend on
-    the seed, so its seed is part of the name)."""
+    the seed, so its seed is part of the name). `head_dim` is the stored row: an fp8 pool's
+    rows carry their scale (`kv_quant`), and its dtype is the fp8 format, so blocks of another
+    KV dtype never load."""
     model = loaded.name
     if model == TINY_LLAMA_NAME:
         model = f"{model}#seed={config.seed}"
@@ -49,6 +85,6 @@ def kv_layout(config: EngineConfig, loaded: LoadedModel) -> KVLayout:
         num_layers=loaded.num_layers,
         block_size=config.block_size,
         num_kv_heads=loaded.num_kv_heads,
-        head_dim=loaded.head_dim,
-        dtype=str(loaded.dtype).removeprefix("torch."),
+        head_dim=row_width(loaded.head_dim, kv_pool_dtype(config, loaded)),
+        dtype=str(kv_pool_dtype(config, loaded)).removeprefix("torch."),
     )

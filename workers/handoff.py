@@ -193,9 +193,13 @@ def pack_handoff(
 def adopt_kv(kv, kv_cache, request, handoff: RequestHandoff) -> bool:
     """Give an adopted request its computed KV: cached prefix blocks here, the rest imported.
 
-    Returns False (nothing changed) when there is no KV to adopt or no room for it.
+    Returns False (nothing changed) when there is no KV to adopt, no room for it, or it comes
+    from a pool of another KV dtype (`kv_cache_dtype`: never converted; the sequence
+    recomputes it from its tokens).
     """
     if handoff.packed_kv is None or handoff.num_computed_tokens == 0:
+        return False
+    if handoff.packed_kv.dtype != kv_cache.dtype:
         return False
     hit = kv.get_computed_blocks(request)
     if hit.num_tokens > handoff.num_computed_tokens:

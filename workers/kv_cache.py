@@ -1,9 +1,13 @@
 """The KV tensors of one worker: the paged device pool and its CPU swap area.
 
-    device pool   key_caches[l], value_caches[l]: [num_blocks, block_size, num_kv_heads, head_dim]
+    device pool   key_caches[l], value_caches[l]: [num_blocks, block_size, num_kv_heads, row]
                   (views into one [L, 2, num_blocks, ...] allocation)
-    swap area     one CPU tensor [L, 2, num_swap_blocks, block_size, num_kv_heads, head_dim]
+    swap area     one CPU tensor [L, 2, num_swap_blocks, block_size, num_kv_heads, row]
                   (pinned when the pool is on CUDA, so copies can overlap)
+
+row is head_dim, or for an fp8 pool head_dim + 4: each (token, KV head) row's codes and its
+float32 scale (`pagedserve.kernels.kv_quant`), so every copy below moves codes and scales
+together, and a packed export of an fp8 pool is 8-bit, never a converted copy.
 
 Which block holds what is the block manager's business; this class only moves bytes, and checks
 the block ids it is given so a bad id fails loudly instead of corrupting another request's KV.
@@ -17,7 +21,13 @@ import torch
 from torch import Tensor
 
 from pagedserve.kernels import KernelOps
+from pagedserve.kernels.kv_quant import FP8_DTYPES, SCALE_BYTES, as_bytes, row_width
 from pagedserve.workers.kv_memory import kv_bytes_per_token
+
+
+class KVDtypeMismatch(ValueError):
+    """Blocks from a pool of another KV dtype: they are never converted (the caller
+    recomputes, or the router falls back to a worker that does)."""
 
 
 class KVCache:
@@ -44,7 +54,8 @@ class KVCache:
             block_size: tokens per block.
             num_kv_heads: KV heads per token.
             head_dim: dimension of each head.
-            dtype: element dtype of the pool and the swap area.
+            dtype: element dtype of the pool and the swap area (an fp8 dtype: 8-bit KV with a
+                scale per row, `kv_quant`).
             device: where the pool lives.
             num_swap_blocks: blocks in the CPU swap area (0: no swapping).
             ops: the kernels that copy, gather and scatter blocks.
@@ -66,7 +77,7 @@ class KVCache:
         self.dtype = dtype
         self.device = torch.device(device)
         self.ops = ops
-        block_shape = (block_size, num_kv_heads, head_dim)
+        block_shape = (block_size, num_kv_heads, row_width(head_dim, dtype))
         self._pool = torch.zeros(
             (num_layers, 2, num_blocks, *block_shape), dtype=dtype, device=self.device
         )
@@ -89,6 +100,9 @@ class KVCache:
         dtype: torch.dtype,
     ) -> int:
         """How many blocks a byte budget holds: ``floor(bytes / (block_size * M_KV))``.
+
+        An fp8 pool's scales are counted apart (`scale_bytes_per_block`), as block tables are:
+        the budget holds 2x the positions of a 16-bit pool and 4x those of a float32 one.
 
         Raises:
             ValueError: not even one block fits.
@@ -127,14 +141,31 @@ class KVCache:
         )
 
     @property
+    def scale_bytes_per_block(self) -> int:
+        """Bytes of one block's fp8 scales across all layers (0 for a full-precision pool)."""
+        if self.dtype not in FP8_DTYPES:
+            return 0
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * SCALE_BYTES
+
+    @property
+    def packed_bytes_per_block(self) -> int:
+        """Bytes one block really occupies, scales included (what a tier or a transfer holds)."""
+        return self.bytes_per_block + self.scale_bytes_per_block
+
+    @property
     def device_bytes(self) -> int:
-        """Bytes of the device pool."""
-        return self.num_blocks * self.bytes_per_block
+        """Bytes of the device pool, scales included."""
+        return self.num_blocks * self.packed_bytes_per_block
 
     @property
     def swap_bytes(self) -> int:
-        """Bytes of the CPU swap area."""
-        return self.num_swap_blocks * self.bytes_per_block
+        """Bytes of the CPU swap area, scales included."""
+        return self.num_swap_blocks * self.packed_bytes_per_block
+
+    @property
+    def row_width(self) -> int:
+        """Elements per (token, KV head) row: head_dim, plus the scale bytes when fp8."""
+        return row_width(self.head_dim, self.dtype)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy device blocks ``src -> dst`` in every layer (copy-on-write of a shared block).
@@ -161,7 +192,7 @@ class KVCache:
         packed = self.ops.gather_blocks(
             self.key_caches, self.value_caches, self._device_ids(device_ids)
         )
-        self._swap.index_copy_(2, torch.tensor(swap_ids), packed.to("cpu"))
+        as_bytes(self._swap).index_copy_(2, torch.tensor(swap_ids), as_bytes(packed.to("cpu")))
 
     def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy swap blocks back into device blocks: ``(swap block, device block)`` pairs."""
@@ -170,7 +201,7 @@ class KVCache:
         swap_ids, device_ids = _split_pairs(pairs)
         _check_ids("swap_in swap block", swap_ids, self.num_swap_blocks)
         _check_ids("swap_in device block", device_ids, self.num_blocks, unique=True)
-        packed = self._swap.index_select(2, torch.tensor(swap_ids))
+        packed = as_bytes(self._swap).index_select(2, torch.tensor(swap_ids)).view(self.dtype)
         self._scatter(packed, device_ids)
 
     def export_blocks(self, block_ids: Sequence[int]) -> Tensor:
@@ -183,15 +214,26 @@ class KVCache:
         return packed.to("cpu")
 
     def import_blocks(self, packed: Tensor, block_ids: Sequence[int]) -> None:
-        """Write ``export_blocks`` output (from any worker of the same model) into ``block_ids``."""
+        """Write ``export_blocks`` output (from any worker of the same model and KV dtype) into
+        ``block_ids``.
+
+        Raises:
+            KVDtypeMismatch: the blocks come from a pool of another KV dtype (never converted).
+            ValueError: their shape is not this pool's, or a block id is bad.
+        """
         block_ids = [int(i) for i in block_ids]
+        if packed.dtype != self.dtype:
+            raise KVDtypeMismatch(
+                f"import_blocks: blocks of KV dtype {_dtype_name(packed.dtype)} cannot enter a "
+                f"pool of kv_cache_dtype {_dtype_name(self.dtype)}; recompute them instead"
+            )
         expected = (
             self.num_layers,
             2,
             len(block_ids),
             self.block_size,
             self.num_kv_heads,
-            self.head_dim,
+            self.row_width,
         )
         if tuple(packed.shape) != expected:
             raise ValueError(f"import_blocks: packed shape {tuple(packed.shape)} != {expected}")
@@ -204,7 +246,7 @@ class KVCache:
         return torch.tensor(block_ids, dtype=torch.int64).to(self.device, non_blocking=True)
 
     def _scatter(self, packed: Tensor, device_ids: list[int]) -> None:
-        packed = packed.to(device=self.device, dtype=self.dtype).contiguous()
+        packed = packed.to(device=self.device).contiguous()
         self.ops.scatter_blocks(
             packed, self.key_caches, self.value_caches, self._device_ids(device_ids)
         )

@@ -44,11 +44,11 @@ def build_tier_store(
 ) -> TierStore | None:
     """The tiers the config asks for (None: neither). Raises `DiskTierError` when the disk
     tier's directory cannot be used, ValueError when a tier's bytes hold no block."""
-    host = HostTier(host_bytes, kv_cache.bytes_per_block) if host_bytes > 0 else None
+    host = HostTier(host_bytes, kv_cache.packed_bytes_per_block) if host_bytes > 0 else None
     disk = DiskTier(disk_dir, disk_bytes, layout) if disk_dir is not None else None
     if host is None and disk is None:
         return None
-    return TierStore(host, disk, kv_cache.export_blocks, kv_cache.bytes_per_block)
+    return TierStore(host, disk, kv_cache.export_blocks, kv_cache.packed_bytes_per_block)
 
 
 def load_waiting_prefixes(

@@ -91,9 +91,13 @@ class WorkerKV:
         return await self._on_engine(lambda: hot_chains(pool, max_blocks))
 
     async def import_prefix(self, keys: Sequence[BlockKey], packed: Any) -> int:
-        """Store exported blocks as cached here; returns how many were new. 0 without room."""
+        """Store exported blocks as cached here; returns how many were new. 0 without room, and
+        0 for blocks of another KV dtype (`kv_cache_dtype`): they are refused, never
+        converted, and the request recomputes its prefix here instead."""
 
         def do_import():
+            if packed is None or packed.dtype != self.engine.kv_cache.dtype:
+                return 0
             reserved = self.transfer.reserve_for_import(keys)
             if reserved is None or not reserved[0]:
                 return 0

@@ -7,12 +7,28 @@ Both kernels cut a program's KV range into full tiles that need no mask and a sh
               | unmasked tiles (MASKED=False) | masked tiles    |
 
 so the common case pays neither the bounds test nor the causal `where` on every tile.
+
+An fp8 pool (KV_FMT 1: e4m3, 2: e5m2; `kv_quant`) arrives as bytes with rows of ROW =
+HEAD_DIM + 4: each tile's codes are decoded and multiplied by their row's float32 scale in
+registers, so nothing outside the kernel ever holds a dequantised copy.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def dequantise_tile(codes, cache_ptr, rows, HEAD_DIM: tl.constexpr, KV_FMT: tl.constexpr):
+    """fp8 codes `[BLOCK_N, BLOCK_D]` (bytes) of pool rows `rows` times each row's scale,
+    the float32 stored right after its HEAD_DIM codes; float32 out."""
+    if KV_FMT == 1:
+        values = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        values = codes.to(tl.float8e5, bitcast=True).to(tl.float32)
+    scale_ptr = (cache_ptr + rows + HEAD_DIM).to(tl.pointer_type(tl.float32), bitcast=True)
+    return values * tl.load(scale_ptr)[:, None]
 
 
 @triton.jit
@@ -39,6 +55,8 @@ def attend_tiles(
     CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    ROW: tl.constexpr,
+    KV_FMT: tl.constexpr,
 ):
     """Fold keys [lo, hi) of one sequence and KV head into (m_i, l_i, acc), base-2 softmax.
 
@@ -56,10 +74,12 @@ def attend_tiles(
             blocks = tl.load(table_row + offs_n // PAGE)
             kv_mask = d_mask[None, :]
         # int64: block * row size overflows int32 in pools above 2^31 elements.
-        rows = (blocks.to(tl.int64) * PAGE + offs_n % PAGE) * (NUM_KV_HEADS * HEAD_DIM)
-        rows += kv_head * HEAD_DIM
+        rows = (blocks.to(tl.int64) * PAGE + offs_n % PAGE) * (NUM_KV_HEADS * ROW)
+        rows += kv_head * ROW
         k = tl.load(key_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
+        if KV_FMT != 0:
+            k = dequantise_tile(k, key_cache_ptr, rows, HEAD_DIM, KV_FMT).to(q.dtype)
+        elif UPCAST:
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         if MASKED:
@@ -74,7 +94,9 @@ def attend_tiles(
         p = tl.exp2(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(value_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
+        if KV_FMT != 0:
+            v = dequantise_tile(v, value_cache_ptr, rows, HEAD_DIM, KV_FMT).to(q.dtype)
+        elif UPCAST:
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import torch
 
+from pagedserve.kernels.kv_quant import FP8_DTYPES, SCALE_BYTES, head_dim_of
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
+CACHE_DTYPES = (*FLOAT_DTYPES, *FP8_DTYPES)
 
 
 def _fail(name: str, what: str, tensor: torch.Tensor) -> None:
@@ -34,18 +37,21 @@ def check_cache_pair(
     """Check one layer's K and V pools.
 
     Both must be contiguous `[num_blocks, block_size, num_kv_heads, head_dim]` tensors of the
-    same shape, float dtype and device (the kernels compute addresses from these shapes).
+    same shape, float dtype and device (the kernels compute addresses from these shapes); an
+    fp8 pool's last dimension is `head_dim + 4` (codes and scale, `kv_quant`).
 
     Returns:
-        `(num_blocks, block_size, num_kv_heads, head_dim)`.
+        `(num_blocks, block_size, num_kv_heads, row)`: row is the last dimension as stored.
     """
     k_name, v_name = f"{prefix}key_cache", f"{prefix}value_cache"
     check_tensor(k_name, key_cache)
     check_tensor(v_name, value_cache)
     if key_cache.dim() != 4:
         _fail(k_name, "must be [num_blocks, block_size, num_kv_heads, head_dim]", key_cache)
-    if key_cache.dtype not in FLOAT_DTYPES:
-        _fail(k_name, f"must have a dtype in {FLOAT_DTYPES}", key_cache)
+    if key_cache.dtype not in CACHE_DTYPES:
+        _fail(k_name, f"must have a dtype in {CACHE_DTYPES}", key_cache)
+    if key_cache.dtype in FP8_DTYPES and key_cache.shape[3] % SCALE_BYTES:
+        _fail(k_name, "must have an fp8 row of head_dim + 4, head_dim divisible by 4", key_cache)
     if not key_cache.is_contiguous():
         _fail(k_name, "must be contiguous", key_cache)
     if value_cache.shape != key_cache.shape:
@@ -91,8 +97,7 @@ def check_query(
     check_tensor(name, query)
     if query.dim() != 3 or query.shape[2] != head_dim:
         _fail(name, f"must be [tokens, num_heads, head_dim={head_dim}]", query)
-    if query.dtype != key_cache.dtype:
-        _fail(name, f"must have the cache dtype {key_cache.dtype}", query)
+    _check_compute_dtype(name, query, key_cache)
     if query.device != key_cache.device:
         _fail(name, f"must be on the cache device {key_cache.device}", query)
     if query.shape[0] > 0 and query.stride(2) != 1:
@@ -103,6 +108,15 @@ def check_query(
             name, f"must have num_heads a positive multiple of num_kv_heads={num_kv_heads}", query
         )
     return num_heads
+
+
+def _check_compute_dtype(name: str, tensor: torch.Tensor, key_cache: torch.Tensor) -> None:
+    """Queries and new K/V have the pool's dtype, or any float dtype for an fp8 pool."""
+    if key_cache.dtype in FP8_DTYPES:
+        if tensor.dtype not in FLOAT_DTYPES:
+            _fail(name, f"must have a dtype in {FLOAT_DTYPES} (the pool is fp8)", tensor)
+    elif tensor.dtype != key_cache.dtype:
+        _fail(name, f"must have the cache dtype {key_cache.dtype}", tensor)
 
 
 def check_index(
@@ -149,8 +163,7 @@ def check_kv_rows(
     check_tensor(name, tensor)
     if tensor.dim() != 3 or tuple(tensor.shape[1:]) != (num_kv_heads, head_dim):
         _fail(name, f"must be [N, num_kv_heads={num_kv_heads}, head_dim={head_dim}]", tensor)
-    if tensor.dtype != key_cache.dtype:
-        _fail(name, f"must have the cache dtype {key_cache.dtype}", tensor)
+    _check_compute_dtype(name, tensor, key_cache)
     if tensor.device != key_cache.device:
         _fail(name, f"must be on the cache device {key_cache.device}", tensor)
     if tensor.shape[0] > 0 and tensor.stride(2) != 1:
@@ -165,7 +178,8 @@ def check_write_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Check the arguments of `write_kv`."""
-    _, _, num_kv_heads, head_dim = check_cache_pair(key_cache, value_cache)
+    _, _, num_kv_heads, _ = check_cache_pair(key_cache, value_cache)
+    head_dim = head_dim_of(key_cache)
     check_kv_rows("key", key, key_cache, num_kv_heads, head_dim)
     check_kv_rows("value", value, key_cache, num_kv_heads, head_dim)
     if value.shape != key.shape:
@@ -184,7 +198,8 @@ def check_decode(
     scale: float,
 ) -> None:
     """Check the arguments of `paged_decode_attention`."""
-    _, _, num_kv_heads, head_dim = check_cache_pair(key_cache, value_cache)
+    _, _, num_kv_heads, _ = check_cache_pair(key_cache, value_cache)
+    head_dim = head_dim_of(key_cache)
     check_query("query", query, key_cache, num_kv_heads, head_dim)
     check_attention_metadata(key_cache, block_tables, seq_lens, query.shape[0], scale)
 
@@ -199,7 +214,8 @@ def check_prefill(
     scale: float,
 ) -> None:
     """Check the arguments of `paged_prefill_attention`."""
-    _, _, num_kv_heads, head_dim = check_cache_pair(key_cache, value_cache)
+    _, _, num_kv_heads, _ = check_cache_pair(key_cache, value_cache)
+    head_dim = head_dim_of(key_cache)
     check_query("query", query, key_cache, num_kv_heads, head_dim)
     num_seqs = block_tables.shape[0] if isinstance(block_tables, torch.Tensor) else -1
     check_attention_metadata(key_cache, block_tables, seq_lens, num_seqs, scale)

@@ -8,6 +8,8 @@ lands at row `p * M + m`::
 
     pools:   K0[b] V0[b] K1[b] V1[b] ...           (table entry p = 2*layer + kv)
     packed:  [layer][kv][m][block_size, Hkv, D]    (row p*M + m)
+
+fp8 pools move as bytes: their rows hold codes and scales together (`kv_quant`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pagedserve.kernels._checks import (
     check_index,
     check_packed,
 )
+from pagedserve.kernels.kv_quant import as_bytes
 from pagedserve.kernels.launch import DEFAULT_COPY, CopyLaunch
 
 _PTR_TABLES: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
@@ -129,7 +132,7 @@ def copy_blocks(
     grid = _grid(mapping.shape[0], len(key_caches), block_numel, launch.chunk)
     copy_blocks_kernel[grid](
         _pointer_table(key_caches, value_caches),
-        key_caches[0],
+        as_bytes(key_caches[0]),
         mapping,
         BLOCK_NUMEL=block_numel,
         CHUNK=launch.chunk,
@@ -169,7 +172,7 @@ def gather_blocks(
     launch = launch or DEFAULT_COPY
     gather_blocks_kernel[_grid(num_ids, len(key_caches), block_numel, launch.chunk)](
         _pointer_table(key_caches, value_caches),
-        packed,
+        as_bytes(packed),
         ids,
         num_ids,
         BLOCK_NUMEL=block_numel,
@@ -212,7 +215,7 @@ def scatter_blocks(
     launch = launch or DEFAULT_COPY
     scatter_blocks_kernel[_grid(num_ids, len(key_caches), block_numel, launch.chunk)](
         _pointer_table(key_caches, value_caches),
-        packed,
+        as_bytes(packed),
         ids,
         num_ids,
         BLOCK_NUMEL=block_numel,

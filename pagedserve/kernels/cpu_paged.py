@@ -33,6 +33,10 @@ second to load per process.
 The build needs only the C++ compiler torch's own extension machinery uses (`c++`, found at
 run time); without one, `cpu_paged_available()` is False and `auto` keeps the torch reference.
 KV writes and block copies are the reference's (`index_copy_`), already in place.
+
+An fp8 pool (`kv_quant`) goes to the op as its bytes with its format code; the op dequantises
+one block of one head at a time into scratch (codes through a 256-entry table, times the row's
+scale), so no full-precision copy of the context is made.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from pathlib import Path
 import torch
 
 from pagedserve.kernels._checks import check_decode, check_prefill
+from pagedserve.kernels.kv_quant import as_bytes, format_code
 from pagedserve.kernels.reference import prefill_one_sequence
 
 logger = logging.getLogger(__name__)
@@ -134,13 +139,14 @@ def paged_attention_cpu(
     torch.ops.pagedserve_cpu.paged_attention(
         out,
         query.contiguous(),
-        key_cache,
-        value_cache,
+        as_bytes(key_cache),
+        as_bytes(value_cache),
         _int32(block_tables),
         _int32(query_start_loc),
         _int32(seq_lens),
         float(scale),
         MAX_IN_PLACE_QUERY,
+        format_code(key_cache),
     )
     starts = query_start_loc.tolist()
     long_runs = [

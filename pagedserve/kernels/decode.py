@@ -38,6 +38,7 @@ from pagedserve.kernels._triton_utils import (
     parallel_units,
     upcast_dot_operands,
 )
+from pagedserve.kernels.kv_quant import as_bytes, format_code
 from pagedserve.kernels.launch import DEFAULT_DECODE, DecodeLaunch
 
 _LOG2E = 1.4426950408889634
@@ -104,6 +105,8 @@ def decode_split_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    ROW: tl.constexpr,
+    KV_FMT: tl.constexpr,
 ):
     """Program (seq, kv_head, split): partial attention of a head group over one range."""
     seq = tl.program_id(0).to(tl.int64)
@@ -139,11 +142,13 @@ def decode_split_kernel(
             q, m_i, l_i, acc, key_cache_ptr, value_cache_ptr, table_row, kv_head, offs_g,
             start, full_end, scale_log2, offs_d, d_mask,
             NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N, False, False, DOT_PRECISION, UPCAST,
+            ROW, KV_FMT,
         )  # fmt: skip
         m_i, l_i, acc = attend_tiles(
             q, m_i, l_i, acc, key_cache_ptr, value_cache_ptr, table_row, kv_head, offs_g,
             full_end, end, scale_log2, offs_d, d_mask,
             NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N, True, False, DOT_PRECISION, UPCAST,
+            ROW, KV_FMT,
         )  # fmt: skip
 
         # An empty range (seq_len 0) leaves l_i = 0: emit zeros, lse = -inf.
@@ -315,7 +320,8 @@ def launch_decode(
     group = num_heads // num_kv_heads
     block_d = max(16, next_pow2(head_dim))  # tl.dot needs K >= 16
     decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, key_cache, value_cache, block_tables, seq_lens, qsl, out, part_out, part_lse,
+        query, as_bytes(key_cache), as_bytes(value_cache), block_tables, seq_lens, qsl, out,
+        part_out, part_lse,
         float(scale) * _LOG2E, num_splits, min_tokens,
         query.stride(0), query.stride(1), block_tables.stride(0),
         NUM_HEADS=num_heads,
@@ -329,6 +335,8 @@ def launch_decode(
         BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(query.dtype),
         UPCAST=upcast_dot_operands(query.dtype, query.device),
+        ROW=key_cache.shape[3],
+        KV_FMT=format_code(key_cache),
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
     )  # fmt: skip

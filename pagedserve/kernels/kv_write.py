@@ -8,6 +8,7 @@ import triton.language as tl
 
 from pagedserve.kernels._checks import check_write_kv
 from pagedserve.kernels._triton_utils import next_pow2
+from pagedserve.kernels.kv_quant import as_bytes, is_quantised, quantise_rows
 from pagedserve.kernels.launch import DEFAULT_COPY, CopyLaunch
 
 
@@ -70,11 +71,18 @@ def write_kv(
         slot_mapping: `[N]` int32/int64 slots `block_id * block_size + offset`; -1 skips.
         launch: elements per program (`chunk`: more heads go to a second grid axis) and
             warps; None for the defaults.
+
+    An fp8 pool (`kv_quant`): each (token, head) row is quantised with its own scale first
+    (torch, on the device), then its codes and scale bytes are scattered as one row.
     """
     check_write_kv(key, value, key_cache, value_cache, slot_mapping)
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return
+    if is_quantised(key_cache):
+        key = as_bytes(quantise_rows(key, key_cache.dtype))
+        value = as_bytes(quantise_rows(value, key_cache.dtype))
+        key_cache, value_cache = as_bytes(key_cache), as_bytes(value_cache)
     _, _, num_kv_heads, head_dim = key_cache.shape
     launch = launch or DEFAULT_COPY
     block_d = next_pow2(head_dim)

@@ -34,6 +34,7 @@ from pagedserve.kernels._attend import attend_tiles
 from pagedserve.kernels._checks import check_prefill
 from pagedserve.kernels._triton_utils import dot_precision, next_pow2, upcast_dot_operands
 from pagedserve.kernels.decode import launch_decode
+from pagedserve.kernels.kv_quant import as_bytes, format_code
 from pagedserve.kernels.launch import (
     DEFAULT_DECODE,
     DEFAULT_PREFILL,
@@ -88,6 +89,8 @@ def prefill_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    ROW: tl.constexpr,
+    KV_FMT: tl.constexpr,
 ):
     """Program (tile, kv_head): causal attention of BLOCK_Q tokens x GROUP heads."""
     tile = tl.program_id(0)
@@ -133,11 +136,13 @@ def prefill_kernel(
         q, m_i, l_i, acc, key_cache_ptr, value_cache_ptr, table_row, kv_head, q_pos,
         0, full_end, scale_log2, offs_d, d_mask,
         NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N, False, True, DOT_PRECISION, UPCAST,
+            ROW, KV_FMT,
     )  # fmt: skip
     m_i, l_i, acc = attend_tiles(
         q, m_i, l_i, acc, key_cache_ptr, value_cache_ptr, table_row, kv_head, q_pos,
         full_end, kv_end, scale_log2, offs_d, d_mask,
         NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N, True, True, DOT_PRECISION, UPCAST,
+            ROW, KV_FMT,
     )  # fmt: skip
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -201,8 +206,8 @@ def paged_prefill_attention(
     block_q, block_m, block_n = tile_sizes(group, head_dim, query.dtype, launch)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     prefill_kernel[grid](
-        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out,
-        float(scale) * _LOG2E, num_seqs, int(split_decodes),
+        query, as_bytes(key_cache), as_bytes(value_cache), block_tables, query_start_loc,
+        seq_lens, out, float(scale) * _LOG2E, num_seqs, int(split_decodes),
         query.stride(0), query.stride(1), block_tables.stride(0),
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
@@ -215,6 +220,8 @@ def paged_prefill_attention(
         BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(query.dtype),
         UPCAST=upcast_dot_operands(query.dtype, query.device),
+        ROW=key_cache.shape[3],
+        KV_FMT=format_code(key_cache),
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
     )  # fmt: skip

@@ -28,6 +28,7 @@ from pagedserve.kernels._checks import (
     check_prefill,
     check_write_kv,
 )
+from pagedserve.kernels.kv_quant import as_bytes, dequantise_rows, is_quantised, quantise_rows
 
 # Decode gathers the KV of a group of sequences at once; this bounds the gathered tokens
 # (num_seqs_in_group * longest_context) so a big batch does not materialise the whole pool.
@@ -50,6 +51,8 @@ def write_kv_ref(
         value_cache: same shape as `key_cache`.
         slot_mapping: `[N]` int32/int64 flat slots (`block_id * block_size + offset`); a slot
             of -1 skips that token (padding).
+
+    An fp8 pool (`kv_quant`) gets each (token, head) row quantised with its own scale.
     """
     check_write_kv(key, value, key_cache, value_cache, slot_mapping)
     _, _, num_kv_heads, head_dim = key_cache.shape
@@ -57,8 +60,11 @@ def write_kv_ref(
     valid = slots >= 0
     if not bool(valid.all()):
         slots, key, value = slots[valid], key[valid], value[valid]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key)
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
+    if is_quantised(key_cache):
+        key = quantise_rows(key, key_cache.dtype)
+        value = quantise_rows(value, key_cache.dtype)
+    as_bytes(key_cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slots, as_bytes(key))
+    as_bytes(value_cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slots, as_bytes(value))
 
 
 def _gather_context(
@@ -67,7 +73,8 @@ def _gather_context(
     """Gather `[num_seqs, max_len, num_kv_heads, head_dim]` tokens of a pool by block table.
 
     Table entries past a sequence's last block may be garbage (padding); they are replaced by
-    block 0 before indexing and the tokens they yield are masked out by the caller.
+    block 0 before indexing and the tokens they yield are masked out by the caller. The rows of
+    an fp8 pool come back dequantised to float32 (`[..., head_dim]`).
     """
     num_seqs = block_tables.shape[0]
     _, block_size, num_kv_heads, head_dim = cache.shape
@@ -82,7 +89,9 @@ def _gather_context(
     cols = torch.arange(num_blocks, device=table.device)
     table = torch.where(cols[None, :] < needed[:, None], table, torch.zeros_like(table))
     tokens = cache[table].reshape(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
-    return tokens[:, :max_len]
+    tokens = tokens[:, :max_len]
+    # An fp8 pool: only the gathered rows are dequantised, never the pool.
+    return dequantise_rows(tokens) if is_quantised(cache) else tokens
 
 
 def _sdpa_fp32(
@@ -268,6 +277,7 @@ def copy_blocks_ref(
     mapping = block_mapping.to(device=key_caches[0].device, dtype=torch.long)
     src, dst = mapping[:, 0], mapping[:, 1]
     for cache in (*key_caches, *value_caches):
+        cache = as_bytes(cache)
         cache.index_copy_(0, dst, cache.index_select(0, src))
 
 
@@ -295,8 +305,8 @@ def gather_blocks_ref(
         (len(key_caches), 2, ids.shape[0], *dims[1:]), dtype=key_caches[0].dtype, device=device
     )
     for layer, (k, v) in enumerate(zip(key_caches, value_caches, strict=True)):
-        torch.index_select(k, 0, ids, out=packed[layer, 0])
-        torch.index_select(v, 0, ids, out=packed[layer, 1])
+        torch.index_select(as_bytes(k), 0, ids, out=as_bytes(packed[layer, 0]))
+        torch.index_select(as_bytes(v), 0, ids, out=as_bytes(packed[layer, 1]))
     return packed
 
 
@@ -321,5 +331,5 @@ def scatter_blocks_ref(
     device = key_caches[0].device
     ids = block_ids.to(device=device, dtype=torch.long)
     for layer, (k, v) in enumerate(zip(key_caches, value_caches, strict=True)):
-        k.index_copy_(0, ids, packed[layer, 0].to(device))
-        v.index_copy_(0, ids, packed[layer, 1].to(device))
+        as_bytes(k).index_copy_(0, ids, as_bytes(packed[layer, 0]).to(device))
+        as_bytes(v).index_copy_(0, ids, as_bytes(packed[layer, 1]).to(device))

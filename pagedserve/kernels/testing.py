@@ -234,3 +234,15 @@ def compiled_variants(kernel: object) -> int | None:
         return sum(len(entry[0]) for entry in caches.values())
     except (TypeError, IndexError, KeyError):
         return None
+
+
+def quantise_pool(kv: PagedKV, dtype: torch.dtype) -> PagedKV:
+    """The same pool in an 8-bit layout (`kv_quant`: fp8 codes and a scale per row), with the
+    contiguous per-sequence KV it now stands for (dequantised, float32)."""
+    from pagedserve.kernels.kv_quant import dequantise_rows, quantise_rows
+
+    key_cache = quantise_rows(kv.key_cache, dtype)
+    value_cache = quantise_rows(kv.value_cache, dtype)
+    keys = [dequantise_rows(quantise_rows(k, dtype)) for k in kv.keys]
+    values = [dequantise_rows(quantise_rows(v, dtype)) for v in kv.values]
+    return PagedKV(key_cache, value_cache, kv.block_tables, kv.seq_lens, keys, values)

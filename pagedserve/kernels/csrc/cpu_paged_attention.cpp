@@ -26,6 +26,12 @@
 // takes one vectorised max/exp/sum per row, then sums the values; every key and value row of
 // the context is read once per item.
 //
+// An fp8 pool (kv_format 1: e4m3, 2: e5m2) stores each (token, kv head) row as head_dim
+// 8-bit codes followed by its float32 scale (`kv_quant.py`): row = head_dim + 4 bytes. Its
+// items take the generic loop, dequantising each block's rows of their head into scratch
+// (`kdq`, `vdq`: one block of one head, as for the transposed keys) through a 256-entry table,
+// so the context is never copied whole nor converted.
+//
 // Items are dealt to at most at::get_num_threads() bins, longest first, so one long prefill
 // does not leave a thread idle behind a run of short decodes.
 
@@ -35,6 +41,8 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -96,7 +104,39 @@ struct Dims {
   int64_t head_dim;
   int64_t block_size;
   int64_t max_blocks;
+  int64_t row;  // elements (fp8: bytes) per pool row: head_dim, or head_dim + 4 for fp8
 };
+
+// The value of each fp8 code, by format (1: e4m3fn, 2: e5m2), as torch converts it.
+template <int kFmt>
+const float* fp8_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> values(256);
+    for (int bits = 0; bits < 256; ++bits) {
+      const auto code = static_cast<uint8_t>(bits);
+      if constexpr (kFmt == 1) {
+        values[bits] = static_cast<float>(c10::Float8_e4m3fn(code, c10::Float8_e4m3fn::from_bits()));
+      } else {
+        values[bits] = static_cast<float>(c10::Float8_e5m2(code, c10::Float8_e5m2::from_bits()));
+      }
+    }
+    return values;
+  }();
+  return table.data();
+}
+
+// n fp8 rows (codes, then the float32 scale) of one head, `stride` bytes apart, into dst[n, D].
+template <int kFmt>
+void dequantise_rows(float* dst, const uint8_t* src, int64_t n, int64_t D, int64_t stride) {
+  const float* table = fp8_table<kFmt>();
+  for (int64_t j = 0; j < n; ++j) {
+    const uint8_t* row = src + j * stride;
+    float scale;
+    std::memcpy(&scale, row + D, sizeof(scale));
+    float* out = dst + j * D;
+    for (int64_t c = 0; c < D; ++c) out[c] = table[row[c]] * scale;
+  }
+}
 
 struct Item {
   int64_t seq;
@@ -111,11 +151,14 @@ struct Item {
 struct Scratch {
   std::vector<float> q, acc, kt, scores, row_max, row_sum;
   std::vector<float> logits;  // decode: [rows, context], grown to the longest context seen
+  std::vector<float> kdq, vdq;  // fp8 pools: one block of one head's keys / values, dequantised
 
   Scratch(int64_t rows, const Dims& d)
       : q(rows * d.head_dim),
         acc(rows * d.head_dim),
         kt(d.head_dim * d.block_size),
+        kdq(d.row != d.head_dim ? d.block_size * d.head_dim : 0),
+        vdq(d.row != d.head_dim ? d.block_size * d.head_dim : 0),
         scores(rows * d.block_size),
         row_max(rows),
         row_sum(rows) {}
@@ -309,15 +352,26 @@ void attend_decode_float(
   }
 }
 
-template <typename scalar_t, int64_t kD>
+// The pool's element type: the query's, or bytes for an fp8 pool (kFmt 1 or 2).
+template <typename scalar_t, int kFmt>
+using cache_t = std::conditional_t<kFmt == 0, scalar_t, uint8_t>;
+// What the score and value loops read: the pool itself, or dequantised float scratch.
+template <typename scalar_t, int kFmt>
+using kv_t = std::conditional_t<kFmt == 0, scalar_t, float>;
+
+template <typename scalar_t, int64_t kD, int kFmt>
 void attend_item(
-    const Item& item, const scalar_t* query, scalar_t* out, const scalar_t* key_cache,
-    const scalar_t* value_cache, const int32_t* block_tables, const int32_t* query_start_loc,
-    const int32_t* seq_lens, const Dims& d, float scale, Scratch& s) {
+    const Item& item, const scalar_t* query, scalar_t* out,
+    const cache_t<scalar_t, kFmt>* key_cache, const cache_t<scalar_t, kFmt>* value_cache,
+    const int32_t* block_tables, const int32_t* query_start_loc, const int32_t* seq_lens,
+    const Dims& d, float scale, Scratch& s) {
+  using read_t = kv_t<scalar_t, kFmt>;
   const int64_t D = kD > 0 ? kD : d.head_dim;
   const int64_t BS = d.block_size, G = d.num_heads / d.num_kv_heads;
   const int64_t rows = (item.q_hi - item.q_lo) * G;
-  const int64_t token_stride = d.num_kv_heads * D;  // between pool rows of one block
+  const int64_t pool_stride = d.num_kv_heads * d.row;  // between pool rows of one block
+  // Between the rows the loops read: the pool's, or the dequantised scratch's.
+  const int64_t token_stride = kFmt == 0 ? pool_stride : D;
   const int64_t q_start = query_start_loc[item.seq];
   const int64_t q_len = query_start_loc[item.seq + 1] - q_start;
   const int64_t first_pos = seq_lens[item.seq] - q_len;  // position of the first new token
@@ -339,13 +393,22 @@ void attend_item(
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t key0 = b * BS;
     const int64_t n = std::min(BS, num_keys - key0);
-    const int64_t base = static_cast<int64_t>(table[b]) * BS * token_stride + item.kv_head * D;
-    const scalar_t* kb = key_cache + base;
-    const scalar_t* vb = value_cache + base;
-    if (rows < kTransposeRows) {
-      scores_by_dot<scalar_t, kD>(s.scores.data(), s.q.data(), kb, rows, n, D, BS, token_stride);
+    const int64_t base = static_cast<int64_t>(table[b]) * BS * pool_stride + item.kv_head * d.row;
+    const read_t* kb;
+    const read_t* vb;
+    if constexpr (kFmt == 0) {
+      kb = key_cache + base;
+      vb = value_cache + base;
     } else {
-      scores_by_transpose<scalar_t, kD>(
+      dequantise_rows<kFmt>(s.kdq.data(), key_cache + base, n, D, pool_stride);
+      dequantise_rows<kFmt>(s.vdq.data(), value_cache + base, n, D, pool_stride);
+      kb = s.kdq.data();
+      vb = s.vdq.data();
+    }
+    if (rows < kTransposeRows) {
+      scores_by_dot<read_t, kD>(s.scores.data(), s.q.data(), kb, rows, n, D, BS, token_stride);
+    } else {
+      scores_by_transpose<read_t, kD>(
           s.scores.data(), s.kt.data(), s.q.data(), kb, rows, n, D, BS, token_stride);
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -365,7 +428,7 @@ void attend_item(
       }
       s.row_max[r] = new_max;
       s.row_sum[r] = s.row_sum[r] * alpha + block_sum;
-      accumulate_values<scalar_t, kD>(
+      accumulate_values<read_t, kD>(
           s.acc.data() + r * D, alpha, sr, vb, visible, D, token_stride);
     }
   }
@@ -436,7 +499,7 @@ std::vector<std::vector<Item>> balance(std::vector<Item> items, int64_t num_bins
   return bins;
 }
 
-template <typename scalar_t, int64_t kD>
+template <typename scalar_t, int64_t kD, int kFmt>
 void run_bins(
     const std::vector<std::vector<Item>>& bins, const at::Tensor& out, const at::Tensor& query,
     const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_tables,
@@ -446,7 +509,8 @@ void run_bins(
     Scratch scratch(max_rows, d);
     for (int64_t bin = begin; bin < end; ++bin) {
       for (const Item& item : bins[bin]) {
-        if constexpr (std::is_same_v<scalar_t, float> && kD > 0 && kD % Vec::size() == 0) {
+        if constexpr (
+            std::is_same_v<scalar_t, float> && kFmt == 0 && kD > 0 && kD % Vec::size() == 0) {
           if (item.q_len == 1) {
             attend_decode_float<kD>(
                 item, query.data_ptr<float>(), out.data_ptr<float>(),
@@ -456,9 +520,10 @@ void run_bins(
             continue;
           }
         }
-        attend_item<scalar_t, kD>(
+        attend_item<scalar_t, kD, kFmt>(
             item, query.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
-            key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(),
+            key_cache.data_ptr<cache_t<scalar_t, kFmt>>(),
+            value_cache.data_ptr<cache_t<scalar_t, kFmt>>(),
             block_tables.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(),
             seq_lens.data_ptr<int32_t>(), d, scale, scratch);
       }
@@ -470,7 +535,7 @@ void paged_attention(
     at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
     const at::Tensor& value_cache, const at::Tensor& block_tables,
     const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
-    int64_t max_query_len) {
+    int64_t max_query_len, int64_t kv_format) {
   // The Python wrapper checks shapes and dtypes; these guard the raw pointer arithmetic.
   TORCH_CHECK(query.is_contiguous() && out.is_contiguous(), "query and out must be contiguous");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "pools must be contiguous");
@@ -478,22 +543,26 @@ void paged_attention(
       block_tables.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
           seq_lens.scalar_type() == at::kInt && block_tables.is_contiguous(),
       "index tensors must be contiguous int32");
+  TORCH_CHECK(kv_format >= 0 && kv_format <= 2, "kv_format must be 0, 1 (e4m3) or 2 (e5m2)");
+  const bool fp8 = kv_format != 0;
+  // An fp8 pool arrives as bytes, each row head_dim codes and a 4-byte scale.
+  const int64_t pool_head_dim = key_cache.dim() == 4 ? key_cache.size(3) - (fp8 ? 4 : 0) : -1;
   TORCH_CHECK(
-      query.dim() == 3 && key_cache.dim() == 4 && query.size(2) == key_cache.size(3) &&
+      query.dim() == 3 && key_cache.dim() == 4 && query.size(2) == pool_head_dim &&
           query.size(1) % key_cache.size(2) == 0 && out.sizes() == query.sizes() &&
           out.scalar_type() == query.scalar_type() &&
-          key_cache.scalar_type() == query.scalar_type() &&
+          key_cache.scalar_type() == (fp8 ? at::kByte : query.scalar_type()) &&
           value_cache.sizes() == key_cache.sizes() &&
           value_cache.scalar_type() == key_cache.scalar_type(),
       "query/out [tokens, heads, head_dim] and pools [blocks, block_size, kv_heads, head_dim] "
-      "must agree in head_dim, head grouping and dtype");
+      "(fp8: uint8 rows of head_dim + 4) must agree in head_dim, head grouping and dtype");
   TORCH_CHECK(
       block_tables.dim() == 2 && block_tables.size(0) == seq_lens.size(0) &&
           query_start_loc.size(0) == seq_lens.size(0) + 1,
       "block_tables [S, max_blocks], seq_lens [S] and query_start_loc [S + 1] must agree");
   const Dims d{
-      query.size(1), key_cache.size(2), key_cache.size(3), key_cache.size(1),
-      block_tables.size(1)};
+      query.size(1), key_cache.size(2), pool_head_dim, key_cache.size(1),
+      block_tables.size(1), key_cache.size(3)};
   std::vector<Item> items = make_items(
       block_tables.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(),
       seq_lens.data_ptr<int32_t>(), seq_lens.size(0), query.size(0), key_cache.size(0),
@@ -504,22 +573,33 @@ void paged_attention(
   const auto fscale = static_cast<float>(scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, query.scalar_type(), "paged_attention_cpu", [&] {
+        // fp8 pools: a generic loop over dequantised scratch, per format.
+        if (kv_format == 1) {
+          return run_bins<scalar_t, 0, 1>(
+              bins, out, query, key_cache, value_cache, block_tables, query_start_loc,
+              seq_lens, d, fscale);
+        }
+        if (kv_format == 2) {
+          return run_bins<scalar_t, 0, 2>(
+              bins, out, query, key_cache, value_cache, block_tables, query_start_loc,
+              seq_lens, d, fscale);
+        }
         // Common head sizes get loops of known length (unrolled); others a generic loop.
         switch (d.head_dim) {
           case 32:
-            return run_bins<scalar_t, 32>(
+            return run_bins<scalar_t, 32, 0>(
                 bins, out, query, key_cache, value_cache, block_tables, query_start_loc,
                 seq_lens, d, fscale);
           case 64:
-            return run_bins<scalar_t, 64>(
+            return run_bins<scalar_t, 64, 0>(
                 bins, out, query, key_cache, value_cache, block_tables, query_start_loc,
                 seq_lens, d, fscale);
           case 128:
-            return run_bins<scalar_t, 128>(
+            return run_bins<scalar_t, 128, 0>(
                 bins, out, query, key_cache, value_cache, block_tables, query_start_loc,
                 seq_lens, d, fscale);
           default:
-            return run_bins<scalar_t, 0>(
+            return run_bins<scalar_t, 0, 0>(
                 bins, out, query, key_cache, value_cache, block_tables, query_start_loc,
                 seq_lens, d, fscale);
         }
@@ -532,7 +612,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale, "
-      "int max_query_len) -> ()");
+      "int max_query_len, int kv_format) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {

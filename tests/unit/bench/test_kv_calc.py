@@ -347,3 +347,34 @@ def test_builtin_model_by_name(smollm2_tokenizer, capsys):
     model = json.loads(out)["model"]
     assert (model["num_layers"], model["num_kv_heads"], model["head_dim"]) == (30, 3, 64)
     assert model["dtype"] == "float32"
+
+
+# --- the KV dtype (kv_cache_dtype) ---------------------------------------------------------
+
+
+def test_kv_dtype_fp8_halves_bf16_and_reports_the_scales_apart(capsys) -> None:
+    shape = ["--layers", "30", "--kv-heads", "3", "--head-dim", "64"]
+    base = ["kv-calc", "--lengths", "100", "--block-sizes", "16", *shape]
+    bf16 = run_json([*base, "--dtype", "bfloat16"], capsys)
+    fp8 = run_json([*base, "--dtype", "bfloat16", "--kv-dtype", "fp8"], capsys)
+    assert bf16["kv_bytes_per_position"] == 2 * 30 * 3 * 64 * 2 == 2 * fp8["kv_bytes_per_position"]
+    assert bf16["scale_bytes_per_position"] == 0
+    assert fp8["scale_bytes_per_position"] == 2 * 30 * 3 * 4  # one float32 per row of K and V
+    assert fp8["positions_per_gib"] == 2**30 // 11520 == 2 * bf16["positions_per_gib"]
+    assert fp8["positions_per_gib_with_scales"] == 2**30 // (11520 + 720)
+    assert fp8["model"]["kv_dtype"] == "fp8" and fp8["model"]["dtype_bytes"] == 1
+    paged = fp8["layouts"][1]
+    assert paged["allocated_bytes"] == 112 * 11520 and paged["scale_bytes"] == 112 * 720
+    code, out, _ = run_cli([*base, "--dtype", "float32", "--kv-dtype", "fp8_e5m2"], capsys)
+    assert code == 0
+    assert "2*30*3*64*1 (float8_e5m2) = 11520" in out
+    assert "scales 2*L*h_kv*4 = 720 bytes per position, counted apart (6.25% of M_KV)" in out
+    assert "positions per GiB: 93206 (87724 with the scales)" in out
+
+
+def test_kv_dtype_needs_a_shape_and_a_known_name(capsys) -> None:
+    code, _, err = run_cli(["kv-calc", "--lengths", "10", "--kv-dtype", "fp8"], capsys)
+    assert code == 2 and "--kv-dtype needs a model shape" in err
+    argv = ["kv-calc", "--lengths", "10", *LLAMA_8B, "--kv-dtype", "int4"]
+    code, _, err = run_cli(argv, capsys)
+    assert code == 2 and "--kv-dtype" in err and "invalid choice" in err

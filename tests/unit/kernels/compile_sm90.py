@@ -42,10 +42,12 @@ def _arg_type(name: str, dtype: str) -> str:
     return "fp32" if name == "scale_log2" else "i32"
 
 
-def compile_kernel(fn, dtype: str, constexprs: dict, **options) -> int:
-    """Compile `fn` for sm_90; raise on any compiler error; return its shared memory bytes."""
+def compile_kernel(fn, dtype: str, constexprs: dict, types: dict | None = None, **options) -> int:
+    """Compile `fn` for sm_90; raise on any compiler error; return its shared memory bytes.
+    `types` overrides the type of some arguments (an fp8 pool's pointers are `*u8`)."""
     names = fn.arg_names
     signature = {n: "constexpr" if n in constexprs else _arg_type(n, dtype) for n in names}
+    signature |= types or {}
     source = ASTSource(
         fn=fn,
         signature=signature,
@@ -61,17 +63,29 @@ def compile_kernel(fn, dtype: str, constexprs: dict, **options) -> int:
     return shared
 
 
-def _decode(dtype: str, precision: str, block_n: int, varlen: bool, **options) -> None:
+# The pool's row and format: full precision (ROW = HEAD_DIM), or fp8 (1: e4m3, 2: e5m2) whose
+# rows carry a 4-byte scale and whose pointers are bytes.
+FULL = {"ROW": 128, "KV_FMT": 0}
+FP8_POOL = {"key_cache_ptr": "*u8", "value_cache_ptr": "*u8"}
+
+
+def _decode(
+    dtype: str, precision: str, block_n: int, varlen: bool, kv: dict = FULL, **options
+) -> None:
     tiles = {"BLOCK_D": 128, "DOT_PRECISION": precision, "UPCAST": False}
-    constexprs = {**ATTN, **tiles, "VARLEN": varlen, "BLOCK_G": 16, "BLOCK_N": block_n}
-    compile_kernel(decode.decode_split_kernel, dtype, constexprs, **options)
+    constexprs = {**ATTN, **tiles, "VARLEN": varlen, "BLOCK_G": 16, "BLOCK_N": block_n, **kv}
+    types = FP8_POOL if kv["KV_FMT"] else None
+    compile_kernel(decode.decode_split_kernel, dtype, constexprs, types, **options)
 
 
-def _prefill(dtype: str, precision: str, block_m: int, block_n: int, **options) -> None:
+def _prefill(
+    dtype: str, precision: str, block_m: int, block_n: int, kv: dict = FULL, **options
+) -> None:
     tiles = {"BLOCK_D": 128, "DOT_PRECISION": precision, "UPCAST": False}
     block_q = block_m // ATTN["GROUP"]
     constexprs = {**ATTN, **tiles, "BLOCK_Q": block_q, "BLOCK_M": block_m, "BLOCK_N": block_n}
-    compile_kernel(prefill.prefill_kernel, dtype, constexprs, **options)
+    types = FP8_POOL if kv["KV_FMT"] else None
+    compile_kernel(prefill.prefill_kernel, dtype, {**constexprs, **kv}, types, **options)
 
 
 def compile_defaults() -> None:
@@ -87,6 +101,11 @@ def compile_defaults() -> None:
                  "BLOCK_D": 128},
             )  # fmt: skip
         _prefill(dtype, precision, 64, block_n, num_warps=4, num_stages=2)
+    # The 8-bit pool (`kv_cache_dtype`): bf16 queries over e4m3 and e5m2 rows of 128 + 4 bytes.
+    for fmt in (1, 2):
+        fp8 = {"ROW": 132, "KV_FMT": fmt}
+        _decode("bf16", "tf32", 64, False, fp8, num_warps=4, num_stages=2)
+        _prefill("bf16", "tf32", 64, 64, fp8, num_warps=4, num_stages=2)
     compile_kernel(
         kv_write.write_kv_kernel,
         "bf16",

@@ -14,8 +14,9 @@ from pagedserve.kernels.launch import DECODE_CANDIDATES, PREFILL_CANDIDATES
 from pagedserve.workers.model_registry import default_cache_dir
 
 SCRIPT = pathlib.Path(__file__).with_name("compile_sm90.py")
-# 3 dtypes x (decode and reduce, each plain and VARLEN, + prefill) + write_kv + 3 block movers.
-DEFAULT_KERNELS = 3 * 5 + 4
+# 3 dtypes x (decode and reduce, each plain and VARLEN, + prefill) + write_kv + 3 block movers,
+# + decode and prefill over an fp8 pool, e4m3 and e5m2.
+DEFAULT_KERNELS = 3 * 5 + 4 + 2 * 2
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton.backends.nvidia") is None

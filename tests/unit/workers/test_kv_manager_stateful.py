@@ -13,6 +13,8 @@ files; its own tests cover those.)
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from hypothesis import HealthCheck, Phase, settings
@@ -27,6 +29,7 @@ from hypothesis.stateful import (
 )
 from support.kv import FakeRequest
 
+from pagedserve.kernels.kv_quant import dequantise_rows, quantise_rows
 from pagedserve.workers.block_pool import BlockPool
 from pagedserve.workers.kv_cache_manager import KVCacheManager
 from pagedserve.workers.kv_checks import KVInvariantError, assert_no_leaks, check_invariants
@@ -43,6 +46,7 @@ STEPS_PER_EXAMPLE = 60
 # abort) among them; the test asserts >= 10,000 steps ran, and that the speculative rules did.
 EXAMPLES = 300
 rules_run = 0
+KV_DTYPE: torch.dtype | None = None  # the shadow's blocks: token ids, or fp8 rows (ShadowKV)
 tier_loads = 0  # blocks admit_after_tier_load brought back from the host tier
 drafts_verified = 0  # propose_k_accept_j steps that verified drafts
 drafts_rolled_back = 0  # propose_then_preempt_or_abort steps that held drafts
@@ -50,7 +54,11 @@ drafts_rolled_back = 0  # propose_then_preempt_or_abort steps that held drafts
 
 class ShadowKV:
     """The KV tensors of the machine's pool as the tiers see them: each slot holds its token
-    (-1: never written), so a block's KV moves with its content through every tier."""
+    (-1: never written), so a block's KV moves with its content through every tier.
+
+    With `KV_DTYPE` fp8 each slot is an 8-bit row as an fp8 pool stores it (`kv_quant`:
+    codes of `[token, 0, 0, 0]` and the row's scale, which decodes the token exactly), and an
+    import takes only 8-bit blocks: a tier that converted them would fail the run."""
 
     def __init__(self, machine: KVManagerMachine) -> None:
         self.machine = machine
@@ -58,9 +66,16 @@ class ShadowKV:
     def export_blocks(self, block_ids) -> torch.Tensor:
         rows = [[-1 if t is None else t for t in self.machine.shadow[i]] for i in block_ids]
         tokens = torch.tensor(rows, dtype=torch.float32)  # [M, B]
-        return tokens[None, None, :, :, None, None].expand(1, 2, -1, -1, 1, 1).clone()
+        packed = tokens[None, None, :, :, None, None].expand(1, 2, -1, -1, 1, 1).clone()
+        if KV_DTYPE is None:
+            return packed
+        row = torch.nn.functional.pad(packed, (0, 3))  # [1, 2, M, B, 1, 4]
+        return quantise_rows(row, KV_DTYPE)
 
     def import_blocks(self, packed: torch.Tensor, block_ids) -> None:
+        if KV_DTYPE is not None:
+            assert packed.dtype == KV_DTYPE, f"a tier gave back {packed.dtype} blocks"
+            packed = dequantise_rows(packed).round()
         for index, block_id in enumerate(block_ids):
             slots = packed[0, 0, index, :, 0, 0].tolist()
             self.machine.shadow[block_id] = [None if v < 0 else int(v) for v in slots]
@@ -415,7 +430,11 @@ class KVManagerMachine(RuleBasedStateMachine):
             )
         if self.tiers is not None:
             for digest, entry in self.tiers.host._entries.items():
-                held = tuple(int(v) for v in entry.kv[0, 0, :, 0, 0].tolist())
+                kv = entry.kv
+                if KV_DTYPE is not None:  # the tier holds the 8-bit rows as exported
+                    assert kv.dtype == KV_DTYPE, f"host tier block holds {kv.dtype}"
+                    kv = dequantise_rows(kv).round()
+                held = tuple(int(v) for v in kv[0, 0, :, 0, 0].tolist())
                 assert held == entry.key.token_ids, (
                     f"host tier block {digest.hex()[:8]} holds {held}, "
                     f"key says {entry.key.token_ids}"
@@ -448,9 +467,11 @@ def run_machine(examples: int = EXAMPLES, shrink: bool = True) -> None:
     )
 
 
-def test_block_manager_state_machine_10k_steps():
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["auto", "fp8"])
+def test_block_manager_state_machine_10k_steps(kv_dtype, monkeypatch):
     global rules_run, drafts_verified, drafts_rolled_back, tier_loads
     rules_run = drafts_verified = drafts_rolled_back = tier_loads = 0
+    monkeypatch.setattr(sys.modules[__name__], "KV_DTYPE", kv_dtype)
     run_machine()
     assert rules_run >= 10_000, f"only {rules_run} rule steps ran"
     # (A run loads about 110: only runs with caching and a host tier that has filled qualify.)
