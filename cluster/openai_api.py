@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Iterator
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
@@ -30,7 +28,6 @@ from pagedserve.cluster.api_common import (
     CompletionCollector,
     CompletionResult,
     chat_prompt,
-    find_malformed_text,
     merge_streams,
     new_request_id,
     sampling_params,
@@ -39,11 +36,10 @@ from pagedserve.cluster.api_errors import ApiError, ErrorCode, engine_failure, t
 from pagedserve.cluster.auth import Caller, TokenAuth
 from pagedserve.cluster.openai_logprobs import CompletionExtras, chat_logprobs, echoed_prompts
 from pagedserve.cluster.openai_models import (
-    Body,
     ChatCompletionBody,
     CompletionBody,
-    parse_body,
 )
+from pagedserve.cluster.openai_reading import read_request, room_for
 from pagedserve.cluster.openai_responses import (
     STREAM_WITHOUT_USAGE,
     AssistantMessage,
@@ -70,8 +66,6 @@ from pagedserve.workers.stream import StreamDelta
 
 logger = logging.getLogger(__name__)
 OWNER = "pagedserve"
-MAX_JSON_DEPTH = 32  # a request body nests 4 deep; anything far deeper is an attack
-MAX_NUMBER_CHARS = 100  # longer than any number a field can take (an int64 has 19 digits)
 
 
 class OpenAIFrontend:
@@ -135,18 +129,9 @@ class OpenAIFrontend:
 
     # -------------------------------------------------------------- plumbing
     async def _read(self, request: Request, model: type) -> tuple[Any, Caller]:
-        """Auth, then the body: bounded size, JSON of bounded depth, valid text, known fields,
-        the served model. Returns the body and the caller."""
-        caller = self.auth.check(request.headers.get("authorization"))
-        raw = await read_body(request, self.core.config.max_request_bytes)
-        body = parse_request(raw, model)
-        if body.model != self.model_name:
-            raise ApiError(
-                ErrorCode.NOT_FOUND,
-                f"model: {body.model!r} is not served here (GET /v1/models: {self.model_name!r})",
-                "model",
-            )
-        return body, caller
+        """Auth, then the body (`openai_reading.read_request`). Returns the body and caller."""
+        max_bytes = self.core.config.max_request_bytes
+        return await read_request(request, self.auth, max_bytes, model, self.model_name)
 
     async def _request(
         self,
@@ -157,7 +142,7 @@ class OpenAIFrontend:
         caller: Caller,
     ) -> GenerateRequest:
         if max_tokens is None:
-            max_tokens = await self._room_for(prompt)
+            max_tokens = await room_for(self.core, prompt)
         return GenerateRequest(
             params=sampling_params(body.sent_as(), max_tokens=max_tokens, **body.sampling_kwargs()),
             prompt=prompt if isinstance(prompt, str) else None,
@@ -168,16 +153,6 @@ class OpenAIFrontend:
             tenant=caller.tenant,
             cache_scope=caller.cache_scope,
         )
-
-    async def _room_for(self, prompt: str | list[int]) -> int:
-        """Default max_tokens: what fits after the prompt in the smallest worker's context and
-        KV pool (at least 1, so an over-long prompt gets the worker's own error)."""
-        await self.core.start()
-        if isinstance(prompt, str) and self.core.tokenizer is None:
-            return 1  # the router refuses text without a tokenizer, naming the problem
-        prompt_len = await self.core.prompt_length(prompt)
-        capacities = [w.capacity_tokens() for w in self.core.workers.values() if w.alive]
-        return max(1, min(capacities, default=1) - prompt_len)
 
     async def _respond(
         self,
@@ -396,129 +371,3 @@ def _data(payload: BaseModel, exclude: AbstractSet[str] | None = None) -> str:
     """One server-sent event. `json.dumps` of `model_dump()`, not `model_dump_json()`: its
     `", "` separators and float spelling are what clients have always been sent."""
     return f"data: {json.dumps(payload.model_dump(exclude=exclude), ensure_ascii=False)}\n\n"
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused (413) as soon as it is known to pass `limit` bytes: from its
-    `content-length` before reading, else while reading it, so a huge body costs no more
-    than `limit` bytes of memory."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise _too_large(int(declared), limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(size, limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def parse_request(raw: bytes, model: type[Body]) -> Body:
-    """A request body as `model`: JSON of bounded depth with finite numbers, valid text, known
-    fields of the right types; else an `ApiError` (400) naming the field at fault."""
-    data = parse_json(raw)
-    if isinstance(data, dict) and (bad := find_malformed_text(data, "")) is not None:
-        raise ApiError.invalid(f"{bad} is not valid UTF-8", bad)
-    return parse_body(model, data)  # refuses a body that is not an object
-
-
-def parse_json(raw: bytes) -> Any:
-    """JSON nested at most `MAX_JSON_DEPTH` deep, whose numbers are finite and at most
-    `MAX_NUMBER_CHARS` long (400 otherwise, naming the field that holds a bad number)."""
-    try:
-        # surrogateescape keeps invalid UTF-8 bytes as lone surrogates (find_malformed_text).
-        data = json.loads(
-            raw.decode("utf-8", "surrogateescape"),
-            parse_constant=BadNumber,
-            parse_int=_parse_int,
-            parse_float=_parse_float,
-        )
-    except json.JSONDecodeError as error:
-        raise ApiError.invalid(f"the request body is not valid JSON: {error}") from None
-    except RecursionError:
-        raise _too_deep() from None
-    if json_depth(data) > MAX_JSON_DEPTH:
-        raise _too_deep()
-    found = _find_bad_number(data, "")
-    if found is not None:
-        path, number = found
-        field = path if isinstance(data, dict) else None  # a field only in a JSON object
-        raise ApiError.invalid(
-            f"{field or 'the request body'} holds {number.text}: numbers must be finite and "
-            f"at most {MAX_NUMBER_CHARS} characters long",
-            field,
-        )
-    return data
-
-
-@dataclass(frozen=True)
-class BadNumber:
-    """A number JSON can spell but no field can hold (NaN, Infinity, 1e400, a 5,000-digit
-    integer), kept in the parsed body so that the field holding it can be named."""
-
-    text: str
-
-
-def _parse_int(text: str) -> int | BadNumber:
-    # Python refuses to convert integers of more than 4,300 digits with a bare ValueError.
-    return int(text) if len(text) <= MAX_NUMBER_CHARS else BadNumber(_shorten(text))
-
-
-def _parse_float(text: str) -> float | BadNumber:
-    value = float(text)
-    ok = math.isfinite(value) and len(text) <= MAX_NUMBER_CHARS
-    return value if ok else BadNumber(_shorten(text))
-
-
-def _shorten(text: str) -> str:
-    return text if len(text) <= 24 else f"{text[:20]}... ({len(text):,} characters)"
-
-
-def _find_bad_number(value: Any, path: str) -> tuple[str, BadNumber] | None:
-    """The path of the first `BadNumber` under `value` (nested at most MAX_JSON_DEPTH deep)."""
-    if isinstance(value, BadNumber):
-        return path, value
-    if isinstance(value, dict):
-        # A key may hold invalid UTF-8 (as a lone surrogate): escaped, the path stays printable.
-        items = (
-            (_join_key(path, key.encode("utf-8", "backslashreplace").decode()), item)
-            for key, item in value.items()
-        )
-    elif isinstance(value, list):
-        items = ((f"{path}[{i}]", item) for i, item in enumerate(value))
-    else:
-        return None
-    for item_path, item in items:
-        found = _find_bad_number(item, item_path)
-        if found is not None:
-            return found
-    return None
-
-
-def json_depth(value: Any) -> int:
-    """How deeply lists and objects nest in `value` (a scalar: 0), without recursion."""
-    depth, level = 0, [value]
-    while level:
-        containers = [v for v in level if isinstance(v, dict | list)]
-        if not containers:
-            break
-        depth += 1
-        level = [item for c in containers for item in (c.values() if isinstance(c, dict) else c)]
-    return depth
-
-
-def _join_key(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
-
-
-def _too_large(size: int, limit: int) -> ApiError:
-    return ApiError(
-        ErrorCode.INVALID_ARGUMENT,
-        f"the request body is {size:,} bytes or more; the limit is {limit:,} (max_request_bytes)",
-        http_status=413,
-    )
-
-
-def _too_deep() -> ApiError:
-    return ApiError.invalid(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")

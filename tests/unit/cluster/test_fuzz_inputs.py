@@ -21,8 +21,8 @@ from pagedserve.cluster.api_common import sampling_params
 from pagedserve.cluster.api_errors import ApiError, ErrorCode
 from pagedserve.cluster.grpc_convert import request_from_proto
 from pagedserve.cluster.grpc_wire import MalformedRequest, request_parser
-from pagedserve.cluster.openai_api import parse_request
 from pagedserve.cluster.openai_models import ChatCompletionBody, CompletionBody
+from pagedserve.cluster.openai_reading import parse_request
 from pagedserve.cluster.router_types import GenerateRequest
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
 from pagedserve.workers.sampling_params import SamplingParams

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.cluster.api_errors import ApiError
-from pagedserve.cluster.openai_api import MAX_JSON_DEPTH, json_depth, parse_json
+from pagedserve.cluster.openai_reading import MAX_JSON_DEPTH, json_depth, parse_json
 
 
 def test_json_depth():
