@@ -128,9 +128,15 @@ class RequestStream:
             self._abort()
 
     def _abort(self) -> None:
-        worker = self.channel.worker
-        if worker.alive:
-            worker.handle.abort.remote(self.request_id)
+        # Sent while the channel still reads this incarnation of the worker, whether or not
+        # the liveness poll holds it alive: one dropped for a late stats answer (a loaded
+        # machine) still runs the request, to its end without this. A channel that ended
+        # (the worker died, or restarted) has nothing of this leg left to abort.
+        channel = self.channel
+        if not channel.serves(channel.worker):
+            return
+        ref = channel.worker.handle.abort.remote(self.request_id)
+        asyncio.ensure_future(_settled(ref, channel.worker.worker_id))
 
 
 class WorkerChannel:
@@ -240,6 +246,17 @@ class WorkerChannels:
         for channel in self._channels.values():
             channel.close(NoWorkerAvailable("the router closed"))
         self._channels.clear()
+
+
+async def _settled(ref: object, worker_id: str) -> None:
+    """Await an abort sent without waiting for it, so that a dead worker's failure is read
+    (not reported by Ray as unhandled): a lost worker has nothing left to abort."""
+    try:
+        await ref  # type: ignore[misc]
+    except WORKER_LOST_ERRORS:
+        logger.debug("abort to lost worker %s not delivered", worker_id)
+    except Exception:
+        logger.exception("abort on worker %s failed", worker_id)
 
 
 def _epoch(worker: WorkerState) -> str | None:

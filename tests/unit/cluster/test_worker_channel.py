@@ -43,7 +43,7 @@ class FakeWorker:
         self.set_paused = _method(
             lambda request_id, paused, seq: self.flow.append((request_id, paused, seq))
         )
-        self.abort = _method(self.aborted.append)
+        self.abort = _method(lambda request_id: _ready(self.aborted.append(request_id)))
 
     def send(self, *messages: StreamDelta | RequestFailed) -> None:
         self.sent.put_nowait(StepBatch("w0", tuple(messages)))
@@ -154,7 +154,7 @@ def test_a_lost_channel_ends_every_stream_on_it_and_the_next_leg_reopens_it():
         for stream in (a, b):
             with pytest.raises(ActorDiedError):
                 await stream.next()
-            worker.alive = False  # dropped by the router: nothing is aborted on a dead worker
+            worker.alive = False  # its channel ended: nothing is aborted on a dead worker
             stream.close(open_on_worker=True)
         await asyncio.sleep(0)
         worker.alive = True  # restarted
@@ -232,3 +232,22 @@ async def _until(condition, deadline_s: float = 10.0) -> None:
     while not condition():
         assert asyncio.get_running_loop().time() < end, "timed out"
         await asyncio.sleep(0.001)
+
+
+def test_a_leg_left_on_a_worker_dropped_from_routing_is_still_aborted():
+    """The liveness poll may drop a worker that answers late (a loaded machine) while its
+    channel still streams: the request runs on there, so leaving it must abort it."""
+
+    async def main():
+        channels, worker, handle = setup()
+        stream = channels.open(worker, "r")
+        stream.submit(leg("r"))
+        handle.send(delta("r", 1))
+        await stream.next()
+        worker.alive = False  # dropped: not routable, but its channel reads on
+        stream.close(open_on_worker=True)
+        await _until(lambda: handle.aborted)
+        channels.close()
+        return handle.aborted
+
+    assert asyncio.run(main()) == ["r"]

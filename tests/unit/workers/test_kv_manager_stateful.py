@@ -518,13 +518,15 @@ def test_state_machine_catches_a_skipped_ref_decrement(monkeypatch):
 
 
 def test_state_machine_catches_a_tier_load_into_the_wrong_blocks(monkeypatch):
-    """A tier read that hands a run's blocks back in the wrong order: a loaded block is
-    cached under a key whose tokens it does not hold, and the machine must notice."""
+    """A tier read that hands a run's blocks back in the wrong order, each block's slots
+    reversed too: a loaded block is cached under a key whose tokens it does not hold, and the
+    machine must notice. (The blocks' order alone is caught only by a load of two blocks or
+    more: in the suite's processes 100 cases missed it twice, alone never; why is not known.)"""
     original = TierStore.read
 
     def read_reversed(self, run):
         packed = original(self, run)
-        return None if packed is None else packed.flip(2)
+        return None if packed is None else packed.flip(2, 3)
 
     monkeypatch.setattr(TierStore, "read", read_reversed)
     with pytest.raises(AssertionError, match="reads|cached block"):
