@@ -24,12 +24,14 @@ def test_both_of_uvicorn_s_http_protocols_are_wrapped_once(protocol, monkeypatch
 def test_a_connection_keeps_the_configured_buffers(monkeypatch):
     monkeypatch.setenv(SEND_BUFFER_ENV, "8192")
     seen: dict = {}
+    made = asyncio.Event()
 
     class Recorder(asyncio.Protocol):
         def connection_made(self, transport):
             sock = transport.get_extra_info("socket")
             seen["sndbuf"] = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
             seen["high_water"] = transport.get_write_buffer_limits()[1]
+            made.set()
 
     Recorder.connection_made = _with_send_buffer(Recorder.connection_made, 8192)
 
@@ -37,8 +39,7 @@ def test_a_connection_keeps_the_configured_buffers(monkeypatch):
         server = await asyncio.get_running_loop().create_server(Recorder, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         _, writer = await asyncio.open_connection("127.0.0.1", port)
-        while not seen:
-            await asyncio.sleep(0.01)
+        await made.wait()
         writer.close()
         server.close()
 
