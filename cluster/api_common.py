@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -168,13 +169,14 @@ class CompletionCollector:
 async def collect(core: RouterCore, request: GenerateRequest) -> CompletionCollector:
     """Run a request to the end and collect its completions."""
     collector = CompletionCollector(request_id=request.request_id or "")
-    async for delta in core.generate(request):
-        collector.add(delta)
+    async with aclosing(core.generate(request)) as deltas:
+        async for delta in deltas:
+            collector.add(delta)
     return collector
 
 
 async def merge_streams(
-    streams: Sequence[AsyncIterator[StreamDelta]],
+    streams: Sequence[AsyncGenerator[StreamDelta, None]],
 ) -> AsyncIterator[tuple[int, StreamDelta]]:
     """Interleave several streams as their deltas arrive, as (stream index, delta).
 
@@ -182,15 +184,17 @@ async def merge_streams(
     stream, which aborts its request on the worker.
     """
     if len(streams) == 1:
-        async for delta in streams[0]:
-            yield 0, delta
+        async with aclosing(streams[0]) as only:
+            async for delta in only:
+                yield 0, delta
         return
     queue: asyncio.Queue[tuple[int, StreamDelta | BaseException | None]] = asyncio.Queue()
 
-    async def pump(i: int, stream: AsyncIterator[StreamDelta]) -> None:
+    async def pump(i: int, stream: AsyncGenerator[StreamDelta, None]) -> None:
         try:
-            async for delta in stream:
-                await queue.put((i, delta))
+            async with aclosing(stream) as deltas:
+                async for delta in deltas:
+                    await queue.put((i, delta))
         except Exception as error:  # handed to the consumer, which re-raises it
             await queue.put((i, error))
         else:

@@ -20,6 +20,7 @@ resolve the route annotations (`Request`) when the replica rebuilds the class.
 
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from fastapi import FastAPI
@@ -110,8 +111,9 @@ class Router:
     # ---------------------------------------------------------------- Python
     async def generate(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
         """Streaming: call through `handle.options(stream=True).generate.remote(request)`."""
-        async for delta in self.core.generate(request):
-            yield delta
+        async with aclosing(self.core.generate(request)) as deltas:  # see RouterCore.generate
+            async for delta in deltas:
+                yield delta
 
     async def abort(self, request_id: str) -> bool:
         return await self.core.abort(request_id)
@@ -131,8 +133,9 @@ class Router:
         return await self.grpc.generate(request, grpc_context)
 
     async def GenerateStream(self, request: Any, grpc_context: Any) -> AsyncIterator[Any]:
-        async for response in self.grpc.generate_stream(request, grpc_context):
-            yield response
+        async with aclosing(self.grpc.generate_stream(request, grpc_context)) as responses:
+            async for response in responses:
+                yield response
 
     async def Abort(self, request: Any, grpc_context: Any) -> Any:
         return await self.grpc.abort(request, grpc_context)

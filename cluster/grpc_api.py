@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 import grpc
@@ -78,10 +79,12 @@ class GrpcFrontend:
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
         try:
             caller = self._admit(request, context)
-            async for delta in self.core.generate(_traced(request, context, caller, self.core)):
-                yield delta_to_proto(delta)
-                if delta.error:
-                    raise engine_failure(delta.error)
+            deltas = self.core.generate(_traced(request, context, caller, self.core))
+            async with aclosing(deltas):  # closed with this stream: aborted on its worker
+                async for delta in deltas:
+                    yield delta_to_proto(delta)
+                    if delta.error:
+                        raise engine_failure(delta.error)
         except Exception as error:
             self._fail(context, error, None)
             raise StreamFailed(context.details()) from error

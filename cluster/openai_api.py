@@ -16,8 +16,9 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from collections.abc import Set as AbstractSet
+from contextlib import aclosing
 from typing import Any
 
 from pydantic import BaseModel
@@ -170,8 +171,9 @@ class OpenAIFrontend:
             collectors = [CompletionCollector() for _ in requests]
             collectors[first[0]].add(first[1])
             try:
-                async for i, delta in merged:
-                    collectors[i].add(delta)
+                async with aclosing(merged):
+                    async for i, delta in merged:
+                        collectors[i].add(delta)
             except Exception as error:
                 return _error_or_raise(error)
             return JSONResponse(chunks.whole(collectors).model_dump())
@@ -308,11 +310,13 @@ ResponseBuilder = CompletionChunks | ChatChunks
 
 async def _sse(
     first: tuple[int, StreamDelta],
-    rest: AsyncIterator[tuple[int, StreamDelta]],
+    rest: AsyncGenerator[tuple[int, StreamDelta], None],
     chunks: ResponseBuilder,
     include_usage: bool,
 ) -> AsyncIterator[str]:
-    """Server-sent events: the chunks, then usage if asked for, then `[DONE]`."""
+    """Server-sent events: the chunks, then usage if asked for, then `[DONE]`. Closing them
+    (`PacedStreamingResponse`, once the client is gone) closes `rest`: its requests are
+    aborted on their workers now."""
     totals: dict[int, CompletionCollector] = {}  # per prompt, for the usage chunk
     exclude = None if include_usage else STREAM_WITHOUT_USAGE
 
@@ -322,23 +326,24 @@ async def _sse(
             return ""  # tokens whose text is not complete yet (a split UTF-8 character)
         return _data(chunks.chunk(chunks.choice_index(i, delta.index), delta), exclude)
 
-    for start in chunks.start():
-        yield _data(start, exclude)
-    if text := event(*first):
-        yield text
-    try:
-        async for i, delta in rest:
-            if text := event(i, delta):
-                yield text
-            if delta.error:
-                raise engine_failure(delta.error)
-    except Exception as error:
-        yield _data(error_json(to_api_error(error)))
-    else:
-        if include_usage:
-            usage = Usage.total(totals[i].usage() for i in sorted(totals))
-            yield _data(chunks.usage_chunk(usage))
-    yield "data: [DONE]\n\n"
+    async with aclosing(rest):
+        for start in chunks.start():
+            yield _data(start, exclude)
+        if text := event(*first):
+            yield text
+        try:
+            async for i, delta in rest:
+                if text := event(i, delta):
+                    yield text
+                if delta.error:
+                    raise engine_failure(delta.error)
+        except Exception as error:
+            yield _data(error_json(to_api_error(error)))
+        else:
+            if include_usage:
+                usage = Usage.total(totals[i].usage() for i in sorted(totals))
+                yield _data(chunks.usage_chunk(usage))
+        yield "data: [DONE]\n\n"
 
 
 # ------------------------------------------------------------------ helpers

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -201,10 +202,11 @@ class ResponsesFrontend:
         collector = CompletionCollector()
         collector.add(first)
         try:
-            async for delta in stream:
-                collector.add(delta)
-                if delta.error:
-                    raise engine_failure(delta.error)
+            async with aclosing(stream):
+                async for delta in stream:
+                    collector.add(delta)
+                    if delta.error:
+                        raise engine_failure(delta.error)
         except Exception as error:
             return error_response(to_api_error(error))
         done = self._finish(start, new_request_id("msg_"), collector)
@@ -274,28 +276,27 @@ class ResponsesFrontend:
 async def _sse(
     events: ResponseEvents,
     first: StreamDelta,
-    rest: AsyncIterator[StreamDelta],
+    rest: AsyncGenerator[StreamDelta, None],
     finish: Any,
 ) -> AsyncIterator[str]:
     """The stream's events: the start, a delta per piece of text, then the end (or
-    `response.failed` after a failure). Leaving early closes `rest`, which aborts the request
-    on its worker."""
-    for event in events.start():
-        yield event
+    `response.failed` after a failure). Closing them (`PacedStreamingResponse`, once the
+    client is gone) closes `rest`, which aborts the request on its worker now."""
     collector = CompletionCollector()
-    try:
-        async for delta in _chained(first, rest):
-            collector.add(delta)
-            if delta.text:
-                yield events.delta(delta.text)
-            if delta.error:
-                raise engine_failure(delta.error)
-    except Exception as error:
-        failure = to_api_error(error)
-        yield events.fail(failure.code.value.lower(), failure.message)
-        return
-    finally:
-        await rest.aclose()  # a client gone mid-stream: abort the request on its worker now
+    async with aclosing(rest):
+        for event in events.start():
+            yield event
+        try:
+            async for delta in _chained(first, rest):
+                collector.add(delta)
+                if delta.text:
+                    yield events.delta(delta.text)
+                if delta.error:
+                    raise engine_failure(delta.error)
+        except Exception as error:
+            failure = to_api_error(error)
+            yield events.fail(failure.code.value.lower(), failure.message)
+            return
     for event in events.finish(finish(events.response, events.message_id, collector)):
         yield event
 

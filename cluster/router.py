@@ -48,6 +48,7 @@ import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from ray.actor import ActorHandle
@@ -80,6 +81,7 @@ from pagedserve.workers.deadline import within
 from pagedserve.workers.errors import Draining, HandedOff, Overloaded, RequestRejected
 from pagedserve.workers.handoff import RequestHandoff
 from pagedserve.workers.model_registry import DEFAULT_MODEL
+from pagedserve.workers.ray_internals import detached_task
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.stream import StreamDelta
 from pagedserve.workers.telemetry import NOOP, Tracing
@@ -233,8 +235,8 @@ class RouterCore:
     async def start(self) -> None:
         """Wait for every worker to be ready and the prefix view to sync once, then keep loads
         and the view fresh. Idempotent."""
-        if self._started is None:
-            self._started = asyncio.get_running_loop().create_task(self._start())
+        if self._started is None:  # every loop it starts outlives the request that started it
+            self._started = detached_task(self._start())
         await asyncio.shield(self._started)
         self._following = _running_on_this_loop(self._following, self.feed.run)
         if self.index is not None:
@@ -377,9 +379,13 @@ class RouterCore:
         error = None
         try:
             await self.start()
-            async for delta in self._generate(request, request_id, trace):
-                delta.request_id = client_id  # the worker knows the tenant-scoped id
-                yield delta
+            # Each layer closes the one it reads the moment it is closed itself, down to the
+            # leg's abort on its worker (`_stream`): a generator left to the garbage collector
+            # is closed when a collection finds it, which can be after the request ran out.
+            async with aclosing(self._generate(request, request_id, trace)) as deltas:
+                async for delta in deltas:
+                    delta.request_id = client_id  # the worker knows the tenant-scoped id
+                    yield delta
         except Overloaded as e:
             self.counters.refused_worker += 1
             error = e
@@ -422,19 +428,20 @@ class RouterCore:
         while plan:
             attempt = plan.pop(0)
             try:
-                async for delta in self._attempt(attempt, request_id, request, trace):
-                    if isinstance(delta, RequestMoved):  # continue on a peer, never shown
-                        plan.append(
-                            _Attempt(delta.index, handoff=delta.handoff, source=delta.worker_id)
-                        )
-                        self.migrations.on_moved(delta.handoff)
-                        continue
-                    emitted[delta.index].add(delta)
-                    if delta.finish_reason is not None:
-                        finished.add(delta.index)
-                        trace.on_delta(delta)
-                        self.metrics.on_finished(delta)
-                    yield delta
+                async with aclosing(self._attempt(attempt, request_id, request, trace)) as leg:
+                    async for delta in leg:
+                        if isinstance(delta, RequestMoved):  # continue on a peer, never shown
+                            plan.append(
+                                _Attempt(delta.index, handoff=delta.handoff, source=delta.worker_id)
+                            )
+                            self.migrations.on_moved(delta.handoff)
+                            continue
+                        emitted[delta.index].add(delta)
+                        if delta.finish_reason is not None:
+                            finished.add(delta.index)
+                            trace.on_delta(delta)
+                            self.metrics.on_finished(delta)
+                        yield delta
             except WorkerLost as lost:
                 trace.root.add_event("worker_lost", {"exception.message": str(lost)})
                 plan = self._replay_plan(request, request_id, token_ids, emitted, finished)
@@ -489,14 +496,15 @@ class RouterCore:
             demand = len(attempt.prompt) - matched * self.block_size + decode
         streamed = False
         try:
-            async for delta in self._stream(worker, worker_request, demand):
-                # A leg serving one branch runs as the worker's branch 0: name the client's.
-                if attempt.branch is not None and isinstance(delta, StreamDelta):
-                    delta.index = attempt.branch
-                elif attempt.branch is not None:  # moved on: its next leg serves that branch
-                    delta = dataclasses.replace(delta, index=attempt.branch)
-                streamed = True
-                yield delta
+            async with aclosing(self._stream(worker, worker_request, demand)) as messages:
+                async for delta in messages:
+                    # A leg serving one branch runs as the worker's branch 0: name the client's.
+                    if attempt.branch is not None and isinstance(delta, StreamDelta):
+                        delta.index = attempt.branch
+                    elif attempt.branch is not None:  # moved on: its next leg serves that one
+                        delta = dataclasses.replace(delta, index=attempt.branch)
+                    streamed = True
+                    yield delta
         except Overloaded as error:
             if not attempt.continues or streamed:
                 raise
@@ -660,7 +668,7 @@ def _running_on_this_loop(task: asyncio.Task | None, run: Any) -> asyncio.Task:
     another loop (a caller may drive a core from one `asyncio.run` after another)."""
     loop = asyncio.get_running_loop()
     if task is None or task.done() or task.get_loop() is not loop:
-        return loop.create_task(run())
+        return detached_task(run())
     return task
 
 

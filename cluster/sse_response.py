@@ -27,6 +27,7 @@ import socket
 from collections.abc import AsyncIterable
 from typing import Any
 
+import anyio
 from starlette.responses import StreamingResponse
 from starlette.types import Message, Send
 
@@ -53,7 +54,17 @@ class PacedStreamingResponse(StreamingResponse):
             await room_in_http_response(self.max_queued)
             await send(message)
 
-        await super().stream_response(paced)
+        try:
+            await super().stream_response(paced)
+        finally:
+            # A client gone mid-stream cancels this (Starlette's task group) while the events
+            # wait at a `yield`; Starlette leaves them to the garbage collector, which closes
+            # them (and aborts the request on its worker) whenever a collection finds them.
+            # Closed here, shielded from that cancellation, the abort goes out now.
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                with anyio.CancelScope(shield=True):
+                    await aclose()
 
 
 def limit_send_buffers() -> None:

@@ -35,6 +35,7 @@ from pagedserve.cluster.router_types import NoWorkerAvailable, WorkerLost
 from pagedserve.cluster.worker_liveness import WORKER_LOST_ERRORS
 from pagedserve.cluster.worker_state import WorkerState
 from pagedserve.workers.errors import RequestRejected
+from pagedserve.workers.ray_internals import detached_context, detached_task
 from pagedserve.workers.stream import DeltaBuffer, StreamDelta, StreamMessage
 from pagedserve.workers.worker_types import RequestFailed, RequestMoved, WorkerRequest
 
@@ -135,8 +136,9 @@ class RequestStream:
         channel = self.channel
         if not channel.serves(channel.worker):
             return
-        ref = channel.worker.handle.abort.remote(self.request_id)
-        asyncio.ensure_future(_settled(ref, channel.worker.worker_id))
+        # Sent outside the request's Ray context: it is often being cancelled right now.
+        ref = detached_context().run(channel.worker.handle.abort.remote, self.request_id)
+        detached_task(_settled(ref, channel.worker.worker_id))
 
 
 class WorkerChannel:
@@ -155,7 +157,8 @@ class WorkerChannel:
         self.capacity = capacity
         self.epoch = _epoch(worker)
         self.streams: dict[str, RequestStream] = {}
-        self._reader = asyncio.get_running_loop().create_task(self._read())
+        # Opened by some request, read for all: one request's cancel must not end it.
+        self._reader = detached_task(self._read())
 
     def serves(self, worker: WorkerState) -> bool:
         """Whether a new request can be read from here: its reader runs, on this event loop,

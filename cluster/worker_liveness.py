@@ -26,6 +26,7 @@ from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.router_types import NoWorkerAvailable, RouterCounters
 from pagedserve.cluster.worker_state import WorkerState
 from pagedserve.workers.deadline import within
+from pagedserve.workers.ray_internals import detached_task
 from pagedserve.workers.worker_types import WorkerStats
 
 logger = logging.getLogger(__name__)
@@ -142,7 +143,7 @@ class WorkerLiveness:
         if running is not None and not running.done():
             return  # the last round still runs; the next poll tries again
         assert self.on_polled is not None
-        self._hooks[worker.worker_id] = asyncio.ensure_future(self._run_hook(worker))
+        self._hooks[worker.worker_id] = detached_task(self._run_hook(worker))
 
     async def _run_hook(self, worker: WorkerState) -> None:
         assert self.on_polled is not None
@@ -194,7 +195,7 @@ class WorkerLiveness:
             loop = asyncio.get_running_loop()
             later = self.config.stall_timeout_s + self.config.stats_interval_s
             loop.call_later(later, self._end_if_hung, worker)
-            removal = asyncio.ensure_future(self._remove_from_index(worker.worker_id))
+            removal = detached_task(self._remove_from_index(worker.worker_id))
             self._removals[worker.worker_id] = removal
             removal.add_done_callback(lambda _: self._removals.pop(worker.worker_id, None))
         await asyncio.shield(removal)

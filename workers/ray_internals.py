@@ -1,6 +1,6 @@
 """Every part of Ray's private API pagedserve touches, in one place, for one Ray version.
 
-Ray and Serve offer no public way to do six things pagedserve needs. Each is reached only
+Ray and Serve offer no public way to do seven things pagedserve needs. Each is reached only
 through a function here, and each has a test (`tests/unit/workers/test_ray_internals.py`) that
 fails when an upgrade moves or reshapes what it touches:
 
@@ -19,7 +19,10 @@ fails when an upgrade moves or reshapes what it touches:
   SIGTERM (`drain_signal`);
 - `bound_http_responses` and `room_in_http_response`: `MessageQueue`
   (`ray.serve._private.http_util`), the replica's queue of a response's ASGI messages, which
-  Serve fills without bound, for HTTP streams that pause when unread (`openai_api`).
+  Serve fills without bound, for HTTP streams that pause when unread (`openai_api`);
+- `detached_context` and `detached_task`: `ray._raylet.async_task_id`, the context variable by
+  which Ray files each call an async actor makes under the request it serves, so that a call
+  meant to outlive that request is not cancelled with it (`router`, `worker_channel`).
 
 Serve also reads settings from the environment that its docs do not list (set in
 `serve_options`, `ray_startup` and `grpc_status`): `RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD`,
@@ -36,7 +39,8 @@ It runs inside Serve's proxy too, so it imports nothing heavy.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextvars
+from collections.abc import Callable, Coroutine
 from contextvars import ContextVar
 from typing import Any
 
@@ -174,3 +178,27 @@ async def room_in_http_response(max_queued: int) -> None:
     while len(queue._message_queue) >= max_queued and not queue._closed:
         taken.clear()
         await taken.wait()
+
+
+def detached_context() -> contextvars.Context:
+    """A copy of the current context in which Ray files no call under the request being
+    served.
+
+    Ray cancels, with an async actor's call, every call submitted from its asyncio context
+    (`ray.cancel(recursive=True)`, which Serve runs when a client cancels or disconnects). A
+    long-lived call started there (a worker's channel, the prefix feed, the liveness polls)
+    would die with the one request that happened to start it, and every other request on it
+    with it; an abort sent while its request is being cancelled might not go out at all.
+    """
+    import ray
+
+    context = contextvars.copy_context()
+    task_id = getattr(ray._raylet, "async_task_id", None)
+    if task_id is not None:
+        context.run(task_id.set, None)
+    return context
+
+
+def detached_task(coroutine: Coroutine[Any, Any, Any]) -> asyncio.Task:
+    """`coroutine` in a task of the running loop, in a `detached_context`."""
+    return asyncio.get_running_loop().create_task(coroutine, context=detached_context())

@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import os
 from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
 from typing import Any
 
 import ray
@@ -231,8 +232,9 @@ class Worker:
                 trace_context=request.trace_context,
                 owner_id=request.owner_id,
             )
-        async for delta in deltas:
-            yield self._kv_by_reference(delta)
+        async with aclosing(deltas):  # closed with this call: the request is aborted now
+            async for delta in deltas:
+                yield self._kv_by_reference(delta)
 
     async def submit(self, request: WorkerRequest) -> None:
         """Admit a request whose messages go out through the channel of `request.owner_id`
