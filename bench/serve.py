@@ -134,9 +134,9 @@ def local_app(cluster: dict[str, Any], *, num_cpus: int | None = None) -> Iterat
     import ray
     from ray import serve
 
-    from pagedserve.bench.ports import free_port
     from pagedserve.cluster.app import build_app
     from pagedserve.cluster.config import ClusterConfig
+    from pagedserve.cluster.ports import free_port
     from pagedserve.cluster.serve_options import grpc_options
     from pagedserve.cluster.worker_group import stop_worker_group
     from pagedserve.workers.model_cli import prepare_in_subprocess

@@ -121,7 +121,7 @@ def our_server(
     python: str = sys.executable,
 ) -> Server:
     """`pagedserve serve` (see the module docstring); `python`: whose install serves."""
-    from pagedserve.bench.ports import free_port
+    from pagedserve.cluster.ports import free_port
 
     http_port, grpc_port = free_port(), free_port()
     command = [python, "-m", "pagedserve", "serve", *our_flags(args, extra)]
@@ -148,7 +148,7 @@ def vllm_server(
 ) -> Server:
     """vLLM's OpenAI server (see the module docstring), run from the scratch directory so
     that it runs apart from this checkout."""
-    from pagedserve.bench.ports import free_port
+    from pagedserve.cluster.ports import free_port
 
     port = free_port()
     command = [

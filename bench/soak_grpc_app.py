@@ -16,10 +16,10 @@ from typing import Any
 import ray
 from ray import serve
 
-from pagedserve.bench.ports import free_port
 from pagedserve.cluster.app import build_app
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.grpc_status import proxy_env_vars
+from pagedserve.cluster.ports import free_port
 from pagedserve.cluster.ray_startup import allow_slow_startup
 from pagedserve.cluster.serve_options import grpc_options
 from pagedserve.cluster.worker_group import stop_worker_group

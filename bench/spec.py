@@ -20,8 +20,6 @@ of every arm are compared with the `off` arm's (they must be equal).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
 import statistics
 import tempfile
@@ -46,33 +44,6 @@ OPEN_PROMPTS = [
     "Explain why the sky is blue to a child.",
     "Describe your ideal weekend in a few sentences.",
 ]
-
-
-def save_truncated_tiny_llama(path: str | os.PathLike[str], num_layers: int = 2) -> str:
-    """tiny-llama (seed 0) cut to its first `num_layers` layers, as a checkpoint directory: a
-    cheaper draft with the same vocabulary whose guesses are right part of the time."""
-    import torch
-
-    from pagedserve.workers.tiny_llama import build_tiny_llama, tiny_llama_config
-    from pagedserve.workers.tokenizer import BYTE_TOKENIZER_MARKER, ByteTokenizer
-
-    full = build_tiny_llama(0)
-    config = tiny_llama_config()
-    config.num_hidden_layers = num_layers
-    with torch.random.fork_rng(devices=[]):
-        draft = type(full)(config)
-    draft.load_state_dict(
-        {
-            name: value
-            for name, value in full.state_dict().items()
-            if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers
-        }
-    )
-    path = os.fspath(path)
-    draft.eval().save_pretrained(path, safe_serialization=True)
-    with open(os.path.join(path, BYTE_TOKENIZER_MARKER), "w", encoding="utf-8") as f:
-        json.dump({"type": "byte", "vocab_size": ByteTokenizer.vocab_size}, f)
-    return path
 
 
 def workloads(model: str, tokenizer: Any, num_prompts: int) -> dict[str, list[Any]]:
@@ -139,6 +110,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     from pagedserve.workers.llm import LLM
     from pagedserve.workers.model_loader import load_model
     from pagedserve.workers.sampling_params import SamplingParams
+    from pagedserve.workers.tiny_llama import save_truncated_tiny_llama
 
     loaded = load_model(args.model)
     tmp = tempfile.TemporaryDirectory(prefix="pagedserve-spec-draft-")

@@ -36,7 +36,7 @@ import requests
 from support.api_app import LocalPorts
 from support.processes import MARK_ENV, processes_marked
 
-from pagedserve.bench.ports import free_port
+from pagedserve.cluster.ports import free_port
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
 from pagedserve.proto.pagedserve.v1 import serving_pb2_grpc
 from pagedserve.workers.tiny_llama import save_tiny_llama

@@ -35,7 +35,7 @@ import ray
 from ray import serve
 from ray.cluster_utils import Cluster
 
-from pagedserve.bench.ports import free_port
+from pagedserve.cluster.ports import free_port
 from pagedserve.cluster.serve_options import grpc_options
 from support.cluster import WORKER_RESOURCE
 

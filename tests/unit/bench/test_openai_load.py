@@ -19,8 +19,8 @@ from pagedserve.bench.openai_load import (
     run_load,
     summarize,
 )
-from pagedserve.bench.ports import free_port
 from pagedserve.bench.serve_workload import PlannedRequest
+from pagedserve.cluster.ports import free_port
 
 
 def record(index, send, chunks, end, tokens=4, error=None):

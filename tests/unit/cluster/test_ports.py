@@ -3,8 +3,8 @@
 import random
 import socket
 
-import pagedserve.bench.ports as ports_module
-from pagedserve.bench.ports import _quiet_range, free_port
+import pagedserve.cluster.ports as ports_module
+from pagedserve.cluster.ports import _quiet_range, free_port
 
 
 def test_ports_are_outside_the_ephemeral_range_distinct_and_bindable():
