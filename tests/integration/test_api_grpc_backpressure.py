@@ -34,10 +34,11 @@ DEADLINE_S = 180.0
 # A small receive window, so that the client's own HTTP/2 buffer holds few messages.
 CLIENT_OPTIONS = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
 # Over HTTP a stream pauses once the buffers on its way fill: the client's socket, the proxy's
-# socket and uvicorn's 64 KiB write buffer hold a few hundred events of ~200 bytes each, so
-# these streams are long (one per worker: 252 blocks of 8 tokens each).
+# socket and its write buffer (`sse_response.limit_send_buffers`) hold a few hundred events of
+# ~200 bytes each (each stream paused at ~450 tokens here), so these streams are long (one per
+# worker: 190 blocks of 8 tokens each).
 HTTP_STREAMS = 2
-HTTP_MAX_TOKENS = 2000
+HTTP_MAX_TOKENS = 1500
 CLIENT_RECEIVE_BUFFER = 4096
 ENGINE = {"num_kv_blocks": 600, "block_size": 8, "attention_backend": "torch"}
 
