@@ -35,9 +35,11 @@ from pagedserve.cluster.grpc_convert import (
 from pagedserve.cluster.grpc_status import RETRY_AFTER_KEY, with_retry_hint
 from pagedserve.cluster.grpc_wire import SERVICE, MalformedRequest, StreamFailed
 from pagedserve.cluster.openai_embeddings import Embedder, check_inputs, input_error
-from pagedserve.cluster.router import WORKER_LOST_ERRORS, RouterCore, scoped_request_id
+from pagedserve.cluster.router import RouterCore
+from pagedserve.cluster.router_requests import scoped_request_id
 from pagedserve.cluster.router_types import GenerateRequest, NoWorkerAvailable
 from pagedserve.cluster.tracing import tag_ingress
+from pagedserve.cluster.worker_liveness import WORKER_LOST_ERRORS
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
 from pagedserve.workers.deadline import within
 from pagedserve.workers.sampling_params import Pooling

@@ -42,8 +42,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pagedserve.workers.engine import Engine
-from pagedserve.workers.kv_cache_manager import PrefixTransfer
 from pagedserve.workers.kv_events import KVEvent
+from pagedserve.workers.kv_prefix_transfer import PrefixTransfer
 from pagedserve.workers.lease import DEFAULT_LEASE_TIMEOUT_S, LeaseTable
 from pagedserve.workers.outputs import RequestDelta
 from pagedserve.workers.request_trace import RequestTraces
