@@ -12,7 +12,8 @@ Registering it also installs `grpc_streams.cancel_streams_in_flight` on the prox
 stream that ends early always cancels its request on the replica, and
 `grpc_status.finish_statuses`, so that a refusal carries its `retry-after` trailer and no status
 carries a traceback or other internals; and, for the HTTP proxy of the same process,
-`sse_response.limit_send_buffers`, so that an unread HTTP stream pauses too.
+`sse_response.limit_send_buffers`, so that an unread HTTP stream pauses too, and
+`http_connections.guard_connections`, so that connections not serving a request are bounded.
 
 This module runs inside the proxy actor, so it imports only grpc, protobuf, the stubs and
 starlette.
@@ -32,6 +33,7 @@ from google.protobuf.message import DecodeError, Message
 
 from pagedserve.cluster.grpc_status import finish_statuses
 from pagedserve.cluster.grpc_streams import cancel_streams_in_flight
+from pagedserve.cluster.http_connections import guard_connections
 from pagedserve.cluster.sse_response import limit_send_buffers
 from pagedserve.proto.pagedserve.v1 import serving_pb2
 
@@ -64,6 +66,7 @@ def add_generation_servicer(servicer: Any, server: grpc.Server) -> None:
     """Register `pagedserve.v1.Generation` on `server` with lenient request parsing."""
     cancel_streams_in_flight(server)
     limit_send_buffers()  # the HTTP proxy of the same process: unread SSE streams pause
+    guard_connections()  # and its connections not serving a request are bounded
     finish_statuses(server)  # after: it wraps the stream canceller and sees its final status
     handlers = {}
     for method in SERVICE.methods:

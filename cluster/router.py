@@ -3,8 +3,9 @@
 `RouterCore` holds the logic and runs wherever an event loop does (tests drive it directly);
 `Router` in `cluster/app.py` is the Ray Serve deployment around it. It keeps routing, the
 workers' views and its lifecycle; a request's path (generate, replay, abort, drain) is
-`RouterRequests` (`cluster/router_requests.py`), which it inherits; the watch over workers (ready, polled, leased, dropped) is
-`cluster/worker_liveness.py`, and KV migration (pull, push, move) is `cluster/migration.py`.
+`RouterRequests` (`cluster/router_requests.py`), which it inherits; the watch over workers
+(ready, polled, leased, dropped) is `cluster/worker_liveness.py`, and KV migration (pull,
+push, move) is `cluster/migration.py`.
 
 Routing makes no remote call: each `RouterCore` keeps its own copy of the prefix index
 (`PrefixView`, `cluster/prefix_view.py`), and a background task (`FeedFollower`, started by

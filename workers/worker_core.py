@@ -99,6 +99,7 @@ class WorkerCore(WorkerRequests, WorkerKV):
         self._streams = StreamTable(worker_id, self.leases, self.traces)
         self._pending: list[tuple[Callable[[], Any], asyncio.Future | None]] = []
         self._stepping = False
+        self.steps_started = 0  # engine steps this loop launched (counted as each starts)
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._housekeeping: asyncio.Task | None = None
@@ -163,6 +164,7 @@ class WorkerCore(WorkerRequests, WorkerKV):
                 self._progress_at = time.monotonic()
                 continue
             self._stepping = True
+            self.steps_started += 1
             prefilling, start_ns = self.traces.before_step(self.engine.scheduler), time.time_ns()
             failure = None
             try:

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import threading
 
 import openai
@@ -276,6 +278,24 @@ def test_client_disconnect_mid_stream_frees_the_blocks(app, grpc_client):
     # And it did not run on to its end unread: that takes LONG steps of its worker.
     after = {w.worker_id: w.num_steps for w in grpc_client.stats().workers}
     assert max(after[w] - steps[w] for w in after) < LONG, (steps, after)
+
+
+def test_a_half_sent_request_is_closed_at_its_deadline_while_others_are_served(app, oai):
+    """Serve's proxy carries the connection bounds (`cluster/http_connections.py`): a client
+    that never finishes its headers is closed at the default deadline; a stream opened before
+    it and a request after it are served whole."""
+    half = socket.create_connection(("127.0.0.1", app.http_port), timeout=120)
+    half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and never the rest
+    stream = oai.completions.create(model=MODEL, prompt="before", max_tokens=16, stream=True)
+    chunks = iter(stream)
+    next(chunks)
+    with contextlib.suppress(ConnectionResetError):
+        assert half.recv(1) == b""  # the server closed it (waits for that)
+    half.close()
+    *_, last = chunks
+    assert last.choices[0].finish_reason in ("length", "stop")
+    after = oai.completions.create(model=MODEL, prompt="after", max_tokens=4, **GREEDY)
+    assert after.usage.completion_tokens == 4
 
 
 # --------------------------------------------------------------- tenants

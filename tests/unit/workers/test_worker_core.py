@@ -119,10 +119,12 @@ def test_pool_reads_wait_for_the_step_in_flight(tiny_llama):
     long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
     async def main():
+        started = core.steps_started
         core.chaos_stall(True, after_steps=2)  # the third step is held in flight
         reader = asyncio.ensure_future(collect(core, "x", list(range(40)), long))
-        # `chaos_stall` holds the step thread before the engine step: a step in flight.
-        await until(lambda: core._stepping and not core._unstalled.is_set(), "a held step")
+        # `chaos_stall` holds the step thread before the engine step: the third, launched once
+        # the second ended (`_stepping` alone could be the second's end, then no read waits).
+        await until(lambda: core.steps_started == started + 3 and core._stepping, "a held step")
         reads = (core.kv_snapshot(), core.check_pool(), core.push_candidates(4))
         reads = [asyncio.ensure_future(read) for read in reads]
         for _ in range(3):  # a read that did not wait would be done after its first turn
