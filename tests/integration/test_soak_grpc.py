@@ -1,5 +1,5 @@
 """The CI soak through the real gRPC front end (Serve's gRPC proxy, two Router replicas, two
-workers): ~150 requests of the soak load (shared prefixes, n > 1, cancellations, gRPC and
+workers): ~115 requests of the soak load (shared prefixes, n > 1, cancellations, gRPC and
 worker deadlines, every kind of malformed input, slow readers) with a burst past the router's
 and the workers' limits, duplicate-id pairs, the kill of one of the two Router replicas and a
 prefix index kill (`bench/soak_grpc.py`): every fault once. Long soaks are
@@ -33,13 +33,14 @@ from pagedserve.bench.soak_grpc_calls import WIRE_BAD_INPUTS
 
 # The burst's requests are long (96-128 tokens): Serve's proxy admits calls one by one while
 # it chooses between the two replicas, so short ones would end before the rest arrived; 40 of
-# them with the 12 steady ones are twice the router's 24. Seed 106 makes 80 steady requests
+# them with the 12 steady ones are twice the router's 24. Seed 2651 makes 50 steady requests
 # hold every request kind: each of the six malformed inputs (two as wire bytes), gRPC and
-# worker deadlines, slow readers, cancellations, n > 1 (seed 0 needed 150 for four of the six).
+# worker deadlines, slow readers, cancellations, n > 1 (of seeds 0-4999, 3 do at 50, 14 at 60;
+# seed 0 needed 150 for four of the six).
 LOAD = SoakSpec(
-    num_requests=80,
+    num_requests=50,
     concurrency=12,
-    seed=106,
+    seed=2651,
     burst_at=0.3,
     burst_size=40,
     burst_max_tokens=(96, 128),
