@@ -26,6 +26,7 @@ from pagedserve.workers.pid_files import process_start_time
 
 PIN = 10_000_000  # router-side demand that makes a worker look full, to steer routing
 MAX_TOKENS = 40  # more than a held stream's buffers take: it pauses before its end
+HELD_AFTER_STEPS = 4  # a stream's prefill and first tokens, then its worker holds still
 GRACE_S = 10.0  # ample for a resumed stream's last ~30 tokens; the held one never ends in it
 
 
@@ -119,6 +120,11 @@ def test_drain_worker_group_finishes_open_streams(ray_cluster):
         core = await start_router(config)
         alone = [(await run_request(core, p, greedy(MAX_TOKENS)))[0][0] for p in prompts]
         first, second = core.workers.values()
+        # Each worker holds still a few steps into its stream, until both drain: the streams
+        # are open when the drain starts however slow the router's pause request is (on a
+        # loaded machine a 40-token stream could end before its pause arrived).
+        handles = [w.handle for w in (first, second)]
+        await asyncio.gather(*(h.chaos_stall.remote(True, HELD_AFTER_STEPS) for h in handles))
         first.begin(PIN)  # one stream on each worker
         streams, heads = await open_held(core, prompts[:1], "g")
         first.end(PIN)
@@ -133,6 +139,7 @@ def test_drain_worker_group_finishes_open_streams(ray_cluster):
             return all(r.draining for r in reports)
 
         await until(both_draining, "both workers to drain")
+        await asyncio.gather(*(h.chaos_stall.remote(False) for h in handles))
         outputs = await asyncio.gather(
             *(read_rest(s, h) for s, h in zip(streams, heads, strict=True))
         )
