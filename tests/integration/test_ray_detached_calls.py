@@ -26,22 +26,20 @@ class Streamer:
         self.releases: dict[str, asyncio.Queue] = {}
 
     async def stream(self, name: str):
-        self.cancelled[name] = asyncio.Event()
+        cancelled = self.cancelled.setdefault(name, asyncio.Event())
         releases = self.releases.setdefault(name, asyncio.Queue())
         try:
             while True:
                 yield await releases.get()
         except asyncio.CancelledError:
-            self.cancelled[name].set()
+            cancelled.set()
             raise
 
     async def release(self, name: str, item: str) -> None:
         await self.releases.setdefault(name, asyncio.Queue()).put(item)
 
     async def wait_cancelled(self, name: str) -> None:
-        while name not in self.cancelled:
-            await asyncio.sleep(0.01)
-        await self.cancelled[name].wait()
+        await self.cancelled.setdefault(name, asyncio.Event()).wait()
 
 
 @ray.remote(num_cpus=0)
