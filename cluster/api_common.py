@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pagedserve.cluster.api_errors import ApiError, field_of
+from pagedserve.cluster.openai_tools import ToolCalling, tool_chat_turns
 from pagedserve.cluster.router import RouterCore
 from pagedserve.cluster.router_types import GenerateRequest
 from pagedserve.workers.errors import RequestRejected
@@ -52,12 +53,22 @@ def sampling_params(
 
 
 def chat_prompt(
-    messages: Sequence[Mapping[str, str]], tokenizer: Any, add_generation_prompt: bool = True
+    messages: Sequence[Mapping[str, Any]],
+    tokenizer: Any,
+    add_generation_prompt: bool = True,
+    tools: ToolCalling | None = None,
 ) -> str:
     """The prompt text of a chat by the model's chat template; INVALID_ARGUMENT (param
-    `messages`) when the model has none or a message is malformed."""
+    `messages`) when the model has none or a message is malformed.
+
+    A template that takes tools renders `tools` and the turns' calls and results itself; for
+    any other they are written into the turns (`openai_tools.tool_chat_turns`).
+    """
     try:
-        return render_chat(tokenizer, messages, add_generation_prompt)
+        if getattr(tokenizer, "template_takes_tools", False):
+            listed = tools.tools() if tools is not None else None
+            return render_chat(tokenizer, messages, add_generation_prompt, tools=listed)
+        return render_chat(tokenizer, tool_chat_turns(messages, tools), add_generation_prompt)
     except RequestRejected as error:
         raise ApiError.invalid(str(error), "messages") from None
 

@@ -61,6 +61,7 @@ from pagedserve.cluster.openai_responses import (
 from pagedserve.cluster.router import RouterCore
 from pagedserve.cluster.router_types import GenerateRequest
 from pagedserve.cluster.sse_response import PacedStreamingResponse
+from pagedserve.cluster.tool_call_parser import ToolAnswers
 from pagedserve.cluster.tracing import tag_ingress
 from pagedserve.workers.outputs import Usage
 from pagedserve.workers.stream import StreamDelta
@@ -118,7 +119,8 @@ class OpenAIFrontend:
     async def chat_completions(self, request: Request) -> Response:
         try:
             body, caller = await self._read(request, ChatCompletionBody)
-            prompt = chat_prompt(body.turns(), self.core.tokenizer)
+            tools = body.tool_calling
+            prompt = chat_prompt(body.turns(), self.core.tokenizer, tools=tools)
             base_id = body.request_id or new_request_id("chatcmpl-")
             max_tokens = body.max_output_tokens()
             requests = [await self._request(body, prompt, max_tokens, base_id, caller)]
@@ -126,6 +128,8 @@ class OpenAIFrontend:
             return _error_or_raise(error)
         tag_ingress(requests, request.headers.items(), "http")
         chunks = ChatChunks(base_id, self.created, self.model_name, body.n)
+        if tools is not None and tools.parses_calls:
+            chunks.tools = ToolAnswers()
         return await self._respond(requests, body.stream, body.include_usage, chunks)
 
     # -------------------------------------------------------------- plumbing
@@ -214,7 +218,10 @@ class CompletionChunks(_ChoiceBuilder):
     def start(self) -> list[CompletionChunk]:
         return []
 
-    def chunk(self, index: int, delta: StreamDelta) -> CompletionChunk:
+    def chunk(self, index: int, delta: StreamDelta) -> CompletionChunk | None:
+        """The chunk of one delta; None when it has nothing to send yet."""
+        if _is_empty(delta):
+            return None
         return self._chunk([self._choice(index, delta, delta.finish_reason)])
 
     def whole(self, collectors: list[CompletionCollector]) -> Completion:
@@ -253,7 +260,12 @@ class CompletionChunks(_ChoiceBuilder):
 
 
 class ChatChunks(_ChoiceBuilder):
-    """Builds `chat.completion` bodies and `chat.completion.chunk` stream chunks."""
+    """Builds `chat.completion` bodies and `chat.completion.chunk` stream chunks; with `tools`
+    set, each choice's text is read for tool calls."""
+
+    def __init__(self, request_id: str, created: int, model: str, n: int) -> None:
+        super().__init__(request_id, created, model, n)
+        self.tools: ToolAnswers | None = None
 
     def start(self) -> list[ChatCompletionChunk]:
         """One chunk per branch naming the assistant's role, before any text (as OpenAI)."""
@@ -263,25 +275,23 @@ class ChatChunks(_ChoiceBuilder):
             for j in range(self.n)
         ]
 
-    def chunk(self, index: int, delta: StreamDelta) -> ChatCompletionChunk:
+    def chunk(self, index: int, delta: StreamDelta) -> ChatCompletionChunk | None:
+        """The chunk of one delta; None when it has nothing to send yet."""
+        content, calls, finish_reason = delta.text or None, None, delta.finish_reason
+        if self.tools is not None:
+            content, calls, finish_reason = self.tools.delta(index, delta.text, finish_reason)
+        if not content and not calls and finish_reason is None and not delta.logprobs:
+            return None
         choice = ChatChunkChoice(
             index=index,
-            delta=ChatDelta(content=delta.text or None),
+            delta=ChatDelta(content=content, tool_calls=calls),
             logprobs=chat_logprobs(delta.logprobs),
-            finish_reason=delta.finish_reason,
+            finish_reason=finish_reason,
         )
         return self._chunk([choice])
 
     def whole(self, collectors: list[CompletionCollector]) -> ChatCompletion:
-        choices = [
-            ChatChoice(
-                index=index,
-                message=AssistantMessage(content=c.text),
-                logprobs=chat_logprobs(c.logprobs),
-                finish_reason=c.finish_reason,
-            )
-            for index, c in self.results(collectors)
-        ]
+        choices = [self._choice(index, c) for index, c in self.results(collectors)]
         return ChatCompletion(
             id=self.request_id,
             created=self.created,
@@ -292,6 +302,17 @@ class ChatChunks(_ChoiceBuilder):
 
     def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
         return self._chunk([], UsageInfo.of(usage))
+
+    def _choice(self, index: int, result: CompletionResult) -> ChatChoice:
+        message, finish_reason = AssistantMessage(content=result.text), result.finish_reason
+        if self.tools is not None:
+            message, finish_reason = self.tools.message(result.text, finish_reason)
+        return ChatChoice(
+            index=index,
+            message=message,
+            logprobs=chat_logprobs(result.logprobs),
+            finish_reason=finish_reason,
+        )
 
     def _chunk(
         self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None
@@ -322,9 +343,8 @@ async def _sse(
 
     def event(i: int, delta: StreamDelta) -> str:
         totals.setdefault(i, CompletionCollector(keep_output=False)).add(delta)
-        if not delta.text and delta.finish_reason is None and not delta.logprobs:
-            return ""  # tokens whose text is not complete yet (a split UTF-8 character)
-        return _data(chunks.chunk(chunks.choice_index(i, delta.index), delta), exclude)
+        chunk = chunks.chunk(chunks.choice_index(i, delta.index), delta)
+        return "" if chunk is None else _data(chunk, exclude)
 
     async with aclosing(rest):
         for start in chunks.start():
@@ -366,6 +386,12 @@ def error_response(error: ApiError) -> JSONResponse:
 def _error_or_raise(error: Exception) -> JSONResponse:
     """The error response for any failure: a bug too becomes INTERNAL with an incident id."""
     return error_response(to_api_error(error))
+
+
+def _is_empty(delta: StreamDelta) -> bool:
+    """A delta with nothing to send: tokens whose text is not complete yet (a split UTF-8
+    character)."""
+    return not delta.text and delta.finish_reason is None and not delta.logprobs
 
 
 def _batch_id(base: str, i: int, prompts: list) -> str:

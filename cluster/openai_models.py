@@ -12,12 +12,15 @@ so the error names the field the client sent.
 
 from __future__ import annotations
 
+import json
+from functools import cached_property
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pagedserve.cluster.api_errors import ApiError
 from pagedserve.cluster.api_guided import guided_spec
+from pagedserve.cluster.openai_tools import ToolCalling, checked_tool_calling
 from pagedserve.workers.sampling_params import SamplingKwargs
 from pagedserve.workers.structured.spec import GuidedKind
 
@@ -202,18 +205,86 @@ class TextPart(_Body):
     text: str
 
 
+class CalledFunction(_Body):
+    name: str
+    arguments: str  # the arguments object as JSON text, as the call was answered
+
+
+class ToolCallIn(_Body):
+    """An earlier answer's call, sent back in an assistant turn."""
+
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(_Body):
-    """One turn. Its `content` is required: OpenAI lets an assistant turn go without one only
-    beside `tool_calls`, which pagedserve does not take (left out or null: a 400 naming it)."""
+    """One turn. Its `content` is required but beside an assistant's `tool_calls` (left out or
+    null: a 400 naming it); a `tool` turn answers the call `tool_call_id` names."""
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content or ())
+
+    def turn(self, i: int) -> dict[str, Any]:
+        """The turn as chat templates take it (a call's arguments as an object)."""
+        if self.content is None and not self.tool_calls:
+            param = f"messages[{i}].content"
+            raise ApiError.invalid(
+                f"{param}: field required (role {self.role!r} needs content)", param
+            )
+        turn: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            if self.role != "assistant":
+                param = f"messages[{i}].tool_calls"
+                raise ApiError.invalid(f"{param}: only an assistant turn has tool calls", param)
+            turn["tool_calls"] = [
+                _call_turn(call, f"messages[{i}].tool_calls[{j}]")
+                for j, call in enumerate(self.tool_calls)
+            ]
+        if self.tool_call_id is not None:
+            turn["tool_call_id"] = self.tool_call_id
+        return turn
+
+
+def _call_turn(call: ToolCallIn, param: str) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except json.JSONDecodeError as error:
+        param = f"{param}.function.arguments"
+        raise ApiError.invalid(f"{param}: not valid JSON: {error}", param) from None
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": "function", "function": function}
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    """`tool_choice: {"type": "function", "function": {"name": ...}}`."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionBody(_SamplingFields):
@@ -225,16 +296,37 @@ class ChatCompletionBody(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
 
-    def turns(self) -> list[dict[str, str]]:
-        """The messages as the chat template takes them; INVALID_ARGUMENT naming the first
+    tools: list[ToolDefinition] | None = Field(default=None, min_length=1, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    def turns(self) -> list[dict[str, Any]]:
+        """The messages as chat templates take them; INVALID_ARGUMENT naming the first
         message without content."""
-        for i, message in enumerate(self.messages):
-            if message.content is None:
-                param = f"messages[{i}].content"
-                raise ApiError.invalid(
-                    f"{param}: field required (role {message.role!r} needs content)", param
-                )
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [message.turn(i) for i, message in enumerate(self.messages)]
+
+    @cached_property
+    def tool_calling(self) -> ToolCalling | None:
+        """The request's tools and `tool_choice`, checked (docs/api.md, "Tool calling")."""
+        functions = [
+            (f"tools[{i}].function", tool.function.model_dump())
+            for i, tool in enumerate(self.tools or ())
+        ]
+        choice = self.tool_choice
+        named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        if isinstance(choice, NamedToolChoice):
+            choice = "named"
+        return checked_tool_calling(
+            functions, choice, named, self.parallel_tool_calls, "tool_choice.function.name"
+        )
+
+    def guided_fields(self) -> dict[str, tuple[GuidedKind, Any, bool]]:
+        """With tools to call, their grammar too (under `tools`)."""
+        sent = super().guided_fields()
+        spec = self.tool_calling.grammar() if self.tool_calling else None
+        if spec is not None:
+            sent["tools"] = (spec.kind, spec.value, True)
+        return sent
 
     def sent_as(self) -> dict[str, str]:
         """`top_logprobs` is `SamplingParams.logprobs`; `max_completion_tokens`, when given,

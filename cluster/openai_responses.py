@@ -17,7 +17,7 @@ exceptions are written down where they are: a chat `delta` carries only the keys
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, SerializerFunctionWrapHandler, model_serializer
 
@@ -111,11 +111,40 @@ class CompletionChunk(_Response):
 
 
 # --------------------------------------------------------------------- chat
+class _OnlySet(_Response):
+    """Serialised with only the keys that are set (not None), as OpenAI sends stream deltas."""
+
+    @model_serializer(mode="wrap")
+    def _only_set(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class CalledFunction(_Response):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class AssistantMessage(_Response):
-    """The answer of a chat completion (the request's messages are `openai_models.ChatMessage`)."""
+    """The answer of a chat completion (the request's messages are `openai_models.ChatMessage`):
+    `content` is null when the answer is only tool calls; `tool_calls` is left out when there
+    are none."""
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _calls_if_any(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        body = handler(self)
+        if body["tool_calls"] is None:
+            del body["tool_calls"]
+        return body
 
 
 class ChatChoice(_Response):
@@ -134,17 +163,29 @@ class ChatCompletion(_Response):
     usage: UsageInfo
 
 
-class ChatDelta(_Response):
+class FunctionDelta(_OnlySet):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_OnlySet):
+    """A call's first delta has its `id`, `type` and `function.name` (and `arguments: ""`);
+    later ones add to `function.arguments`."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta
+
+
+class ChatDelta(_OnlySet):
     """What a chat chunk adds to its message: only the keys it has, as OpenAI sends them
-    (`{"role": "assistant", "content": ""}` first, then `{"content": "..."}`, the last chunk
-    often `{}`)."""
+    (`{"role": "assistant", "content": ""}` first, then `{"content": "..."}` or
+    `{"tool_calls": [...]}`, the last chunk often `{}`)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _only_set(self, handler: SerializerFunctionWrapHandler) -> dict[str, str]:
-        return {key: value for key, value in handler(self).items() if value is not None}
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Response):

@@ -15,8 +15,9 @@ generation. Status: `completed` when the model stopped, `incomplete` (`incomplet
 Stateless: nothing is stored, so `store` is false. It may be left out (the response says
 `"store": false`; OpenAI's own default is true, but a client leaving it out does not rely on
 a stored response), and `store: true` is a 400 naming `store`, as is `previous_response_id`
-(it needs stored responses). Function `tools` are refused until tool calling lands; `text`
-takes only the plain text format. vLLM's extra sampling fields (`top_k`, `seed`, `stop`, ...)
+(it needs stored responses). Function `tools` are served as on chat completions
+(`openai_responses_tools`): calls come out as `function_call` items; `text` takes only the
+plain text format. vLLM's extra sampling fields (`top_k`, `seed`, `stop`, ...)
 and the cluster's (`priority`, `cache_salt`, `request_id`) are accepted as in completions.
 
 A streamed response checks the request and waits for its first delta before the 200, so a bad
@@ -30,6 +31,7 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
+from functools import cached_property
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -43,20 +45,28 @@ from pagedserve.cluster.api_common import (
     sampling_params,
 )
 from pagedserve.cluster.api_errors import ApiError, engine_failure, to_api_error
+from pagedserve.cluster.api_guided import guided_spec
 from pagedserve.cluster.auth import Caller, TokenAuth
 from pagedserve.cluster.openai_api import error_response
 from pagedserve.cluster.openai_reading import read_request, room_for
 from pagedserve.cluster.openai_responses_objects import (
-    IncompleteDetails,
-    OutputMessage,
-    OutputText,
+    FunctionCallItem,
     ResponseEvents,
     ResponseObject,
-    ResponseUsage,
 )
+from pagedserve.cluster.openai_responses_tools import (
+    FunctionCallIn,
+    FunctionCallOutputIn,
+    FunctionToolIn,
+    ToolChoiceIn,
+    call_turns,
+    responses_tool_calling,
+)
+from pagedserve.cluster.openai_tools import ToolCalling
 from pagedserve.cluster.router import RouterCore, check_prompt_size
 from pagedserve.cluster.router_types import GenerateRequest
 from pagedserve.cluster.sse_response import PacedStreamingResponse
+from pagedserve.cluster.tool_call_parser import ToolCallParser
 from pagedserve.cluster.tracing import tag_ingress
 from pagedserve.workers.sampling_params import SamplingKwargs
 from pagedserve.workers.stream import StreamDelta
@@ -98,7 +108,7 @@ class ResponsesBody(_Body):
     """`POST /v1/responses`."""
 
     model: str
-    input: str | list[InputMessage] = Field(min_length=1)
+    input: str | list[InputMessage | FunctionCallIn | FunctionCallOutputIn] = Field(min_length=1)
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
@@ -108,8 +118,8 @@ class ResponsesBody(_Body):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
-    tools: list[Any] | None = None
-    tool_choice: Literal["auto", "none"] | None = None
+    tools: list[FunctionToolIn] | None = Field(default=None, max_length=128)
+    tool_choice: ToolChoiceIn | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfigIn | None = None
     truncation: Literal["disabled"] | None = None
@@ -128,7 +138,13 @@ class ResponsesBody(_Body):
     cache_salt: str | None = None
     request_id: str | None = None
 
-    def turns(self) -> list[dict[str, str]]:
+    @cached_property
+    def tool_calling(self) -> ToolCalling | None:
+        return responses_tool_calling(
+            self.tools, self.tool_choice, self.parallel_tool_calls is not False
+        )
+
+    def turns(self) -> list[dict[str, Any]]:
         """The chat: `instructions` as a system turn, then `input`; INVALID_ARGUMENT naming
         what a stateless server cannot do."""
         if self.store:
@@ -143,14 +159,18 @@ class ResponsesBody(_Body):
                 "keep; send the earlier turns in input",
                 "previous_response_id",
             )
-        if self.tools:
-            raise ApiError.invalid("tools: function tools are not supported yet", "tools")
-        turns = [] if self.instructions is None else [("system", self.instructions)]
+        turns: list[dict[str, Any]] = []
+        if self.instructions is not None:
+            turns.append({"role": "system", "content": self.instructions})
         if isinstance(self.input, str):
-            turns.append(("user", self.input))
-        else:
-            turns.extend((message.role, message.text()) for message in self.input)
-        return [{"role": role, "content": content} for role, content in turns]
+            turns.append({"role": "user", "content": self.input})
+            return turns
+        for i, item in enumerate(self.input):
+            if isinstance(item, InputMessage):
+                turns.append({"role": item.role, "content": item.text()})
+            else:
+                call_turns(turns, item, i)
+        return turns
 
     def sampling_kwargs(self) -> SamplingKwargs:
         kwargs = SamplingKwargs(
@@ -163,6 +183,9 @@ class ResponsesBody(_Body):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
         )
+        spec = self.tool_calling.grammar() if self.tool_calling else None
+        if spec is not None:
+            kwargs["guided"] = guided_spec({"tools": (spec.kind, spec.value, True)})
         for name in ("temperature", "top_p", "top_k"):
             if (value := getattr(self, name)) is not None:
                 kwargs[name] = value
@@ -195,10 +218,11 @@ class ResponsesFrontend:
             first = await anext(stream)  # a refused request gets its status, not a 200
         except Exception as error:
             return error_response(to_api_error(error))
-        start = self._start(body, generate.request_id)
+        tools = body.tool_calling
+        reader = AnswerReader(tools is not None and tools.parses_calls)
+        events = ResponseEvents(self._start(body, generate.request_id), not reader.parser)
         if body.stream:
-            events = ResponseEvents(start, new_request_id("msg_"))
-            return PacedStreamingResponse(_sse(events, first, stream, self._finish))
+            return PacedStreamingResponse(_sse(events, reader, first, stream))
         collector = CompletionCollector()
         collector.add(first)
         try:
@@ -209,13 +233,18 @@ class ResponsesFrontend:
                         raise engine_failure(delta.error)
         except Exception as error:
             return error_response(to_api_error(error))
-        done = self._finish(start, new_request_id("msg_"), collector)
-        return JSONResponse(done.model_dump())
+        (result,) = collector.completions
+        events.start()
+        reader.read(events, result.text, last=True)
+        events.finish(collector.usage(), incomplete=result.finish_reason == "length")
+        return JSONResponse(events.response.model_dump())
 
     async def _request(self, body: ResponsesBody, caller: Caller) -> GenerateRequest:
         turns = body.turns()
         check_prompt_size(sum(len(t["content"]) for t in turns), self.core.config.max_prompt_chars)
-        prompt = await asyncio.to_thread(chat_prompt, turns, self.core.tokenizer)
+        prompt = await asyncio.to_thread(
+            chat_prompt, turns, self.core.tokenizer, tools=body.tool_calling
+        )
         max_tokens = body.max_output_tokens
         if max_tokens is None:
             max_tokens = await room_for(self.core, prompt)
@@ -243,41 +272,47 @@ class ResponsesFrontend:
             model=self.model_name,
             temperature=body.temperature if body.temperature is not None else 1.0,
             top_p=body.top_p if body.top_p is not None else 1.0,
-            tool_choice=body.tool_choice or "auto",
+            tool_choice=_echoed(body.tool_choice) or "auto",
+            tools=[tool.model_dump() for tool in body.tools or ()],
             parallel_tool_calls=body.parallel_tool_calls is not False,
             user=body.user,
             metadata=body.metadata or {},
         )
 
-    @staticmethod
-    def _finish(
-        start: ResponseObject, message_id: str, collector: CompletionCollector
-    ) -> ResponseObject:
-        """The whole Response from the request's collected stream."""
-        (result,) = collector.completions
-        incomplete = result.finish_reason == "length"
-        message = OutputMessage(
-            id=message_id,
-            status="incomplete" if incomplete else "completed",
-            content=[OutputText(text=result.text)],
-        )
-        return start.model_copy(
-            update={
-                "status": "incomplete" if incomplete else "completed",
-                "incomplete_details": IncompleteDetails(reason="max_output_tokens")
-                if incomplete
-                else None,
-                "output": [message],
-                "usage": ResponseUsage.of(collector.usage()),
-            }
-        )
+
+class AnswerReader:
+    """Feeds the answer's text to `ResponseEvents`: as text, or (with tools) read for calls."""
+
+    def __init__(self, reads_calls: bool) -> None:
+        self.parser = ToolCallParser() if reads_calls else None
+
+    def read(self, events: ResponseEvents, text: str, last: bool) -> list[str]:
+        """The events of the next piece of text (`last`: the answer ends with it)."""
+        if self.parser is None:
+            return events.text(text) if text else []
+        parsed = self.parser.feed(text)
+        if last:
+            rest = self.parser.finish()
+            parsed.content += rest.content
+            parsed.calls.extend(rest.calls)
+        sent = events.text(parsed.content) if parsed.content else []
+        for call in parsed.calls:
+            sent += events.call(call)
+        calls = self.parser.calls
+        if calls and calls[-1].complete and isinstance(events.open_item, FunctionCallItem):
+            sent += events.close_item()
+        return sent
+
+
+def _echoed(choice: Any) -> Any:
+    return choice.model_dump() if isinstance(choice, BaseModel) else choice
 
 
 async def _sse(
     events: ResponseEvents,
+    reader: AnswerReader,
     first: StreamDelta,
     rest: AsyncGenerator[StreamDelta, None],
-    finish: Any,
 ) -> AsyncIterator[str]:
     """The stream's events: the start, a delta per piece of text, then the end (or
     `response.failed` after a failure). Closing them (`PacedStreamingResponse`, once the
@@ -289,15 +324,16 @@ async def _sse(
         try:
             async for delta in _chained(first, rest):
                 collector.add(delta)
-                if delta.text:
-                    yield events.delta(delta.text)
+                for event in reader.read(events, delta.text, delta.finish_reason is not None):
+                    yield event
                 if delta.error:
                     raise engine_failure(delta.error)
         except Exception as error:
             failure = to_api_error(error)
             yield events.fail(failure.code.value.lower(), failure.message)
             return
-    for event in events.finish(finish(events.response, events.message_id, collector)):
+    (result,) = collector.completions
+    for event in events.finish(collector.usage(), incomplete=result.finish_reason == "length"):
         yield event
 
 

@@ -144,11 +144,21 @@ class HFTokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self._tokenizer, "chat_template", None))
 
+    @property
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template renders function tools (it reads a ``tools`` variable)."""
+        template = getattr(self._tokenizer, "chat_template", None)
+        return isinstance(template, str) and "tools" in template
+
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """The prompt text for ``messages`` by the model's own template, ending where the
-        assistant's reply starts (without ``add_generation_prompt``: after the last turn).
+        assistant's reply starts (without ``add_generation_prompt``: after the last turn);
+        ``tools`` (OpenAI's shape) for templates that take them.
 
         Raises:
             NoChatTemplate: the tokenizer has none.
@@ -157,7 +167,7 @@ class HFTokenizer:
             raise NoChatTemplate("messages: this model has no chat template")
         turns = [dict(m) for m in messages]
         return self._tokenizer.apply_chat_template(
-            turns, tokenize=False, add_generation_prompt=add_generation_prompt
+            turns, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
         )
 
 
@@ -172,8 +182,9 @@ def _adds_bos(tokenizer: Any) -> bool:
 
 def render_chat(
     tokenizer: Tokenizer | None,
-    messages: Sequence[Mapping[str, str]],
+    messages: Sequence[Mapping[str, Any]],
     add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
     """The prompt text of a chat, by the model's chat template.
 
@@ -182,6 +193,7 @@ def render_chat(
         messages: turns as ``{"role": ..., "content": ...}``; roles among system, user,
             assistant, developer, tool.
         add_generation_prompt: end with the assistant's turn opened (what generation needs).
+        tools: function tools for a template that renders them (``template_takes_tools``).
 
     Raises:
         NoChatTemplate: the model has no tokenizer or its tokenizer no chat template.
@@ -203,6 +215,8 @@ def render_chat(
             "messages: this model has no chat template; send a plain prompt instead "
             "(/v1/completions, or `prompt` over gRPC)"
         )
+    if tools is not None:
+        return apply(messages, add_generation_prompt=add_generation_prompt, tools=tools)
     return apply(messages, add_generation_prompt=add_generation_prompt)
 
 

@@ -195,7 +195,8 @@ BAD_HTTP = [
     ("unknown model", CHAT, chat(model="gpt-4o"), (404, "not_found"), "model", "not served"),
     ("no messages", CHAT, chat(messages=[]), INVALID, "messages", ""),
     ("bad role", CHAT, chat(messages=WIZARD), INVALID, "messages[0].role", ""),
-    ("tools", CHAT, chat(tools=[]), INVALID, "tools", "unsupported"),
+    ("no tools", CHAT, chat(tools=[]), INVALID, "tools", "at least 1"),
+    ("choice, no tools", CHAT, chat(tool_choice="auto"), INVALID, "tool_choice", "needs tools"),
 ]
 
 

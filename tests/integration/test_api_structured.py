@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 import requests
-from support.api_app import assert_app_clean, running_app
+from support.api_app import ENGINE, assert_app_clean, running_app
 
 from pagedserve.cluster.client import Client
 
@@ -38,7 +38,9 @@ RESPONSE_FORMAT = {
 
 @pytest.fixture(scope="module")
 def app(serve_cluster):
-    with running_app("api-structured") as running:
+    # Room for the tools' prompt (tiny-llama's tokens are bytes) beside the output.
+    engine = {**ENGINE, "num_kv_blocks": 256}
+    with running_app("api-structured", engine=engine) as running:
         yield running
 
 
@@ -199,4 +201,159 @@ def test_bad_specs_are_refused_naming_the_field(app, fields, param, text):
     assert text in error.get("message", ""), error
     if param is not None:
         assert error.get("param") == param, error
+    assert_app_clean(app)
+
+
+# ------------------------------------------------------------------ tool calls
+# The tools' prompt is ~900 of tiny-llama's byte tokens; one call (`parallel_tool_calls:
+# false`, a named choice) ends in ~100.
+FORECAST = {
+    "type": "function",
+    "function": {
+        "name": "forecast",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "unit": {"enum": ["C", "F"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                "hourly": {"type": "boolean"},
+            },
+            "required": ["unit", "days", "hourly"],
+            "additionalProperties": False,
+        },
+    },
+}
+ALERTS = {
+    "type": "function",
+    "function": {
+        "name": "alerts",
+        "parameters": {
+            "type": "object",
+            "properties": {"severe": {"type": "boolean"}},
+            "required": ["severe"],
+            "additionalProperties": False,
+        },
+    },
+}
+WEATHER_CHAT = [{"role": "user", "content": "Forecast please."}]
+
+
+def check_call(name: str, arguments: str) -> None:
+    tool = {"forecast": FORECAST, "alerts": ALERTS}[name]
+    jsonschema.validate(json.loads(arguments), tool["function"]["parameters"])
+
+
+def test_required_tool_calls_parse_for_every_branch(app, oai):
+    """A random model under the grammar: every branch answers with calls only, each naming an
+    offered tool with arguments its schema takes."""
+    completion = oai.chat.completions.create(
+        model=MODEL,
+        messages=WEATHER_CHAT,
+        tools=[FORECAST, ALERTS],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        n=3,
+        temperature=1.0,
+        seed=4,
+        max_tokens=150,
+    )
+    for choice in completion.choices:
+        assert choice.finish_reason == "tool_calls", choice.message
+        assert choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert call.id.startswith("call_") and call.type == "function"
+        check_call(call.function.name, call.function.arguments)
+    assert_app_clean(app)
+
+
+def test_named_tool_call_streams_its_arguments(app, oai):
+    stream = oai.chat.completions.create(
+        model=MODEL,
+        messages=WEATHER_CHAT,
+        tools=[FORECAST, ALERTS],
+        tool_choice={"type": "function", "function": {"name": "forecast"}},
+        temperature=1.0,
+        seed=6,
+        max_tokens=150,
+        stream=True,
+    )
+    calls: dict[int, dict] = {}
+    pieces, finish = 0, None
+    for chunk in stream:
+        choice = chunk.choices[0]
+        finish = choice.finish_reason or finish
+        for delta in choice.delta.tool_calls or ():
+            if delta.id is not None:
+                calls[delta.index] = {"id": delta.id, "name": delta.function.name, "args": ""}
+            calls[delta.index]["args"] += delta.function.arguments or ""
+            pieces += 1
+        assert not choice.delta.content
+    assert finish == "tool_calls" and pieces > 2, calls
+    assert [c["name"] for c in calls.values()] == ["forecast"]
+    check_call("forecast", calls[0]["args"])
+    assert_app_clean(app)
+
+
+def test_a_tool_s_result_goes_back_into_the_chat(app, oai):
+    arguments = json.dumps({"unit": "C", "days": 2, "hourly": False})
+    call = {
+        "id": "call_7",
+        "type": "function",
+        "function": {"name": "forecast", "arguments": arguments},
+    }
+    messages = [
+        *WEATHER_CHAT,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_7", "content": "Sunny, then rain."},
+    ]
+    completion = oai.chat.completions.create(
+        model=MODEL, messages=messages, tools=[FORECAST], max_tokens=8, temperature=0.0
+    )
+    assert completion.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert completion.usage.prompt_tokens > len("Sunny, then rain.")
+    assert_app_clean(app)
+
+
+def test_unknown_tool_choice_is_refused(app):
+    body = {
+        "model": MODEL,
+        "messages": WEATHER_CHAT,
+        "tools": [FORECAST],
+        "tool_choice": {"type": "function", "function": {"name": "radar"}},
+    }
+    response = requests.post(f"{app.http_url}/v1/chat/completions", json=body, timeout=60)
+    error = response.json().get("error", {})
+    assert response.status_code == 400 and error.get("param") == "tool_choice.function.name"
+    assert "radar" in error.get("message", "")
+    assert_app_clean(app)
+
+
+def test_responses_api_function_calls(app, oai):
+    """`/v1/responses` with a function tool: the call is a `function_call` item, streamed as
+    its arguments are generated, and its arguments take the tool's schema."""
+    function = FORECAST["function"]
+    tool = {"type": "function", "name": function["name"], "parameters": function["parameters"]}
+    fields = {
+        "model": MODEL,
+        "input": "Forecast please.",
+        "tools": [tool],
+        "max_output_tokens": 150,
+    }
+    fields |= {"tool_choice": "required", "temperature": 1.0}
+    response = oai.responses.create(**fields)
+    (call,) = response.output
+    assert call.type == "function_call" and call.name == "forecast" and call.status == "completed"
+    check_call("forecast", call.arguments)
+
+    kinds, arguments, final = [], "", None
+    for event in oai.responses.create(**fields, stream=True):
+        kinds.append(event.type)
+        if event.type == "response.function_call_arguments.delta":
+            arguments += event.delta
+        if event.type == "response.completed":
+            final = event.response
+    (streamed,) = final.output
+    assert streamed.type == "function_call" and streamed.arguments == arguments
+    check_call("forecast", arguments)
+    assert "response.output_text.delta" not in kinds
     assert_app_clean(app)

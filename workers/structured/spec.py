@@ -26,6 +26,7 @@ class GuidedKind(StrEnum):
     REGEX = "regex"  # a regular expression the whole output matches
     CHOICE = "choice"  # a JSON list of strings: the output is exactly one of them
     GRAMMAR = "grammar"  # an EBNF grammar (GBNF dialect, root rule `root`)
+    STRUCTURAL_TAG = "structural_tag"  # xgrammar's structural tag, as JSON (tool calls)
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,8 @@ class GuidedSpec:
 
     Attributes:
         kind: what `value` holds.
-        value: the schema (JSON text), regex, choices (a JSON list of strings) or EBNF grammar;
+        value: the schema (JSON text), regex, choices (a JSON list of strings), EBNF grammar
+            or structural tag (JSON text: free text and tagged JSON, as tool calls are built);
             empty for `json_object`.
         strict: for `json_schema`: properties not in the schema are refused (OpenAI's
             `strict: true`); without it `additionalProperties` is taken as the schema says.
@@ -59,7 +61,7 @@ class GuidedSpec:
             raise ValueError(
                 f"{self.field_name} has {len(self.value)} characters; at most {MAX_SPEC_CHARS}"
             )
-        if self.kind is GuidedKind.JSON_SCHEMA:
+        if self.kind in (GuidedKind.JSON_SCHEMA, GuidedKind.STRUCTURAL_TAG):
             _parse_json(self.field_name, self.value, dict)
         elif self.kind is GuidedKind.CHOICE:
             self.choices()
@@ -88,6 +90,7 @@ class GuidedSpec:
             GuidedKind.REGEX: "guided_regex",
             GuidedKind.CHOICE: "guided_choice",
             GuidedKind.GRAMMAR: "guided_grammar",
+            GuidedKind.STRUCTURAL_TAG: "tools",
         }[self.kind]
 
     def choices(self) -> list[str]:

@@ -50,6 +50,8 @@ def _grammar_of(spec: GuidedSpec) -> xgr.Grammar:
         )
     if spec.kind is GuidedKind.REGEX:
         return xgr.Grammar.from_regex(spec.value)
+    if spec.kind is GuidedKind.STRUCTURAL_TAG:
+        return xgr.Grammar.from_structural_tag(spec.value)
     if spec.kind is GuidedKind.CHOICE:
         alternatives = " | ".join(json.dumps(choice) for choice in spec.choices())
         return xgr.Grammar.from_ebnf(f"root ::= {alternatives}")
