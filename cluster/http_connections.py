@@ -21,6 +21,15 @@ A deadline armed for a request whose headers then completed lapses unused; bytes
 request arm the next one, so a client that trickles headers is closed within at most twice the
 deadline.
 
+And one courtesy: **a lingering close**. A request refused before its body was read (413 for a
+body past `max_request_bytes`, 401, ...) may be answered while the client still sends the
+body; when uvicorn then closes (the client sent `Connection: close`, as urllib does), the
+unread bytes make the kernel reset the connection, and a client that sends its whole body
+before reading (urllib, blocking `requests`-style clients) gets `Connection reset by peer`
+instead of its answer, and retries. Instead the connection is half-closed after the answer
+and what the client still sends is read and dropped, up to `LINGER_MAX_BYTES` or
+`LINGER_MAX_S`, whichever comes first, before the close (nginx's `lingering_close`).
+
 0 turns a bound off. It runs inside Serve's proxy, so it imports nothing heavy.
 """
 
@@ -34,6 +43,8 @@ HEADER_TIMEOUT_S = 10.0
 HEADER_TIMEOUT_ENV = "PAGEDSERVE_HTTP_HEADER_TIMEOUT_S"
 MAX_IDLE_CONNECTIONS = 512
 MAX_IDLE_ENV = "PAGEDSERVE_HTTP_MAX_IDLE_CONNECTIONS"
+LINGER_MAX_BYTES = 64 << 20
+LINGER_MAX_S = 30.0
 
 
 def guard_connections() -> None:
@@ -61,6 +72,7 @@ def serving(protocol: Any) -> bool:
 def _guarded_open(connection_made: Any, header_timeout_s: float, max_idle: int) -> Any:
     def guarded_open(self: Any, transport: Any) -> None:
         connection_made(self, transport)
+        self.transport = LingeringTransport(self.transport, self)
         self._pagedserve_idle_since = time.monotonic()
         self._pagedserve_header_deadline = None
         if header_timeout_s > 0:
@@ -73,6 +85,9 @@ def _guarded_open(connection_made: Any, header_timeout_s: float, max_idle: int) 
 
 def _guarded_read(data_received: Any, header_timeout_s: float) -> Any:
     def guarded_read(self: Any, data: bytes) -> None:
+        if isinstance(self.transport, LingeringTransport) and self.transport.lingering:
+            self.transport.discard(data)  # the rest of a body already answered
+            return
         if not serving(self):  # the first bytes of the next request
             self._pagedserve_idle_since = time.monotonic()
             if header_timeout_s > 0 and self._pagedserve_header_deadline is None:
@@ -101,3 +116,39 @@ def _close_the_longest_idle(connections: set[Any], max_idle: int) -> None:
     if len(idle) > max_idle:
         oldest = min(idle, key=lambda c: getattr(c, "_pagedserve_idle_since", 0.0))
         oldest.transport.close()
+
+
+class LingeringTransport:
+    """A connection's transport whose `close`, while the client still sends the body of a
+    request already answered, half-closes instead and reads the rest away (bounded): see the
+    module docstring. Everything else is the transport's own."""
+
+    def __init__(self, transport: Any, protocol: Any) -> None:
+        self._transport = transport
+        self._protocol = protocol
+        self.lingering = False
+        self._discarded = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        cycle = getattr(self._protocol, "cycle", None)
+        if self.lingering:
+            return  # it ends at its own bounds, or when the client closes
+        body_unread = cycle is not None and cycle.response_complete and cycle.more_body
+        if not body_unread or self._transport.is_closing() or not self.can_write_eof():
+            self._transport.close()
+            return
+        self.lingering = True
+        self._transport.write_eof()  # after the answer: the client sees it end
+        self._transport.resume_reading()
+        self._protocol.loop.call_later(LINGER_MAX_S, self._transport.close)
+
+    def is_closing(self) -> bool:
+        return self.lingering or self._transport.is_closing()
+
+    def discard(self, data: bytes) -> None:
+        self._discarded += len(data)
+        if self._discarded > LINGER_MAX_BYTES:
+            self._transport.close()

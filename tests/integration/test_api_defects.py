@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
@@ -165,6 +167,22 @@ def test_http_body_limit_depth_limit_and_non_finite_numbers(app):
 
     ok = _post(app, json.dumps({"model": model, "prompt": "hi", "max_tokens": 3}))
     assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("token", [TENANT_A, "wrong"], ids=["413", "401"])
+def test_a_client_that_sends_its_whole_body_first_reads_the_early_refusal(app, token):
+    """urllib sends `Connection: close` and the whole body before it reads: the refusal, sent
+    before the body was read, still reaches it (not a connection reset)."""
+    body = json.dumps({"model": "tiny-llama", "prompt": "x" * (10 << 20)}).encode()
+    headers = {"authorization": f"Bearer {token}", "content-type": "application/json"}
+    request = urllib.request.Request(f"{app.http_url}/v1/completions", body, headers)
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=60)
+    error = json.loads(refused.value.read())["error"]
+    if token == TENANT_A:
+        assert refused.value.code == 413 and "max_request_bytes" in error["message"]
+    else:
+        assert refused.value.code == 401 and error["code"] == "unauthenticated"
 
 
 def test_metrics_need_a_token_when_auth_is_on(app):

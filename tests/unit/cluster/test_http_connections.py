@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
@@ -35,10 +36,10 @@ def serve(monkeypatch) -> Iterator:
     def start(http: str, **env: str) -> int:
         for name, value in env.items():
             monkeypatch.setenv(name, value)
-        protocol = PROTOCOLS[http]
-        for attribute in ("connection_made", "data_received"):
-            monkeypatch.setattr(protocol, attribute, getattr(protocol, attribute))
-        monkeypatch.setattr(protocol, "_pagedserve_guarded", False, raising=False)
+        for protocol in PROTOCOLS.values():  # the guard patches both
+            for attribute in ("connection_made", "data_received"):
+                monkeypatch.setattr(protocol, attribute, getattr(protocol, attribute))
+            monkeypatch.setattr(protocol, "_pagedserve_guarded", False, raising=False)
         http_connections.guard_connections()
         # Bound and listening before uvicorn starts: a connection made meanwhile waits in the
         # backlog until uvicorn serves it.
@@ -104,3 +105,55 @@ def test_zero_turns_the_bounds_off(serve):
     sockets[0].sendall(b"Host: x\r\n\r\n")
     assert all(get(s).startswith(b"HTTP/1.1 200") for s in sockets[1:])
     assert sockets[0].recv(4096).startswith(b"HTTP/1.1 200")
+
+
+def urllib_post(port: int, size: int) -> tuple[int, bytes]:
+    """POST `size` bytes as urllib does: `Connection: close`, the whole body sent before the
+    answer is read."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/", data=b"x" * size)
+    with urllib.request.urlopen(request, timeout=WAIT_S) as response:
+        return response.status, response.read()
+
+
+@pytest.mark.parametrize("http", PROTOCOLS)
+def test_a_client_that_sends_its_whole_body_first_reads_an_early_answer(serve, http):
+    """The app answers without reading the body; the 10 MB still being sent are read away."""
+    port = serve(http)
+    assert urllib_post(port, 10 << 20) == (200, b"ok")
+    assert urllib_post(port, 10 << 20) == (200, b"ok")
+
+
+@pytest.mark.parametrize("http", PROTOCOLS)
+def test_the_rest_of_an_answered_body_is_read_only_up_to_a_bound(serve, http, monkeypatch):
+    monkeypatch.setattr(http_connections, "LINGER_MAX_BYTES", 1 << 20)
+    port = serve(http)
+    sock = connect(port)
+    sock.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n")
+    sock.sendall(b"Content-Length: 1000000000\r\n\r\n")
+    assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+    with pytest.raises((BrokenPipeError, ConnectionResetError)):
+        for _ in range(1000):  # 1 GB, the body it declared: the server stops reading first
+            sock.sendall(b"x" * (1 << 20))
+
+
+@pytest.mark.parametrize("http", PROTOCOLS)
+def test_a_client_that_stops_sending_is_closed_at_the_linger_bound(serve, http, monkeypatch):
+    monkeypatch.setattr(http_connections, "LINGER_MAX_S", 2.0)
+    lost = threading.Event()  # the server's side of the connection ended
+    connection_lost = PROTOCOLS[http].connection_lost
+
+    def record_loss(protocol, error) -> None:
+        lost.set()
+        connection_lost(protocol, error)
+
+    monkeypatch.setattr(PROTOCOLS[http], "connection_lost", record_loss)
+    port = serve(http)
+    sock = connect(port)
+    sock.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n")
+    sock.sendall(b"Content-Length: 1000\r\n\r\nxx")  # and never the rest
+    answer = b""
+    while chunk := sock.recv(4096):  # the answer, then the server's half-close
+        answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"\r\nok\r\n0\r\n\r\n")
+    assert not lost.is_set()  # still reading what the client may send
+    assert lost.wait(WAIT_S)  # until the bound; the client never closed its side
