@@ -2,8 +2,9 @@
 
 - Ray's own tools reach the cluster it started, as its start-up line says;
 - the API's small inconsistencies answer as 400 / INVALID_ARGUMENT through the real proxies;
-- SIGINT and SIGTERM stop it idle at once and cleanly (no line that reads as a failure), and
-  busy once its requests in flight finished; a second signal stops it at once;
+- SIGINT stops it idle at once and cleanly (no line that reads as a failure), SIGTERM busy once
+  its requests in flight finished, just as cleanly (one handler for both); a second signal
+  stops it at once;
 - the loss of its Ray cluster ends it, with a line saying so and status 1;
 - a worker that cannot start (the same error twice) ends the start-up, its cause last.
 
@@ -204,22 +205,22 @@ def test_sigint_stops_an_idle_server_cleanly(served):
 
 
 def assert_idle_stop(served: Served, signum: int) -> None:
-    """Exit 0 and, from the stop on, the two lines that say so: nothing else but what Ray
-    forwards late at INFO (the access log of an earlier request)."""
     assert served.stop(signum) == 0
+    assert_stop_said(served, signum, grace_s=30, finished=0)
+
+
+def assert_stop_said(served: Served, signum: int, grace_s: int, finished: int) -> None:
+    """From the stop on, the two lines that say so: nothing else but what Ray forwards late at
+    INFO (the access log of an earlier request); no process left."""
     name = signal.Signals(signum).name
     said = [line for line in served.after(r"^pagedserve: .*stopping") if " INFO " not in line]
     assert said == [
-        f"pagedserve: {name}: stopping; requests in flight get up to 30 s (a second signal "
-        "stops at once)",
-        "pagedserve: stopped (0 streams in flight finished)",
+        f"pagedserve: {name}: stopping; requests in flight get up to {grace_s} s (a second "
+        "signal stops at once)",
+        f"pagedserve: stopped ({finished} streams in flight finished)",
     ]
     assert not [line for line in served.lines() if "did not answer" in line]
     served.assert_nothing_left()
-
-
-def test_sigterm_stops_an_idle_server_cleanly(serve_process):
-    assert_idle_stop(serve_process(), signal.SIGTERM)
 
 
 def stream_completion(served: Served, max_tokens: int, first: threading.Event) -> dict:
@@ -262,15 +263,14 @@ def streaming(served: Served, max_tokens: int) -> tuple[dict, threading.Thread]:
 
 
 def test_a_busy_server_stops_once_its_requests_in_flight_finished(serve_process):
+    """SIGTERM (SIGINT's handler, idle: the shared server's stop above) stops cleanly after
+    the stream in flight finished whole."""
     served = serve_process("--shutdown-grace-s", "300")
     outcome, reader = streaming(served, LONG)
     assert served.stop(signal.SIGTERM) == 0
     reader.join(EXIT_TIMEOUT_S)
     assert outcome == {"finish_reason": "length", "completion_tokens": LONG}  # whole
-    stopped = served.after(r"^pagedserve: .*stopping")
-    assert stopped[0].startswith("pagedserve: SIGTERM: stopping")
-    assert stopped[-1] == "pagedserve: stopped (1 streams in flight finished)"
-    served.assert_nothing_left()
+    assert_stop_said(served, signal.SIGTERM, grace_s=300, finished=1)
 
 
 def test_a_second_signal_stops_at_once(serve_process):
