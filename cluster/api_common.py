@@ -12,6 +12,7 @@ what they cannot see on the wire (malformed UTF-8).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from contextlib import aclosing
@@ -133,6 +134,11 @@ class CompletionResult:
     def text(self) -> str:
         return "".join(self.text_pieces)
 
+    @property
+    def cumulative_logprob(self) -> float:
+        """The sum of its tokens' log-probabilities (0 without them)."""
+        return sum(item.logprob for item in self.logprobs or () if item is not None)
+
 
 @dataclass
 class CompletionCollector:
@@ -147,6 +153,7 @@ class CompletionCollector:
     worker_id: str = ""
     results: dict[int, CompletionResult] = field(default_factory=dict)
     keep_output: bool = True
+    best: list[CompletionResult] | None = None  # `keep_best`'s pick
 
     def add(self, delta: StreamDelta) -> None:
         self.request_id = delta.request_id or self.request_id
@@ -169,12 +176,23 @@ class CompletionCollector:
 
     @property
     def completions(self) -> list[CompletionResult]:
+        """The branches, in order (after `keep_best`: the ones it kept, best first)."""
+        if self.best is not None:
+            return self.best
         return [self.results[i] for i in sorted(self.results)]
+
+    def keep_best(self, n: int) -> None:
+        """Keep the `n` branches of highest cumulative log-probability of their tokens (ties:
+        the lower branch), renumbered 0..n-1 best first: `best_of`. `usage` still counts every
+        branch, since every one was generated."""
+        ranked = sorted(self.results.values(), key=lambda r: (-r.cumulative_logprob, r.index))
+        self.best = [dataclasses.replace(r, index=i) for i, r in enumerate(ranked[:n])]
 
     def usage(self) -> Usage:
         """The request's usage: prompt and cached tokens once, completion tokens summed over
         the branches that finished."""
-        return Usage.of_request(c.usage for c in self.completions if c.usage is not None)
+        finished = (self.results[i].usage for i in sorted(self.results))
+        return Usage.of_request(usage for usage in finished if usage is not None)
 
 
 async def collect(core: RouterCore, request: GenerateRequest) -> CompletionCollector:

@@ -114,6 +114,7 @@ class OpenAIFrontend:
         except Exception as error:
             return _error_or_raise(error)
         chunks.extras = CompletionExtras(echo, logprobs=body.logprobs is not None)
+        chunks.keep_best = body.n if body.picks_best else None
         return await self._respond(requests, body.stream, body.include_usage, chunks)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -214,6 +215,7 @@ class CompletionChunks(_ChoiceBuilder):
     def __init__(self, request_id: str, created: int, model: str, n: int) -> None:
         super().__init__(request_id, created, model, n)
         self.extras = CompletionExtras()  # echo and log-probabilities, when asked for
+        self.keep_best: int | None = None  # `best_of`: the branches returned per prompt
 
     def start(self) -> list[CompletionChunk]:
         return []
@@ -225,6 +227,9 @@ class CompletionChunks(_ChoiceBuilder):
         return self._chunk([self._choice(index, delta, delta.finish_reason)])
 
     def whole(self, collectors: list[CompletionCollector]) -> Completion:
+        if self.keep_best is not None:
+            for collector in collectors:
+                collector.keep_best(self.keep_best)
         return Completion(
             id=self.request_id,
             created=self.created,

@@ -179,16 +179,40 @@ class CompletionBody(_SamplingFields):
     echo: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # vLLM extra; `echo` + `logprobs` implies it
+    best_of: int | None = None
 
     def sampling_kwargs(self) -> SamplingKwargs:
-        """With `echo` and `logprobs`, the prompt's log-probabilities too (loglikelihood)."""
+        """With `echo` and `logprobs`, the prompt's log-probabilities too (loglikelihood);
+        with `best_of`, that many branches, each with its tokens' log-probabilities (to rank
+        them; shown only if asked for)."""
         prompt_logprobs = self.prompt_logprobs
         if prompt_logprobs is None and self.echo and self.logprobs is not None:
             prompt_logprobs = self.logprobs
         kwargs = super().sampling_kwargs()
         kwargs["logprobs"] = self.logprobs
         kwargs["prompt_logprobs"] = prompt_logprobs
+        if self.picks_best:
+            kwargs["n"] = self.best_of
+            kwargs["logprobs"] = self.logprobs or 0
         return kwargs
+
+    @property
+    def picks_best(self) -> bool:
+        """Whether `best_of` asks for more branches than it returns (checked: n <= best_of, not
+        streamed)."""
+        if self.best_of is None or self.best_of == self.n:
+            return False
+        if self.best_of < self.n:
+            message = f"best_of: must be >= n ({self.best_of} < {self.n})"
+            raise ApiError.invalid(message, "best_of")
+        if self.stream:
+            message = "best_of: cannot be streamed (the best are known once all are done)"
+            raise ApiError.invalid(message, "best_of")
+        return True
+
+    def sent_as(self) -> dict[str, str]:
+        """`best_of` is the engine's `n` when it picks."""
+        return {"n": "best_of"} if self.picks_best else {}
 
     def prompts(self) -> list[str | list[int]]:
         """The batch: each item a text or a token-id list."""

@@ -49,6 +49,39 @@ def assert_invalid(response: requests.Response, param: str, status: int = 400) -
     return error["message"]
 
 
+# ----------------------------------------------------------------- best_of
+def cumulative(choice) -> float:
+    return sum(choice.logprobs.token_logprobs)
+
+
+def test_best_of_returns_the_best_of_the_sampled_branches(app, oai):
+    """With a seed, branch i samples the same tokens whatever `n` is: `best_of=4, n=2` returns
+    the two of the four branches of `n=4` with the highest cumulative log-probability, best
+    first; usage counts all four."""
+    fields = {"model": MODEL, "prompt": "Paged", "max_tokens": 6, "seed": 21, "logprobs": 0}
+    fields |= {"temperature": 1.0, **IGNORE_EOS}
+    every = oai.completions.create(n=4, **fields)
+    best = oai.completions.create(n=2, best_of=4, **fields)
+    ranked = sorted(every.choices, key=lambda c: (-cumulative(c), c.index))
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+    assert [c.index for c in best.choices] == [0, 1]
+    assert best.usage.completion_tokens == every.usage.completion_tokens == 24
+    quiet = oai.completions.create(n=1, best_of=4, **{**fields, "logprobs": None})
+    assert quiet.choices[0].text == ranked[0].text and quiet.choices[0].logprobs is None
+    assert_app_clean(app)
+
+
+def test_best_of_refusals_name_it(app):
+    base = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    assert ">= n" in assert_invalid(
+        post(app, "/v1/completions", {**base, "n": 3, "best_of": 2}), "best_of"
+    )
+    streamed = {**base, "best_of": 2, "stream": True}
+    assert "streamed" in assert_invalid(post(app, "/v1/completions", streamed), "best_of")
+    assert_invalid(post(app, "/v1/completions", {**base, "best_of": 100}), "best_of")
+    assert_app_clean(app)
+
+
 # ------------------------------------------------------- tokenize / detokenize
 def test_tokenize_counts_what_a_completion_is_charged(app, oai):
     tokenized = post(app, "/tokenize", {"model": MODEL, "prompt": "Paged attention"})

@@ -36,7 +36,7 @@ VALID = {
     ChatCompletionBody: {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
 }
 # Fields OpenAI or vLLM clients send that pagedserve does not serve: refused, by name.
-UNSERVED = ["tools", "functions", "suffix", "best_of", "extra"]
+UNSERVED = ["tools", "functions", "suffix", "extra"]
 EXTREME_INTS = [0, -1, 1, 64, 65, 10_000, 2**31, 2**63, -(2**63) - 1, 2**64, 10**100]
 EXTREME_FLOATS = [0.0, -0.0, 1e-300, 5e-324, 1e300, -1e300, float("nan"), float("inf")]
 
@@ -79,7 +79,7 @@ def _convert(raw: bytes, model: type[BaseModel]) -> list[SamplingParams]:
         max_tokens = body.max_tokens
     else:
         max_tokens = body.max_output_tokens()
-    return [sampling_params(max_tokens=max_tokens or 16, **body.sampling_kwargs())]
+    return [sampling_params(body.sent_as(), max_tokens=max_tokens or 16, **body.sampling_kwargs())]
 
 
 def _check_http(raw: bytes, model: type[BaseModel], sent: set[str]) -> None:
@@ -146,7 +146,8 @@ def test_spoiled_json_is_refused_by_name(model, spoil, field):
         ({"stop": ["x" * 5000]}, "stop[0]"),
         ({"stop_token_ids": list(range(5000))}, "stop_token_ids"),
         ({"logit_bias": {"50256": -101}}, "logit_bias[50256]"),
-        ({"best_of": 3}, "best_of"),
+        ({"best_of": 1000}, "best_of"),
+        ({"best_of": 2, "n": 3}, "best_of"),
         ({"temperature": 10**100}, "temperature"),
         ({"max_tokens": -1}, "max_tokens"),
     ],
