@@ -360,7 +360,7 @@ def test_response_refusals_name_the_field(app, oai):
     assert "stateless" in assert_invalid(respond(store=True), "store")
     assert respond(store=False, max_output_tokens=1).json()["store"] is False
     assert_invalid(respond(previous_response_id="resp_1"), "previous_response_id")
-    assert_invalid(respond(tools=[{"type": "function", "name": "f"}]), "tools")
+    assert_invalid(respond(tools=[{"type": "web_search"}]), "tools[0].type")
     assert_invalid(respond(text={"format": {"type": "json_object"}}), "text.format.type")
     assert_invalid(respond(input=[]), "input")
     image = [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]

@@ -2,16 +2,16 @@
 
 - Ray's own tools reach the cluster it started, as its start-up line says;
 - the API's small inconsistencies answer as 400 / INVALID_ARGUMENT through the real proxies;
-- SIGINT stops it idle at once and cleanly (no line that reads as a failure), SIGTERM busy once
-  its requests in flight finished, just as cleanly (one handler for both); a second signal
-  stops it at once;
+- SIGTERM stops it once its requests in flight finished, cleanly (no line that reads as a
+  failure); SIGINT starts the same stop (one handler for both), and a second signal ends it at
+  once;
 - the loss of its Ray cluster ends it, with a line saying so and status 1;
 - a worker that cannot start (the same error twice) ends the start-up, its cause last.
 
 Each asserts the state it leaves: the exit status, the lines printed, the requests' outputs,
 and no process it started still running (every process Ray starts inherits the marker this
 test puts in its environment). Durations are never asserted. One server serves the tests that
-leave it running, and its idle SIGINT stops it; the others start their own.
+leave it running, and its stop is the SIGTERM test; the others start their own.
 """
 
 from __future__ import annotations
@@ -141,9 +141,10 @@ def cleanup(served: Served) -> None:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> Iterator[Served]:
-    """The server the tests that leave it running share; the idle SIGINT test stops it."""
+    """The server the tests that leave it running share; the SIGTERM test stops it."""
     # With Ray's dashboard, which `ray list` needs (off by default).
-    served = launch(tmp_path_factory.mktemp("served") / "serve.log", "--ray-dashboard")
+    log = tmp_path_factory.mktemp("served") / "serve.log"
+    served = launch(log, "--ray-dashboard", "--shutdown-grace-s", "300")
     try:
         served.wait_for_line(r"^pagedserve: serving on ")
         yield served
@@ -199,14 +200,14 @@ def test_the_api_nits_through_the_real_proxies(served):
 
 
 # ------------------------------------------------------------------ stops
-def test_sigint_stops_an_idle_server_cleanly(served):
-    """The last test of the shared server: its stop."""
-    assert_idle_stop(served, signal.SIGINT)
-
-
-def assert_idle_stop(served: Served, signum: int) -> None:
-    assert served.stop(signum) == 0
-    assert_stop_said(served, signum, grace_s=30, finished=0)
+def test_sigterm_stops_once_the_requests_in_flight_finished(served):
+    """The last test of the shared server: its stop, with a stream in flight that finishes
+    whole."""
+    outcome, reader = streaming(served, LONG)
+    assert served.stop(signal.SIGTERM) == 0
+    reader.join(EXIT_TIMEOUT_S)
+    assert outcome == {"finish_reason": "length", "completion_tokens": LONG}  # whole
+    assert_stop_said(served, signal.SIGTERM, grace_s=300, finished=1)
 
 
 def assert_stop_said(served: Served, signum: int, grace_s: int, finished: int) -> None:
@@ -260,17 +261,6 @@ def streaming(served: Served, max_tokens: int) -> tuple[dict, threading.Thread]:
     reader.start()
     assert first.wait(EXIT_TIMEOUT_S), "the stream never started"
     return outcome, reader
-
-
-def test_a_busy_server_stops_once_its_requests_in_flight_finished(serve_process):
-    """SIGTERM (SIGINT's handler, idle: the shared server's stop above) stops cleanly after
-    the stream in flight finished whole."""
-    served = serve_process("--shutdown-grace-s", "300")
-    outcome, reader = streaming(served, LONG)
-    assert served.stop(signal.SIGTERM) == 0
-    reader.join(EXIT_TIMEOUT_S)
-    assert outcome == {"finish_reason": "length", "completion_tokens": LONG}  # whole
-    assert_stop_said(served, signal.SIGTERM, grace_s=300, finished=1)
 
 
 def test_a_second_signal_stops_at_once(serve_process):
