@@ -72,7 +72,8 @@ def serving(protocol: Any) -> bool:
 def _guarded_open(connection_made: Any, header_timeout_s: float, max_idle: int) -> Any:
     def guarded_open(self: Any, transport: Any) -> None:
         connection_made(self, transport)
-        self.transport = LingeringTransport(self.transport, self)
+        if not isinstance(self.transport, LingeringTransport):  # once, however often guarded
+            self.transport = LingeringTransport(self.transport, self)
         self._pagedserve_idle_since = time.monotonic()
         self._pagedserve_header_deadline = None
         if header_timeout_s > 0:
