@@ -43,9 +43,10 @@ of the workers' stats. Each router replica asks for the membership on its stats 
 Restart: Ray restarts the actor with its first arguments. It then adopts the workers that
 exist under the app's name pattern (counting past their numbers) and decides nothing until a
 router configures it again (routers do on their next poll when the pool says it is not
-configured, or follows an older revision than theirs) and two stats intervals have passed
-(every live router has polled by then), so a restarted pool follows the newest config and
-never rolls the workers back to its creation config.
+configured, or follows an older revision than theirs) and two stats intervals and a control
+call's deadline have passed (every live router has polled by then, even one whose poll timed out
+on the restarting pool and waits for its next round), so a restarted pool follows the newest
+config and never rolls the workers back to its creation config.
 
 Stop: `freeze` (the app is stopping) ends every decision; the pool goes on answering the
 routers' membership polls until the app's stop kills it after them (`worker_group`), so that
@@ -117,6 +118,7 @@ class WorkerPoolActor:
         self.counters = PoolCounters()
         self._configured = False  # decides nothing until a router (re)configures it
         self._configured_at = 0.0
+        self._adopted = False  # it found workers at its start: a restart
         self._slots: dict[str, int] = {}
         self._roles: dict[str, WorkerRole] = {}  # each member's P/D role
         self._ready: dict[str, asyncio.Task] = {}
@@ -138,6 +140,7 @@ class WorkerPoolActor:
             ray.get_actor, config.index_name, namespace=config.namespace
         )
         existing = await asyncio.to_thread(existing_workers, config)
+        self._adopted = bool(existing)
         for worker_id, slot in sorted(existing.items(), key=lambda item: item[1]):
             handle = await asyncio.to_thread(ray.get_actor, worker_id, config.namespace)
             self.members.adopt_slot(slot)
@@ -287,6 +290,8 @@ class WorkerPoolActor:
         and sent its config if it was newer, so a restarted pool acts on the newest config
         and not on whichever router (of an older deployment, maybe) reached it first."""
         wait_s = 2 * self._config.stats_interval_s
+        if self._adopted:  # a router whose poll timed out on the restart polls again by then
+            wait_s += self._config.rpc_timeout_s
         return self._configured and time.monotonic() - self._configured_at >= wait_s
 
     async def _observe(self) -> list[Observation]:
