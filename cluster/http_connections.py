@@ -134,9 +134,9 @@ class LingeringTransport:
         return getattr(self._transport, name)
 
     def close(self) -> None:
-        cycle = getattr(self._protocol, "cycle", None)
         if self.lingering:
             return  # it ends at its own bounds, or when the client closes
+        cycle = getattr(self._protocol, "cycle", None)
         body_unread = cycle is not None and cycle.response_complete and cycle.more_body
         if not body_unread or self._transport.is_closing() or not self.can_write_eof():
             self._transport.close()

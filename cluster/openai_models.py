@@ -196,7 +196,7 @@ class CompletionBody(_SamplingFields):
             kwargs["logprobs"] = self.logprobs or 0
         return kwargs
 
-    @property
+    @cached_property
     def picks_best(self) -> bool:
         """Whether `best_of` asks for more branches than it returns (checked: n <= best_of, not
         streamed)."""

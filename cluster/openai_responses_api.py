@@ -290,11 +290,7 @@ class AnswerReader:
         """The events of the next piece of text (`last`: the answer ends with it)."""
         if self.parser is None:
             return events.text(text) if text else []
-        parsed = self.parser.feed(text)
-        if last:
-            rest = self.parser.finish()
-            parsed.content += rest.content
-            parsed.calls.extend(rest.calls)
+        parsed = self.parser.feed(text, last)
         sent = events.text(parsed.content) if parsed.content else []
         for call in parsed.calls:
             sent += events.call(call)

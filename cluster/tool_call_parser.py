@@ -71,9 +71,6 @@ class Parsed:
     content: str = ""
     calls: list[CallDelta] = field(default_factory=list)
 
-    def __bool__(self) -> bool:
-        return bool(self.content or self.calls)
-
 
 class _State(Enum):
     CONTENT = "content"
@@ -97,25 +94,31 @@ class ToolCallParser:
         """Whether at least one call was read whole."""
         return any(call.complete for call in self.calls)
 
-    def feed(self, text: str) -> Parsed:
-        """What `text`, after everything fed before, adds."""
+    def feed(self, text: str, last: bool = False) -> Parsed:
+        """What `text`, after everything fed before, adds; with `last` (the text ends with it),
+        everything still held too (`_finish`)."""
         self._held += text
         parsed = Parsed()
-        while self._step(parsed):
-            pass
+        state_changed = True
+        while state_changed:
+            state_changed = self._step(parsed)
+        if last:
+            self._finish(parsed)
         return parsed
 
     def finish(self) -> Parsed:
-        """Everything still held, at the end of the text: a call cut short keeps what it has;
-        a header cut short is content."""
-        parsed = Parsed()
+        """Everything still held, at the end of the text."""
+        return self.feed("", last=True)
+
+    def _finish(self, parsed: Parsed) -> None:
+        """Give out everything still held, at the end of the text: a call cut short keeps what
+        it has; a header cut short is content."""
         held, self._held = self._held, ""
         if self._state is _State.ARGUMENTS:
             self._add_arguments(parsed, held)
         else:
             self._add_content(parsed, held.strip() if self._after_call else held)
         self._state = _State.CONTENT
-        return parsed
 
     def _step(self, parsed: Parsed) -> bool:
         """Read what can be read in the current state; True when the state changed."""
@@ -220,19 +223,14 @@ class ToolAnswers:
     ) -> tuple[str | None, list[ToolCallDelta] | None, str | None]:
         """Choice `index`'s next text → (content, call deltas, finish reason)."""
         parser = self._parsers.setdefault(index, ToolCallParser(self._call_ids))
-        parsed = parser.feed(text)
-        if finish_reason is not None:
-            rest = parser.finish()
-            parsed.content += rest.content
-            parsed.calls.extend(rest.calls)
+        parsed = parser.feed(text, last=finish_reason is not None)
         calls = [_call_delta(call) for call in parsed.calls] or None
         return parsed.content or None, calls, _finish(parser, finish_reason)
 
     def message(self, text: str, finish_reason: str | None) -> tuple[AssistantMessage, str | None]:
         """A whole answer's message and finish reason."""
         parser = ToolCallParser(self._call_ids)
-        parser.feed(text)
-        parser.finish()
+        parser.feed(text, last=True)
         calls = [
             ToolCall(id=call.id, function=CalledFunction(name=call.name, arguments=call.arguments))
             for call in parser.calls
