@@ -66,6 +66,9 @@ class EngineHandoffs:
         Without room for its KV the sequence recomputes it from its tokens (same output).
         """
         handoff.check_compatible(self.kv.block_size, self.loaded.name)
+        # A replay may carry a request its lost worker never got to check, and a peer's
+        # context or pool may be smaller: one that cannot fit here would wait forever.
+        self.intake.check_fits(len(handoff.prompt_token_ids), handoff.params)
         if handoff.request_id in self._groups:
             raise RequestRejected(f"request_id {handoff.request_id!r} is already in flight")
         now = time.monotonic()

@@ -10,6 +10,7 @@ import pytest
 from support.engine import finish_clean
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.workers.errors import RequestRejected
 from pagedserve.workers.handoff import RequestHandoff
 
 PROMPT = list("Réplique: «naïve café» → 日本語テキスト".encode())
@@ -101,4 +102,28 @@ def test_a_stop_string_spanning_the_split_still_stops(tiny_llama, offset):
     got_tokens, got_text, got_finish, _ = replayed(llm, with_stop, split)
     assert (got_text, got_finish) == (expected_text, "stop")
     assert got_tokens == expected_tokens
+    finish_clean(llm)
+
+
+@pytest.mark.parametrize("max_tokens", [1_000_000, 10_000])
+def test_a_replay_that_cannot_fit_is_refused_not_left_waiting(tiny_llama, max_tokens):
+    """A lost worker may not have checked the request yet: its replay is checked here, past
+    the context (1,000,000) or past the pool (10,000 tokens, 128 blocks of 8), never queued."""
+    llm = make_llm(tiny_llama)
+    loaded, _ = tiny_llama
+    llm.engine.intake.max_model_len = 1_000  # the pool, not the context, refuses 10,000 here
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    handoff = RequestHandoff.replay(
+        "lost",
+        PROMPT,
+        [],
+        0,
+        params,
+        priority=0,
+        cache_extra_keys=(loaded.name,),
+        block_size=llm.engine.kv.block_size,
+        deadline_remaining_s=None,
+    )
+    with pytest.raises(RequestRejected, match="max_tokens"):
+        llm.engine.adopt(handoff)
     finish_clean(llm)
