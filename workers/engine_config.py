@@ -28,9 +28,10 @@ DTYPE_NAMES: dict[str, str] = {
     "bf16": "bfloat16",
 }
 AUTO_DTYPE = "auto"
-# KV pool dtypes (`kv_cache_dtype`): the model's own, or 8-bit fp8 (`fp8` = `fp8_e4m3`, torch's
-# float8_e4m3fn) with a float32 scale per (token, KV head) row (`pagedserve/kernels/kv_quant.py`).
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# KV pool dtypes (`kv_cache_dtype`): the model's own, or 8-bit codes, symmetric int8 or fp8
+# (`fp8` = `fp8_e4m3`, torch's float8_e4m3fn), with a float32 scale per (token, KV head) row
+# (`pagedserve/kernels/kv_quant.py`).
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
@@ -47,11 +48,11 @@ class EngineConfig:
         seed: weight seed of `tiny-llama` and of the sampler's unseeded requests.
         block_size: tokens per KV block.
         num_kv_blocks: KV blocks in the pool; wins over `kv_cache_bytes`.
-        kv_cache_dtype: the KV pool's dtype: `auto` (the model's dtype) or `fp8` (`fp8_e4m3`;
-            or `fp8_e5m2`): 8 bits per value with a float32 scale per token and KV head
-            computed as it is written; the same byte budget holds 2x the positions of a
-            16-bit pool and 4x a float32 one (scales, 4 bytes per row, counted apart). See
-            `docs/kv-dtype.md`.
+        kv_cache_dtype: the KV pool's dtype: `auto` (the model's dtype), `int8` (symmetric),
+            or `fp8` (`fp8_e4m3`; or `fp8_e5m2`): 8 bits per value with a float32 scale per
+            token and KV head computed as it is written; the same byte budget holds 2x the
+            positions of a 16-bit pool and 4x a float32 one (scales, 4 bytes per row, counted
+            apart). See `docs/kv-dtype.md`.
         kv_cache_bytes: KV pool size in bytes. With neither, the pool takes 256 MiB on the CPU
             or 80% of free device memory on CUDA; `pagedserve serve` sizes a CPU worker's pool
             from the machine's available memory instead (`cluster/node_layout.py`).

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels.kv_quant import FP8_FORMATS, row_width
+from pagedserve.kernels.kv_quant import FP8_DTYPES, KV8_FORMATS, row_width
 from pagedserve.workers.engine_checks import EngineConfigError
 from pagedserve.workers.engine_config import (
     AUTO_DTYPE,
@@ -23,12 +23,13 @@ FP8_MIN_CAPABILITY = (8, 9)
 
 
 def kv_pool_dtype(config: EngineConfig, loaded: LoadedModel) -> torch.dtype:
-    """The pool's dtype: the model's for `kv_cache_dtype` `auto`, else the fp8 format.
+    """The pool's dtype: the model's for `kv_cache_dtype` `auto`, else the 8-bit format.
 
     Raises:
         EngineConfigError: (field `kv_cache_dtype`) the model's head_dim is not a multiple
-            of 4, which fp8 rows need (their scales sit 4-byte aligned beside the codes), or
-            the Triton kernels would run on a GPU older than compute capability 8.9.
+            of 4, which 8-bit rows need (their scales sit 4-byte aligned beside the codes), or
+            fp8 with the Triton kernels on a GPU older than compute capability 8.9 (int8 codes
+            convert on any GPU).
     """
     if config.kv_cache_dtype == AUTO_DTYPE:
         return loaded.dtype
@@ -38,16 +39,18 @@ def kv_pool_dtype(config: EngineConfig, loaded: LoadedModel) -> torch.dtype:
             f"kv_cache_dtype {config.kv_cache_dtype!r} needs a head_dim divisible by 4; "
             f"{loaded.name} has {loaded.head_dim}",
         )
-    if loaded.device.type == "cuda" and config.attention_backend in ("auto", "triton"):
+    pool_dtype = KV8_FORMATS[config.kv_cache_dtype]
+    triton = loaded.device.type == "cuda" and config.attention_backend in ("auto", "triton")
+    if triton and pool_dtype in FP8_DTYPES:
         capability = torch.cuda.get_device_capability(loaded.device)
         if capability < FP8_MIN_CAPABILITY:
             raise EngineConfigError(
                 "kv_cache_dtype",
                 f"kv_cache_dtype {config.kv_cache_dtype!r} with the triton attention backend "
                 f"needs a GPU of compute capability 8.9 or newer (fp8 conversions); this one "
-                f"is {capability[0]}.{capability[1]}: use kv_cache_dtype 'auto'",
+                f"is {capability[0]}.{capability[1]}: use kv_cache_dtype 'int8' or 'auto'",
             )
-    return FP8_FORMATS[config.kv_cache_dtype]
+    return pool_dtype
 
 
 def num_kv_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
@@ -74,8 +77,8 @@ def num_kv_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
 
 def kv_layout(config: EngineConfig, loaded: LoadedModel) -> KVLayout:
     """What a disk-tier block must match to be loaded here (a random model's weights depend on
-    the seed, so its seed is part of the name). `head_dim` is the stored row: an fp8 pool's
-    rows carry their scale (`kv_quant`), and its dtype is the fp8 format, so blocks of another
+    the seed, so its seed is part of the name). `head_dim` is the stored row: an 8-bit pool's
+    rows carry their scale (`kv_quant`), and its dtype is the 8-bit format, so blocks of another
     KV dtype never load."""
     model = loaded.name
     if model == TINY_LLAMA_NAME:

@@ -5,9 +5,9 @@
     swap area     one CPU tensor [L, 2, num_swap_blocks, block_size, num_kv_heads, row]
                   (pinned when the pool is on CUDA, so copies can overlap)
 
-row is head_dim, or for an fp8 pool head_dim + 4: each (token, KV head) row's codes and its
+row is head_dim, or for an 8-bit pool head_dim + 4: each (token, KV head) row's codes and its
 float32 scale (`pagedserve.kernels.kv_quant`), so every copy below moves codes and scales
-together, and a packed export of an fp8 pool is 8-bit, never a converted copy.
+together, and a packed export of an 8-bit pool is 8-bit, never a converted copy.
 
 Which block holds what is the block manager's business; this class only moves bytes, and checks
 the block ids it is given so a bad id fails loudly instead of corrupting another request's KV.
@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from pagedserve.kernels import KernelOps
-from pagedserve.kernels.kv_quant import FP8_DTYPES, SCALE_BYTES, as_bytes, row_width
+from pagedserve.kernels.kv_quant import KV8_DTYPES, SCALE_BYTES, as_bytes, row_width
 from pagedserve.workers.kv_memory import kv_bytes_per_token
 
 
@@ -54,8 +54,8 @@ class KVCache:
             block_size: tokens per block.
             num_kv_heads: KV heads per token.
             head_dim: dimension of each head.
-            dtype: element dtype of the pool and the swap area (an fp8 dtype: 8-bit KV with a
-                scale per row, `kv_quant`).
+            dtype: element dtype of the pool and the swap area (an fp8 dtype or int8: 8-bit
+                KV with a scale per row, `kv_quant`).
             device: where the pool lives.
             num_swap_blocks: blocks in the CPU swap area (0: no swapping).
             ops: the kernels that copy, gather and scatter blocks.
@@ -101,7 +101,7 @@ class KVCache:
     ) -> int:
         """How many blocks a byte budget holds: ``floor(bytes / (block_size * M_KV))``.
 
-        An fp8 pool's scales are counted apart (`scale_bytes_per_block`), as block tables are:
+        An 8-bit pool's scales are counted apart (`scale_bytes_per_block`), as block tables are:
         the budget holds 2x the positions of a 16-bit pool and 4x those of a float32 one.
 
         Raises:
@@ -142,8 +142,8 @@ class KVCache:
 
     @property
     def scale_bytes_per_block(self) -> int:
-        """Bytes of one block's fp8 scales across all layers (0 for a full-precision pool)."""
-        if self.dtype not in FP8_DTYPES:
+        """Bytes of one block's 8-bit scales across all layers (0 for a full-precision pool)."""
+        if self.dtype not in KV8_DTYPES:
             return 0
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * SCALE_BYTES
 
@@ -164,7 +164,7 @@ class KVCache:
 
     @property
     def row_width(self) -> int:
-        """Elements per (token, KV head) row: head_dim, plus the scale bytes when fp8."""
+        """Elements per (token, KV head) row: head_dim, plus the scale bytes when 8-bit."""
         return row_width(self.head_dim, self.dtype)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from transformers import AttentionInterface
 
 from pagedserve.kernels import KernelOps
-from pagedserve.kernels.kv_quant import FP8_DTYPES
+from pagedserve.kernels.kv_quant import KV8_DTYPES
 from pagedserve.workers.attention_metadata import AttentionMetadata
 from pagedserve.workers.cpu_linear import resolve_linear_backend
 from pagedserve.workers.fused_decoder import FusedDecoder, unfusable_reason
@@ -218,7 +218,7 @@ def _check_pool_fits(loaded: LoadedModel, kv_cache: KVCache) -> None:
         have = getattr(kv_cache, name)
         if name == "device":
             have, want = _canonical_device(have), _canonical_device(want)
-        if name == "dtype" and have in FP8_DTYPES:
+        if name == "dtype" and have in KV8_DTYPES:
             continue  # an 8-bit pool (`kv_cache_dtype`): the kernels dequantise it
         if have != want:
             raise ValueError(f"KV cache {name} {have} does not match model {loaded.name!r}: {want}")

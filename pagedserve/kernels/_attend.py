@@ -8,9 +8,10 @@ Both kernels cut a program's KV range into full tiles that need no mask and a sh
 
 so the common case pays neither the bounds test nor the causal `where` on every tile.
 
-An fp8 pool (KV_FMT 1: e4m3, 2: e5m2; `kv_quant`) arrives as bytes with rows of ROW =
-HEAD_DIM + 4: each tile's codes are decoded and multiplied by their row's float32 scale in
-registers, so nothing outside the kernel ever holds a dequantised copy.
+An 8-bit pool (KV_FMT 1: fp8 e4m3, 2: fp8 e5m2, 3: int8; `kv_quant`) arrives as bytes with
+rows of ROW = HEAD_DIM + 4: each tile's codes are bit-cast to their format, converted and
+multiplied by their row's float32 scale in registers, so nothing outside the kernel ever holds
+a dequantised copy.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ import triton.language as tl
 
 @triton.jit
 def dequantise_tile(codes, cache_ptr, rows, HEAD_DIM: tl.constexpr, KV_FMT: tl.constexpr):
-    """fp8 codes `[BLOCK_N, BLOCK_D]` (bytes) of pool rows `rows` times each row's scale,
+    """8-bit codes `[BLOCK_N, BLOCK_D]` (bytes) of pool rows `rows` times each row's scale,
     the float32 stored right after its HEAD_DIM codes; float32 out."""
     if KV_FMT == 1:
         values = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    elif KV_FMT == 3:
+        values = codes.to(tl.int8, bitcast=True).to(tl.float32)
     else:
         values = codes.to(tl.float8e5, bitcast=True).to(tl.float32)
     scale_ptr = (cache_ptr + rows + HEAD_DIM).to(tl.pointer_type(tl.float32), bitcast=True)

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels.kv_quant import FP8_DTYPES, SCALE_BYTES, head_dim_of
+from pagedserve.kernels.kv_quant import KV8_DTYPES, SCALE_BYTES, head_dim_of
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
-CACHE_DTYPES = (*FLOAT_DTYPES, *FP8_DTYPES)
+CACHE_DTYPES = (*FLOAT_DTYPES, *KV8_DTYPES)
 
 
 def _fail(name: str, what: str, tensor: torch.Tensor) -> None:
@@ -38,7 +38,7 @@ def check_cache_pair(
 
     Both must be contiguous `[num_blocks, block_size, num_kv_heads, head_dim]` tensors of the
     same shape, float dtype and device (the kernels compute addresses from these shapes); an
-    fp8 pool's last dimension is `head_dim + 4` (codes and scale, `kv_quant`).
+    8-bit pool's last dimension is `head_dim + 4` (codes and scale, `kv_quant`).
 
     Returns:
         `(num_blocks, block_size, num_kv_heads, row)`: row is the last dimension as stored.
@@ -50,8 +50,8 @@ def check_cache_pair(
         _fail(k_name, "must be [num_blocks, block_size, num_kv_heads, head_dim]", key_cache)
     if key_cache.dtype not in CACHE_DTYPES:
         _fail(k_name, f"must have a dtype in {CACHE_DTYPES}", key_cache)
-    if key_cache.dtype in FP8_DTYPES and key_cache.shape[3] % SCALE_BYTES:
-        _fail(k_name, "must have an fp8 row of head_dim + 4, head_dim divisible by 4", key_cache)
+    if key_cache.dtype in KV8_DTYPES and key_cache.shape[3] % SCALE_BYTES:
+        _fail(k_name, "must have an 8-bit row of head_dim + 4, head_dim divisible by 4", key_cache)
     if not key_cache.is_contiguous():
         _fail(k_name, "must be contiguous", key_cache)
     if value_cache.shape != key_cache.shape:
@@ -111,10 +111,10 @@ def check_query(
 
 
 def _check_compute_dtype(name: str, tensor: torch.Tensor, key_cache: torch.Tensor) -> None:
-    """Queries and new K/V have the pool's dtype, or any float dtype for an fp8 pool."""
-    if key_cache.dtype in FP8_DTYPES:
+    """Queries and new K/V have the pool's dtype, or any float dtype for an 8-bit pool."""
+    if key_cache.dtype in KV8_DTYPES:
         if tensor.dtype not in FLOAT_DTYPES:
-            _fail(name, f"must have a dtype in {FLOAT_DTYPES} (the pool is fp8)", tensor)
+            _fail(name, f"must have a dtype in {FLOAT_DTYPES} (the pool is 8-bit)", tensor)
     elif tensor.dtype != key_cache.dtype:
         _fail(name, f"must have the cache dtype {key_cache.dtype}", tensor)
 

@@ -9,7 +9,7 @@ lands at row `p * M + m`::
     pools:   K0[b] V0[b] K1[b] V1[b] ...           (table entry p = 2*layer + kv)
     packed:  [layer][kv][m][block_size, Hkv, D]    (row p*M + m)
 
-fp8 pools move as bytes: their rows hold codes and scales together (`kv_quant`).
+8-bit pools (fp8, int8) move as bytes: their rows hold codes and scales together (`kv_quant`).
 """
 
 from __future__ import annotations

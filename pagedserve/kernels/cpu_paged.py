@@ -34,9 +34,9 @@ The build needs only the C++ compiler torch's own extension machinery uses (`c++
 run time); without one, `cpu_paged_available()` is False and `auto` keeps the torch reference.
 KV writes and block copies are the reference's (`index_copy_`), already in place.
 
-An fp8 pool (`kv_quant`) goes to the op as its bytes with its format code; the op dequantises
-one block of one head at a time into scratch (codes through a 256-entry table, times the row's
-scale), so no full-precision copy of the context is made.
+An 8-bit pool (`kv_quant`: fp8 or int8) goes to the op as its bytes with its format code; the
+op dequantises one block of one head at a time into scratch (codes through a 256-entry table,
+times the row's scale), so no full-precision copy of the context is made.
 """
 
 from __future__ import annotations

@@ -72,8 +72,8 @@ def write_kv(
         launch: elements per program (`chunk`: more heads go to a second grid axis) and
             warps; None for the defaults.
 
-    An fp8 pool (`kv_quant`): each (token, head) row is quantised with its own scale first
-    (torch, on the device), then its codes and scale bytes are scattered as one row.
+    An 8-bit pool (`kv_quant`: fp8 or int8): each (token, head) row is quantised with its own
+    scale first (torch, on the device), then its codes and scale bytes are scattered as one row.
     """
     check_write_kv(key, value, key_cache, value_cache, slot_mapping)
     num_tokens = key.shape[0]

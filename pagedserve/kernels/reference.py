@@ -52,7 +52,8 @@ def write_kv_ref(
         slot_mapping: `[N]` int32/int64 flat slots (`block_id * block_size + offset`); a slot
             of -1 skips that token (padding).
 
-    An fp8 pool (`kv_quant`) gets each (token, head) row quantised with its own scale.
+    An 8-bit pool (fp8 or int8, `kv_quant`) gets each (token, head) row quantised with its own
+    scale.
     """
     check_write_kv(key, value, key_cache, value_cache, slot_mapping)
     _, _, num_kv_heads, head_dim = key_cache.shape
@@ -74,7 +75,7 @@ def _gather_context(
 
     Table entries past a sequence's last block may be garbage (padding); they are replaced by
     block 0 before indexing and the tokens they yield are masked out by the caller. The rows of
-    an fp8 pool come back dequantised to float32 (`[..., head_dim]`).
+    an 8-bit pool come back dequantised to float32 (`[..., head_dim]`).
     """
     num_seqs = block_tables.shape[0]
     _, block_size, num_kv_heads, head_dim = cache.shape
@@ -90,7 +91,7 @@ def _gather_context(
     table = torch.where(cols[None, :] < needed[:, None], table, torch.zeros_like(table))
     tokens = cache[table].reshape(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
     tokens = tokens[:, :max_len]
-    # An fp8 pool: only the gathered rows are dequantised, never the pool.
+    # An 8-bit pool: only the gathered rows are dequantised, never the pool.
     return dequantise_rows(tokens) if is_quantised(cache) else tokens
 
 

@@ -237,7 +237,7 @@ def compiled_variants(kernel: object) -> int | None:
 
 
 def quantise_pool(kv: PagedKV, dtype: torch.dtype) -> PagedKV:
-    """The same pool in an 8-bit layout (`kv_quant`: fp8 codes and a scale per row), with the
+    """The same pool in an 8-bit layout (`kv_quant`: 8-bit codes and a scale per row), with the
     contiguous per-sequence KV it now stands for (dequantised, float32)."""
     from pagedserve.kernels.kv_quant import dequantise_rows, quantise_rows
 

@@ -26,8 +26,8 @@
 // takes one vectorised max/exp/sum per row, then sums the values; every key and value row of
 // the context is read once per item.
 //
-// An fp8 pool (kv_format 1: e4m3, 2: e5m2) stores each (token, kv head) row as head_dim
-// 8-bit codes followed by its float32 scale (`kv_quant.py`): row = head_dim + 4 bytes. Its
+// An 8-bit pool (kv_format 1: fp8 e4m3, 2: fp8 e5m2, 3: int8) stores each (token, kv head) row
+// as head_dim 8-bit codes followed by its float32 scale (`kv_quant.py`): row = head_dim + 4 bytes. Its
 // items take the generic loop, dequantising each block's rows of their head into scratch
 // (`kdq`, `vdq`: one block of one head, as for the transposed keys) through a 256-entry table,
 // so the context is never copied whole nor converted.
@@ -104,18 +104,20 @@ struct Dims {
   int64_t head_dim;
   int64_t block_size;
   int64_t max_blocks;
-  int64_t row;  // elements (fp8: bytes) per pool row: head_dim, or head_dim + 4 for fp8
+  int64_t row;  // elements (8-bit: bytes) per pool row: head_dim, or head_dim + 4 for 8-bit
 };
 
-// The value of each fp8 code, by format (1: e4m3fn, 2: e5m2), as torch converts it.
+// The value of each 8-bit code, by format (1: e4m3fn, 2: e5m2, 3: int8), as torch converts it.
 template <int kFmt>
-const float* fp8_table() {
+const float* code_table() {
   static const std::vector<float> table = [] {
     std::vector<float> values(256);
     for (int bits = 0; bits < 256; ++bits) {
       const auto code = static_cast<uint8_t>(bits);
       if constexpr (kFmt == 1) {
         values[bits] = static_cast<float>(c10::Float8_e4m3fn(code, c10::Float8_e4m3fn::from_bits()));
+      } else if constexpr (kFmt == 3) {
+        values[bits] = static_cast<float>(static_cast<int8_t>(code));  // two's complement
       } else {
         values[bits] = static_cast<float>(c10::Float8_e5m2(code, c10::Float8_e5m2::from_bits()));
       }
@@ -125,10 +127,10 @@ const float* fp8_table() {
   return table.data();
 }
 
-// n fp8 rows (codes, then the float32 scale) of one head, `stride` bytes apart, into dst[n, D].
+// n 8-bit rows (codes, then the float32 scale) of one head, `stride` bytes apart, into dst[n, D].
 template <int kFmt>
 void dequantise_rows(float* dst, const uint8_t* src, int64_t n, int64_t D, int64_t stride) {
-  const float* table = fp8_table<kFmt>();
+  const float* table = code_table<kFmt>();
   for (int64_t j = 0; j < n; ++j) {
     const uint8_t* row = src + j * stride;
     float scale;
@@ -151,7 +153,7 @@ struct Item {
 struct Scratch {
   std::vector<float> q, acc, kt, scores, row_max, row_sum;
   std::vector<float> logits;  // decode: [rows, context], grown to the longest context seen
-  std::vector<float> kdq, vdq;  // fp8 pools: one block of one head's keys / values, dequantised
+  std::vector<float> kdq, vdq;  // 8-bit pools: one block of one head's keys / values, dequantised
 
   Scratch(int64_t rows, const Dims& d)
       : q(rows * d.head_dim),
@@ -352,7 +354,7 @@ void attend_decode_float(
   }
 }
 
-// The pool's element type: the query's, or bytes for an fp8 pool (kFmt 1 or 2).
+// The pool's element type: the query's, or bytes for an 8-bit pool (kFmt 1, 2 or 3).
 template <typename scalar_t, int kFmt>
 using cache_t = std::conditional_t<kFmt == 0, scalar_t, uint8_t>;
 // What the score and value loops read: the pool itself, or dequantised float scratch.
@@ -543,19 +545,21 @@ void paged_attention(
       block_tables.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
           seq_lens.scalar_type() == at::kInt && block_tables.is_contiguous(),
       "index tensors must be contiguous int32");
-  TORCH_CHECK(kv_format >= 0 && kv_format <= 2, "kv_format must be 0, 1 (e4m3) or 2 (e5m2)");
-  const bool fp8 = kv_format != 0;
-  // An fp8 pool arrives as bytes, each row head_dim codes and a 4-byte scale.
-  const int64_t pool_head_dim = key_cache.dim() == 4 ? key_cache.size(3) - (fp8 ? 4 : 0) : -1;
+  TORCH_CHECK(
+      kv_format >= 0 && kv_format <= 3, "kv_format must be 0, 1 (e4m3), 2 (e5m2) or 3 (int8)");
+  const bool quantised = kv_format != 0;
+  // An 8-bit pool arrives as bytes, each row head_dim codes and a 4-byte scale.
+  const int64_t pool_head_dim =
+      key_cache.dim() == 4 ? key_cache.size(3) - (quantised ? 4 : 0) : -1;
   TORCH_CHECK(
       query.dim() == 3 && key_cache.dim() == 4 && query.size(2) == pool_head_dim &&
           query.size(1) % key_cache.size(2) == 0 && out.sizes() == query.sizes() &&
           out.scalar_type() == query.scalar_type() &&
-          key_cache.scalar_type() == (fp8 ? at::kByte : query.scalar_type()) &&
+          key_cache.scalar_type() == (quantised ? at::kByte : query.scalar_type()) &&
           value_cache.sizes() == key_cache.sizes() &&
           value_cache.scalar_type() == key_cache.scalar_type(),
       "query/out [tokens, heads, head_dim] and pools [blocks, block_size, kv_heads, head_dim] "
-      "(fp8: uint8 rows of head_dim + 4) must agree in head_dim, head grouping and dtype");
+      "(8-bit: uint8 rows of head_dim + 4) must agree in head_dim, head grouping and dtype");
   TORCH_CHECK(
       block_tables.dim() == 2 && block_tables.size(0) == seq_lens.size(0) &&
           query_start_loc.size(0) == seq_lens.size(0) + 1,
@@ -573,7 +577,7 @@ void paged_attention(
   const auto fscale = static_cast<float>(scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, query.scalar_type(), "paged_attention_cpu", [&] {
-        // fp8 pools: a generic loop over dequantised scratch, per format.
+        // 8-bit pools: a generic loop over dequantised scratch, per format.
         if (kv_format == 1) {
           return run_bins<scalar_t, 0, 1>(
               bins, out, query, key_cache, value_cache, block_tables, query_start_loc,
@@ -581,6 +585,11 @@ void paged_attention(
         }
         if (kv_format == 2) {
           return run_bins<scalar_t, 0, 2>(
+              bins, out, query, key_cache, value_cache, block_tables, query_start_loc,
+              seq_lens, d, fscale);
+        }
+        if (kv_format == 3) {
+          return run_bins<scalar_t, 0, 3>(
               bins, out, query, key_cache, value_cache, block_tables, query_start_loc,
               seq_lens, d, fscale);
         }

@@ -63,10 +63,10 @@ def compile_kernel(fn, dtype: str, constexprs: dict, types: dict | None = None, 
     return shared
 
 
-# The pool's row and format: full precision (ROW = HEAD_DIM), or fp8 (1: e4m3, 2: e5m2) whose
-# rows carry a 4-byte scale and whose pointers are bytes.
+# The pool's row and format: full precision (ROW = HEAD_DIM), or 8-bit (1: e4m3, 2: e5m2,
+# 3: int8) whose rows carry a 4-byte scale and whose pointers are bytes.
 FULL = {"ROW": 128, "KV_FMT": 0}
-FP8_POOL = {"key_cache_ptr": "*u8", "value_cache_ptr": "*u8"}
+KV8_POOL = {"key_cache_ptr": "*u8", "value_cache_ptr": "*u8"}
 
 
 def _decode(
@@ -74,7 +74,7 @@ def _decode(
 ) -> None:
     tiles = {"BLOCK_D": 128, "DOT_PRECISION": precision, "UPCAST": False}
     constexprs = {**ATTN, **tiles, "VARLEN": varlen, "BLOCK_G": 16, "BLOCK_N": block_n, **kv}
-    types = FP8_POOL if kv["KV_FMT"] else None
+    types = KV8_POOL if kv["KV_FMT"] else None
     compile_kernel(decode.decode_split_kernel, dtype, constexprs, types, **options)
 
 
@@ -84,7 +84,7 @@ def _prefill(
     tiles = {"BLOCK_D": 128, "DOT_PRECISION": precision, "UPCAST": False}
     block_q = block_m // ATTN["GROUP"]
     constexprs = {**ATTN, **tiles, "BLOCK_Q": block_q, "BLOCK_M": block_m, "BLOCK_N": block_n}
-    types = FP8_POOL if kv["KV_FMT"] else None
+    types = KV8_POOL if kv["KV_FMT"] else None
     compile_kernel(prefill.prefill_kernel, dtype, {**constexprs, **kv}, types, **options)
 
 
@@ -101,11 +101,12 @@ def compile_defaults() -> None:
                  "BLOCK_D": 128},
             )  # fmt: skip
         _prefill(dtype, precision, 64, block_n, num_warps=4, num_stages=2)
-    # The 8-bit pool (`kv_cache_dtype`): bf16 queries over e4m3 and e5m2 rows of 128 + 4 bytes.
-    for fmt in (1, 2):
-        fp8 = {"ROW": 132, "KV_FMT": fmt}
-        _decode("bf16", "tf32", 64, False, fp8, num_warps=4, num_stages=2)
-        _prefill("bf16", "tf32", 64, 64, fp8, num_warps=4, num_stages=2)
+    # The 8-bit pool (`kv_cache_dtype`): bf16 queries over e4m3, e5m2 and int8 rows of 128 + 4
+    # bytes.
+    for fmt in (1, 2, 3):
+        kv8 = {"ROW": 132, "KV_FMT": fmt}
+        _decode("bf16", "tf32", 64, False, kv8, num_warps=4, num_stages=2)
+        _prefill("bf16", "tf32", 64, 64, kv8, num_warps=4, num_stages=2)
     compile_kernel(
         kv_write.write_kv_kernel,
         "bf16",

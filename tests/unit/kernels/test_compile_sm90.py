@@ -15,8 +15,8 @@ from pagedserve.workers.model_registry import default_cache_dir
 
 SCRIPT = pathlib.Path(__file__).with_name("compile_sm90.py")
 # 3 dtypes x (decode and reduce, each plain and VARLEN, + prefill) + write_kv + 3 block movers,
-# + decode and prefill over an fp8 pool, e4m3 and e5m2.
-DEFAULT_KERNELS = 3 * 5 + 4 + 2 * 2
+# + decode and prefill over an 8-bit pool: e4m3, e5m2 and int8.
+DEFAULT_KERNELS = 3 * 5 + 4 + 3 * 2
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton.backends.nvidia") is None

@@ -1,5 +1,6 @@
 """The 8-bit KV cache (`kv_quant`): every backend's write, attention and block moves on fp8
-pools against the torch reference, over dtype x head_dim x block_size with fixed seeds."""
+and int8 pools against the torch reference, over dtype x head_dim x block_size with fixed
+seeds."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pagedserve.kernels.kv_quant import (
 )
 from pagedserve.kernels.testing import edge_lens, make_paged_kv, naive_attention, quantise_pool
 
-FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+KV8 = [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8]
 # (KV format, query dtype, head_dim, block_size): each pair of values appears in some case.
 CASES = [
     (torch.float8_e4m3fn, torch.float32, 64, 8),
@@ -25,10 +26,17 @@ CASES = [
     (torch.float8_e5m2, torch.float32, 128, 32),
     (torch.float8_e5m2, torch.bfloat16, 32, 8),
     (torch.float8_e5m2, torch.float16, 64, 16),
+    (torch.int8, torch.float32, 32, 16),
+    (torch.int8, torch.bfloat16, 64, 32),
+    (torch.int8, torch.float16, 128, 8),
 ]
-IDS = [f"{str(f)[12:]}-{str(q)[6:]}-d{d}-b{b}" for f, q, d, b in CASES]
-# Relative rounding step of each format's 3 / 2 mantissa bits (half a unit in the last place).
-STEP = {torch.float8_e4m3fn: 2.0**-4, torch.float8_e5m2: 2.0**-3}
+IDS = [f"{str(f)[6:].removeprefix('float8_')}-{str(q)[6:]}-d{d}-b{b}" for f, q, d, b in CASES]
+# The Triton cases (slow under the interpreter): one per format, every query dtype.
+TRITON_CASES = [CASES[0], CASES[4], CASES[8]]
+TRITON_IDS = [IDS[0], IDS[4], IDS[8]]
+# The largest error of a value, as a share of its row's absmax: fp8's relative rounding of
+# 3 / 2 mantissa bits (half a unit in the last place); int8's half step of a 127-step grid.
+STEP = {torch.float8_e4m3fn: 2.0**-4, torch.float8_e5m2: 2.0**-3, torch.int8: 0.5 / 127}
 
 
 def _tolerance(dtype: torch.dtype) -> dict[str, float]:
@@ -43,7 +51,7 @@ def _pool(case, gen, lens):
     return quantise_pool(kv, fmt), query
 
 
-@pytest.mark.parametrize("fmt", FP8)
+@pytest.mark.parametrize("fmt", KV8)
 def test_rows_round_trip_within_the_format_step_with_a_scale_per_row(fmt, gen):
     rows = torch.randn(50, 3, 64, generator=gen) * torch.logspace(-3, 3, 50)[:, None, None]
     packed = quantise_rows(rows, fmt)
@@ -52,19 +60,48 @@ def test_rows_round_trip_within_the_format_step_with_a_scale_per_row(fmt, gen):
     back = dequantise_rows(packed)
     # Each row's own scale: a row a million times smaller keeps its relative precision.
     amax = rows.abs().amax(-1, keepdim=True)
-    assert bool(((back - rows).abs() <= STEP[fmt] * amax + 1e-30).all())
+    assert bool(((back - rows).abs() <= STEP[fmt] * amax * (1 + 1e-6) + 1e-30).all())
     assert torch.equal(
         dequantise_rows(quantise_rows(torch.zeros(2, 1, 8), fmt)), torch.zeros(2, 1, 8)
     )
 
 
-def test_fp8_needs_head_dim_divisible_by_4():
-    with pytest.raises(ValueError, match="head_dim divisible by 4"):
-        quantise_rows(torch.randn(2, 1, 6), torch.float8_e4m3fn)
+def test_an_8_bit_row_needs_head_dim_divisible_by_4():
+    for fmt in KV8:
+        with pytest.raises(ValueError, match="head_dim divisible by 4"):
+            quantise_rows(torch.randn(2, 1, 6), fmt)
+
+
+def test_int8_codes_are_symmetric_round_to_nearest_with_absmax_at_127(gen):
+    rows = torch.randn(40, 2, 32, generator=gen) * 3
+    packed = quantise_rows(rows, torch.int8)
+    codes, scale = packed[..., :32], packed[..., 32:].contiguous().view(torch.float32)
+    amax = rows.abs().amax(-1, keepdim=True)
+    torch.testing.assert_close(scale, amax / 127)
+    assert int(codes.min()) >= -127 and int(codes.max()) <= 127
+    # Each row's largest magnitude lands on ±127; every code is the nearest integer.
+    assert torch.equal(codes.abs().amax(-1), torch.full((40, 2), 127, dtype=torch.int8))
+    assert torch.equal(codes, (rows / scale).round().to(torch.int8))
+
+
+def test_the_cpu_op_decodes_every_int8_byte_as_its_twos_complement_value():
+    """The op's 256-entry int8 table against torch's conversion: the 256 bytes (-128 included,
+    which quantisation never writes) as the values of one-token sequences, whose attention
+    output is that one value row: each byte's int8 value times the row's scale."""
+    if not cpu_paged.cpu_paged_available():
+        pytest.skip("the C++ CPU kernel does not build here")
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.int8).view(64, 4)
+    scale = torch.full((64, 1), 0.5).view(torch.int8)
+    pool = torch.cat([codes, scale], dim=-1).view(64, 1, 1, 8)  # 64 blocks of one token
+    tables = torch.arange(64, dtype=torch.int32).view(64, 1)
+    seq_lens = torch.ones(64, dtype=torch.int32)
+    query = torch.zeros(64, 1, 4)
+    out = cpu_paged.paged_decode_attention_cpu(query, pool, pool, tables, seq_lens, 1.0)
+    assert torch.equal(out.view(64, 4), codes.float() * 0.5)
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_reference_on_fp8_attends_to_the_dequantised_kv(case, gen):
+def test_reference_on_8_bit_kv_attends_to_the_dequantised_kv(case, gen):
     lens = edge_lens(case[3])
     kv, query = _pool(case, gen, lens)
     out = reference.paged_decode_attention_ref(
@@ -80,7 +117,7 @@ def test_reference_on_fp8_attends_to_the_dequantised_kv(case, gen):
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_cpu_kernel_on_fp8_matches_the_reference(case, gen):
+def test_cpu_kernel_on_8_bit_kv_matches_the_reference(case, gen):
     if not cpu_paged.cpu_paged_available():
         pytest.skip("the C++ CPU kernel does not build here")
     lens = edge_lens(case[3])
@@ -103,8 +140,8 @@ def test_cpu_kernel_on_fp8_matches_the_reference(case, gen):
     )
 
 
-@pytest.mark.parametrize("case", CASES[:3], ids=IDS[:3])
-def test_triton_kernels_on_fp8_match_the_reference(case, gen, triton_device):
+@pytest.mark.parametrize("case", TRITON_CASES, ids=TRITON_IDS)
+def test_triton_kernels_on_8_bit_kv_match_the_reference(case, gen, triton_device):
     from pagedserve.kernels import paged_decode_attention, paged_prefill_attention
 
     lens = [1, case[3], 2 * case[3] + 1, 70]
@@ -130,8 +167,8 @@ def test_triton_kernels_on_fp8_match_the_reference(case, gen, triton_device):
     )
 
 
-@pytest.mark.parametrize("fmt", FP8)
-def test_triton_write_and_block_moves_on_fp8_are_the_references_bytes(fmt, gen, triton_device):
+@pytest.mark.parametrize("fmt", KV8)
+def test_triton_write_and_block_moves_on_8_bit_pools_match_the_reference(fmt, gen, triton_device):
     from pagedserve.kernels import copy_blocks, gather_blocks, scatter_blocks, write_kv
 
     dev = triton_device
@@ -162,7 +199,7 @@ def test_triton_write_and_block_moves_on_fp8_are_the_references_bytes(fmt, gen, 
         assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
 
 
-@pytest.mark.parametrize("fmt", FP8)
+@pytest.mark.parametrize("fmt", KV8)
 def test_a_later_outlier_changes_no_earlier_row_and_keeps_its_own_precision(fmt, gen):
     """Scales are per row and fixed at the write: an outlier 1000x larger written later into
     the same block neither clips nor requantises what was there (a per-block or static scale
