@@ -1,7 +1,7 @@
 """`kv_cache_dtype`: an 8-bit pool holds 2x the positions of a 16-bit one (4x float32) in the
 same budget, runs requests on every CPU backend, and every path moves its 8-bit blocks (swap,
-P/D hand-off, prefix transfer, move, disk-tier files); blocks of another KV dtype are refused
-and recomputed, never converted."""
+P/D hand-off, prefix transfer, move, disk-tier files), fp8 and int8 alike; blocks of another KV
+dtype (another 8-bit one included) are refused and recomputed, never converted."""
 
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ from pagedserve.workers.worker_types import PoolCheck, RequestMoved
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 BASE = {"block_size": 8, "attention_backend": "torch"}
+POOL_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}
+KV8 = ["fp8", "int8"]
 
 
 def test_an_unknown_kv_cache_dtype_is_refused_naming_the_field(tiny_llama):
@@ -44,8 +46,9 @@ def test_an_unknown_kv_cache_dtype_is_refused_naming_the_field(tiny_llama):
     parser = argparse.ArgumentParser()
     add_config_flags(parser, EngineConfig)
     assert parser.parse_args(["--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"
+    assert parser.parse_args(["--kv-cache-dtype", "int8"]).kv_cache_dtype == "int8"
     with pytest.raises(SystemExit):
-        parser.parse_args(["--kv-cache-dtype", "int8"])
+        parser.parse_args(["--kv-cache-dtype", "int4"])
 
 
 def test_the_same_budget_holds_2x_the_blocks_of_bf16_and_4x_float32():
@@ -53,25 +56,28 @@ def test_the_same_budget_holds_2x_the_blocks_of_bf16_and_4x_float32():
     budget = 64 * 1024 * 1024
     counts = {
         dtype: KVCache.num_blocks_for_budget(budget, dtype=dtype, **shape)
-        for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16, *POOL_DTYPES.values())
     }
     fp8 = counts[torch.float8_e4m3fn]
+    assert fp8 == counts[torch.float8_e5m2] == counts[torch.int8]
     assert fp8 == 2 * counts[torch.bfloat16] == 2 * counts[torch.float16]
     assert fp8 == 4 * counts[torch.float32]
     assert fp8 == budget // (16 * 30 * 3 * 64 * 2)  # B x M_KV with 1 byte per value
 
 
-def test_an_fp8_engine_sizes_its_pool_by_the_codes_and_counts_scales_apart(tiny_llama):
+@pytest.mark.parametrize("kv_dtype", KV8)
+def test_an_8_bit_engine_sizes_its_pool_by_the_codes_and_counts_scales_apart(tiny_llama, kv_dtype):
     loaded, _ = tiny_llama
     budget = 4 * 1024 * 1024
     full = Engine(EngineConfig(kv_cache_bytes=budget, **BASE), loaded=loaded)
-    fp8 = Engine(EngineConfig(kv_cache_bytes=budget, kv_cache_dtype="fp8", **BASE), loaded=loaded)
-    assert loaded.dtype == torch.float32
-    assert fp8.kv_cache.num_blocks == 4 * full.kv_cache.num_blocks
-    cache = fp8.kv_cache
-    assert (
-        cache.dtype == torch.float8_e4m3fn and cache.key_caches[0].shape[-1] == loaded.head_dim + 4
+    kv8 = Engine(
+        EngineConfig(kv_cache_bytes=budget, kv_cache_dtype=kv_dtype, **BASE), loaded=loaded
     )
+    assert loaded.dtype == torch.float32
+    assert kv8.kv_cache.num_blocks == 4 * full.kv_cache.num_blocks
+    cache = kv8.kv_cache
+    assert cache.dtype == POOL_DTYPES[kv_dtype]
+    assert cache.key_caches[0].shape[-1] == loaded.head_dim + 4
     assert cache.bytes_per_block * cache.num_blocks <= budget
     rows = 2 * loaded.num_layers * 8 * loaded.num_kv_heads
     assert cache.scale_bytes_per_block == 4 * rows
@@ -79,8 +85,8 @@ def test_an_fp8_engine_sizes_its_pool_by_the_codes_and_counts_scales_apart(tiny_
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
-@pytest.mark.parametrize("kv_dtype", ["fp8", "fp8_e5m2"])
-def test_an_fp8_engine_runs_requests_and_writes_8_bit_blocks(tiny_llama, backend, kv_dtype):
+@pytest.mark.parametrize("kv_dtype", ["fp8", "fp8_e5m2", "int8"])
+def test_an_8_bit_engine_runs_requests_and_writes_8_bit_blocks(tiny_llama, backend, kv_dtype):
     from pagedserve.kernels import cpu_paged_available
 
     if backend == "cpu" and not cpu_paged_available():
@@ -94,27 +100,28 @@ def test_an_fp8_engine_runs_requests_and_writes_8_bit_blocks(tiny_llama, backend
     outputs = llm.generate(prompts, GREEDY)
     assert all(len(o.outputs[0].token_ids) == 10 for o in outputs)
     pool = llm.engine.kv_cache.key_caches[0]
-    assert pool.dtype == {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv_dtype]
+    assert pool.dtype == POOL_DTYPES[kv_dtype]
     assert bool(pool.view(torch.uint8).any())
     finish_clean(llm)
 
 
-def test_swap_preemption_moves_the_8_bit_blocks_back_unchanged(tiny_llama):
+@pytest.mark.parametrize("kv_dtype", KV8)
+def test_swap_preemption_moves_the_8_bit_blocks_back_unchanged(tiny_llama, kv_dtype):
     loaded, _ = tiny_llama
     prompts = [list(range(i * 11, i * 11 + 20)) for i in range(4)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    roomy = LLM(loaded_model=loaded, num_kv_blocks=64, kv_cache_dtype="fp8", **BASE)
+    roomy = LLM(loaded_model=loaded, num_kv_blocks=64, kv_cache_dtype=kv_dtype, **BASE)
     expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, params)]
     finish_clean(roomy)
     small = LLM(
-        loaded_model=loaded, num_kv_blocks=12, kv_cache_dtype="fp8", preemption_mode="swap",
+        loaded_model=loaded, num_kv_blocks=12, kv_cache_dtype=kv_dtype, preemption_mode="swap",
         watermark=0.0, **BASE,
     )  # fmt: skip
     cache, swapped = small.engine.kv_cache, []
     swap_out = cache.swap_out
     cache.swap_out = lambda pairs: (swapped.extend(pairs), swap_out(pairs))
     got = [o.outputs[0].token_ids for o in small.generate(prompts, params)]
-    assert swapped and cache._swap.dtype == torch.float8_e4m3fn
+    assert swapped and cache._swap.dtype == POOL_DTYPES[kv_dtype]
     assert got == expected
     finish_clean(small)
 
@@ -143,18 +150,19 @@ def _decode(engine, handoff):
     return tokens
 
 
-def test_a_pd_handoff_between_fp8_engines_imports_the_8_bit_blocks(tiny_llama):
+@pytest.mark.parametrize("kv_dtype", KV8)
+def test_a_pd_handoff_between_8_bit_engines_imports_the_8_bit_blocks(tiny_llama, kv_dtype):
     loaded, _ = tiny_llama
     prompt = list(range(40, 60))
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    alone = LLM(loaded_model=loaded, num_kv_blocks=64, kv_cache_dtype="fp8", **BASE)
+    alone = LLM(loaded_model=loaded, num_kv_blocks=64, kv_cache_dtype=kv_dtype, **BASE)
     expected = alone.generate([prompt], params)[0].outputs[0].token_ids
     finish_clean(alone)
-    prefiller = _engine(loaded, WorkerRole.PREFILL)
+    prefiller = _engine(loaded, WorkerRole.PREFILL, kv_dtype)
     handoff = _prefill(prefiller, "r", prompt, params)
-    assert handoff.packed_kv.dtype == torch.float8_e4m3fn
+    assert handoff.packed_kv.dtype == POOL_DTYPES[kv_dtype]
     assert handoff.packed_kv.shape[-1] == loaded.head_dim + 4  # codes and scale, as stored
-    decoder = _engine(loaded, WorkerRole.DECODE)
+    decoder = _engine(loaded, WorkerRole.DECODE, kv_dtype)
     tokens = _decode(decoder, handoff)
     assert decoder.num_adopted_with_kv == 1 and decoder.num_adopted_recomputed == 0
     assert expected[:1] + tokens == expected
@@ -163,16 +171,24 @@ def test_a_pd_handoff_between_fp8_engines_imports_the_8_bit_blocks(tiny_llama):
         assert_no_leaks(engine.kv)
 
 
-def test_a_handoff_to_an_engine_of_another_kv_dtype_recomputes(tiny_llama):
+# (the sender's KV dtype, the receiver's, the receiver's pool dtype as an import names it)
+MIXED = [("fp8", "auto", "float32"), ("int8", "fp8", "float8_e4m3fn"), ("fp8", "int8", "int8")]
+
+
+@pytest.mark.parametrize(("sender", "receiver", "pool"), MIXED)
+def test_a_handoff_to_an_engine_of_another_kv_dtype_recomputes(tiny_llama, sender, receiver, pool):
     loaded, _ = tiny_llama
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    handoff = _prefill(_engine(loaded, WorkerRole.PREFILL), "r", list(range(40, 60)), params)
-    decoder = _engine(loaded, WorkerRole.DECODE, kv_dtype="auto")
+    prefiller = _engine(loaded, WorkerRole.PREFILL, sender)
+    handoff = _prefill(prefiller, "r", list(range(40, 60)), params)
+    decoder = _engine(loaded, WorkerRole.DECODE, kv_dtype=receiver)
     tokens = _decode(decoder, handoff)
     assert decoder.num_adopted_with_kv == 0 and decoder.num_adopted_recomputed == 1
     assert len(tokens) == 7
-    with pytest.raises(ValueError, match="kv_cache_dtype float32"):
+    with pytest.raises(ValueError, match=f"kv_cache_dtype {pool}"):
         decoder.kv_cache.import_blocks(handoff.packed_kv[:, :, :1], [0])
+    for engine in (prefiller, decoder):
+        assert_no_leaks(engine.kv)
 
 
 def _core(loaded, worker_id, kv_dtype="fp8", **config):
@@ -184,18 +200,21 @@ async def _collect(core, request_id, prompt):
     return [t async for d in core.generate(request_id, prompt, GREEDY) for t in d.token_ids]
 
 
-def test_a_prefix_pull_between_fp8_workers_imports_8_bit_blocks_and_others_refuse(tiny_llama):
+@pytest.mark.parametrize(("kv_dtype", "other"), [("fp8", "auto"), ("int8", "fp8")])
+def test_a_prefix_pull_between_8_bit_workers_imports_8_bit_blocks_and_others_refuse(
+    tiny_llama, kv_dtype, other
+):
     loaded, _ = tiny_llama
-    llm_a, core_a = _core(loaded, "a")
-    llm_b, core_b = _core(loaded, "b")
-    llm_c, core_c = _core(loaded, "c", kv_dtype="auto")
+    llm_a, core_a = _core(loaded, "a", kv_dtype)
+    llm_b, core_b = _core(loaded, "b", kv_dtype)
+    llm_c, core_c = _core(loaded, "c", kv_dtype=other)
     prompt = list(range(50, 90))
     hashes = hash_full_blocks(prompt, 8, (loaded.name,))
 
     async def main():
         reference = await _collect(core_a, "r", prompt)
         keys, packed = await core_a.export_prefix(hashes)
-        assert packed.dtype == torch.float8_e4m3fn and len(keys) == 5
+        assert packed.dtype == POOL_DTYPES[kv_dtype] and len(keys) == 5
         assert await core_b.import_prefix(keys, packed) == 5
         assert await core_c.import_prefix(keys, packed) == 0  # another KV dtype: refused
         pulled = await _collect(core_b, "p", prompt)
@@ -210,13 +229,14 @@ def test_a_prefix_pull_between_fp8_workers_imports_8_bit_blocks_and_others_refus
         finish_clean(llm)
 
 
-def test_a_move_between_fp8_workers_carries_the_8_bit_blocks(tiny_llama):
+@pytest.mark.parametrize("kv_dtype", KV8)
+def test_a_move_between_8_bit_workers_carries_the_8_bit_blocks(tiny_llama, kv_dtype):
     loaded, _ = tiny_llama
     small = EngineConfig(
-        num_kv_blocks=14, kv_cache_dtype="fp8", preemption_mode="move", watermark=0.0,
+        num_kv_blocks=14, kv_cache_dtype=kv_dtype, preemption_mode="move", watermark=0.0,
         enable_prefix_caching=False, **BASE,
     )  # fmt: skip
-    roomy = EngineConfig(num_kv_blocks=64, kv_cache_dtype="fp8", **BASE)
+    roomy = EngineConfig(num_kv_blocks=64, kv_cache_dtype=kv_dtype, **BASE)
     core_a = WorkerCore(Engine(small, loaded=loaded), "a")
     core_b = WorkerCore(Engine(roomy, loaded=loaded), "b")
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -243,21 +263,25 @@ def test_a_move_between_fp8_workers_carries_the_8_bit_blocks(tiny_llama):
 
     results, check_a, check_b = asyncio.run(main())
     handoffs = [h for _, hs in results for h in hs]
-    assert handoffs and all(h.packed_kv.dtype == torch.float8_e4m3fn for h in handoffs)
+    assert handoffs and all(h.packed_kv.dtype == POOL_DTYPES[kv_dtype] for h in handoffs)
     assert core_b.engine.num_adopted_with_kv == len(handoffs)
     assert all(len(tokens) == 24 for tokens, _ in results)
     assert check_a == check_b == PoolCheck(ok=True, idle=True)
 
 
-def test_disk_tier_files_hold_the_8_bit_rows_and_refuse_another_kv_dtype(tiny_llama, tmp_path):
+@pytest.mark.parametrize("kv_dtype", KV8)
+def test_disk_tier_files_hold_the_8_bit_rows_and_refuse_another_kv_dtype(
+    tiny_llama, tmp_path, kv_dtype
+):
     loaded, _ = tiny_llama
-    fp8 = EngineConfig(kv_cache_dtype="fp8", **BASE)
-    layout = kv_layout(fp8, loaded)
-    assert layout.dtype == "float8_e4m3fn" and layout.head_dim == loaded.head_dim + 4
-    engine = Engine(EngineConfig(num_kv_blocks=8, kv_cache_dtype="fp8", **BASE), loaded=loaded)
+    config = EngineConfig(kv_cache_dtype=kv_dtype, **BASE)
+    layout = kv_layout(config, loaded)
+    pool_dtype = POOL_DTYPES[kv_dtype]
+    assert layout.dtype == str(pool_dtype)[6:] and layout.head_dim == loaded.head_dim + 4
+    engine = Engine(EngineConfig(num_kv_blocks=8, kv_cache_dtype=kv_dtype, **BASE), loaded=loaded)
     key = BlockKey(None, tuple(range(8)), ())
     kv = torch.randn(loaded.num_layers, 2, 8, loaded.num_kv_heads, loaded.head_dim)
-    block = quantise_rows(kv, torch.float8_e4m3fn)
+    block = quantise_rows(kv, pool_dtype)
     digest = hash_full_blocks(list(range(8)), 8, ())[0]
     path = tmp_path / (digest.hex() + ".kvb")
     path.write_bytes(encode_block(digest, key, block, layout))
@@ -268,8 +292,10 @@ def test_disk_tier_files_hold_the_8_bit_rows_and_refuse_another_kv_dtype(tiny_ll
     assert torch.equal(
         engine.kv_cache.export_blocks([3])[:, :, 0].view(torch.uint8), block.view(torch.uint8)
     )
-    with pytest.raises(CorruptBlockFile, match="layout"):
-        read_header(path, kv_layout(EngineConfig(**BASE), loaded))
+    other = "int8" if kv_dtype == "fp8" else "fp8"
+    for config in (EngineConfig(**BASE), EngineConfig(kv_cache_dtype=other, **BASE)):
+        with pytest.raises(CorruptBlockFile, match="layout"):
+            read_header(path, kv_layout(config, loaded))
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
@@ -292,12 +318,14 @@ def test_speculative_rollback_on_an_fp8_pool_keeps_the_output(tiny_llama, method
     assert runs[1] == runs[0]
 
 
-@pytest.mark.parametrize("tier", ["host", "disk"])
-def test_an_evicted_fp8_prefix_comes_back_from_a_tier_not_prefilled(tiny_llama, tier, tmp_path):
+@pytest.mark.parametrize(("tier", "kv_dtype"), [("host", "fp8"), ("disk", "fp8"), ("disk", "int8")])
+def test_an_evicted_8_bit_prefix_comes_back_from_a_tier_not_prefilled(
+    tiny_llama, tier, kv_dtype, tmp_path
+):
     loaded, _ = tiny_llama
     prompt_a = [(7 * i + 3) % 200 + 1 for i in range(36)]  # 4 full blocks of 8
     prompt_b = [(11 * i + 5) % 200 + 1 for i in range(60)]  # fills the pool: evicts A
-    small = {"num_kv_blocks": 8, "watermark": 0.0, "kv_cache_dtype": "fp8", **BASE}
+    small = {"num_kv_blocks": 8, "watermark": 0.0, "kv_cache_dtype": kv_dtype, **BASE}
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
     def run(llm, prompt):
@@ -328,13 +356,15 @@ def test_the_preflight_budget_check_counts_8_bit_blocks():
 
     shape = ModelShape(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32", context=512)
     fp8_block = 16 * 2 * 2 * 2 * 64  # B x M_KV at 1 byte
-    check_kv_budget(EngineConfig(kv_cache_bytes=fp8_block, kv_cache_dtype="fp8"), shape)
+    for kv_dtype in KV8:
+        check_kv_budget(EngineConfig(kv_cache_bytes=fp8_block, kv_cache_dtype=kv_dtype), shape)
     with pytest.raises(EngineConfigError, match="holds no KV block") as error:
         check_kv_budget(EngineConfig(kv_cache_bytes=fp8_block), shape)
     assert error.value.field == "kv_cache_bytes"
 
 
-def test_a_head_dim_fp8_rows_cannot_hold_is_refused_naming_kv_cache_dtype():
+@pytest.mark.parametrize("kv_dtype", KV8)
+def test_a_head_dim_8_bit_rows_cannot_hold_is_refused_naming_kv_cache_dtype(kv_dtype):
     from types import SimpleNamespace
 
     from pagedserve.workers.engine_checks import EngineConfigError
@@ -343,7 +373,7 @@ def test_a_head_dim_fp8_rows_cannot_hold_is_refused_naming_kv_cache_dtype():
     odd = SimpleNamespace(name="odd-model", head_dim=30, dtype=torch.float32, device=None)
     assert kv_pool_dtype(EngineConfig(), odd) == torch.float32
     with pytest.raises(EngineConfigError, match="head_dim divisible by 4") as error:
-        kv_pool_dtype(EngineConfig(kv_cache_dtype="fp8"), odd)
+        kv_pool_dtype(EngineConfig(kv_cache_dtype=kv_dtype), odd)
     assert error.value.field == "kv_cache_dtype"
 
 
@@ -364,3 +394,13 @@ def test_fp8_on_a_gpu_without_fp8_conversions_is_refused_for_triton(monkeypatch)
     assert kv_pool_dtype(EngineConfig(kv_cache_dtype="fp8_e5m2", device="cuda"), gpu) == (
         torch.float8_e5m2
     )
+
+
+def test_int8_needs_no_fp8_conversions_so_an_older_gpu_runs_it_with_triton(monkeypatch):
+    from types import SimpleNamespace
+
+    from pagedserve.workers.engine_sizing import kv_pool_dtype
+
+    gpu = SimpleNamespace(name="m", head_dim=64, dtype=torch.float16, device=torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    assert kv_pool_dtype(EngineConfig(kv_cache_dtype="int8", device="cuda"), gpu) == torch.int8
