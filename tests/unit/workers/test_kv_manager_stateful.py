@@ -13,9 +13,7 @@ files; its own tests cover those.)
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from unittest import mock
 
 import pytest
 import torch
@@ -29,6 +27,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from support.hypothesis_constants import no_local_constants
 from support.kv import FakeRequest
 
 from pagedserve.kernels.kv_quant import dequantise_rows, quantise_rows
@@ -450,30 +449,8 @@ class KVManagerMachine(RuleBasedStateMachine):
         assert_no_leaks(self.manager)
 
 
-@contextlib.contextmanager
-def _no_local_constants():
-    """Draw without the literals of the project's own modules.
-
-    Hypothesis (6.170, pinned in requirements/) draws a share of its values from the
-    literals it finds in every loaded local module, so an unrelated constant anywhere in the
-    project changed this machine's cases: adding int8's constants to `kv_quant.py` cut the
-    host-tier loads of the derandomised run from 166 to 27, under the threshold below.
-    Without them the cases depend only on this file and the seed (166 loads, 381 verify
-    steps with drafts, 487 preempted or aborted drafts). `providers` is Hypothesis' internal
-    module: a Hypothesis upgrade must check this still applies.
-    """
-    from hypothesis.internal.conjecture import providers
-
-    with mock.patch.object(providers, "_get_local_constants", providers.Constants):
-        providers.CONSTANTS_CACHE.cache.clear()
-        try:
-            yield
-        finally:
-            providers.CONSTANTS_CACHE.cache.clear()
-
-
 def run_machine(examples: int = EXAMPLES, shrink: bool = True) -> None:
-    with _no_local_constants():
+    with no_local_constants():
         _run_machine(examples, shrink)
 
 
