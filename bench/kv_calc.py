@@ -424,8 +424,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     shape.add_argument(
         "--kv-dtype",
         choices=kv_calc_dtype.KV_DTYPES,
-        help="the pool's kv_cache_dtype: auto (--dtype) or fp8 (1 byte per value; the "
-        "scales, 4 bytes per token and KV head of K and V, reported apart)",
+        help="the pool's kv_cache_dtype: auto (--dtype), or int8 / fp8 (1 byte per value; "
+        "the scales, 4 bytes per token and KV head of K and V, reported apart)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", metavar="FILE.png", help="write utilization vs block size")

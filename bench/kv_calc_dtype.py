@@ -1,19 +1,24 @@
 """`pagedserve kv-calc --kv-dtype`: what an 8-bit KV pool (`kv_cache_dtype`) stores per position.
 
-An fp8 pool stores 1 byte per value (so M_KV = 2·L·h_kv·d_h·1) and a float32 scale per
-(token, KV head) row of K and of V (`pagedserve/kernels/kv_quant.py`): 2·L·h_kv·4 bytes per
-position, reported apart from M_KV as the seed reports block tables apart. Positions per GiB are
-given both ways: by M_KV alone (how the engine sizes its pool from a byte budget) and with the
-scales (what the pool really occupies).
+An 8-bit pool (int8 or fp8) stores 1 byte per value (so M_KV = 2·L·h_kv·d_h·1) and a float32
+scale per (token, KV head) row of K and of V (`pagedserve/kernels/kv_quant.py`): 2·L·h_kv·4
+bytes per position, reported apart from M_KV as the seed reports block tables apart. Positions
+per GiB are given both ways: by M_KV alone (how the engine sizes its pool from a byte budget)
+and with the scales (what the pool really occupies).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-KV_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 # The storage dtype of each 8-bit kv dtype (kv_memory's names).
-CODE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+CODE_DTYPES = {
+    "int8": "int8",
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+}
 SCALE_BYTES = 4  # one float32 per row (kernels/kv_quant.SCALE_BYTES; torch-free here)
 GIB = 1024**3
 

@@ -288,7 +288,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--block-size", type=positive_int, default=16)
     add("--num-kv-blocks", type=positive_int, default=None, help="default: enough for the batch")
     add("--kv-cache-bytes", type=positive_int, default=None, help="size the pool by bytes")
-    add("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="auto or fp8")
+    add("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="auto, int8 or fp8")
     add("--max-num-seqs", type=positive_int, default=64)
     add("--max-num-batched-tokens", type=positive_int, default=2048)
     add("--attention-backend", choices=BACKENDS, default="auto")

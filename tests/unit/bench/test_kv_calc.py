@@ -372,6 +372,20 @@ def test_kv_dtype_fp8_halves_bf16_and_reports_the_scales_apart(capsys) -> None:
     assert "positions per GiB: 93206 (87724 with the scales)" in out
 
 
+def test_kv_dtype_int8_counts_as_fp8_does(capsys) -> None:
+    shape = ["--layers", "30", "--kv-heads", "3", "--head-dim", "64"]
+    base = ["kv-calc", "--lengths", "100", "--block-sizes", "16", *shape, "--dtype", "float32"]
+    fp32 = run_json(base, capsys)
+    int8 = run_json([*base, "--kv-dtype", "int8"], capsys)
+    fp8 = run_json([*base, "--kv-dtype", "fp8"], capsys)
+    assert int8["kv_bytes_per_position"] == 11520 == fp32["kv_bytes_per_position"] // 4
+    for key in ("kv_bytes_per_position", "scale_bytes_per_position", "positions_per_gib"):
+        assert int8[key] == fp8[key]
+    assert int8["model"]["kv_dtype"] == "int8" and int8["model"]["dtype_bytes"] == 1
+    code, out, _ = run_cli([*base, "--kv-dtype", "int8"], capsys)
+    assert code == 0 and "2*30*3*64*1 (int8) = 11520" in out
+
+
 def test_kv_dtype_needs_a_shape_and_a_known_name(capsys) -> None:
     code, _, err = run_cli(["kv-calc", "--lengths", "10", "--kv-dtype", "fp8"], capsys)
     assert code == 2 and "--kv-dtype needs a model shape" in err
