@@ -124,6 +124,7 @@ class Engine(EngineHandoffs):
                 policy=config.scheduling_policy,
                 preemption_mode=config.preemption_mode,
                 max_waiting=config.max_waiting,
+                fair_share=config.fair_share,
             ),
             self.kv,
         )
@@ -191,8 +192,10 @@ class Engine(EngineHandoffs):
         priority: int = 0,
         cache_salt: str | None = None,
         timeout_s: float | None = None,
+        tenant: str = "",
     ) -> None:
-        """Queue a request. Raises `RequestRejected` naming the problem if it can never run."""
+        """Queue a request (of `tenant`: see `workers/fair_share.py`). Raises
+        `RequestRejected` naming the problem if it can never run."""
         params = params or SamplingParams()
         check_timeout_s(timeout_s)
         if request_id in self._groups:
@@ -217,6 +220,7 @@ class Engine(EngineHandoffs):
         first.movable = params.n == 1 and params.prompt_logprobs is None and params.pooling is None
         for branch in branches:  # each branch leaves once its first token went out
             branch.hand_off_after_prefill = self.role.hands_off_after_prefill
+            branch.tenant = tenant
         self._groups[request_id] = RequestGroup(
             request_id, prompt_text, list(token_ids), branches, now, deadline
         )

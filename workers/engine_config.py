@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pagedserve.kernels.backends import BACKENDS, LINEAR_BACKENDS
 from pagedserve.workers.kv_cache_manager import ALLOCATION_MODES
 from pagedserve.workers.model_registry import DEFAULT_MODEL
+from pagedserve.workers.fair_share import FairShareConfig
 from pagedserve.workers.scheduling_policy import PREEMPTION_MODES, SchedulingPolicy
 from pagedserve.workers.spec_config import SpeculativeConfig
 
@@ -93,6 +94,9 @@ class EngineConfig:
             uses its own subdirectory, named after the worker.
         kv_disk_tier_bytes: bytes of files the disk tier may hold (required with
             kv_disk_tier_dir).
+        fair_share: how the scheduler shares the engine among tenants (`FairShareConfig`, or
+            a dict of its fields; `workers/fair_share.py`): on by default, a no-op with one
+            tenant. In a cluster, the tenants' weights come from the cluster's `tenants`.
         grammar_compile_timeout_s: how long a request with a grammar (structured outputs)
             waits for it to compile before it fails with finish reason `error`; compiles run
             off the step, so a slow one never holds back other requests.
@@ -125,10 +129,13 @@ class EngineConfig:
     kv_disk_tier_dir: str | None = None
     kv_disk_tier_bytes: int = 0
     grammar_compile_timeout_s: float = 30.0
+    fair_share: FairShareConfig = field(default_factory=FairShareConfig)
 
     def __post_init__(self) -> None:
         # A dict (from `LLM(speculative={...})` or YAML) becomes the typed config here, once.
         object.__setattr__(self, "speculative", SpeculativeConfig.of(self.speculative))
+        if isinstance(self.fair_share, dict):
+            object.__setattr__(self, "fair_share", FairShareConfig(**self.fair_share))
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

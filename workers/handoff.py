@@ -98,6 +98,7 @@ class RequestHandoff:
     # (`workers/handoff_ref.py`, `HeldKV`); the target releases that hold once it fetched.
     kv_owner: Any = None
     timings: HandoffTimings | None = None  # None: a replay (the router's): timed from adoption
+    tenant: str = ""  # who sent it: the adopting scheduler shares fairly by it too
 
     @classmethod
     def replay(
@@ -109,6 +110,7 @@ class RequestHandoff:
         params: SamplingParams,
         *,
         priority: int,
+        tenant: str = "",
         cache_extra_keys: tuple[str, ...],
         block_size: int,
         deadline_remaining_s: float | None,
@@ -130,6 +132,7 @@ class RequestHandoff:
             num_preemptions=0,
             deadline_remaining_s=deadline_remaining_s,
             emitted_text_chars=emitted_text_chars,
+            tenant=tenant,
         )
 
     @property
@@ -172,6 +175,7 @@ def pack_handoff(
         num_computed_tokens=victim.num_computed_tokens if packed is not None else 0,
         params=params,
         priority=victim.priority,
+        tenant=victim.tenant,
         cache_extra_keys=victim.cache_extra_keys,
         block_size=block_size,
         packed_kv=packed,

@@ -69,6 +69,7 @@ class Request:
     params: SamplingParams
     cache_extra_keys: tuple[str, ...]
     priority: int = 0
+    tenant: str = ""  # who sent it: the scheduler shares the engine fairly among tenants
     arrival_order: int = 0
     deadline: float | None = None
     generator: torch.Generator | None = None

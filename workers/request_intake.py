@@ -130,6 +130,7 @@ class RequestIntake:
             now,
         )
         request.all_token_ids = handoff.all_token_ids
+        request.tenant = handoff.tenant
         request.movable = True
         if handoff.timings is not None:  # timed from its arrival at the source
             handoff.timings.restore(request.timings, now)

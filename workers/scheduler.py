@@ -8,6 +8,12 @@ under `priority` the highest value, then the latest arrival, as vLLM v1 picks. A
 request never preempts a sequence that runs (vLLM v0's priority policy did; v1 does not),
 only a paused one (below).
 
+Across tenants the order is fair (`workers/fair_share.py`, on unless `fair_share.enabled` is
+False): the waiting and swapped queues serve the tenant with the smallest virtual token counter
+first, the victim comes from the running tenant with the largest, and the policy orders each
+tenant's own requests (priority within a tenant, fairness across tenants). With one tenant the
+order is the policy's alone.
+
 A paused sequence (its client stopped reading) is skipped in every queue: it keeps its blocks
 and its place, does not count against `max_num_seqs` (it is in no batch), and is the first
 victim when blocks run short, for a running sequence or a waiting one alike, since it is the
@@ -20,6 +26,12 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
+from pagedserve.workers.fair_share import (
+    FairShareConfig,
+    VirtualTokenCounters,
+    fairest_first,
+    most_served_last,
+)
 from pagedserve.workers.kv_cache_manager import KVCacheManager
 from pagedserve.workers.request import Request, RequestStatus
 from pagedserve.workers.scheduling_policy import PREEMPTION_MODES, SchedulingPolicy
@@ -33,6 +45,7 @@ class SchedulerConfig:
     policy: str = "fcfs"
     preemption_mode: str = "recompute"
     max_waiting: int | None = None  # new requests queued at most; None: unbounded
+    fair_share: FairShareConfig = field(default_factory=FairShareConfig)
 
     def __post_init__(self) -> None:
         if self.max_waiting is not None and self.max_waiting < 1:
@@ -113,17 +126,26 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self.counters = SchedulerCounters()
+        # Kept with fairness off too: the per-tenant service is reported either way.
+        self.tenants = VirtualTokenCounters(config.fair_share)
 
     # ---------------------------------------------------------------- queues
     def _insert(self, queue: list[Request], request: Request) -> None:
         bisect.insort(queue, request, key=self.policy.key)
 
     def add(self, request: Request) -> None:
+        """A sequence new to this scheduler waits for admission."""
+        self.tenants.arrive(request)
+        self._requeue(request)
+
+    def _requeue(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         self._insert(self.waiting, request)
 
     def add_running(self, request: Request) -> None:
-        """A branch forked from a running sequence joins the batch with its parent's blocks."""
+        """A sequence new to this scheduler joins the batch with its blocks (a branch forked
+        from a running sequence, a moved request whose KV came with it)."""
+        self.tenants.arrive(request)
         request.status = RequestStatus.RUNNING
         self._insert(self.running, request)
 
@@ -139,10 +161,24 @@ class Scheduler:
         """Running sequences that take part in batches (paused ones do not)."""
         return sum(not r.paused for r in self.running)
 
+    @property
+    def fair(self) -> bool:
+        return self.config.fair_share.enabled
+
     def _victim(self) -> Request:
-        """The running sequence to preempt: the lowest-ranked paused one, else the lowest."""
+        """The running sequence to preempt: the lowest-ranked paused one, else the lowest
+        (fair: the lowest-ranked of the most-served tenant)."""
         paused = self._paused_victim()
-        return paused if paused is not None else self.running[-1]
+        if paused is not None:
+            return paused
+        victim = most_served_last(self.running, self.tenants) if self.fair else None
+        return victim if victim is not None else self.running[-1]
+
+    def _next_of(self, queue: list[Request]) -> Request | None:
+        """The next sequence of `queue` to bring in (paused ones skipped): the policy's first,
+        or (fair) the first of the least-served tenant."""
+        candidates = (r for r in queue if not r.paused)
+        return fairest_first(candidates, self.tenants) if self.fair else next(candidates, None)
 
     def _paused_victim(self) -> Request | None:
         return next((r for r in reversed(self.running) if r.paused), None)
@@ -152,6 +188,7 @@ class Scheduler:
         for queue in (self.running, self.waiting, self.swapped):
             if request in queue:
                 queue.remove(request)
+                self.tenants.leave(request)
                 break
         self.kv.free(request.request_id)
         request.status = RequestStatus.FINISHED
@@ -168,9 +205,10 @@ class Scheduler:
         if not step.preempted:
             self._swap_in(step)
             self._admit_waiting(step)
-        self.counters.prefill_tokens += sum(
-            num_new for request, num_new in step.scheduled.items() if request.is_prefilling
-        )
+        for request, num_new in step.scheduled.items():
+            self.tenants.charge(request, num_new)
+            if request.is_prefilling:
+                self.counters.prefill_tokens += num_new
         return step
 
     def _schedule_running(self, request: Request, step: SchedulerOutput) -> None:
@@ -223,7 +261,7 @@ class Scheduler:
         # Recompute: drop the KV; the sequence re-enters with its output so far as its prompt.
         self.kv.free(victim.request_id)
         victim.num_computed_tokens = 0
-        self.add(victim)
+        self._requeue(victim)
         self.counters.recomputed += 1
 
     def release_for_handoff(self, request: Request) -> list[int]:
@@ -239,6 +277,7 @@ class Scheduler:
         num_blocks = -(-request.num_computed_tokens // self.kv.block_size)
         block_ids = self.kv.get_block_ids(request.request_id)[:num_blocks]
         self.kv.free(request.request_id)
+        self.tenants.leave(request)
         request.status = RequestStatus.FINISHED
         return block_ids
 
@@ -261,7 +300,7 @@ class Scheduler:
 
     def _swap_in(self, step: SchedulerOutput) -> None:
         while self.num_active < self.config.max_num_seqs:
-            request = next((r for r in self.swapped if not r.paused), None)
+            request = self._next_of(self.swapped)
             if request is None:
                 return
             moves = self.kv.swap_in(request)
@@ -275,7 +314,7 @@ class Scheduler:
 
     def _admit_waiting(self, step: SchedulerOutput) -> None:
         while step.budget > 0:
-            request = next((r for r in self.waiting if not r.paused), None)
+            request = self._next_of(self.waiting)
             if request is None:
                 return
             group_size = 1 + len(request.pending_branches)

@@ -66,6 +66,7 @@ class WorkerRequests:
         params: SamplingParams,
         *,
         priority: int = 0,
+        tenant: str = "",
         cache_salt: str | None = None,
         timeout_s: float | None = None,
         trace_context: dict[str, str] | None = None,
@@ -83,6 +84,7 @@ class WorkerRequests:
             prompt,
             params,
             priority=priority,
+            tenant=tenant,
             cache_salt=cache_salt,
             timeout_s=timeout_s,
         )
@@ -131,6 +133,7 @@ class WorkerRequests:
                 request.prompt,
                 request.params,
                 priority=request.priority,
+                tenant=request.tenant,
                 cache_salt=request.cache_salt,
                 timeout_s=request.timeout_s,
             )

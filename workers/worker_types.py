@@ -106,6 +106,7 @@ class WorkerRequest:
         prompt: token ids, or text the worker tokenizes; empty when `handoff` is set.
         handoff: a request a peer moved here, to continue where it stopped.
         priority: lower runs first under the `priority` scheduling policy.
+        tenant: who sent it: the worker's scheduler shares the engine fairly among tenants.
         cache_salt: isolates this request's prefix cache entries (e.g. per tenant).
         timeout_s: the request ends with finish reason `timeout` after this long.
         trace_context: the W3C carrier of the caller's span, if traced.
@@ -117,6 +118,7 @@ class WorkerRequest:
     prompt: str | tuple[int, ...] = ()
     handoff: RequestHandoff | None = None
     priority: int = 0
+    tenant: str = ""
     cache_salt: str | None = None
     timeout_s: float | None = None
     trace_context: Mapping[str, str] | None = field(default=None, hash=False)
