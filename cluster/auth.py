@@ -129,7 +129,7 @@ class TokenAuth:
             raise ApiError(
                 ErrorCode.UNAUTHENTICATED, "authorization: invalid bearer token", "authorization"
             )
-        tenant = digest.hex()[:TENANT_ID_CHARS]
+        tenant = tenant_of_digest(digest)
         return Caller(tenant, self._cache_scope(tenant, self._groups[matches.index(True)]))
 
     def _cache_scope(self, tenant: str, group: str | None) -> str:
@@ -147,3 +147,13 @@ class TokenAuth:
 
 def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode("utf-8")).digest()
+
+
+def tenant_of_digest(digest: bytes) -> str:
+    return digest.hex()[:TENANT_ID_CHARS]
+
+
+def tenant_of(token: str) -> str:
+    """The tenant id of `token` (how the config's `tenants` names it): the first 16 hex
+    digits of its SHA-256, as `sha256sum` prints them."""
+    return tenant_of_digest(_digest(token))

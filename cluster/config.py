@@ -9,6 +9,7 @@ from typing import Any
 
 from pagedserve.cluster.router_types import BackpressureLimits
 from pagedserve.cluster.routing import DEFAULT_POLICY, RoutingPolicy
+from pagedserve.cluster.tenant_quotas import EVERY_TENANT, TenantPolicy, tenant_policies
 from pagedserve.workers.cpu_placement import parse_cpu_list, worker_share
 from pagedserve.workers.engine_config import EngineConfig
 
@@ -145,6 +146,10 @@ class ClusterConfig:
             blocks first). The rest of `num_workers` are `mixed` (both). 0 and 0: no P/D,
             every worker mixed. A worker that replaces a lost one takes the role that is
             short; one the pool adds past the roles' counts is mixed (`cluster/worker_roles.py`).
+        tenants: tenant id (the auth token's, `cluster/auth.py`) or `*` (every tenant not
+            named) → its `weight` in each worker's fair share of the engine and its optional
+            quotas per router replica, `max_inflight` and `tokens_per_minute`
+            (`cluster/tenant_quotas.py`, docs/fairness.md).
         namespace: Ray namespace of the named actors (index, workers).
         name: prefix of the actors' names, so two apps can share a Ray cluster.
     """
@@ -196,10 +201,12 @@ class ClusterConfig:
     router_max_replicas: int | None = None
     prefill_workers: int = 0
     decode_workers: int = 0
+    tenants: dict[str, TenantPolicy] = field(default_factory=dict)
     namespace: str = "pagedserve"
     name: str = "pagedserve"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "tenants", tenant_policies(self.tenants))
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
         if self.on_worker_failure not in FAILURE_MODES:
@@ -347,8 +354,18 @@ class ClusterConfig:
 
     @property
     def worker_engine(self) -> EngineConfig:
-        """The engine config each worker is built from: `engine` with the cluster's queue bound."""
-        return replace(self.engine, max_waiting=self.max_waiting_per_worker)
+        """The engine config each worker is built from: `engine` with the cluster's queue bound
+        and its tenants' weights."""
+        fair_share = self.engine.fair_share
+        if self.tenants:
+            weights = {t: p.weight for t, p in self.tenants.items() if t != EVERY_TENANT}
+            every = self.tenants.get(EVERY_TENANT)
+            fair_share = replace(
+                fair_share,
+                tenant_weights={**fair_share.tenant_weights, **weights},
+                default_weight=every.weight if every else fair_share.default_weight,
+            )
+        return replace(self.engine, max_waiting=self.max_waiting_per_worker, fair_share=fair_share)
 
     @property
     def limits(self) -> BackpressureLimits:

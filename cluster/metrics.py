@@ -204,6 +204,14 @@ class _WorkerCollector:
             labels=["worker", "kv"],
         )
         tier_families = _tier_families(gauge, CounterMetricFamily)
+        service = CounterMetricFamily(
+            "pagedserve_tenant_service_tokens",
+            "Tokens a worker computed for a tenant (kind: prompt, output)",
+            labels=["worker", "tenant", "kind"],
+        )
+        virtual = gauge(
+            "tenant_virtual_tokens", "A tenant's virtual token counter (fair share)", ["tenant"]
+        )
         for worker_id, (alive, stats) in sorted(self.worker_stats().items()):
             up.add_metric([worker_id], 1.0 if alive else 0.0)
             if stats is None:
@@ -232,7 +240,12 @@ class _WorkerCollector:
             role.add_metric([worker_id, str(stats.role)], 1.0)
             adopted.add_metric([worker_id, "imported"], stats.adopted_with_kv)
             adopted.add_metric([worker_id, "recomputed"], stats.adopted_recomputed)
+            for tenant, used in sorted(stats.tenants.items()):
+                service.add_metric([worker_id, tenant, "prompt"], used.prompt_tokens)
+                service.add_metric([worker_id, tenant, "output"], used.output_tokens)
+                virtual.add_metric([worker_id, tenant], used.counter)
         yield from (up, running, waiting, usage, blocks, positions, queries, hits, role, adopted)
+        yield from (service, virtual)
         yield from (*spec_counters.values(), acceptance, spec_seconds)
         yield from tier_families.values()
 
@@ -285,8 +298,24 @@ class _ClusterRouterCollector:
             "Router counters (routed, migrations, replays, refusals, ...) of every replica",
             labels=["event"],
         )
+        tenants = CounterMetricFamily(
+            "pagedserve_tenant_requests",
+            "Requests of a tenant, every replica (admitted, refused_inflight, refused_tokens)",
+            labels=["tenant", "outcome"],
+        )
+        tenant_tokens = CounterMetricFamily(
+            "pagedserve_tenant_tokens",
+            "Tokens of a tenant's requests, every replica (prompt, output)",
+            labels=["tenant", "kind"],
+        )
         for name, value in sorted(cluster.counters.as_dict().items()):
-            events.add_metric([name], value)
+            if not name.startswith("tenant."):  # labelled below
+                events.add_metric([name], value)
+        for tenant, counts in sorted(cluster.counters.tenants.items()):
+            for outcome in ("admitted", "refused_inflight", "refused_tokens"):
+                tenants.add_metric([tenant, outcome], getattr(counts, outcome))
+            tenant_tokens.add_metric([tenant, "prompt"], counts.prompt_tokens)
+            tenant_tokens.add_metric([tenant, "output"], counts.output_tokens)
         replicas = GaugeMetricFamily("pagedserve_router_replicas", "Router replicas reporting")
         replicas.add_metric([], len(cluster.replicas))
         inflight = GaugeMetricFamily(
@@ -296,4 +325,4 @@ class _ClusterRouterCollector:
         )
         for worker_id, n in sorted(cluster.inflight.items()):
             inflight.add_metric([worker_id], n)
-        yield from (events, replicas, inflight)
+        yield from (events, replicas, inflight, tenants, tenant_tokens)

@@ -69,6 +69,7 @@ from pagedserve.cluster.router_types import (
     WorkerView,
 )
 from pagedserve.cluster.routing import make_policy
+from pagedserve.cluster.tenant_quotas import TenantAdmission
 from pagedserve.cluster.tier_costs import TierCosts
 from pagedserve.cluster.tracing import record_decision
 from pagedserve.cluster.worker_channel import WorkerChannels
@@ -128,6 +129,7 @@ class RouterCore(RouterRequests):
         self.model_name = ""
         self.block_size = config.engine.block_size
         self.counters = RouterCounters()
+        self.tenant_admission = TenantAdmission(config.tenants, config.retry_after_s)
         # Scoped request id → the worker serving it now (None until routed). Reserved when a
         # request is admitted, released when its stream ends: the one owner of id uniqueness.
         self._inflight_ids: dict[str, WorkerState | None] = {}

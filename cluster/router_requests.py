@@ -35,6 +35,7 @@ from pagedserve.cluster.router_types import (
     RouterCounters,
     WorkerLost,
 )
+from pagedserve.cluster.tenant_quotas import TenantAdmission, TenantQuotaExceeded
 from pagedserve.cluster.tracing import RouterTrace
 from pagedserve.cluster.worker_channel import WorkerChannels
 from pagedserve.cluster.worker_liveness import WORKER_LOST_ERRORS, WorkerLiveness
@@ -118,6 +119,7 @@ class RouterRequests:
     migrations: Migrations
     channels: WorkerChannels
     num_inflight: int
+    tenant_admission: TenantAdmission
     _inflight_ids: dict[str, WorkerState | None]
     start: Callable[[], Any]
     route: Callable[..., Any]
@@ -131,22 +133,36 @@ class RouterRequests:
         """
         # Admission and id reservation run before the first await: atomic on the event loop.
         self._admit()
+        counts = self.counters.tenant(request.tenant)
+        self._enter_tenant(request.tenant, counts)
         client_id = request.request_id or uuid.uuid4().hex
-        request_id = self._reserve_id(request.tenant, client_id)
+        try:
+            request_id = self._reserve_id(request.tenant, client_id)
+        except RequestRejected:
+            self.tenant_admission.leave(request.tenant)
+            raise
         self.num_inflight += 1
         trace = RouterTrace(self.tracing, request, client_id, self.model_name)
         error = None
+        taken = [0]  # output tokens taken from the tenant's bucket (its quota) and not used
         try:
             await self.start()
             # Each layer closes the one it reads the moment it is closed itself, down to the
             # leg's abort on its worker (`_stream`): a generator left to the garbage collector
             # is closed when a collection finds it, which can be after the request ran out.
-            async with aclosing(self._generate(request, request_id, trace)) as deltas:
+            generate = self._generate(request, request_id, trace, taken)
+            async with aclosing(generate) as deltas:
                 async for delta in deltas:
                     delta.request_id = client_id  # the worker knows the tenant-scoped id
+                    counts.output_tokens += len(delta.token_ids)
+                    taken[0] -= len(delta.token_ids)
                     yield delta
         except Overloaded as e:
-            self.counters.refused_worker += 1
+            if isinstance(e, TenantQuotaExceeded):
+                counts.refused_tokens += 1
+                self.counters.refused_tenant += 1
+            else:
+                self.counters.refused_worker += 1
             error = e
             raise
         except Exception as e:
@@ -155,7 +171,18 @@ class RouterRequests:
         finally:
             self.num_inflight -= 1
             self._inflight_ids.pop(request_id, None)
+            self.tenant_admission.leave(request.tenant)
+            self.tenant_admission.give_back(request.tenant, taken[0])
             trace.end(error)
+
+    def _enter_tenant(self, tenant: str, counts) -> None:
+        """Count a request in its tenant's flight, or refuse it past the tenant's quota."""
+        try:
+            self.tenant_admission.enter(tenant)
+        except TenantQuotaExceeded:
+            counts.refused_inflight += 1
+            self.counters.refused_tenant += 1
+            raise
 
     def _reserve_id(self, tenant: str, client_id: str) -> str:
         """Reserve the tenant-scoped id of a new request; a duplicate is refused, and nothing
@@ -177,10 +204,19 @@ class RouterRequests:
             )
 
     async def _generate(
-        self, request: GenerateRequest, request_id: str, trace: RouterTrace
+        self, request: GenerateRequest, request_id: str, trace: RouterTrace, taken: list[int]
     ) -> AsyncIterator[StreamDelta]:
         token_ids = await self._tokenize(request)
         trace.on_prompt(len(token_ids))
+        # The tenant's token quota: its prompt and all it may generate, now; the rest of what
+        # it did not generate goes back when it ends (`generate`).
+        params = request.params
+        need = len(token_ids) + params.max_tokens * params.n
+        self.tenant_admission.take_tokens(request.tenant, need)
+        taken[0] = params.max_tokens * params.n
+        counts = self.counters.tenant(request.tenant)
+        counts.admitted += 1
+        counts.prompt_tokens += len(token_ids)
         emitted = {j: _Emitted() for j in range(request.params.n)}
         finished: set[int] = set()
         plan = [_Attempt(None, token_ids, request.params)]

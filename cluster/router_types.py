@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from pagedserve.cluster.index_stats import IndexStats
 from pagedserve.cluster.prefix_view import ViewStats
+from pagedserve.cluster.tenant_quotas import TenantCounts
 from pagedserve.workers.deadline import check_timeout_s
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.worker_types import WorkerInfo, WorkerStats
@@ -85,14 +86,24 @@ class RouterCounters:
     pd_handoffs: int = 0  # P/D: requests (branches) handed from a prefill to a decode worker
     pd_handoff_tokens: int = 0  # the KV tokens those handoffs carried
     pd_fallbacks: int = 0  # P/D: no worker of the phase's role routable, any one taken
+    refused_tenant: int = 0  # past a tenant's quota (`cluster/tenant_quotas.py`)
+    tenants: dict[str, TenantCounts] = field(default_factory=dict)  # tenant id → its counts
 
     def count_routed(self, policy: str) -> None:
         self.routed[policy] = self.routed.get(policy, 0) + 1
+
+    def tenant(self, tenant: str) -> TenantCounts:
+        counts = self.tenants.get(tenant)
+        if counts is None:
+            counts = self.tenants[tenant] = TenantCounts()
+        return counts
 
     def add(self, other: RouterCounters) -> None:
         """Add another router's counts to these (cluster totals: `cluster/router_reports.py`)."""
         for policy, n in other.routed.items():
             self.routed[policy] = self.routed.get(policy, 0) + n
+        for tenant, counts in other.tenants.items():
+            self.tenant(tenant).add(counts)
         for name in _FLAT_NAMES:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
@@ -100,6 +111,9 @@ class RouterCounters:
         flat = {f"routed.{policy}": n for policy, n in sorted(self.routed.items())}
         for name, key in _FLAT_NAMES.items():
             flat[key] = getattr(self, name)
+        for tenant, counts in sorted(self.tenants.items()):  # "" (auth off): `anonymous`
+            for name, value in vars(counts).items():
+                flat[f"tenant.{tenant or 'anonymous'}.{name}"] = value
         return flat
 
 
@@ -126,6 +140,7 @@ _FLAT_NAMES = {
     "pd_handoffs": "pd.handoffs",
     "pd_handoff_tokens": "pd.handoff_tokens",
     "pd_fallbacks": "pd.fallbacks",
+    "refused_tenant": "refused.tenant",
 }
 
 

@@ -8,9 +8,9 @@ import re
 from dataclasses import dataclass, field
 
 from pagedserve.kernels.backends import BACKENDS, LINEAR_BACKENDS
+from pagedserve.workers.fair_share import FairShareConfig
 from pagedserve.workers.kv_cache_manager import ALLOCATION_MODES
 from pagedserve.workers.model_registry import DEFAULT_MODEL
-from pagedserve.workers.fair_share import FairShareConfig
 from pagedserve.workers.scheduling_policy import PREEMPTION_MODES, SchedulingPolicy
 from pagedserve.workers.spec_config import SpeculativeConfig
 

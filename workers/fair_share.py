@@ -179,9 +179,7 @@ def fairest_first(candidates: Iterable[Request], counters: VirtualTokenCounters)
     return best
 
 
-def most_served_last(
-    running: Iterable[Request], counters: VirtualTokenCounters
-) -> Request | None:
+def most_served_last(running: Iterable[Request], counters: VirtualTokenCounters) -> Request | None:
     """The victim: the last (lowest-ranked, in the policy's order) sequence of the running
     tenant with the largest counter; ties go to the policy's order (the latest)."""
     victim: Request | None = None

@@ -302,6 +302,7 @@ class WorkerCore(WorkerRequests, WorkerKV):
             lease_owners=self.leases.num_owners,
             seconds_without_progress=self.seconds_without_progress(),
             scheduler=dataclasses.replace(self.engine.scheduler.counters),
+            tenants=self.engine.scheduler.tenants.snapshot(),
             **engine,
         )
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from pagedserve.workers.deadline import check_timeout_s
 from pagedserve.workers.errors import RequestRejected
+from pagedserve.workers.fair_share import TenantService
 from pagedserve.workers.handoff import RequestHandoff
 from pagedserve.workers.kv_cache_manager import KVUsage
 from pagedserve.workers.kv_tiers import TierStats
@@ -89,6 +90,8 @@ class WorkerStats:
     scheduler: SchedulerCounters = field(default_factory=SchedulerCounters)  # a copy
     spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding (zero when off)
     tiers: TierStats = field(default_factory=TierStats)  # host and disk KV tiers (empty: off)
+    # Tenant id → its service here and its virtual token counter (`workers/fair_share.py`).
+    tenants: dict[str, TenantService] = field(default_factory=dict)  # copies
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -14,6 +14,7 @@ from pagedserve.cluster.router_types import (
     RouterCounters,
     WorkerView,
 )
+from pagedserve.cluster.tenant_quotas import TenantCounts
 
 
 class Clock:
@@ -34,12 +35,25 @@ def test_counters_add_every_field_and_policy():
     assert total == counters(
         routed={"kv_aware": 3, "round_robin": 4}, moves=3, replays=3, refused_router=5
     )
-    every = [f.name for f in dataclasses.fields(RouterCounters) if f.name != "routed"]
+    maps = ("routed", "tenants")
+    every = [f.name for f in dataclasses.fields(RouterCounters) if f.name not in maps]
     ones = counters(**{name: 1 for name in every})
     twice = counters()
     twice.add(ones)
     twice.add(ones)
     assert twice == counters(**{name: 2 for name in every})  # no field left out of `add`
+
+
+def test_counters_add_and_flatten_each_tenants_counts():
+    fields = [f.name for f in dataclasses.fields(TenantCounts)]
+    total, other = counters(), counters()
+    total.tenant("a").admitted = 2
+    other.tenants = {"a": TenantCounts(**dict.fromkeys(fields, 1)), "": TenantCounts(admitted=3)}
+    total.add(other)
+    assert total.tenants["a"] == TenantCounts(**{**dict.fromkeys(fields, 1), "admitted": 3})
+    flat = total.as_dict()
+    assert flat["tenant.a.admitted"] == 3 and flat["tenant.a.output_tokens"] == 1
+    assert flat["tenant.anonymous.admitted"] == 3  # auth off: the one tenant ""
 
 
 def test_reports_sum_the_live_replicas_and_keep_the_gone_ones_counts():
