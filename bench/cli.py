@@ -22,6 +22,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "pagedserve.bench.structured",
     "pagedserve.bench.scale",
     "pagedserve.bench.kv_dtype",
+    "pagedserve.bench.fairness",
 )
 
 

@@ -248,12 +248,12 @@ async def run_load(
         One record per request, failures included, in workload order.
     """
     url = base_url.rstrip("/") + "/v1/completions"
-    async with _client_session(timeout_s) as session:
+    async with client_session(timeout_s) as session:
         t0 = time.monotonic() + 0.05  # every task is scheduled before the first arrival
 
         async def one(planned: PlannedRequest) -> RequestRecord:
             await asyncio.sleep(max(0.0, t0 + planned.arrival_s - time.monotonic()))
-            return await _send(session, url, model, planned, t0)
+            return await send_request(session, url, model, planned, t0)
 
         return list(await asyncio.gather(*(one(p) for p in workload)))
 
@@ -276,30 +276,36 @@ async def run_closed_loop(
     url = base_url.rstrip("/") + "/v1/completions"
     queue = list(reversed(workload))  # popped from the end: workload order
     records: dict[int, RequestRecord] = {}
-    async with _client_session(timeout_s) as session:
+    async with client_session(timeout_s) as session:
         t0 = time.monotonic()
 
         async def client() -> None:
             while queue:
-                record = await _send(session, url, model, queue.pop(), t0)
+                record = await send_request(session, url, model, queue.pop(), t0)
                 records[record.index] = dataclasses.replace(record, arrival_s=record.send_s)
 
         await asyncio.gather(*(client() for _ in range(min(concurrency, len(queue)))))
     return [records[p.index] for p in workload]
 
 
-def _client_session(timeout_s: float | None) -> aiohttp.ClientSession:
+def client_session(
+    timeout_s: float | None, headers: dict[str, str] | None = None
+) -> aiohttp.ClientSession:
+    """A session for `send_request`; `headers` go with every request (e.g. `authorization`)."""
     import aiohttp
 
     # limit=0: no cap on open connections, so a burst is never queued inside the client.
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=timeout_s)
+        connector=aiohttp.TCPConnector(limit=0),
+        timeout=aiohttp.ClientTimeout(total=timeout_s),
+        headers=headers,
     )
 
 
-async def _send(
+async def send_request(
     session: aiohttp.ClientSession, url: str, model: str, planned: PlannedRequest, t0: float
 ) -> RequestRecord:
+    """Send one request and time its stream (times in seconds after `t0`); never raises."""
     send_s = time.monotonic() - t0
     chunk_times: list[float] = []
     finish: str | None = None

@@ -30,8 +30,9 @@ class Server:
     serves, and stopped with every process it started (our server's local Ray included)."""
 
     def __init__(self, name: str, command: list[str], env: dict[str, str], cwd: str,
-                 port: int, log_path: Path) -> None:  # fmt: skip
+                 port: int, log_path: Path, ready_path: str = "/v1/models") -> None:  # fmt: skip
         self.name = name
+        self.ready_path = ready_path  # answers 200 once it serves (`/health`: with auth on)
         self.command = command
         self.env = env
         self.cwd = cwd
@@ -52,14 +53,15 @@ class Server:
             )  # fmt: skip
 
     def wait_serving(self, timeout_s: float) -> float:
-        """Polls ``GET /v1/models`` until it answers 200; returns the seconds that took."""
+        """Polls ``GET /v1/models`` (`ready_path`) until it answers 200; returns the seconds
+        that took."""
         assert self._process is not None, "not started"
         started = time.monotonic()
         while time.monotonic() - started < timeout_s:
             if self._process.poll() is not None:
                 raise self._failed(f"exited (code {self._process.returncode}) while starting")
             try:
-                with urllib.request.urlopen(self.base_url + "/v1/models", timeout=5) as reply:
+                with urllib.request.urlopen(self.base_url + self.ready_path, timeout=5) as reply:
                     if reply.status == 200:
                         return time.monotonic() - started
             except (urllib.error.URLError, OSError):

@@ -10,14 +10,22 @@ counter lifted to the smallest counter of the tenants backlogged now — or, wit
 counter of the last tenant that left — so that idle time is not banked as credit. Nobody waits
 while there is room (work-conserving): a tenant alone gets everything.
 
+When every slot (or block) is taken, a waiting request may take the place of the lowest-ranked
+running sequence of the most-served tenant, if that tenant's counter exceeds its own tenant's by
+more than the waiting request will cost in all (`may_preempt_for`). Without it a short request
+of a light tenant waits for one of a flood's long requests to end (seconds, when the flood's
+requests started together); with the margin two busy tenants never trade places back and
+forth. The victim yields as any victim does (recompute, swap or move) and is not charged again
+for what it recomputes.
+
 Service is charged as the scheduler hands out tokens: prompt positions at `prompt_weight`,
 positions past the prompt at `output_weight`, each position once per sequence (a preempted
 sequence that recomputes its KV, or a rejected draft token computed again, is not charged
 twice), and positions a prefix hit or a moved request's KV brought are not charged at all.
 
-    |counter(A) - counter(B)| <= max(weighted cost of one step's tokens of one request)
+    |counter(A) - counter(B)| <= 2 × the largest weighted cost of one request
 
-holds between two tenants backlogged throughout (the VTC paper's bound, `tests/unit/workers/
+holds between two tenants backlogged throughout (the VTC paper's bound; `tests/unit/workers/
 test_fair_share.py` checks it on scripted arrivals).
 
 The counters are one worker's: each worker is fair over the requests routed to it; the router's
@@ -152,6 +160,19 @@ class VirtualTokenCounters:
         service.output_tokens += output
         cost = prompt * self.config.prompt_weight + output * self.config.output_weight
         service.counter += cost / self.config.weight(request.tenant)
+
+    def may_preempt_for(self, waiting: Request, victim: Request) -> bool:
+        """Whether `waiting` may take running `victim`'s place: `victim`'s tenant is another,
+        and was served more than `waiting`'s by more than `waiting` will cost in all. The
+        margin is the hysteresis that keeps two busy tenants from preempting each other back
+        and forth: once in, `waiting` cannot bring its tenant past the victim's."""
+        if victim.tenant == waiting.tenant:
+            return False
+        config = self.config
+        cost = waiting.prompt_len * config.prompt_weight
+        cost += waiting.params.max_tokens * config.output_weight
+        gap = self.counter(victim.tenant) - self.counter(waiting.tenant)
+        return gap > cost / config.weight(waiting.tenant)
 
     def counter(self, tenant: str) -> float:
         service = self.tenants.get(tenant)

@@ -6,7 +6,8 @@ swapped-out sequences come back, then waiting ones are admitted. When the pool c
 block, the lowest-ranked running sequence is preempted (recompute, swap or move) until it can:
 under `priority` the highest value, then the latest arrival, as vLLM v1 picks. A waiting
 request never preempts a sequence that runs (vLLM v0's priority policy did; v1 does not),
-only a paused one (below).
+only a paused one (below) — or, with fair share, one of another tenant served more than its
+own by more than the request will cost (`workers/fair_share.py`).
 
 Across tenants the order is fair (`workers/fair_share.py`, on unless `fair_share.enabled` is
 False): the waiting and swapped queues serve the tenant with the smallest virtual token counter
@@ -174,6 +175,15 @@ class Scheduler:
         victim = most_served_last(self.running, self.tenants) if self.fair else None
         return victim if victim is not None else self.running[-1]
 
+    def _fair_victim(self, request: Request) -> Request | None:
+        """The running sequence `request` may take the place of (fair share), if any."""
+        if not self.fair:
+            return None
+        victim = most_served_last((r for r in self.running if not r.paused), self.tenants)
+        if victim is None or not self.tenants.may_preempt_for(request, victim):
+            return None
+        return victim
+
     def _next_of(self, queue: list[Request]) -> Request | None:
         """The next sequence of `queue` to bring in (paused ones skipped): the policy's first,
         or (fair) the first of the least-served tenant."""
@@ -319,7 +329,11 @@ class Scheduler:
                 return
             group_size = 1 + len(request.pending_branches)
             if self.num_active + group_size > self.config.max_num_seqs:
-                return
+                victim = self._fair_victim(request)
+                if victim is None:
+                    return
+                self._preempt(victim, step)  # a slot for a less-served tenant, then retry
+                continue
             computed = self.kv.get_computed_blocks(request)
             num_new = len(request.all_token_ids) - computed.num_tokens
             if num_new > step.budget:
@@ -328,7 +342,7 @@ class Scheduler:
                 num_new = step.budget
             allocation = self.kv.allocate_slots(request, num_new, computed)
             if allocation is None:
-                victim = self._paused_victim()
+                victim = self._paused_victim() or self._fair_victim(request)
                 if victim is None:
                     return
                 self._preempt(victim, step)  # a paused sequence yields its blocks, then retry

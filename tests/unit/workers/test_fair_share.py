@@ -249,3 +249,46 @@ def test_fair_share_config_refuses_bad_weights():
     with pytest.raises(ValueError, match="output_weight"):
         FairShareConfig(output_weight=float("nan"))
     assert VirtualTokenCounters(FairShareConfig()).counter("nobody") == 0.0
+
+
+# ------------------------------------------------------------------- a slot for the less served
+def test_a_short_request_of_a_light_tenant_takes_a_slot_from_the_flood():
+    # Both slots run a's long requests. b's short request (cost 4 + 2 × 2 = 8) is lifted to
+    # a's counter when it arrives; a gains 4 a step (two decodes, charged as each step is
+    # planned), so at the fourth step's admission a is ahead by 12, more than b0's whole
+    # cost, and b0 takes the place of a's latest, a1.
+    driver = Driver(max_num_seqs=2)
+    driver.add("a0", "a", prompt_len=4, max_tokens=20)
+    driver.add("a1", "a", prompt_len=4, max_tokens=20)
+    driver.step()
+    driver.step()
+    driver.add("b0", "b")
+    for _ in range(3):
+        driver.step()
+    assert driver.victims == [] and "b0" not in driver.started
+    driver.step()
+    assert driver.victims == ["a1"] and driver.started[-1] == "b0"
+    driver.run()
+    assert driver.victims == ["a1"]  # a1 recomputed its KV and finished
+    assert set(driver.finished) == {"a0", "a1", "b0"}
+
+
+def test_fairness_off_makes_the_light_tenant_wait_for_a_slot():
+    driver = Driver(max_num_seqs=2, fair=False)
+    driver.add("a0", "a", prompt_len=4, max_tokens=20)
+    driver.add("a1", "a", prompt_len=4, max_tokens=20)
+    driver.add("b0", "b")
+    driver.run()
+    assert driver.victims == [] and driver.started == ["a0", "a1", "b0"]
+
+
+def test_two_busy_tenants_do_not_trade_places():
+    # Equal floods: the margin (one request's whole cost) keeps either from preempting the
+    # other back and forth; slots are shared as they free.
+    driver = Driver(max_num_seqs=4)
+    for i in range(6):
+        driver.add(f"a{i}", "a", prompt_len=4, max_tokens=12)
+        driver.add(f"b{i}", "b", prompt_len=4, max_tokens=12)
+    driver.run()
+    assert driver.victims == []
+    assert driver.counter("a") == driver.counter("b")

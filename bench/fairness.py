@@ -1,0 +1,264 @@
+"""`pagedserve bench fairness`: does one tenant's flood leave another tenant's latency alone?
+
+A local server (`pagedserve serve`, `--num-workers` workers of `--model`, auth on with two
+tokens: tenants A and B) is driven over the OpenAI HTTP API (`bench/openai_load.py`) in
+three phases:
+
+    B alone      B sends `--short-requests` short requests one after another (closed loop of 1)
+    A alone      A floods: `--flood` clients, each sending its next long request when its last
+                 one ended; A's output tok/s is counted in a window after the ramp
+    A + B        the same flood, and B's requests again once the ramp is over; A's tok/s is
+                 counted over B's window
+
+and reports B's TTFT p50 alone and under the flood, and A's output tok/s alone and beside B.
+The goal (issue 40): B's TTFT p50 under the flood within 3× alone, A's tok/s within 10% of
+alone. Each arm is one server: `fair` (the default: `workers/fair_share.py`) and `fcfs`
+(`engine.fair_share.enabled: false`, the order before it), so the table shows what it changes.
+
+Prompts are random token ids (text for tiny-llama); every request is greedy with `ignore_eos`,
+so each asks for exactly its output length.
+
+    $ pagedserve bench fairness --model tiny-llama --json fairness.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pagedserve.bench.bench_io import positive_int
+
+TOKEN_A, TOKEN_B = "bench-tenant-a", "bench-tenant-b"
+ARMS = {"fair": True, "fcfs": False}
+RAMP_S = 3.0  # after the flood starts, before anything is counted
+START_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class ArmResult:
+    """One arm's figures (ms, tokens per second)."""
+
+    arm: str
+    b_ttft_p50_alone_ms: float
+    b_ttft_p50_flood_ms: float
+    a_tok_s_alone: float
+    a_tok_s_beside_b: float
+    failures: int
+
+    @property
+    def ttft_ratio(self) -> float:
+        return self.b_ttft_p50_flood_ms / self.b_ttft_p50_alone_ms
+
+    @property
+    def tok_s_ratio(self) -> float:
+        return self.a_tok_s_beside_b / self.a_tok_s_alone
+
+
+def planned(index: int, prompt_tokens: int, max_tokens: int, rng: random.Random):
+    from pagedserve.bench.serve_workload import PlannedRequest
+
+    ids = tuple(rng.randrange(1, 256) for _ in range(prompt_tokens))
+    return PlannedRequest(index, 0.0, ids, max_tokens)
+
+
+class Driver:
+    """Sends one tenant's requests over one HTTP session (its bearer token); the records of
+    everything it sent, times in seconds after the shared `t0`."""
+
+    def __init__(self, base_url: str, model: str, token: str, t0: float) -> None:
+        from pagedserve.bench.openai_load import client_session
+
+        self.url = base_url.rstrip("/") + "/v1/completions"
+        self.model = model
+        self.t0 = t0
+        self.session = client_session(600.0, {"authorization": f"Bearer {token}"})
+        self.records: list = []
+
+    async def send(self, request) -> None:
+        from pagedserve.bench.openai_load import send_request
+
+        record = await send_request(self.session, self.url, self.model, request, self.t0)
+        self.records.append(record)
+
+    async def close(self) -> None:
+        await self.session.close()
+
+
+async def sequential(driver: Driver, count: int, args, rng: random.Random) -> tuple[float, float]:
+    """B's short requests one after another; (first send, last end), seconds after t0."""
+    start = time.monotonic() - driver.t0
+    for i in range(count):
+        await driver.send(planned(i, args.prompt_tokens, args.short_tokens, rng))
+    return start, time.monotonic() - driver.t0
+
+
+async def flood(driver: Driver, args, rng: random.Random) -> None:
+    """`args.flood` clients of A, each sending its next long request when its last ended,
+    until cancelled."""
+
+    async def client(k: int) -> None:
+        for i in range(1_000_000):
+            await driver.send(
+                planned(k * 1_000_000 + i, args.prompt_tokens, args.flood_tokens, rng)
+            )
+
+    await asyncio.gather(*(client(k) for k in range(args.flood)))
+
+
+def tokens_in(records, start: float, end: float) -> float:
+    """Output tokens whose chunks arrived in [start, end] (a chunk's share of its request's
+    tokens: a server may send several tokens in one chunk)."""
+    total = 0.0
+    for record in records:
+        chunks = record.chunk_times_s
+        if not chunks:
+            continue
+        per_chunk = (record.output_tokens or record.max_tokens) / len(chunks)
+        total += per_chunk * sum(start <= t <= end for t in chunks)
+    return total
+
+
+def ttft_p50_ms(records) -> float:
+    ttfts = [r.ttft_s for r in records if r.ok and r.ttft_s is not None]
+    return statistics.median(ttfts) * 1e3 if ttfts else float("nan")
+
+
+async def run_phases(base_url: str, args) -> tuple[float, float, float, float, int]:
+    """B alone; then under A's flood, `args.rounds` rounds of (A alone for `window_s`, then B's
+    share of its requests): A's tok/s alone and beside B come from alternating windows of the
+    same flood, so a drift of the machine's speed falls on both alike."""
+    rng = random.Random(args.seed)
+    t0 = time.monotonic()
+    a, b = (Driver(base_url, args.model, token, t0) for token in (TOKEN_A, TOKEN_B))
+    try:
+        await sequential(b, 3, args, rng)  # warm-up: both workers' first steps
+        b.records.clear()
+        await sequential(b, args.short_requests, args, rng)
+        b_alone = ttft_p50_ms(b.records)
+        b.records.clear()
+        task = asyncio.create_task(flood(a, args, rng))
+        await asyncio.sleep(RAMP_S)
+        alone, beside = [], []
+        per_round = -(-args.short_requests // args.rounds)
+        for _ in range(args.rounds):
+            start = time.monotonic() - t0
+            await asyncio.sleep(args.window_s)
+            alone.append((start, time.monotonic() - t0))
+            beside.append(await sequential(b, per_round, args, rng))
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        failures = sum(not r.ok for r in a.records + b.records)
+        return (
+            b_alone,
+            ttft_p50_ms(b.records),
+            *map(lambda w: rate(a.records, w), (alone, beside)),
+            failures,
+        )
+    finally:
+        await a.close()
+        await b.close()
+
+
+def rate(records, windows: list[tuple[float, float]]) -> float:
+    """Output tokens per second over the windows."""
+    tokens = sum(tokens_in(records, start, end) for start, end in windows)
+    return tokens / sum(end - start for start, end in windows)
+
+
+def server_config(args, fair: bool) -> dict:
+    return {
+        "num_workers": args.num_workers,
+        "engine": {"model": args.model, "fair_share": {"enabled": fair}},
+        "auth": {"tokens": [TOKEN_A, TOKEN_B]},
+    }
+
+
+def run_arm(arm: str, args, scratch: Path) -> ArmResult:
+    import yaml
+
+    from pagedserve.bench.compare_arm import child_env
+    from pagedserve.bench.serve_compare_server import Server
+    from pagedserve.cluster.ports import free_port
+
+    config_path = scratch / f"{arm}.yaml"
+    config_path.write_text(yaml.safe_dump(server_config(args, ARMS[arm])))
+    http_port, grpc_port = free_port(), free_port()
+    command = [sys.executable, "-m", "pagedserve", "serve", "--config", str(config_path)]
+    command += ["--http-port", str(http_port), "--grpc-port", str(grpc_port)]
+    command += ["--served-model-name", args.model]
+    log_path = scratch / f"{arm}.log"
+    server = Server(arm, command, child_env({}), str(scratch), http_port, log_path, "/health")
+    server.start()
+    try:
+        print(f"{arm}: started in {server.wait_serving(START_TIMEOUT_S):.0f} s", flush=True)
+        figures = asyncio.run(run_phases(server.base_url, args))
+    finally:
+        server.stop()
+    return ArmResult(arm, *figures)
+
+
+def table(results: list[ArmResult]) -> str:
+    rows = [
+        "| arm | B TTFT p50 alone | B TTFT p50 under flood | × | A tok/s alone | "
+        "A tok/s beside B | ratio | failures |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        rows.append(
+            f"| {r.arm} | {r.b_ttft_p50_alone_ms:.0f} ms | {r.b_ttft_p50_flood_ms:.0f} ms | "
+            f"{r.ttft_ratio:.1f} | {r.a_tok_s_alone:.0f} | {r.a_tok_s_beside_b:.0f} | "
+            f"{r.tok_s_ratio:.2f} | {r.failures} |"
+        )
+    return "\n".join(rows)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "fairness",
+        help="one tenant floods, another sends short requests: the second's TTFT and the "
+        "first's tok/s, with fair share on and off",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add = parser.add_argument
+    add("--model", default="tiny-llama", help="model both workers serve (default tiny-llama)")
+    add("--num-workers", type=positive_int, default=2)
+    add("--arms", default="fair,fcfs", help="comma-separated: fair (the default), fcfs")
+    add("--flood", type=positive_int, default=120, help="tenant A's concurrent clients")
+    add("--flood-tokens", type=positive_int, default=256, help="output tokens of A's requests")
+    add("--short-requests", type=positive_int, default=20, help="tenant B's requests")
+    add("--short-tokens", type=positive_int, default=8, help="output tokens of B's requests")
+    add("--prompt-tokens", type=positive_int, default=32, help="prompt tokens of every request")
+    add("--rounds", type=positive_int, default=3, help="alternations of A alone and A + B")
+    add("--window-s", type=float, default=4.0, help="seconds of each window of A alone")
+    add("--seed", type=int, default=0)
+    add("--json", default=None, help="write the figures here")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    arms = [arm.strip() for arm in args.arms.split(",") if arm.strip()]
+    unknown = sorted(set(arms) - set(ARMS))
+    if unknown or not arms:
+        print(f"--arms: unknown {unknown}; known: {', '.join(ARMS)}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="bench-fairness-") as scratch:
+        results = []
+        for arm in arms:
+            results.append(run_arm(arm, args, Path(scratch)))
+            print(table(results[-1:]), flush=True)
+    print(table(results))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump([asdict(r) for r in results], f, indent=2)
+    return 0
