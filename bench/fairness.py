@@ -176,11 +176,15 @@ def rate(records, windows: list[tuple[float, float]]) -> float:
 
 
 def server_config(args, fair: bool) -> dict:
-    return {
+    config = {
         "num_workers": args.num_workers,
         "engine": {"model": args.model, "fair_share": {"enabled": fair}},
         "auth": {"tokens": [TOKEN_A, TOKEN_B]},
     }
+    for name in ("worker_nice", "control_nice"):  # None: the server's default
+        if getattr(args, name) is not None:
+            config[name] = getattr(args, name)
+    return config
 
 
 def run_arm(arm: str, args, scratch: Path) -> ArmResult:
@@ -241,6 +245,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--prompt-tokens", type=positive_int, default=32, help="prompt tokens of every request")
     add("--rounds", type=positive_int, default=3, help="alternations of A alone and A + B")
     add("--window-s", type=float, default=4.0, help="seconds of each window of A alone")
+    add(
+        "--worker-nice",
+        type=int,
+        default=None,
+        help="the workers' niceness (default: the server's)",
+    )
+    add(
+        "--control-nice",
+        type=int,
+        default=None,
+        help="the router's and proxies' niceness (default: the server's, 5: below the workers)",
+    )
     add("--seed", type=int, default=0)
     add("--json", default=None, help="write the figures here")
     parser.set_defaults(func=run)

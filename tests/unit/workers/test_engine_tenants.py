@@ -18,6 +18,8 @@ PROMPT = list(range(1, 13))
 def prompt(i: int) -> list[int]:
     """A prompt of its own (no prefix hit: every request computes all 12 positions)."""
     return [20 * i + k for k in range(1, 13)]
+
+
 PARAMS = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
 
 
