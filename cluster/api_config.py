@@ -11,11 +11,14 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from pagedserve.workers.sampling_params import Pooling
 from pagedserve.workers.telemetry import TelemetryConfig
+
+_HEADER = re.compile(r"[A-Za-z0-9-]{1,64}")
 
 API_KEYS = ("auth", "served_model_name", "telemetry", "embedding_pooling")
 
@@ -32,11 +35,17 @@ class AuthConfig:
         isolate_caches: each token (tenant) gets a prefix cache of its own, so no tenant can
             hit or time another's cached prompts; tokens naming the same cache group share
             one. False: all tenants share one cache.
+        tenant_header: with auth off, the request header (gRPC metadata key) that names the
+            request's tenant, set by a gateway in front that the operator trusts (1-64 of
+            letters, digits, `_.:-`; absent: the anonymous tenant). Fair share and the
+            tenants' quotas then tell tenants apart without tokens. Ignored with auth on: the
+            token is the tenant.
     """
 
     tokens: tuple[str, ...] = ()
     tokens_file: str | None = None
     isolate_caches: bool = True
+    tenant_header: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.tokens, str):
@@ -45,6 +54,13 @@ class AuthConfig:
         for i, token in enumerate(self.tokens):
             if not isinstance(token, str) or not token.strip():
                 raise ValueError(f"auth.tokens[{i}] must be a non-empty string")
+        header = self.tenant_header
+        if header is not None and not (isinstance(header, str) and _HEADER.fullmatch(header)):
+            raise ValueError(
+                f"auth.tenant_header must be a header name (letters, digits, '-'), got {header!r}"
+            )
+        if header is not None:
+            object.__setattr__(self, "tenant_header", header.lower())
 
     @property
     def enabled(self) -> bool:

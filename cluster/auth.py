@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from pagedserve.cluster.api_config import AuthConfig
@@ -24,6 +24,7 @@ from pagedserve.cluster.api_errors import ApiError, ErrorCode
 BEARER = "bearer "
 TENANT_ID_CHARS = 16  # hex digits of the token's SHA-256 that name its tenant
 _GROUP_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+_TENANT_NAME = _GROUP_NAME  # a tenant a trusted header names
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,8 @@ class Caller:
     """Who sent a request, as auth found it.
 
     Attributes:
-        tenant: a prefix of the token's digest (never the token); "" with auth off.
+        tenant: a prefix of the token's digest (never the token); with auth off, what the
+            trusted tenant header names, else "".
         cache_scope: whose cached prefixes the request may hit: `tenant:<tenant>`, or
             `group:<name>` for a token in a cache group; "" with auth off or isolation off.
     """
@@ -90,18 +92,24 @@ class TokenAuth:
         isolate_caches: give each tenant (or cache group) a prefix cache of its own.
     """
 
-    def __init__(self, tokens: Iterable[str] = (), isolate_caches: bool = True) -> None:
+    def __init__(
+        self,
+        tokens: Iterable[str] = (),
+        isolate_caches: bool = True,
+        tenant_header: str | None = None,
+    ) -> None:
         entries = [parse_token_entry(t, f"auth token {i}") for i, t in enumerate(tokens)]
         self._digests = [_digest(token) for token, _ in entries]
         self._groups = [group for _, group in entries]
         self.isolate_caches = isolate_caches
+        self.tenant_header = tenant_header.lower() if tenant_header else None
 
     @classmethod
     def from_config(cls, config: AuthConfig) -> TokenAuth:
         tokens = list(config.tokens)
         if config.tokens_file is not None:
             tokens += read_tokens_file(config.tokens_file)
-        return cls(tokens, config.isolate_caches)
+        return cls(tokens, config.isolate_caches, config.tenant_header)
 
     @property
     def enabled(self) -> bool:
@@ -137,12 +145,36 @@ class TokenAuth:
             return ""
         return f"group:{group}" if group is not None else f"tenant:{tenant}"
 
+    def check_headers(self, headers: Mapping[str, str]) -> Caller:
+        """`check` on an HTTP request's headers (case-insensitive, as Starlette's are)."""
+        caller = self.check(headers.get("authorization"))
+        if self.enabled or self.tenant_header is None:
+            return caller
+        return self._trusted_tenant(headers.get(self.tenant_header))
+
     def check_metadata(self, metadata: Iterable[tuple[str, str | bytes]]) -> Caller:
-        """`check` on the `authorization` entry of gRPC invocation metadata."""
-        value = next((v for k, v in metadata if k.lower() == "authorization"), None)
-        if isinstance(value, bytes):
-            value = value.decode("utf-8", "replace")
-        return self.check(value)
+        """`check` on gRPC invocation metadata (`authorization`, and the tenant header's key)."""
+        entries = {k.lower(): v for k, v in metadata}
+        caller = self.check(_text(entries.get("authorization")))
+        if self.enabled or self.tenant_header is None:
+            return caller
+        return self._trusted_tenant(_text(entries.get(self.tenant_header)))
+
+    def _trusted_tenant(self, value: str | None) -> Caller:
+        """Auth off: the tenant a trusted gateway named in the tenant header (none: anonymous)."""
+        if value is None or value == "":
+            return ANONYMOUS
+        if not _TENANT_NAME.fullmatch(value):
+            raise ApiError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"{self.tenant_header}: a tenant is 1-64 letters, digits or '_.:-', got {value!r}",
+                self.tenant_header,
+            )
+        return Caller(value, "")
+
+
+def _text(value: str | bytes | None) -> str | None:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
 def _digest(token: str) -> bytes:

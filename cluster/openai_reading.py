@@ -29,7 +29,7 @@ async def read_request(
 
     A body whose `model` is None (a route where it is optional) is taken as the served model.
     """
-    caller = auth.check(request.headers.get("authorization"))
+    caller = auth.check_headers(request.headers)
     raw = await read_body(request, max_bytes)
     body = parse_request(raw, body_type)
     if body.model is not None and body.model != model_name:

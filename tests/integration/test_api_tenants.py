@@ -1,6 +1,8 @@
-"""Per-tenant quotas end to end, through Serve's HTTP proxy with two auth tokens (two tenants):
-a tenant past its quota is refused at once with 429 and a retry hint, the other tenant is
-served, and nothing in flight is disturbed; the per-tenant counters reach `/metrics`.
+"""Per-tenant quotas end to end, through Serve's HTTP proxy with two tenants named by the
+trusted tenant header (auth off, `auth.tenant_header`; with auth on the token names the tenant
+the same way, `tests/unit/cluster/test_auth.py`): a tenant past its quota is refused at once
+with 429 and a retry hint, the other tenant is served, and nothing in flight is disturbed; the
+per-tenant counters reach `/metrics`.
 
 One app serves the module: tenant A may stream 1 request at a time, tenant B may use 60
 tokens per minute (1 a second: a refusal's retry hint is tens of seconds, so no test depends
@@ -16,10 +18,8 @@ import pytest
 import requests
 from support.api_app import assert_app_clean, running_app, wait_until
 
-from pagedserve.cluster.auth import tenant_of
-
-TOKEN_A, TOKEN_B = "tenant-a-token", "tenant-b-token"
-TENANT_A, TENANT_B = tenant_of(TOKEN_A), tenant_of(TOKEN_B)
+HEADER = "x-tenant-id"
+TENANT_A, TENANT_B = "team-a", "team-b"
 MODEL = "tiny-llama"
 LONG = 600  # tokens: seconds of decoding on a CPU
 
@@ -29,14 +29,14 @@ def app(serve_cluster):
     tenants = {TENANT_A: {"max_inflight": 1}, TENANT_B: {"tokens_per_minute": 60}}
     with running_app(
         "api-tenants",
-        auth={"tokens": [TOKEN_A, TOKEN_B]},
+        auth={"tenant_header": HEADER},
         tenants=tenants,
         telemetry={"metrics": True},
     ) as running:
         yield running
 
 
-def post(app, token: str, max_tokens: int, stream: bool = False, prompt_len: int = 10):
+def post(app, tenant: str, max_tokens: int, stream: bool = False, prompt_len: int = 10):
     body = {
         "model": MODEL,
         "prompt": list(range(1, prompt_len + 1)),
@@ -48,7 +48,7 @@ def post(app, token: str, max_tokens: int, stream: bool = False, prompt_len: int
     return requests.post(
         f"{app.http_url}/v1/completions",
         json=body,
-        headers={"authorization": f"Bearer {token}"},
+        headers={HEADER: tenant},
         stream=stream,
         timeout=120,
     )
@@ -64,16 +64,16 @@ def stream_tokens(response) -> int:
 
 
 def test_a_tenant_at_its_inflight_quota_is_refused_and_the_other_served(app):
-    holder = post(app, TOKEN_A, LONG, stream=True)
+    holder = post(app, TENANT_A, LONG, stream=True)
     assert holder.status_code == 200
     lines = holder.iter_lines()
     first = next(line for line in lines if line.startswith(b"data: "))  # admitted, decoding
-    refused = post(app, TOKEN_A, 4)
+    refused = post(app, TENANT_A, 4)
     assert refused.status_code == 429, refused.text
     assert int(refused.headers["retry-after"]) >= 1
     error = refused.json()["error"]
     assert "limit of 1 requests" in error["message"] and "Traceback" not in error["message"]
-    served = post(app, TOKEN_B, 4)  # the other tenant: not held back by A's quota
+    served = post(app, TENANT_B, 4)  # the other tenant: not held back by A's quota
     assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 4
     # The held request ran on untouched, to its last token.
     rest = sum(
@@ -82,30 +82,28 @@ def test_a_tenant_at_its_inflight_quota_is_refused_and_the_other_served(app):
         if line.startswith(b"data: ") and line != b"data: [DONE]"
     )
     assert rest + bool(json.loads(first[6:])["choices"][0]["text"]) >= LONG // 2
-    assert post(app, TOKEN_A, 4).status_code == 200  # its slot is free again
+    assert post(app, TENANT_A, 4).status_code == 200  # its slot is free again
     assert_app_clean(app)
 
 
 def test_a_tenant_past_its_tokens_per_minute_is_refused_with_the_wait(app):
     # 10 prompt + 40 output tokens take 50 of B's 60; the next needs 50 with ~10 left.
-    first = post(app, TOKEN_B, 40)
+    first = post(app, TENANT_B, 40)
     assert first.status_code == 200, first.text
-    refused = post(app, TOKEN_B, 40)
+    refused = post(app, TENANT_B, 40)
     assert refused.status_code == 429, refused.text
     # About 40 more tokens at 1 a second: the hint says so (a little less, as time passed).
     assert 20 <= int(refused.headers["retry-after"]) <= 60
     assert "tokens per minute" in refused.json()["error"]["message"]
-    assert post(app, TOKEN_A, 40).status_code == 200  # A has no token quota
+    assert post(app, TENANT_A, 40).status_code == 200  # A has no token quota
     # One request that needs more than a whole minute's tokens can never pass: invalid.
-    never = post(app, TOKEN_B, 100)
+    never = post(app, TENANT_B, 100)
     assert never.status_code == 400 and "max_tokens" in never.json()["error"]["message"]
     assert_app_clean(app)
 
 
 def scrape(app) -> dict[str, float]:
-    response = requests.get(
-        f"{app.http_url}/metrics", headers={"authorization": f"Bearer {TOKEN_A}"}, timeout=30
-    )
+    response = requests.get(f"{app.http_url}/metrics", timeout=30)
     samples = {}
     for line in response.text.splitlines():
         match = re.match(r"^(pagedserve_\S+?)(\{.*\})?\s+(\S+)$", line)
@@ -115,7 +113,7 @@ def scrape(app) -> dict[str, float]:
 
 
 def test_per_tenant_counters_reach_metrics(app):
-    assert post(app, TOKEN_A, 3).status_code == 200
+    assert post(app, TENANT_A, 3).status_code == 200
 
     def counted():
         samples = scrape(app)
