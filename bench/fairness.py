@@ -18,7 +18,7 @@ alone. Each arm is one server: `fair` (the default: `workers/fair_share.py`) and
 Prompts are random token ids (text for tiny-llama); every request is greedy with `ignore_eos`,
 so each asks for exactly its output length.
 
-    $ pagedserve bench fairness --model tiny-llama --json fairness.json
+    $ pagedserve bench fairness --json fairness.json
 """
 
 from __future__ import annotations
@@ -235,8 +235,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add = parser.add_argument
-    add("--model", default="tiny-llama", help="model both workers serve (default tiny-llama)")
-    add("--num-workers", type=positive_int, default=2)
+    add("--model", default="smollm2-135m", help="model the workers serve (default: the built-in)")
+    add("--num-workers", type=positive_int, default=1)
     add("--arms", default="fair,fcfs", help="comma-separated: fair (the default), fcfs")
     add("--flood", type=positive_int, default=120, help="tenant A's concurrent clients")
     add("--flood-tokens", type=positive_int, default=256, help="output tokens of A's requests")

@@ -11,8 +11,10 @@ counter of the last tenant that left — so that idle time is not banked as cred
 while there is room (work-conserving): a tenant alone gets everything.
 
 When every slot (or block) is taken, a waiting request may take the place of the lowest-ranked
-running sequence of the most-served tenant, if that tenant's counter exceeds its own tenant's by
-more than the waiting request will cost in all (`may_preempt_for`). Without it a short request
+running sequence of the most-served tenant (`may_preempt_for`): at once if its own tenant has
+nothing running here, was served no more and the victim's tenant runs more than one;
+otherwise only if that tenant's counter exceeds
+its own tenant's by more than the waiting request will cost in all. Without it a short request
 of a light tenant waits for one of a flood's long requests to end (seconds, when the flood's
 requests started together); with the margin two busy tenants never trade places back and
 forth. The victim yields as any victim does (recompute, swap or move) and is not charged again
@@ -161,17 +163,25 @@ class VirtualTokenCounters:
         cost = prompt * self.config.prompt_weight + output * self.config.output_weight
         service.counter += cost / self.config.weight(request.tenant)
 
-    def may_preempt_for(self, waiting: Request, victim: Request) -> bool:
-        """Whether `waiting` may take running `victim`'s place: `victim`'s tenant is another,
-        and was served more than `waiting`'s by more than `waiting` will cost in all. The
-        margin is the hysteresis that keeps two busy tenants from preempting each other back
-        and forth: once in, `waiting` cannot bring its tenant past the victim's."""
+    def may_preempt_for(
+        self, waiting: Request, victim: Request, running: Mapping[str, int]
+    ) -> bool:
+        """Whether `waiting` may take running `victim`'s place (`running`: each tenant's
+        running sequences here). `victim`'s tenant must be another, served at least as much
+        as `waiting`'s. A tenant with nothing running here takes a slot at once from one that
+        runs more than one: its request would otherwise wait for a flood's requests to end,
+        and it cannot be preempted back through this rule (the victim's tenant still runs). A
+        tenant that runs here must be behind by more than `waiting` will cost in all: the
+        hysteresis that keeps two busy tenants from preempting each other back and forth
+        (once in, `waiting` cannot bring its tenant past the victim's)."""
         if victim.tenant == waiting.tenant:
             return False
+        gap = self.counter(victim.tenant) - self.counter(waiting.tenant)
+        if not running.get(waiting.tenant) and running.get(victim.tenant, 0) > 1:
+            return gap >= 0
         config = self.config
         cost = waiting.prompt_len * config.prompt_weight
         cost += waiting.params.max_tokens * config.output_weight
-        gap = self.counter(victim.tenant) - self.counter(waiting.tenant)
         return gap > cost / config.weight(waiting.tenant)
 
     def counter(self, tenant: str) -> float:

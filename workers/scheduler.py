@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from pagedserve.workers.fair_share import (
@@ -179,15 +180,20 @@ class Scheduler:
         """The running sequence `request` may take the place of (fair share), if any."""
         if not self.fair:
             return None
-        victim = most_served_last((r for r in self.running if not r.paused), self.tenants)
-        if victim is None or not self.tenants.may_preempt_for(request, victim):
+        active = [r for r in self.running if not r.paused]
+        victim = most_served_last(active, self.tenants)
+        running = Counter(r.tenant for r in active)
+        if victim is None or not self.tenants.may_preempt_for(request, victim, running):
             return None
         return victim
 
-    def _next_of(self, queue: list[Request]) -> Request | None:
-        """The next sequence of `queue` to bring in (paused ones skipped): the policy's first,
-        or (fair) the first of the least-served tenant."""
-        candidates = (r for r in queue if not r.paused)
+    def _next_of(self, queue: list[Request], step: SchedulerOutput) -> Request | None:
+        """The next sequence of `queue` to bring in (paused ones, and those preempted in this
+        step, skipped): the policy's first, or (fair) the first of the least-served tenant.
+        A victim re-admitted in the step that preempted it would take back the place it gave
+        up, and the request it gave it up for would preempt it again, forever."""
+        preempted = step.preempted
+        candidates = (r for r in queue if not r.paused and r not in preempted)
         return fairest_first(candidates, self.tenants) if self.fair else next(candidates, None)
 
     def _paused_victim(self) -> Request | None:
@@ -310,7 +316,7 @@ class Scheduler:
 
     def _swap_in(self, step: SchedulerOutput) -> None:
         while self.num_active < self.config.max_num_seqs:
-            request = self._next_of(self.swapped)
+            request = self._next_of(self.swapped, step)
             if request is None:
                 return
             moves = self.kv.swap_in(request)
@@ -324,7 +330,7 @@ class Scheduler:
 
     def _admit_waiting(self, step: SchedulerOutput) -> None:
         while step.budget > 0:
-            request = self._next_of(self.waiting)
+            request = self._next_of(self.waiting, step)
             if request is None:
                 return
             group_size = 1 + len(request.pending_branches)

@@ -88,8 +88,9 @@ class Driver:
         return self.scheduler.tenants.counter(tenant)
 
     def backlogged(self, tenant: str) -> bool:
-        service = self.scheduler.tenants.tenants.get(tenant)
-        return service is not None and service.sequences > 0
+        """The VTC paper's sense: `tenant` has a request waiting in the queue (a tenant whose
+        every request runs asks for nothing more, and another may be served past it)."""
+        return any(r.tenant == tenant for r in self.scheduler.waiting)
 
 
 def flood_then_trickle(driver: Driver) -> None:
@@ -253,24 +254,45 @@ def test_fair_share_config_refuses_bad_weights():
 
 # ------------------------------------------------------------------- a slot for the less served
 def test_a_short_request_of_a_light_tenant_takes_a_slot_from_the_flood():
-    # Both slots run a's long requests. b's short request (cost 4 + 2 × 2 = 8) is lifted to
-    # a's counter when it arrives; a gains 4 a step (two decodes, charged as each step is
-    # planned), so at the fourth step's admission a is ahead by 12, more than b0's whole
-    # cost, and b0 takes the place of a's latest, a1.
+    # Both slots run a's long requests. b has nothing running and was served no more (it is
+    # lifted to a's counter when it arrives): b0 takes the place of a's latest, a1, at the
+    # very next step, instead of waiting for one of a's requests to end.
     driver = Driver(max_num_seqs=2)
     driver.add("a0", "a", prompt_len=4, max_tokens=20)
     driver.add("a1", "a", prompt_len=4, max_tokens=20)
     driver.step()
     driver.step()
     driver.add("b0", "b")
-    for _ in range(3):
-        driver.step()
-    assert driver.victims == [] and "b0" not in driver.started
     driver.step()
     assert driver.victims == ["a1"] and driver.started[-1] == "b0"
     driver.run()
     assert driver.victims == ["a1"]  # a1 recomputed its KV and finished
     assert set(driver.finished) == {"a0", "a1", "b0"}
+
+
+def test_a_tenant_that_runs_here_waits_for_the_margin():
+    # b already runs b0 in one of the two slots: its next request b1 may take a's slot only
+    # once a is ahead by more than b1's whole cost (4 + 2 × 2 = 8): not at once.
+    driver = Driver(max_num_seqs=2)
+    driver.add("a0", "a", prompt_len=4, max_tokens=20)
+    driver.add("b0", "b", prompt_len=4, max_tokens=20)
+    driver.step()
+    driver.add("b1", "b")
+    driver.step()
+    assert driver.victims == [] and "b1" not in driver.started
+    driver.run()
+    assert set(driver.finished) == {"a0", "b0", "b1"}
+
+
+def test_a_tenant_s_only_running_sequence_is_never_taken_for_a_newcomer():
+    # With one slot, a newcomer tenant does not take the only sequence another tenant runs
+    # (the two would take it from each other in turn); it waits its fair turn.
+    driver = Driver(max_num_seqs=1)
+    driver.add("a0", "a", prompt_len=4, max_tokens=6)
+    driver.step()
+    driver.add("b0", "b")
+    driver.run()
+    assert driver.victims == [] and driver.started == ["a0", "b0"]
 
 
 def test_fairness_off_makes_the_light_tenant_wait_for_a_slot():
