@@ -4,9 +4,9 @@ the same way, `tests/unit/cluster/test_auth.py`): a tenant past its quota is ref
 with 429 and a retry hint, the other tenant is served, and nothing in flight is disturbed; the
 per-tenant counters reach `/metrics`.
 
-One app serves the module: tenant A may stream 1 request at a time, tenant B may use 60
+One app serves the module: tenant A may stream 1 request at a time, tenant C may use 60
 tokens per minute (1 a second: a refusal's retry hint is tens of seconds, so no test depends
-on how fast the machine is).
+on how fast the machine is; only one test sends as C, so its bucket starts full).
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ import requests
 from support.api_app import assert_app_clean, running_app, wait_until
 
 HEADER = "x-tenant-id"
-TENANT_A, TENANT_B = "team-a", "team-b"
+TENANT_A, TENANT_B, TENANT_C = "team-a", "team-b", "team-c"
 MODEL = "tiny-llama"
 LONG = 600  # tokens: seconds of decoding on a CPU
 
 
 @pytest.fixture(scope="module")
 def app(serve_cluster):
-    tenants = {TENANT_A: {"max_inflight": 1}, TENANT_B: {"tokens_per_minute": 60}}
+    tenants = {TENANT_A: {"max_inflight": 1}, TENANT_C: {"tokens_per_minute": 60}}
     with running_app(
         "api-tenants",
         auth={"tenant_header": HEADER},
@@ -87,17 +87,17 @@ def test_a_tenant_at_its_inflight_quota_is_refused_and_the_other_served(app):
 
 
 def test_a_tenant_past_its_tokens_per_minute_is_refused_with_the_wait(app):
-    # 10 prompt + 40 output tokens take 50 of B's 60; the next needs 50 with ~10 left.
-    first = post(app, TENANT_B, 40)
+    # 10 prompt + 40 output tokens take 50 of C's 60 (no other test sends as C); the next needs 50 with ~10 left.
+    first = post(app, TENANT_C, 40)
     assert first.status_code == 200, first.text
-    refused = post(app, TENANT_B, 40)
+    refused = post(app, TENANT_C, 40)
     assert refused.status_code == 429, refused.text
     # About 40 more tokens at 1 a second: the hint says so (a little less, as time passed).
     assert 20 <= int(refused.headers["retry-after"]) <= 60
     assert "tokens per minute" in refused.json()["error"]["message"]
     assert post(app, TENANT_A, 40).status_code == 200  # A has no token quota
     # One request that needs more than a whole minute's tokens can never pass: invalid.
-    never = post(app, TENANT_B, 100)
+    never = post(app, TENANT_C, 100)
     assert never.status_code == 400 and "max_tokens" in never.json()["error"]["message"]
     assert_app_clean(app)
 
@@ -119,7 +119,7 @@ def test_per_tenant_counters_reach_metrics(app):
         samples = scrape(app)
         admitted = f'pagedserve_tenant_requests_total{{outcome="admitted",tenant="{TENANT_A}"}}'
         refused = (
-            f'pagedserve_tenant_requests_total{{outcome="refused_tokens",tenant="{TENANT_B}"}}'
+            f'pagedserve_tenant_requests_total{{outcome="refused_tokens",tenant="{TENANT_C}"}}'
         )
         service = [k for k in samples if k.startswith("pagedserve_tenant_service_tokens_total")]
         ok = samples.get(admitted, 0) >= 1 and samples.get(refused, 0) >= 1
