@@ -87,7 +87,7 @@ def test_a_tenant_at_its_inflight_quota_is_refused_and_the_other_served(app):
 
 
 def test_a_tenant_past_its_tokens_per_minute_is_refused_with_the_wait(app):
-    # 10 prompt + 40 output tokens take 50 of C's 60 (no other test sends as C); the next needs 50 with ~10 left.
+    # 10 prompt + 40 output tokens take 50 of C's 60; the next needs 50 with ~10 left.
     first = post(app, TENANT_C, 40)
     assert first.status_code == 200, first.text
     refused = post(app, TENANT_C, 40)
