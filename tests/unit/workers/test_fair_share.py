@@ -10,12 +10,12 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from support.scripted import scripted_request
 
 from pagedserve.workers.fair_share import FairShareConfig, VirtualTokenCounters
 from pagedserve.workers.kv_cache_manager import KVCacheManager
 from pagedserve.workers.kv_checks import assert_no_leaks
 from pagedserve.workers.request import Request
-from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.scheduler import Scheduler, SchedulerConfig
 
 B = 4  # tokens per block
@@ -42,17 +42,8 @@ class Driver:
         self._arrivals = itertools.count()
 
     def add(self, request_id, tenant, prompt_len=4, max_tokens=2, priority=0) -> None:
-        request = Request(
-            request_id=request_id,
-            group_id=request_id,
-            branch_index=0,
-            prompt_len=prompt_len,
-            all_token_ids=list(range(1, prompt_len + 1)),
-            params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-            cache_extra_keys=(),
-            priority=priority,
-            tenant=tenant,
-            arrival_order=next(self._arrivals),
+        request = scripted_request(
+            request_id, prompt_len, max_tokens, next(self._arrivals), priority, tenant
         )
         self.requests[request_id] = request
         self.scheduler.add(request)

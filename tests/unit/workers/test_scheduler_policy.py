@@ -20,11 +20,11 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from support.scripted import scripted_request
 
 from pagedserve.workers.kv_cache_manager import KVCacheManager
 from pagedserve.workers.kv_checks import assert_no_leaks
 from pagedserve.workers.request import Request, RequestStatus
-from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.scheduler import Scheduler, SchedulerConfig, SchedulerCounters
 
 B = 4  # tokens per block
@@ -61,16 +61,8 @@ class Driver:
         self._arrivals = itertools.count()
 
     def add(self, request_id: str, prompt_len: int, max_tokens: int, priority: int = 0) -> None:
-        request = Request(
-            request_id=request_id,
-            group_id=request_id,
-            branch_index=0,
-            prompt_len=prompt_len,
-            all_token_ids=list(range(1, prompt_len + 1)),
-            params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-            cache_extra_keys=(),
-            priority=priority,
-            arrival_order=next(self._arrivals),
+        request = scripted_request(
+            request_id, prompt_len, max_tokens, next(self._arrivals), priority
         )
         self.requests[request_id] = request
         self.scheduler.add(request)
