@@ -193,21 +193,22 @@ class VirtualTokenCounters:
         return {t: TenantService(**vars(s)) for t, s in self.tenants.items()}
 
 
-def fairest_first(candidates: Iterable[Request], counters: VirtualTokenCounters) -> Request | None:
-    """The request to admit next: of each tenant's first candidate (candidates come in the
-    policy's order, so that is the tenant's best), the one whose tenant has the smallest
-    counter; ties go to the policy's order."""
-    best: Request | None = None
-    best_counter = math.inf
-    seen: set[str] = set()
+def tenant_heads(candidates: Iterable[Request], counters: VirtualTokenCounters) -> list[Request]:
+    """Each tenant's first candidate (candidates come in the policy's order, so that is the
+    tenant's best), the least-served tenant's first; ties go to the policy's order."""
+    heads: dict[str, Request] = {}
     for request in candidates:
-        if request.tenant in seen:
-            continue
-        seen.add(request.tenant)
-        counter = counters.counter(request.tenant)
-        if counter < best_counter:
-            best, best_counter = request, counter
-    return best
+        heads.setdefault(request.tenant, request)
+    order = sorted(
+        enumerate(heads.values()), key=lambda i_r: (counters.counter(i_r[1].tenant), i_r[0])
+    )
+    return [request for _, request in order]
+
+
+def fairest_first(candidates: Iterable[Request], counters: VirtualTokenCounters) -> Request | None:
+    """The request to admit next: the least-served tenant's first candidate."""
+    heads = tenant_heads(candidates, counters)
+    return heads[0] if heads else None
 
 
 def most_served_last(running: Iterable[Request], counters: VirtualTokenCounters) -> Request | None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from pagedserve.workers.fair_share import (
@@ -33,6 +34,7 @@ from pagedserve.workers.fair_share import (
     VirtualTokenCounters,
     fairest_first,
     most_served_last,
+    tenant_heads,
 )
 from pagedserve.workers.kv_cache_manager import KVCacheManager
 from pagedserve.workers.request import Request, RequestStatus
@@ -176,25 +178,59 @@ class Scheduler:
         victim = most_served_last(self.running, self.tenants) if self.fair else None
         return victim if victim is not None else self.running[-1]
 
-    def _fair_victim(self, request: Request) -> Request | None:
-        """The running sequence `request` may take the place of (fair share), if any."""
+    def _fair_victim(self, request: Request, exclude: Sequence[Request] = ()) -> Request | None:
+        """The running sequence `request` may take the place of (fair share), if any, of
+        those not in `exclude` (victims already chosen for it)."""
         if not self.fair:
             return None
-        active = [r for r in self.running if not r.paused]
+        active = [r for r in self.running if not r.paused and r not in exclude]
         victim = most_served_last(active, self.tenants)
         running = Counter(r.tenant for r in active)
         if victim is None or not self.tenants.may_preempt_for(request, victim, running):
             return None
         return victim
 
-    def _next_of(self, queue: list[Request], step: SchedulerOutput) -> Request | None:
-        """The next sequence of `queue` to bring in (paused ones, and those preempted in this
-        step, skipped): the policy's first, or (fair) the first of the least-served tenant.
-        A victim re-admitted in the step that preempted it would take back the place it gave
-        up, and the request it gave it up for would preempt it again, forever."""
+    @staticmethod
+    def _admissible(queue: list[Request], step: SchedulerOutput) -> Iterator[Request]:
+        """`queue` without paused sequences and those preempted in this step: a victim
+        re-admitted in the step that preempted it would take back the place it gave up, and
+        the request it gave it up for would preempt it again, forever."""
         preempted = step.preempted
-        candidates = (r for r in queue if not r.paused and r not in preempted)
+        return (r for r in queue if not r.paused and r not in preempted)
+
+    def _next_of(self, queue: list[Request], step: SchedulerOutput) -> Request | None:
+        """The next sequence of `queue` to bring in: the policy's first, or (fair) the first
+        of the least-served tenant."""
+        candidates = self._admissible(queue, step)
         return fairest_first(candidates, self.tenants) if self.fair else next(candidates, None)
+
+    @staticmethod
+    def _group_size(request: Request) -> int:
+        return 1 + len(request.pending_branches)
+
+    def _claim_slots(self, step: SchedulerOutput) -> Request | None:
+        """Every slot is taken: the first waiting request, tenant by tenant from the least
+        served, that fair share lets take the places of running sequences, with those
+        sequences preempted; None if there is none. (The least-served tenant's request may
+        not be the one: tied with a flood that runs here, the flood's next request may not
+        preempt its own tenant, while a tenant with nothing running may.)"""
+        if not self.fair:
+            return None
+        for request in tenant_heads(self._admissible(self.waiting, step), self.tenants):
+            victims: list[Request] = []
+            while (
+                self.num_active - len(victims) + self._group_size(request)
+                > self.config.max_num_seqs
+            ):
+                victim = self._fair_victim(request, exclude=victims)
+                if victim is None:
+                    break
+                victims.append(victim)
+            else:
+                for victim in victims:
+                    self._preempt(victim, step)
+                return request
+        return None
 
     def _paused_victim(self) -> Request | None:
         return next((r for r in reversed(self.running) if r.paused), None)
@@ -333,13 +369,10 @@ class Scheduler:
             request = self._next_of(self.waiting, step)
             if request is None:
                 return
-            group_size = 1 + len(request.pending_branches)
-            if self.num_active + group_size > self.config.max_num_seqs:
-                victim = self._fair_victim(request)
-                if victim is None:
+            if self.num_active + self._group_size(request) > self.config.max_num_seqs:
+                request = self._claim_slots(step)
+                if request is None:
                     return
-                self._preempt(victim, step)  # a slot for a less-served tenant, then retry
-                continue
             computed = self.kv.get_computed_blocks(request)
             num_new = len(request.all_token_ids) - computed.num_tokens
             if num_new > step.budget:

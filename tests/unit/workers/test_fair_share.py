@@ -261,6 +261,20 @@ def test_a_short_request_of_a_light_tenant_takes_a_slot_from_the_flood():
     assert set(driver.finished) == {"a0", "a1", "b0"}
 
 
+def test_the_light_tenant_takes_a_slot_past_the_flood_s_own_queue():
+    # a also has a2 waiting, tied with b (b was lifted to a's counter) and first by arrival:
+    # a2 may not take a slot from its own tenant, b0 may, and does at the next step.
+    driver = Driver(max_num_seqs=2)
+    for i in range(3):
+        driver.add(f"a{i}", "a", prompt_len=4, max_tokens=20)
+    driver.step()
+    driver.add("b0", "b")
+    driver.step()
+    assert driver.victims == ["a1"] and driver.started[-1] == "b0"
+    driver.run()
+    assert set(driver.finished) == {"a0", "a1", "a2", "b0"}
+
+
 def test_a_tenant_that_runs_here_waits_for_the_margin():
     # b already runs b0 in one of the two slots: its next request b1 may take a's slot only
     # once a is ahead by more than b1's whole cost (4 + 2 × 2 = 8): not at once.
