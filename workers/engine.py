@@ -26,6 +26,7 @@ import torch
 
 from pagedserve.kernels import get_kernel_ops
 from pagedserve.workers.batch import Batch, build_batch
+from pagedserve.workers.beam_groups import BeamSearch, check_beam_request, decoder_for
 from pagedserve.workers.block_hash import cache_key
 from pagedserve.workers.deadline import check_timeout_s
 from pagedserve.workers.engine_config import EngineConfig
@@ -132,6 +133,7 @@ class Engine(EngineHandoffs):
             self.loaded, self.kv_cache, ops, linear_backend=config.linear_backend
         )
         self.sampler = Sampler(config.seed)
+        self.beams = BeamSearch(self.scheduler, self.kv, decoder_for(self.tokenizer))
         self.guided = GuidedRequests(self.loaded, config.grammar_compile_timeout_s)
         self.proposer: Proposer | None = None
         if config.speculative is not None:
@@ -205,14 +207,21 @@ class Engine(EngineHandoffs):
         prompt_text, token_ids = self.intake.tokenize(prompt)
         self.intake.check_fits(len(token_ids), params)
         self.intake.check_token_ids(params)
+        if params.use_beam_search:
+            check_beam_request(params, self.config.max_beam_width, self.proposer is not None)
         now = time.monotonic()
         deadline = None if timeout_s is None else now + timeout_s
         extra_keys = cache_key(self.loaded.name, cache_salt)
+        # A beam search starts as one sequence (the prompt) with the group's params (its
+        # width is their `n`); its beams fork from it.
+        branch_params = (
+            [params] if params.use_beam_search else map(params.for_branch, range(params.n))
+        )
         branches = [
             self.intake.new_branch(
-                request_id, j, token_ids, params.for_branch(j), priority, extra_keys, deadline, now
+                request_id, j, token_ids, branch, priority, extra_keys, deadline, now
             )
-            for j in range(params.n)
+            for j, branch in enumerate(branch_params)
         ]
         first, *others = branches
         first.pending_branches = others
@@ -221,9 +230,12 @@ class Engine(EngineHandoffs):
         for branch in branches:  # each branch leaves once its first token went out
             branch.hand_off_after_prefill = self.role.hands_off_after_prefill
             branch.tenant = tenant
-        self._groups[request_id] = RequestGroup(
-            request_id, prompt_text, list(token_ids), branches, now, deadline
-        )
+        group = RequestGroup(request_id, prompt_text, list(token_ids), branches, now, deadline)
+        self._groups[request_id] = group
+        if params.use_beam_search:
+            first.hand_off_after_prefill = False
+            max_tokens = min(params.max_tokens, self.max_model_len - len(token_ids))
+            self.beams.start(group, max_tokens, self.loaded.eos_token_ids)
         if params.guided is None:
             self.scheduler.add(first)
             return
@@ -291,6 +303,7 @@ class Engine(EngineHandoffs):
             drafted = self.speculation.propose(self.scheduler.running, self._groups)
         self._load_from_tiers()
         plan = self.scheduler.schedule()
+        self.beams.regroup(plan.preempted)
         if plan.swap_out:
             self.kv_cache.swap_out(plan.swap_out)
         for victim, block_ids in plan.moved:  # before anything writes into their blocks
@@ -371,13 +384,16 @@ class Engine(EngineHandoffs):
             self.spec_counters.num_steps += 1
         if not batch.sampled:
             return
-        rows = list(batch.sampled)
+        sampled, logits = self.beams.take_rows(list(batch.sampled), logits, touched)
+        rows = list(sampled)
         row_logits = list(range(len(rows)))
-        for row, request in enumerate(batch.sampled):
+        for row, request in enumerate(sampled):
             for branch in self._fork_pending(request):
                 rows.append(branch)
                 row_logits.append(row)
-        if len(rows) > len(batch.sampled):
+        if not rows:
+            return
+        if len(rows) > len(sampled):
             logits = logits[torch.tensor(row_logits, device=logits.device)]
         eos_ids, backend = self.loaded.eos_token_ids, self.guided.backend
         tokens = sample_rows(self.sampler, logits, rows, eos_ids, self.tokenizer, backend)

@@ -100,6 +100,8 @@ class EngineConfig:
         grammar_compile_timeout_s: how long a request with a grammar (structured outputs)
             waits for it to compile before it fails with finish reason `error`; compiles run
             off the step, so a slow one never holds back other requests.
+        max_beam_width: the widest beam search (`n` with `use_beam_search`) a request may
+            ask for; a wider one is refused naming `n`.
     """
 
     model: str | None = DEFAULT_MODEL
@@ -130,6 +132,7 @@ class EngineConfig:
     kv_disk_tier_bytes: int = 0
     grammar_compile_timeout_s: float = 30.0
     fair_share: FairShareConfig = field(default_factory=FairShareConfig)
+    max_beam_width: int = 8
 
     def __post_init__(self) -> None:
         # A dict (from `LLM(speculative={...})` or YAML) becomes the typed config here, once.
@@ -180,7 +183,7 @@ class EngineConfig:
 
     def _check_scheduling(self) -> None:
         """What the worker's scheduler and block manager refuse, refused where it is set."""
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_beam_width"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_waiting is not None and self.max_waiting < 1:

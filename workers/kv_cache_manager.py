@@ -404,17 +404,21 @@ class KVCacheManager:
         self._free_swap_slots.extend(reversed(state.swap_slots))
         return True
 
-    def fork(self, parent_id: str, child_id: str) -> None:
-        """Let `child_id` share every block of `parent_id` (copy-on-write on first write)."""
+    def fork(self, parent_id: str, child_id: str, num_tokens: int | None = None) -> None:
+        """Let `child_id` share the blocks of `parent_id`'s first `num_tokens` positions (all
+        by default); copy-on-write gives it a private copy of a shared block it writes into."""
         if child_id in self._requests:
             raise ValueError(f"request {child_id} already holds blocks")
         parent = self._requests[parent_id]
         if parent.swap_slots or parent.num_draft_slots:
             raise ValueError(f"request {parent_id} is swapped out or mid-draft; cannot fork")
-        self.pool.touch(parent.blocks)
-        self._requests[child_id] = _RequestBlocks(
-            list(parent.blocks), list(parent.block_hashes), parent.num_tokens
-        )
+        num_tokens = parent.num_tokens if num_tokens is None else num_tokens
+        if not 0 <= num_tokens <= parent.num_tokens:
+            raise ValueError(f"cannot fork {num_tokens} of {parent.num_tokens} tokens")
+        blocks = parent.blocks[: blocks_needed(num_tokens, self.block_size)]
+        self.pool.touch(blocks)
+        hashes = parent.block_hashes[: num_tokens // self.block_size]
+        self._requests[child_id] = _RequestBlocks(list(blocks), list(hashes), num_tokens)
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()

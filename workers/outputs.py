@@ -94,6 +94,8 @@ class CompletionDelta:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     # An embedding request's (`SamplingParams.pooling`) vector, on its last delta.
     embedding: list[float] | None = None
+    # A beam search's hypothesis: the sum of its tokens' log-probabilities (its only delta).
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -129,6 +131,7 @@ class CompletionOutput:
     # One per token of `token_ids` when `SamplingParams.logprobs` asked for them.
     logprobs: list[TokenLogprob | None] | None = None
     embedding: list[float] | None = None  # an embedding request's vector (`pooling`)
+    cumulative_logprob: float | None = None  # a beam search's hypothesis: its summed logprob
 
     @property
     def finished(self) -> bool:
@@ -196,6 +199,7 @@ class OutputBuilder:
                 None if end is None else end.stop_reason,
                 self._logprobs.get(index),
                 None if end is None else end.embedding,
+                None if end is None else end.cumulative_logprob,
             )
             for index in sorted(self._tokens)
         ]

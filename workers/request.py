@@ -106,6 +106,8 @@ class Request:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     # An embedding request (`params.pooling`): what it pooled so far (`workers/pooling.py`).
     pooling: PoolingState | None = None
+    # A beam of a beam search (`params.use_beam_search`): its `BeamGroup` (`beam_groups.py`).
+    beam: Any = None
 
     def __post_init__(self) -> None:
         if self.params.pooling is not None and self.pooling is None:
@@ -127,6 +129,20 @@ class Request:
     @property
     def is_prefilling(self) -> bool:
         return self.num_computed_tokens < len(self.all_token_ids) - 1
+
+    @property
+    def group_size(self) -> int:
+        """Sequences this one runs as once admitted: itself and the branches that fork from
+        it, or a beam search's width."""
+        size = 1 + len(self.pending_branches)
+        return size if self.beam is None else max(size, self.beam.width)
+
+    def preempted_with(self) -> list[Request]:
+        """The sequences that yield together with this one: a beam search's live beams go as
+        one (this one first)."""
+        if self.beam is None:
+            return [self]
+        return [self, *(beam for beam in self.beam.live if beam is not self)]
 
     @property
     def is_finished(self) -> bool:
@@ -203,13 +219,18 @@ class RequestGroup:
     # Branch index → its `RequestHandoff`, once a preemption (or, on a prefill worker, the
     # end of its prefill) moved that branch to a peer.
     handoffs: dict[int, Any] = field(default_factory=dict)
+    # A beam search's `BeamGroup` (`workers/beam_groups.py`): `branches` are its live beams.
+    beam: Any = None
 
     @property
     def finished(self) -> bool:
         return all(branch.is_finished for branch in self.branches)
 
     def take_delta(self) -> RequestDelta:
-        """Every branch's news since the last delta (see `Request.take_delta`)."""
+        """Every branch's news since the last delta (see `Request.take_delta`); a beam search
+        reports its best hypotheses once it ends (`BeamGroup.take_delta`)."""
+        if self.beam is not None:
+            return self.beam.take_delta()
         # Measured only when a branch ends: never a per-step copy of the latencies.
         ending = any(branch.ends_unreported for branch in self.branches)
         metrics = self.metrics() if ending else None

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, TypedDict
 
+from pagedserve.workers.beam_checks import check_beam_search
 from pagedserve.workers.structured.spec import GuidedSpec
 
 MAX_N = 64
@@ -87,6 +88,19 @@ class SamplingParams:
         allowed_token_ids: only these ids may be generated; ``None``: all.
         bad_words: words never generated (each banned as the model's tokens spell it, with and
             without a leading space); at most 64.
+        use_beam_search: beam search of width ``n`` (>= 2) inside the engine
+            (`workers/beam_groups.py`): the ``n`` best hypotheses by cumulative log-probability
+            (log-softmax of the raw logits), best first, as HF's ``generate(num_beams=n)``. It
+            is deterministic: ``temperature`` must be 0 and no other sampling field (``top_p``,
+            ``top_k``, ``seed``, penalties, ``min_tokens``, ``logit_bias``,
+            ``allowed_token_ids``, ``bad_words``, ``guided``, ``stop``, log-probabilities,
+            ``pooling``) may be set. EOS and ``stop_token_ids`` finish a hypothesis.
+        length_penalty: a finished hypothesis scores its summed log-probability over its
+            length (generated tokens, the stop token included) to this power (HF's); beam
+            search only.
+        early_stopping: when a beam search ends (HF's): True, once ``n`` hypotheses are
+            finished; False, once no live beam can beat them at its current length; "never",
+            once none can at ``max_tokens`` (with ``length_penalty`` > 0); beam search only.
     """
 
     n: int = 1
@@ -110,6 +124,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = field(default_factory=list)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         self.stop = _as_list("stop", self.stop)
@@ -123,6 +140,7 @@ class SamplingParams:
         self._validate_stops()
         self._validate_constraints()
         self._validate_pooling()
+        check_beam_search(self)
 
     def _validate_pooling(self) -> None:
         if self.pooling is None:
@@ -319,6 +337,9 @@ class SamplingKwargs(TypedDict, total=False):
     logit_bias: dict[int, float]
     allowed_token_ids: list[int] | None
     bad_words: list[str] | None
+    use_beam_search: bool
+    length_penalty: float
+    early_stopping: bool | str
 
 
 def _as_list(name: str, value: Any) -> list[Any]:

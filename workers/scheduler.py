@@ -204,10 +204,6 @@ class Scheduler:
         candidates = self._admissible(queue, step)
         return fairest_first(candidates, self.tenants) if self.fair else next(candidates, None)
 
-    @staticmethod
-    def _group_size(request: Request) -> int:
-        return 1 + len(request.pending_branches)
-
     def _claim_slots(self, step: SchedulerOutput) -> Request | None:
         """Every slot is taken: the first waiting request, tenant by tenant from the least
         served, that fair share lets take the places of running sequences, with those
@@ -219,7 +215,7 @@ class Scheduler:
         for request in tenant_heads(self._admissible(self.waiting, step), self.tenants):
             victims: list[Request] = []
             while (
-                self.num_active - len(victims) + self._group_size(request)
+                self.num_active - len(victims) + request.group_size
                 > self.config.max_num_seqs
             ):
                 victim = self._fair_victim(request, exclude=victims)
@@ -252,7 +248,9 @@ class Scheduler:
         for request in sorted(self.running, key=lambda r: r.is_prefilling):
             if step.budget == 0:
                 break
-            if request.status is RequestStatus.RUNNING and not request.paused:
+            # A beam with every token computed waits for its group's step (`beam_groups.py`).
+            held = request.num_tokens_to_compute == 0
+            if request.status is RequestStatus.RUNNING and not request.paused and not held:
                 self._schedule_running(request, step)
         if not step.preempted:
             self._swap_in(step)
@@ -277,9 +275,8 @@ class Scheduler:
             if num_drafts:
                 request.draft_token_ids.clear()
                 continue
-            victim = self._victim()
-            self._preempt(victim, step)
-            if victim is request:
+            self._preempt(self._victim(), step)
+            if request.status is not RequestStatus.RUNNING:  # it yielded (or its group did)
                 return
         num_new += num_drafts
         step.scheduled[request] = num_new
@@ -288,6 +285,12 @@ class Scheduler:
             step.copies[request] = allocation.copies
 
     def _preempt(self, victim: Request, step: SchedulerOutput) -> None:
+        """Preempt `victim` and the sequences that yield with it (a beam search's beams)."""
+        for request in victim.preempted_with():
+            if request in self.running:
+                self._preempt_one(request, step)
+
+    def _preempt_one(self, victim: Request, step: SchedulerOutput) -> None:
         self.running.remove(victim)
         # Its KV as of the start of this step is all that exists: a sequence scheduled earlier
         # in this step (decodes go first, so a low-ranked one can be) leaves the forward.
@@ -369,7 +372,7 @@ class Scheduler:
             request = self._next_of(self.waiting, step)
             if request is None:
                 return
-            if self.num_active + self._group_size(request) > self.config.max_num_seqs:
+            if self.num_active + request.group_size > self.config.max_num_seqs:
                 request = self._claim_slots(step)
                 if request is None:
                     return

@@ -43,6 +43,8 @@ class StreamDelta:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     # An embedding request's vector (`SamplingParams.pooling`), on its last delta.
     embedding: list[float] | None = None
+    # A beam search's hypothesis: the sum of its tokens' log-probabilities.
+    cumulative_logprob: float | None = None
 
 
 def stream_deltas(
@@ -68,6 +70,7 @@ def stream_deltas(
             logprobs=c.logprobs,
             prompt_logprobs=c.prompt_logprobs,
             embedding=c.embedding,
+            cumulative_logprob=c.cumulative_logprob,
         )
         for c in delta.completions
     ]
@@ -96,6 +99,7 @@ def merge_deltas(first: StreamDelta, then: StreamDelta) -> StreamDelta:
         if first.prompt_logprobs is not None
         else then.prompt_logprobs,
         embedding=then.embedding,
+        cumulative_logprob=then.cumulative_logprob,
     )
 
 
