@@ -24,6 +24,7 @@ token; drafts write only private blocks (copy-on-write covers their range too).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
@@ -32,6 +33,7 @@ from pagedserve.workers.block import Block, BlockHash, BlockKey
 from pagedserve.workers.block_hash import block_hash
 from pagedserve.workers.block_pool import BlockPool
 from pagedserve.workers.kv_memory import BLOCK_TABLE_ENTRY_BYTES, blocks_needed
+from pagedserve.workers.kv_swap import KVSwap
 
 AllocationMode = Literal["paged", "reserve-max"]
 ALLOCATION_MODES: tuple[str, ...] = ("paged", "reserve-max")
@@ -101,7 +103,7 @@ class KVUsage:
         return self.useful_tokens / self.allocated_positions if self.allocated_positions else 1.0
 
 
-class KVCacheManager:
+class KVCacheManager(KVSwap):
     """Owns every request's block table and the swap slots; allocation goes through the pool.
 
     Args:
@@ -142,6 +144,7 @@ class KVCacheManager:
         self.reserve_blocks = int(watermark * num_blocks)
         self.num_swap_blocks = num_swap_blocks
         self._free_swap_slots = list(range(num_swap_blocks - 1, -1, -1))
+        self._swap_slot_owners: Counter[int] = Counter()  # slot → requests holding it
         self._requests: dict[str, _RequestBlocks] = {}
         self.prefix_queries_tokens = 0
         self.prefix_hits_tokens = 0
@@ -401,7 +404,7 @@ class KVCacheManager:
         if state is None:
             return False
         self.pool.free_blocks(reversed(state.blocks))
-        self._free_swap_slots.extend(reversed(state.swap_slots))
+        self._release_swap_slots(state.swap_slots)
         return True
 
     def fork(self, parent_id: str, child_id: str, num_tokens: int | None = None) -> None:
@@ -412,59 +415,19 @@ class KVCacheManager:
         parent = self._requests[parent_id]
         if parent.swap_slots or parent.num_draft_slots:
             raise ValueError(f"request {parent_id} is swapped out or mid-draft; cannot fork")
-        num_tokens = parent.num_tokens if num_tokens is None else num_tokens
-        if not 0 <= num_tokens <= parent.num_tokens:
+        blocks, hashes = parent.blocks, parent.block_hashes
+        if num_tokens is None:  # the whole table (with `reserve-max`, its reserved blocks too)
+            num_tokens = parent.num_tokens
+        elif 0 <= num_tokens <= parent.num_tokens:
+            blocks = blocks[: blocks_needed(num_tokens, self.block_size)]
+            hashes = hashes[: num_tokens // self.block_size]
+        else:
             raise ValueError(f"cannot fork {num_tokens} of {parent.num_tokens} tokens")
-        blocks = parent.blocks[: blocks_needed(num_tokens, self.block_size)]
         self.pool.touch(blocks)
-        hashes = parent.block_hashes[: num_tokens // self.block_size]
         self._requests[child_id] = _RequestBlocks(list(blocks), list(hashes), num_tokens)
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
-
-    # ------------------------------------------------------------------ swap
-    @property
-    def num_free_swap_blocks(self) -> int:
-        return len(self._free_swap_slots)
-
-    def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
-        """Move a request's blocks to CPU swap slots; returns (device, swap) copies to perform.
-
-        The device blocks are released (cached full blocks stay evictable in the pool).
-        """
-        state = self._requests[request_id]
-        if state.swap_slots:
-            raise ValueError(f"request {request_id} is already swapped out")
-        if state.num_draft_slots:
-            raise ValueError(f"request {request_id} holds draft slots; roll them back first")
-        if len(state.blocks) > len(self._free_swap_slots):
-            return None
-        slots = [self._free_swap_slots.pop() for _ in state.blocks]
-        moves = [(block.block_id, slot) for block, slot in zip(state.blocks, slots, strict=True)]
-        self.pool.free_blocks(reversed(state.blocks))
-        state.blocks = []
-        state.swap_slots = slots
-        return moves
-
-    def swap_in(self, request: KVRequest) -> list[tuple[int, int]] | None:
-        """Bring a swapped-out request back; returns (swap, device) copies, or None if no room."""
-        state = self._requests[request.request_id]
-        needed = len(state.swap_slots)
-        if needed > self.pool.num_free_blocks - self.reserve_blocks:
-            return None
-        state.blocks = self.pool.get_new_blocks(needed)
-        moves = [(slot, b.block_id) for slot, b in zip(state.swap_slots, state.blocks, strict=True)]
-        self._free_swap_slots.extend(reversed(state.swap_slots))
-        state.swap_slots = []
-        # Re-register the full blocks: their KV is back, others may share it again.
-        state.block_hashes = []
-        self._cache_full_blocks(request, state)
-        return moves
-
-    def is_swapped_out(self, request_id: str) -> bool:
-        state = self._requests.get(request_id)
-        return state is not None and bool(state.swap_slots)
 
     # ----------------------------------------------------------------- usage
     def usage(self) -> KVUsage:

@@ -285,20 +285,15 @@ class Scheduler:
             step.copies[request] = allocation.copies
 
     def _preempt(self, victim: Request, step: SchedulerOutput) -> None:
-        """Preempt `victim` and the sequences that yield with it (a beam search's beams)."""
-        for request in victim.preempted_with():
-            if request in self.running:
-                self._preempt_one(request, step)
-
-    def _preempt_one(self, victim: Request, step: SchedulerOutput) -> None:
-        self.running.remove(victim)
-        # Its KV as of the start of this step is all that exists: a sequence scheduled earlier
-        # in this step (decodes go first, so a low-ranked one can be) leaves the forward.
-        unwritten = self._unschedule(victim, step)
-        victim.draft_token_ids.clear()  # their slots went with the rollback
-        step.preempted.append(victim)
-        victim.timings.num_preemptions += 1
-        if self.config.preemption_mode == "move" and victim.movable:
+        """Preempt `victim` and the sequences that yield with it: a beam search's live beams
+        go as one, all swapped out (their shared blocks once) or all recomputed. A group split
+        between the swap area and the waiting queue could never run again: its swapped beams
+        would hold their blocks waiting for the recomputed ones."""
+        group = [request for request in victim.preempted_with() if request in self.running]
+        unwritten: dict[int, int] = {}
+        for request in group:
+            unwritten |= self._yield(request, step)
+        if self.config.preemption_mode == "move" and group == [victim] and victim.movable:
             # The blocks are freed now; the engine copies their KV out before this step's
             # forward can write into them.
             block_ids = [unwritten.get(b, b) for b in self._release(victim)]
@@ -306,18 +301,31 @@ class Scheduler:
             self.counters.moved += 1
             return
         if self.config.preemption_mode == "swap":
-            moves = self.kv.swap_out(victim.request_id)
+            moves = self.kv.swap_out_group([request.request_id for request in group])
             if moves is not None:
                 step.swap_out.extend((unwritten.get(block, block), slot) for block, slot in moves)
-                victim.status = RequestStatus.SWAPPED
-                self._insert(self.swapped, victim)
-                self.counters.swapped_out += 1
+                for request in group:
+                    request.status = RequestStatus.SWAPPED
+                    self._insert(self.swapped, request)
+                self.counters.swapped_out += len(group)
                 return
-        # Recompute: drop the KV; the sequence re-enters with its output so far as its prompt.
-        self.kv.free(victim.request_id)
-        victim.num_computed_tokens = 0
-        self._requeue(victim)
-        self.counters.recomputed += 1
+        for request in group:  # recompute: the sequence re-enters with its output as prompt
+            self.kv.free(request.request_id)
+            request.num_computed_tokens = 0
+            self._requeue(request)
+        self.counters.recomputed += len(group)
+
+    def _yield(self, victim: Request, step: SchedulerOutput) -> dict[int, int]:
+        """Take `victim` out of the running queue and this step's plan; returns its unwritten
+        copies (see `_unschedule`)."""
+        self.running.remove(victim)
+        # Its KV as of the start of this step is all that exists: a sequence scheduled earlier
+        # in this step (decodes go first, so a low-ranked one can be) leaves the forward.
+        unwritten = self._unschedule(victim, step)
+        victim.draft_token_ids.clear()  # their slots went with the rollback
+        step.preempted.append(victim)
+        victim.timings.num_preemptions += 1
+        return unwritten
 
     def release_for_handoff(self, request: Request) -> list[int]:
         """Take a running sequence out to hand it to a peer (P/D, after its prefill), between
@@ -354,18 +362,24 @@ class Scheduler:
         return {dst: src for src, dst in copies}
 
     def _swap_in(self, step: SchedulerOutput) -> None:
+        """Bring swapped-out sequences back while they fit; a beam search's as one group."""
         while self.num_active < self.config.max_num_seqs:
             request = self._next_of(self.swapped, step)
             if request is None:
                 return
-            moves = self.kv.swap_in(request)
+            group = [r for r in self.swapped if r.beam is not None and r.beam is request.beam]
+            group = group or [request]
+            if len(group) > 1 and self.num_active + len(group) > self.config.max_num_seqs:
+                return
+            moves = self.kv.swap_in_group(group)
             if moves is None:
                 return
-            self.swapped.remove(request)
             step.swap_in.extend(moves)
-            request.status = RequestStatus.RUNNING
-            self._insert(self.running, request)
-            self.counters.swapped_in += 1
+            for member in group:
+                self.swapped.remove(member)
+                member.status = RequestStatus.RUNNING
+                self._insert(self.running, member)
+            self.counters.swapped_in += len(group)
 
     def _admit_waiting(self, step: SchedulerOutput) -> None:
         while step.budget > 0:
