@@ -8,7 +8,7 @@ preempted (recompute, swap) and aborted as one, and nothing leaks.
 from __future__ import annotations
 
 import pytest
-import torch
+from support.beam import assert_equals_hf
 from support.engine import Stepper, finish_clean
 
 from pagedserve.workers.errors import RequestRejected
@@ -34,33 +34,6 @@ def engine(loaded, **config) -> LLM:
         **config,
     }
     return LLM(loaded_model=loaded, **options)
-
-
-def hf_beams(reference, prompt: list[int], width: int, max_tokens: int, **generate):
-    """HF's `generate(num_beams=width)`: each returned beam's output ids and its score."""
-    with torch.inference_mode():
-        out = reference.model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            num_beams=width,
-            num_return_sequences=width,
-            do_sample=False,
-            max_new_tokens=max_tokens,
-            output_scores=True,
-            return_dict_in_generate=True,
-            **generate,
-        )
-    return [s[len(prompt) :].tolist() for s in out.sequences], out.sequences_scores.tolist()
-
-
-def assert_equals_hf(reference, prompt, output, width=4, max_tokens=MAX_TOKENS, lp=1.0, **gen):
-    hf_ids, hf_scores = hf_beams(reference, prompt, width, max_tokens, length_penalty=lp, **gen)
-    ours = [o.token_ids for o in output.outputs]
-    assert [o.index for o in output.outputs] == list(range(width))
-    assert ours == [ids[: len(o)] for ids, o in zip(hf_ids, ours, strict=True)]
-    scores = [o.cumulative_logprob / len(o.token_ids) ** lp for o in output.outputs]
-    assert scores == pytest.approx(hf_scores, abs=1e-4)
-    assert scores == sorted(scores, reverse=True)  # best first
 
 
 @pytest.mark.parametrize(
