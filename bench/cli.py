@@ -23,6 +23,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "pagedserve.bench.scale",
     "pagedserve.bench.kv_dtype",
     "pagedserve.bench.fairness",
+    "pagedserve.bench.beam",
 )
 
 

@@ -129,6 +129,7 @@ class CompletionResult:
     error: str | None = None
     logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    beam_logprob: float | None = None  # a beam search's hypothesis: the engine's sum
 
     @property
     def text(self) -> str:
@@ -137,6 +138,8 @@ class CompletionResult:
     @property
     def cumulative_logprob(self) -> float:
         """The sum of its tokens' log-probabilities (0 without them)."""
+        if self.beam_logprob is not None:
+            return self.beam_logprob
         return sum(item.logprob for item in self.logprobs or () if item is not None)
 
 
@@ -173,6 +176,7 @@ class CompletionCollector:
             result.usage = delta.usage
             result.metrics = delta.metrics
             result.error = delta.error
+            result.beam_logprob = delta.cumulative_logprob
 
     @property
     def completions(self) -> list[CompletionResult]:

@@ -53,7 +53,8 @@ def build_request(
         cache_salt: only requests with the same salt share cached prefix blocks.
         timeout_s: a worker-side deadline (0: none; gRPC deadlines apply regardless).
         **sampling: `SamplingParams` fields: max_tokens, temperature, top_p, top_k, seed,
-            stop, n, ignore_eos, stop_token_ids, min_tokens, include_stop_str_in_output.
+            stop, n, ignore_eos, stop_token_ids, min_tokens, include_stop_str_in_output,
+            use_beam_search, length_penalty, early_stopping (True, False or "never"), ...
 
     Raises:
         TypeError: an unknown keyword.
@@ -63,6 +64,8 @@ def build_request(
         raise TypeError(f"unknown sampling parameters: {', '.join(unknown)}")
     if isinstance(sampling.get("stop"), str):
         sampling["stop"] = [sampling["stop"]]
+    if isinstance(sampling.get("early_stopping"), bool):  # the proto's string: "true", "false"
+        sampling["early_stopping"] = str(sampling["early_stopping"]).lower()
     return pb.GenerateRequest(
         prompt=prompt or "",
         prompt_token_ids=list(prompt_token_ids or ()),

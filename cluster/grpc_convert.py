@@ -106,7 +106,27 @@ def params_from_proto(message: pb.SamplingParams) -> SamplingParams:
     kwargs["bad_words"] = list(message.bad_words)
     if message.allowed_token_ids:
         kwargs["allowed_token_ids"] = list(message.allowed_token_ids)
+    _beam_fields(message, kwargs)
     return sampling_params(**kwargs)
+
+
+_EARLY_STOPPING = {"true": True, "false": False, "never": "never"}
+
+
+def _beam_fields(message: pb.SamplingParams, kwargs: SamplingKwargs) -> None:
+    """Beam search's fields (an unset temperature is 0 with `use_beam_search`)."""
+    if message.use_beam_search:
+        kwargs["use_beam_search"] = True
+        kwargs.setdefault("temperature", 0.0)
+    if message.HasField("length_penalty"):
+        kwargs["length_penalty"] = message.length_penalty
+    if message.HasField("early_stopping"):
+        value = message.early_stopping
+        if value not in _EARLY_STOPPING:
+            raise ApiError.invalid(
+                f"early_stopping must be 'true', 'false' or 'never', got {value!r}"
+            )
+        kwargs["early_stopping"] = _EARLY_STOPPING[value]
 
 
 def _guided_fields(message: pb.SamplingParams) -> dict[str, tuple[GuidedKind, Any, bool]]:
@@ -164,6 +184,8 @@ def response_to_proto(collector: CompletionCollector) -> pb.GenerateResponse:
             completion.usage.CopyFrom(usage_to_proto(result.usage))
         completion.logprobs.extend(logprobs_to_proto(result.logprobs))
         completion.prompt_logprobs.extend(logprobs_to_proto(result.prompt_logprobs))
+        if result.beam_logprob is not None:
+            completion.cumulative_logprob = result.beam_logprob
     first = collector.completions[0].metrics if collector.results else None
     if first is not None:
         message.metrics.CopyFrom(metrics_to_proto(first))

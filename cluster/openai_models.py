@@ -90,6 +90,10 @@ class _SamplingFields(_Body):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # vLLM's beam search: `n` is the width (workers/beam_groups.py)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False  # true, false or "never" (checked by SamplingParams)
     # cluster extras
     priority: int = 0
     cache_salt: str | None = None
@@ -113,6 +117,12 @@ class _SamplingFields(_Body):
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
         )
+        if self.use_beam_search:  # deterministic: an unset temperature means 0, not 1
+            kwargs["temperature"] = 0.0
+            kwargs["use_beam_search"] = True
+        if self.length_penalty != 1.0 or self.early_stopping is not False:
+            kwargs["length_penalty"] = self.length_penalty
+            kwargs["early_stopping"] = self.early_stopping
         if self.temperature is not None:
             kwargs["temperature"] = self.temperature
         if self.top_p is not None:

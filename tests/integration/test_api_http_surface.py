@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import struct
+from types import SimpleNamespace
 
 import grpc
 import openai
@@ -15,8 +16,10 @@ import requests
 import torch
 import torch.nn.functional as F
 from support.api_app import CONTEXT, VOCAB, assert_app_clean, running_app
+from support.beam import hf_beams
 
 from pagedserve.cluster.client import Client
+from pagedserve.workers.beam_groups import decoder_for
 from pagedserve.workers.model_loader import load_model
 
 TOKEN = "surface-test-token"
@@ -79,6 +82,85 @@ def test_best_of_refusals_name_it(app):
     streamed = {**base, "best_of": 2, "stream": True}
     assert "streamed" in assert_invalid(post(app, "/v1/completions", streamed), "best_of")
     assert_invalid(post(app, "/v1/completions", {**base, "best_of": 100}), "best_of")
+    assert_app_clean(app)
+
+
+# ------------------------------------------------------------- beam search
+BEAM = {"model": MODEL, "prompt": "Paged", "max_tokens": 8, "n": 4}
+
+
+@pytest.fixture(scope="module")
+def hf_beam_texts(tiny_llama_model):
+    """HF's `generate(num_beams=4, num_return_sequences=4)` of BEAM's prompt, as the texts the
+    server's detokenizer makes of them (a stopped beam ends at its stop token), best first."""
+    generation = tiny_llama_model.generation_config
+    ids, _ = hf_beams(SimpleNamespace(model=tiny_llama_model), list(b"Paged"), 4, 8)
+    fill = {generation.eos_token_id, generation.pad_token_id} - {None}
+    decode = decoder_for(load_model(MODEL).tokenizer)
+    ended = [next((i + 1 for i, t in enumerate(b) if t in fill), len(b)) for b in ids]
+    return [decode(beam[:end]) for beam, end in zip(ids, ended, strict=True)]
+
+
+def test_beam_search_with_the_openai_client_equals_hf(app, oai, hf_beam_texts):
+    """vLLM's extra parameters through `extra_body`: `n` is the width; the choices are HF's
+    beams, best first; an unset temperature is 0 under beam search."""
+    fields = {k: v for k, v in BEAM.items() if k != "n"}
+    beams = oai.completions.create(n=4, extra_body={"use_beam_search": True}, **fields)
+    assert [c.index for c in beams.choices] == [0, 1, 2, 3]
+    assert [c.text for c in beams.choices] == hf_beam_texts
+    penalised = {"use_beam_search": True, "length_penalty": 1.0, "early_stopping": False}
+    again = oai.completions.create(n=4, extra_body=penalised, **fields)
+    assert [c.text for c in again.choices] == hf_beam_texts
+    assert_app_clean(app)
+
+
+def test_beam_search_refusals_name_the_field(app):
+    def beam(**fields) -> requests.Response:
+        return post(app, "/v1/completions", {**BEAM, "use_beam_search": True, **fields})
+
+    assert "beam width" in assert_invalid(beam(n=1), "n")
+    assert "max_beam_width" in assert_invalid(beam(n=9), "n")
+    assert_invalid(beam(temperature=0.7), "temperature")
+    assert_invalid(beam(top_p=0.5), "top_p")
+    assert_invalid(beam(seed=1), "seed")
+    assert_invalid(beam(logprobs=1), "logprobs")
+    assert_invalid(beam(stop=["x"]), "stop")
+    assert_invalid(beam(early_stopping="sometimes"), "early_stopping")
+    plain = {k: v for k, v in BEAM.items() if k != "n"}
+    only_beam = post(app, "/v1/completions", {**plain, "length_penalty": 0.5})
+    assert "only used with use_beam_search" in assert_invalid(only_beam, "length_penalty")
+    assert_app_clean(app)
+
+
+def test_a_client_leaving_a_beam_search_frees_its_blocks(app):
+    body = {**BEAM, "use_beam_search": True, "max_tokens": 400, "ignore_eos": True}
+    with requests.post(
+        app.http_url + "/v1/completions",
+        json={**body, "stream": True},
+        headers=HEADERS,
+        stream=True,
+        timeout=60,
+    ) as response:
+        assert response.status_code == 200
+    assert_app_clean(app)
+
+
+def test_grpc_beam_search_as_http_does(app, hf_beam_texts):
+    with Client(app.grpc_address, token=TOKEN, timeout=60) as client:
+        response = client.generate(
+            "Paged", n=4, max_tokens=8, use_beam_search=True, early_stopping=False
+        )
+        with pytest.raises(grpc.RpcError) as caught:
+            client.generate("Paged", n=4, max_tokens=8, use_beam_search=True, temperature=0.5)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert caught.value.details().startswith("temperature")
+        with pytest.raises(grpc.RpcError, match="early_stopping"):
+            client.generate("Paged", n=4, use_beam_search=True, early_stopping="sometimes")
+    assert [c.index for c in response.completions] == [0, 1, 2, 3]
+    assert [c.text for c in response.completions] == hf_beam_texts
+    scores = [c.cumulative_logprob / len(c.token_ids) for c in response.completions]
+    assert all(c.HasField("cumulative_logprob") for c in response.completions)
+    assert scores == sorted(scores, reverse=True)
     assert_app_clean(app)
 
 
