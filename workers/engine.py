@@ -27,6 +27,7 @@ import torch
 from pagedserve.kernels import get_kernel_ops
 from pagedserve.workers.batch import Batch, build_batch
 from pagedserve.workers.beam_groups import BeamSearch, check_beam_request, decoder_for
+from pagedserve.workers.beam_moves import EngineBeamMoves
 from pagedserve.workers.block_hash import cache_key
 from pagedserve.workers.deadline import check_timeout_s
 from pagedserve.workers.engine_config import EngineConfig
@@ -58,7 +59,7 @@ from pagedserve.workers.worker_role import WorkerRole
 _log = logging.getLogger(__name__)
 
 
-class Engine(EngineHandoffs):
+class Engine(EngineHandoffs, EngineBeamMoves):
     """One worker's engine: model, KV pool, scheduler and sampler behind three calls.
 
     Args:

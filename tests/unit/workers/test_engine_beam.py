@@ -196,3 +196,23 @@ def test_speculative_engine_refuses_beam_search(tiny_llama):
     with pytest.raises(RequestRejected, match="^use_beam_search"):
         llm.engine.add_request("b", PROMPTS[0], beam())
     finish_clean(llm)
+
+
+@pytest.mark.parametrize("steps_before", [1, 5, 13])
+def test_a_group_moved_to_another_engine_still_equals_hf(tiny_llama, steps_before):
+    """The whole group leaves its engine between steps (its blocks freed at once) and a peer
+    engine continues it; some moves fall after hypotheses have finished (the scorer's state
+    travels with the beams)."""
+    loaded, reference = tiny_llama
+    source, peer = engine(loaded), engine(loaded, block_size=8, num_kv_blocks=64)
+    params = beam(max_tokens=24)
+    source.engine.add_request("b", PROMPTS[1], params)
+    for _ in range(steps_before):
+        source.engine.step()
+    handoff = source.engine.export_beam_group("b")
+    assert len(handoff.beams) == 4 and source.engine.usage().used_blocks == 0
+    finish_clean(source)
+    peer.engine.adopt_beam_group(handoff)
+    outputs = Stepper(peer.engine).run_to_end()
+    assert_equals_hf(reference, PROMPTS[1], outputs["b"], max_tokens=24)
+    finish_clean(peer)

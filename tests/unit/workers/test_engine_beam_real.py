@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from support.beam import assert_equals_hf
-from support.engine import finish_clean
+from support.engine import Stepper, finish_clean
 
 from pagedserve.workers.llm import LLM
 from pagedserve.workers.sampling_params import SamplingParams
@@ -63,3 +63,21 @@ def test_real_model_beams_equal_hf_after_preemption(smollm2, mode):
     for prompt, output in zip(prompts, outputs, strict=True):
         assert_equals_hf(reference, prompt, output, max_tokens=MAX_TOKENS)
     finish_clean(llm)
+
+
+def test_real_model_group_moved_to_another_engine_equals_hf(smollm2):
+    """The group leaves its engine mid-search and a peer engine continues it."""
+    loaded, reference = smollm2
+    prompt = loaded.tokenizer.encode(TEXTS[0])
+    source, peer = engine(loaded), engine(loaded, block_size=8, num_kv_blocks=48)
+    params = SamplingParams(n=4, use_beam_search=True, temperature=0.0, max_tokens=MAX_TOKENS)
+    source.engine.add_request("moving", prompt, params)
+    for _ in range(4):
+        source.engine.step()
+    handoff = source.engine.export_beam_group("moving")
+    assert len(handoff.beams) == 4
+    finish_clean(source)
+    peer.engine.adopt_beam_group(handoff)
+    outputs = Stepper(peer.engine).run_to_end()
+    assert_equals_hf(reference, prompt, outputs["moving"], max_tokens=MAX_TOKENS)
+    finish_clean(peer)
