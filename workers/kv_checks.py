@@ -55,9 +55,13 @@ def check_invariants(manager: KVCacheManager) -> None:
         if block_hash(key.parent_hash, key.token_ids, key.extra_keys) != digest:
             _fail(f"block {block.block_id}: stored key does not hash to its map entry")
     swap_free = manager._free_swap_slots
-    swap_used = [slot for state in manager._requests.values() for slot in state.swap_slots]
-    all_slots = swap_free + swap_used
-    if sorted(all_slots) != list(range(manager.num_swap_blocks)):
+    # A group swapped out together shares a slot per shared block (`kv_swap.py`): each slot
+    # held is counted once, and its owner count is the tables that hold it.
+    owners = Counter(slot for state in manager._requests.values() for slot in state.swap_slots)
+    if owners != manager._swap_slot_owners:
+        _fail(f"swap slot owners {dict(owners)} != recorded {dict(manager._swap_slot_owners)}")
+    swap_used = sorted(owners)
+    if sorted(swap_free + swap_used) != list(range(manager.num_swap_blocks)):
         _fail(f"swap slots lost or doubled: free {swap_free}, used {swap_used}")
     if pool.lower is not None:
         check_tiers(pool.lower)
