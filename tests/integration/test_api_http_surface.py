@@ -89,21 +89,25 @@ def test_best_of_refusals_name_it(app):
 BEAM = {"model": MODEL, "prompt": "Paged", "max_tokens": 8, "n": 4}
 
 
-@pytest.fixture(scope="module")
-def hf_beam_texts(tiny_llama_model):
-    """HF's `generate(num_beams=4, num_return_sequences=4)` of BEAM's prompt, as the texts the
+def hf_texts(model, prompt_ids: list[int], max_tokens: int) -> list[str]:
+    """HF's `generate(num_beams=4, num_return_sequences=4)` of a prompt, as the texts the
     server's detokenizer makes of them (a stopped beam ends at its stop token), best first."""
-    generation = tiny_llama_model.generation_config
-    ids, _ = hf_beams(SimpleNamespace(model=tiny_llama_model), list(b"Paged"), 4, 8)
+    generation = model.generation_config
+    ids, _ = hf_beams(SimpleNamespace(model=model), prompt_ids, 4, max_tokens)
     fill = {generation.eos_token_id, generation.pad_token_id} - {None}
     decode = decoder_for(load_model(MODEL).tokenizer)
     ended = [next((i + 1 for i, t in enumerate(b) if t in fill), len(b)) for b in ids]
     return [decode(beam[:end]) for beam, end in zip(ids, ended, strict=True)]
 
 
-def test_beam_search_with_the_openai_client_equals_hf(app, oai, hf_beam_texts):
-    """vLLM's extra parameters through `extra_body`: `n` is the width; the choices are HF's
-    beams, best first; an unset temperature is 0 under beam search."""
+@pytest.fixture(scope="module")
+def hf_beam_texts(tiny_llama_model):
+    return hf_texts(tiny_llama_model, list(b"Paged"), 8)
+
+
+def test_beam_search_with_the_openai_client_equals_hf(app, oai, hf_beam_texts, tiny_llama_model):
+    """vLLM's extra parameters through `extra_body`, on completions and chat: `n` is the width;
+    the choices are HF's beams, best first; an unset temperature is 0 under beam search."""
     fields = {k: v for k, v in BEAM.items() if k != "n"}
     beams = oai.completions.create(n=4, extra_body={"use_beam_search": True}, **fields)
     assert [c.index for c in beams.choices] == [0, 1, 2, 3]
@@ -111,6 +115,15 @@ def test_beam_search_with_the_openai_client_equals_hf(app, oai, hf_beam_texts):
     penalised = {"use_beam_search": True, "length_penalty": 1.0, "early_stopping": False}
     again = oai.completions.create(n=4, extra_body=penalised, **fields)
     assert [c.text for c in again.choices] == hf_beam_texts
+    chat = oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": QUESTION}],
+        n=4,
+        max_tokens=6,
+        extra_body={"use_beam_search": True},
+    )
+    expected = hf_texts(tiny_llama_model, list(CHAT_TEXT.encode()), 6)
+    assert [c.message.content for c in chat.choices] == expected
     assert_app_clean(app)
 
 
