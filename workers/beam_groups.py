@@ -268,14 +268,20 @@ class BeamSearch:
         queue (recompute) re-enters as its best waiting beam, the others pending on it."""
         groups = {id(r.beam): r.beam for r in preempted if r.beam is not None}
         for beam in groups.values():
+            # Followers still pending on a leader that yielded again are in no queue.
             waiting = [b for b in beam.live if b.status is RequestStatus.WAITING]
             for request in waiting:
                 beam.held.pop(request, None)
+                request.pending_branches = []
             if len(waiting) < 2:
                 continue
             leader, *followers = waiting
+            queue = self.scheduler.waiting
             for follower in followers:
-                self.scheduler.waiting.remove(follower)
+                if follower in queue:
+                    queue.remove(follower)
+            if leader not in queue:
+                self.scheduler.add(leader)
             leader.pending_branches = followers
 
 
