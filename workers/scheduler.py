@@ -214,10 +214,7 @@ class Scheduler:
             return None
         for request in tenant_heads(self._admissible(self.waiting, step), self.tenants):
             victims: list[Request] = []
-            while (
-                self.num_active - len(victims) + request.group_size
-                > self.config.max_num_seqs
-            ):
+            while self.num_active - len(victims) + request.group_size > self.config.max_num_seqs:
                 victim = self._fair_victim(request, exclude=victims)
                 if victim is None:
                     break
