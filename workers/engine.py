@@ -33,11 +33,12 @@ from pagedserve.workers.deadline import check_timeout_s
 from pagedserve.workers.engine_config import EngineConfig
 from pagedserve.workers.engine_handoffs import EngineHandoffs
 from pagedserve.workers.engine_sizing import kv_layout, kv_pool_dtype, num_kv_blocks
+from pagedserve.workers.engine_stats import EngineStats
 from pagedserve.workers.errors import Overloaded, RequestRejected, RequestTooLarge
 from pagedserve.workers.kv_cache import KVCache
-from pagedserve.workers.kv_cache_manager import KVCacheManager, KVUsage
+from pagedserve.workers.kv_cache_manager import KVCacheManager
 from pagedserve.workers.kv_tier_load import build_tier_store, load_waiting_prefixes
-from pagedserve.workers.kv_tiers import StepTierLoad, TierStats
+from pagedserve.workers.kv_tiers import StepTierLoad
 from pagedserve.workers.logprobs import (
     take_prompt_logprobs,
 )
@@ -51,7 +52,7 @@ from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedserve.workers.spec_decoding import SpecDecoding
 from pagedserve.workers.spec_proposer import Proposer, make_proposer
-from pagedserve.workers.spec_stats import SpecCounters, SpecStats
+from pagedserve.workers.spec_stats import SpecCounters
 from pagedserve.workers.stop_checker import FinishReason, check_stop
 from pagedserve.workers.structured.guided_requests import GuidedRequests, guided_stop
 from pagedserve.workers.worker_role import WorkerRole
@@ -59,7 +60,7 @@ from pagedserve.workers.worker_role import WorkerRole
 _log = logging.getLogger(__name__)
 
 
-class Engine(EngineHandoffs, EngineBeamMoves):
+class Engine(EngineHandoffs, EngineBeamMoves, EngineStats):
     """One worker's engine: model, KV pool, scheduler and sampler behind three calls.
 
     Args:
@@ -468,37 +469,6 @@ class Engine(EngineHandoffs, EngineBeamMoves):
             self._groups.pop(group.request_id, None)
             self._paused.discard(group.request_id)
         return group.take_delta()
-
-    # ----------------------------------------------------------------- stats
-    def usage(self) -> KVUsage:
-        return self.kv.usage()
-
-    def stats(self) -> dict:
-        usage = self.kv.usage()
-        return {
-            "kv": usage,
-            "num_waiting": len(self.scheduler.waiting),
-            "num_running": len(self.scheduler.running),
-            "num_swapped": len(self.scheduler.swapped),
-            "num_paused": len(self._paused),
-            "num_steps": self.num_steps,
-            "num_handoffs": self.num_handoffs,
-            "adopted_with_kv": self.num_adopted_with_kv,
-            "adopted_recomputed": self.num_adopted_recomputed,
-            "role": self.role,
-            "kv_cache_device_bytes": self.kv_cache.device_bytes,
-            "kv_cache_swap_bytes": self.kv_cache.swap_bytes,
-            "spec": self.spec_stats(),
-            "tiers": self.tier_stats(),
-        }
-
-    def tier_stats(self) -> TierStats:
-        """The host and disk tiers' occupancy and traffic (empty when neither is on)."""
-        return TierStats() if self.tiers is None else self.tiers.stats()
-
-    def spec_stats(self) -> SpecStats:
-        """Speculative decoding's counts so far (all zero when it is off)."""
-        return self.spec_counters.snapshot()
 
 
 __all__ = [
