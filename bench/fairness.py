@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import random
 import statistics
@@ -101,15 +100,19 @@ async def sequential(driver: Driver, count: int, args, rng: random.Random) -> tu
     return start, time.monotonic() - driver.t0
 
 
-async def flood(driver: Driver, args, rng: random.Random) -> None:
+async def flood(driver: Driver, args, rng: random.Random, stop: asyncio.Event) -> None:
     """`args.flood` clients of A, each sending its next long request when its last ended,
-    until cancelled."""
+    until `stop` is set; returns when the last of their requests has ended, so that every
+    request's record (its chunks' times) is kept: a request cancelled mid-stream would leave
+    no record, and the windows would lose the tokens of everything in flight at the end."""
 
     async def client(k: int) -> None:
-        for i in range(1_000_000):
+        i = 0
+        while not stop.is_set():
             await driver.send(
                 planned(k * 1_000_000 + i, args.prompt_tokens, args.flood_tokens, rng)
             )
+            i += 1
 
     await asyncio.gather(*(client(k) for k in range(args.flood)))
 
@@ -145,7 +148,8 @@ async def run_phases(base_url: str, args) -> tuple[float, float, float, float, i
         await sequential(b, args.short_requests, args, rng)
         b_alone = ttft_p50_ms(b.records)
         b.records.clear()
-        task = asyncio.create_task(flood(a, args, rng))
+        stop = asyncio.Event()
+        task = asyncio.create_task(flood(a, args, rng, stop))
         await asyncio.sleep(RAMP_S)
         alone, beside = [], []
         per_round = -(-args.short_requests // args.rounds)
@@ -154,9 +158,8 @@ async def run_phases(base_url: str, args) -> tuple[float, float, float, float, i
             await asyncio.sleep(args.window_s)
             alone.append((start, time.monotonic() - t0))
             beside.append(await sequential(b, per_round, args, rng))
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        stop.set()
+        await task  # A's requests in flight run to their end: their tokens count
         failures = sum(not r.ok for r in a.records + b.records)
         return (
             b_alone,

@@ -1,0 +1,63 @@
+"""`pagedserve bench fairness`'s arithmetic and its flood's end, without a server: A's tokens per
+second over windows come from every request's chunk times, and stopping the flood lets the
+requests in flight end (a cancelled one would leave no record and its window no tokens)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+
+import pytest
+
+from pagedserve.bench.fairness import ArmResult, flood, rate, tokens_in
+from pagedserve.bench.openai_load import RequestRecord
+
+
+def record(chunks: tuple[float, ...], tokens: int | None) -> RequestRecord:
+    return RequestRecord(0, 0.0, 4, tokens or 8, 0.0, chunks[-1], chunks, tokens, "length", 200)
+
+
+def test_tokens_are_counted_where_their_chunks_arrived():
+    one_a_chunk = record((1.0, 2.0, 3.0, 4.0), 4)
+    two_a_chunk = record((1.5, 3.5), 4)  # a server may send several tokens in one chunk
+    records = [one_a_chunk, two_a_chunk]
+    assert tokens_in(records, 1.0, 2.0) == 2 + 2
+    assert tokens_in(records, 2.5, 4.0) == 2 + 2
+    assert rate(records, [(1.0, 2.0), (2.5, 4.0)]) == pytest.approx(8 / 2.5)
+
+
+def test_ratios():
+    result = ArmResult("fair", 100.0, 250.0, 400.0, 380.0, 0)
+    assert result.ttft_ratio == 2.5 and result.tok_s_ratio == pytest.approx(0.95)
+
+
+class SlowDriver:
+    """Each request streams for a while; the flood is stopped while all are in flight."""
+
+    def __init__(self) -> None:
+        self.records: list[str] = []
+        self.in_flight = 0
+        self.started = asyncio.Event()
+
+    async def send(self, request) -> None:
+        self.in_flight += 1
+        self.started.set()
+        await asyncio.sleep(0.05)
+        self.in_flight -= 1
+        self.records.append(request.index)
+
+
+def test_stopping_the_flood_lets_every_request_in_flight_end():
+    args = argparse.Namespace(flood=5, prompt_tokens=4, flood_tokens=8)
+
+    async def run() -> SlowDriver:
+        driver, stop = SlowDriver(), asyncio.Event()
+        task = asyncio.create_task(flood(driver, args, random.Random(0), stop))
+        await driver.started.wait()
+        stop.set()
+        await task
+        return driver
+
+    driver = asyncio.run(run())
+    assert driver.in_flight == 0 and len(driver.records) >= 5  # each client's last one kept
