@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
+import sys
 from typing import Any
 
 
@@ -52,3 +54,14 @@ def write_json(path: str, data: dict[str, Any]) -> None:
 def write_text(path: str, text: str) -> None:
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM end this bench as an exception would (`SystemExit`), so that its
+    `finally` blocks stop the servers it started; by default SIGTERM ends the process at
+    once and leaves them running."""
+
+    def stop(signum: int, frame: object) -> None:
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)

@@ -34,7 +34,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pagedserve.bench.bench_io import positive_int
+from pagedserve.bench.bench_io import exit_on_sigterm, positive_int
 
 TOKEN_A, TOKEN_B = "bench-tenant-a", "bench-tenant-b"
 ARMS = {"fair": True, "fcfs": False}
@@ -271,6 +271,7 @@ def run(args: argparse.Namespace) -> int:
     if unknown or not arms:
         print(f"--arms: unknown {unknown}; known: {', '.join(ARMS)}", file=sys.stderr)
         return 2
+    exit_on_sigterm()  # a stopped bench stops its server
     with tempfile.TemporaryDirectory(prefix="bench-fairness-") as scratch:
         results = []
         for arm in arms:
