@@ -306,6 +306,7 @@ class Engine(EngineHandoffs, EngineBeamMoves, EngineStats):
         self._load_from_tiers()
         plan = self.scheduler.schedule()
         self.beams.regroup(plan.preempted)
+        self._end_unfittable(plan, touched)
         if plan.swap_out:
             self.kv_cache.swap_out(plan.swap_out)
         for victim, block_ids in plan.moved:  # before anything writes into their blocks
@@ -334,6 +335,22 @@ class Engine(EngineHandoffs, EngineBeamMoves, EngineStats):
                 _log.warning("request %s failed: %s", group_id, message)
                 self._end_group(group, FinishReason.ERROR)
                 touched[group_id] = group
+
+    def _end_unfittable(self, plan: SchedulerOutput, touched: dict[str, RequestGroup]) -> None:
+        """End (finish reason `error`) the groups that need more KV blocks than the pool holds
+        even alone: a beam search whose diverged beams outgrew it."""
+        for group_id in dict.fromkeys(request.group_id for request in plan.unfittable):
+            group = self._groups.get(group_id)
+            if group is None:
+                continue
+            _log.warning(
+                "request %s: its %d beams need more KV blocks than the pool's %d; ended",
+                group.request_id,
+                len(group.branches),
+                self.kv.pool.num_blocks,
+            )
+            self._end_group(group, FinishReason.ERROR)
+            touched[group.request_id] = group
 
     def _load_from_tiers(self) -> None:
         """Before admission: the waiting requests' lower-tier prefixes, back into the pool."""

@@ -104,6 +104,11 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     moved: list[tuple[Request, list[int]]] = field(default_factory=list)  # victim, its blocks
+    # Sequences whose group needs more blocks than the whole pool, with nothing else left to
+    # preempt: preempting the group would only bring it back to the same wall (a wide beam
+    # search in a small pool). Already out of the queues, blocks freed; the engine ends their
+    # groups with an error.
+    unfittable: list[Request] = field(default_factory=list)
     budget: int = 0
 
     @property
@@ -245,8 +250,9 @@ class Scheduler:
         for request in sorted(self.running, key=lambda r: r.is_prefilling):
             if step.budget == 0:
                 break
-            # A beam with every token computed waits for its group's step (`beam_groups.py`).
-            held = request.num_tokens_to_compute == 0
+            # A beam with every token computed waits for its group's step (`beam_groups.py`);
+            # one of a group dropped earlier in this loop (`unfittable`) is gone.
+            held = request.num_tokens_to_compute == 0 or request in step.unfittable
             if request.status is RequestStatus.RUNNING and not request.paused and not held:
                 self._schedule_running(request, step)
         if not step.preempted:
@@ -272,7 +278,11 @@ class Scheduler:
             if num_drafts:
                 request.draft_token_ids.clear()
                 continue
-            self._preempt(self._victim(), step)
+            victim = self._victim()
+            if self._alone_in_the_pool(request, victim):
+                self._drop_unfittable(victim.preempted_with(), step)
+                return
+            self._preempt(victim, step)
             if request.status is not RequestStatus.RUNNING:  # it yielded (or its group did)
                 return
         num_new += num_drafts
@@ -280,6 +290,24 @@ class Scheduler:
         step.budget -= num_new
         if allocation.copies:
             step.copies[request] = allocation.copies
+
+    def _alone_in_the_pool(self, request: Request, victim: Request) -> bool:
+        """Whether `request` needs a block with only its own group running (and `victim` in
+        it): a single sequence always fits (intake checks prompt + max_tokens against the
+        pool), a beam group of diverged beams may not."""
+        group = victim.preempted_with()
+        return len(group) > 1 and request in group and all(r in group for r in self.running)
+
+    def _drop_unfittable(self, group: list[Request], step: SchedulerOutput) -> None:
+        """Take a group that cannot fit even alone out of this step and of the queues, its
+        blocks freed; the engine ends it (`SchedulerOutput.unfittable`)."""
+        for request in group:
+            if request in self.running:
+                self.running.remove(request)
+                self.tenants.leave(request)
+            self._unschedule(request, step)
+            self.kv.free(request.request_id)
+            step.unfittable.append(request)
 
     def _preempt(self, victim: Request, step: SchedulerOutput) -> None:
         """Preempt `victim` and the sequences that yield with it: a beam search's live beams

@@ -216,3 +216,27 @@ def test_a_group_moved_to_another_engine_still_equals_hf(tiny_llama, steps_befor
     outputs = Stepper(peer.engine).run_to_end()
     assert_equals_hf(reference, PROMPTS[1], outputs["b"], max_tokens=24)
     finish_clean(peer)
+
+
+def test_a_group_too_wide_for_the_whole_pool_ends_with_an_error_not_a_livelock(tiny_llama):
+    # 4 beams of 20 + 40 tokens outgrow 12 blocks of 8 even alone: recomputing the group would
+    # only bring it back to the same wall, forever. It ends (finish reason `error`), and a
+    # plain request beside it runs to its end.
+    loaded, _ = tiny_llama
+    llm = engine(loaded, num_kv_blocks=12)
+    llm.engine.add_request("wide", PROMPTS[0], beam(max_tokens=40))
+    plain = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    llm.engine.add_request("plain", PROMPTS[1][:10], plain)
+    stepper = Stepper(llm.engine)
+    for _ in range(500):  # a livelock never ends; the bound only turns it into a failure
+        if not llm.engine.has_unfinished_requests():
+            break
+        stepper.step()
+    outputs = stepper.outputs
+    # The beams still growing end with `error`; a finished hypothesis keeps its own reason.
+    reasons = [c.finish_reason for c in outputs["wide"].outputs]
+    assert "error" in reasons and set(reasons) <= {"error", "stop", "length"}
+    assert outputs["plain"].outputs[0].finish_reason == "length"
+    assert len(outputs["plain"].outputs[0].token_ids) == 6
+    assert llm.engine.scheduler.counters.recomputed == 0
+    finish_clean(llm)
