@@ -32,18 +32,22 @@ def test_ratios():
     assert result.ttft_ratio == 2.5 and result.tok_s_ratio == pytest.approx(0.95)
 
 
-class SlowDriver:
-    """Each request streams for a while; the flood is stopped while all are in flight."""
+class HeldDriver:
+    """Each request streams until the test releases it; the flood is stopped while every
+    client has one in flight."""
 
-    def __init__(self) -> None:
-        self.records: list[str] = []
+    def __init__(self, clients: int) -> None:
+        self.records: list[int] = []
         self.in_flight = 0
-        self.started = asyncio.Event()
+        self.clients = clients
+        self.all_in_flight = asyncio.Event()
+        self.release = asyncio.Event()
 
     async def send(self, request) -> None:
         self.in_flight += 1
-        self.started.set()
-        await asyncio.sleep(0.05)
+        if self.in_flight == self.clients:
+            self.all_in_flight.set()
+        await self.release.wait()
         self.in_flight -= 1
         self.records.append(request.index)
 
@@ -51,11 +55,12 @@ class SlowDriver:
 def test_stopping_the_flood_lets_every_request_in_flight_end():
     args = argparse.Namespace(flood=5, prompt_tokens=4, flood_tokens=8)
 
-    async def run() -> SlowDriver:
-        driver, stop = SlowDriver(), asyncio.Event()
+    async def run() -> HeldDriver:
+        driver, stop = HeldDriver(args.flood), asyncio.Event()
         task = asyncio.create_task(flood(driver, args, random.Random(0), stop))
-        await driver.started.wait()
+        await driver.all_in_flight.wait()
         stop.set()
+        driver.release.set()
         await task
         return driver
 
