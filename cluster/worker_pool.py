@@ -343,15 +343,17 @@ class WorkerPoolActor:
         first = await self._hand_over(source, member.fingerprint)
         await self._drain(member.handle)
         second = await self._hand_over(source, member.fingerprint)
+        # Counted in the same step as the removal, so that stats never show one without the
+        # other (a snapshot taken while the routers catch up reads both).
         self.members.remove(worker_id)
-        await self._routers_hold(self.members.version)
-        self._kill(member.handle)
-        await self._forget_in_index(worker_id)
         counters = self.counters
         counters.workers_removed += 1
         counters.workers_replaced += reason == Reason.RECONCILE
         counters.handover_chains += first.chains + second.chains
         counters.handover_blocks += first.blocks + second.blocks
+        await self._routers_hold(self.members.version)
+        self._kill(member.handle)
+        await self._forget_in_index(worker_id)
 
     async def _remove_lost(self, worker_id: str) -> None:
         """A worker gone for good: nothing to hand over or drain (its routers replay what it
@@ -360,9 +362,9 @@ class WorkerPoolActor:
         assert member is not None
         logger.warning("pool: worker %s is gone for good; removing it", worker_id)
         self.members.remove(worker_id)
+        self.counters.workers_lost += 1
         self._kill(member.handle)
         await self._forget_in_index(worker_id)
-        self.counters.workers_lost += 1
 
     async def _routers_hold(self, version: MembershipVersion) -> None:
         """Wait until every live router holds `version`, at most one lease."""
