@@ -115,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
             **tiers,
         ),
         num_workers=args.num_workers,
+        fault_injection=True,  # the soak stalls workers and drops event batches
         prefill_workers=args.prefill_workers,
         decode_workers=args.decode_workers,
         worker_num_cpus=0.5,

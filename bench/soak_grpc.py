@@ -325,6 +325,7 @@ def grpc_soak_config(
             **(tiers or {}),
         ),
         num_workers=num_workers,
+        fault_injection=True,  # the soak stalls workers before their kill
         prefill_workers=prefill_workers,
         decode_workers=decode_workers,
         worker_num_cpus=0.5,

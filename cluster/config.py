@@ -132,6 +132,9 @@ class ClusterConfig:
             the worker's process (`pagedserve drain-node`, a pod's removal), when
             `stop_worker_group` stops the app, and when `pagedserve serve` stops on SIGINT or
             SIGTERM (unless `--shutdown-grace-s` says otherwise).
+        fault_injection: workers accept fault calls (stall, refuse, lose a KV fetch or an
+            event batch: `workers/fault_injection.py`), for soaks and failure tests. Off in
+            production: a production worker has no such methods.
         router_replicas: Router replicas Serve runs (each one ingress of both proxies, with its
             own prefix view, liveness watch and `max_inflight`; any replica serves any call,
             Abort included). The floor when `router_max_replicas` is set.
@@ -197,6 +200,7 @@ class ClusterConfig:
     max_buffered_deltas: int = 64
     stall_timeout_s: float = 60.0
     drain_grace_s: float = 30.0
+    fault_injection: bool = False
     router_replicas: int = 1
     router_max_replicas: int | None = None
     prefill_workers: int = 0

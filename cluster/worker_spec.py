@@ -43,6 +43,7 @@ class WorkerSpec:
         nice: each worker's niceness.
         lease_timeout_s, max_buffered_deltas: the worker's stream settings.
         drain_grace_s: how long its open streams get to finish when SIGTERM drains it.
+        fault_injection: create `FaultInjectingWorker` actors (soaks and failure tests).
         index_name, namespace: where its prefix index and its name live.
         prefill_workers, decode_workers: the P/D layout (`ClusterConfig`): how many workers
             of each role the pool keeps; each worker is created with one (`role_for_new`).
@@ -63,6 +64,7 @@ class WorkerSpec:
     namespace: str
     prefill_workers: int = 0
     decode_workers: int = 0
+    fault_injection: bool = False
 
     @classmethod
     def of(cls, config: ClusterConfig) -> WorkerSpec:
@@ -82,6 +84,7 @@ class WorkerSpec:
             namespace=config.namespace,
             prefill_workers=config.prefill_workers,
             decode_workers=config.decode_workers,
+            fault_injection=config.fault_injection,
         )
 
     def role_for_new(self, roles: Iterable[WorkerRole]) -> WorkerRole:
@@ -109,6 +112,15 @@ class WorkerSpec:
         )
 
 
+def worker_class(spec: WorkerSpec) -> type[Worker]:
+    """The production `Worker`, or with `fault_injection` its subclass that takes faults."""
+    if not spec.fault_injection:
+        return Worker
+    from pagedserve.workers.fault_injection import FaultInjectingWorker
+
+    return FaultInjectingWorker
+
+
 def create_worker(
     spec: WorkerSpec,
     worker_id: str,
@@ -130,7 +142,7 @@ def create_worker(
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     return (
-        ray.remote(Worker)
+        ray.remote(worker_class(spec))
         .options(
             name=worker_id,
             namespace=spec.namespace,

@@ -266,9 +266,9 @@ class DeltaBuffer:
 
         So the messages a stream may run ahead of its reader (`RUN_AHEAD_MESSAGES`, 8) can
         carry a whole answer: a test that means to cut a stream mid-way must stop the engine
-        first (`WorkerCore.chaos_stall` with `after_steps`), not count on a kill landing before
-        the tokens went out. Branches of one request (n > 1) interleave in the buffer, so each
-        step's deltas of different branches stay separate messages.
+        first (`FaultInjectingWorker.chaos_stall` with `after_steps`), not count on a kill
+        landing before the tokens went out. Branches of one request (n > 1) interleave in the
+        buffer, so each step's deltas of different branches stay separate messages.
 
         A message merges at most `max_merged` deltas (`capacity // RUN_AHEAD_MESSAGES`), so a
         reader that stops reading still pauses its request within about twice `capacity`

@@ -142,7 +142,6 @@ class Worker:
             max_buffered_deltas=max_buffered_deltas,
         )
         self.drain_grace_s = drain_grace_s
-        self._fail_kv_fetches = 0  # `chaos_fail_next_kv_fetch`
         self._held_kv = handoff_ref.HeldKV()  # KV handed off by ref, until fetched
         if pid_dir is not None:
             register_pid(worker_id, pid_dir)
@@ -275,8 +274,8 @@ class Worker:
         return dataclasses.replace(message, handoff=handoff)
 
     async def _fetched(self, handoff: RequestHandoff) -> RequestHandoff:
-        if self._fail_kv_fetches and handoff.packed_kv is not None:  # chaos: as if lost
-            self._fail_kv_fetches -= 1
+        faults = self.core.faults
+        if handoff.packed_kv is not None and faults is not None and faults.take_kv_fetch_failure():
             handoff_ref.release_source(handoff)
             return handoff_ref.without_kv(handoff)
         return await handoff_ref.resolved(handoff)
@@ -324,20 +323,6 @@ class Worker:
 
     async def check_pool(self) -> PoolCheck:
         return await self.core.check_pool()
-
-    async def chaos_refuse_next(self, count: int) -> None:
-        self.core.chaos_refuse_next(count)
-
-    async def chaos_stall(self, stalled: bool, after_steps: int = 0) -> None:
-        self.core.chaos_stall(stalled, after_steps)
-
-    async def chaos_fail_next_kv_fetch(self, count: int) -> None:
-        """Let the next `count` handoffs that carry KV arrive without it, as when their
-        source's object is lost: the adoption recomputes it (failed-transfer tests)."""
-        self._fail_kv_fetches = count
-
-    async def chaos_drop_next_event_batch(self) -> None:
-        self.core.chaos_drop_next_event_batch()
 
     async def export_prefix(self, block_hashes: Sequence[bytes]) -> tuple[list[BlockKey], Any]:
         return await self.core.export_prefix(block_hashes)

@@ -35,11 +35,10 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pagedserve.workers.engine import Engine
 from pagedserve.workers.kv_events import KVEvent
@@ -54,6 +53,9 @@ from pagedserve.workers.worker_kv import WorkerKV
 from pagedserve.workers.worker_requests import WorkerRequests
 from pagedserve.workers.worker_streams import StreamTable
 from pagedserve.workers.worker_types import WorkerStats
+
+if TYPE_CHECKING:
+    from pagedserve.workers.fault_injection import StepFaults
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -106,17 +108,14 @@ class WorkerCore(WorkerRequests, WorkerKV):
         self._step_in_flight: asyncio.Future | None = None  # the step thread, while it runs
         self.num_blocks_imported = 0
         self.num_blocks_exported = 0
-        self._drop_next_batch = False
         self.num_event_batches_dropped = 0
         self.draining = False  # set by `drain`: nothing new is admitted
         # When the engine last made progress (a step ended, or the loop took up work after
         # waiting for some): how the router tells a stalled worker from a busy one.
         self._progress_at = time.monotonic()
         self._waiting_for_work = False
-        self._unstalled = threading.Event()  # cleared by `chaos_stall`: steps block
-        self._unstalled.set()
-        self._stall_after_steps: int | None = None  # `chaos_stall(True, n)`: steps left
-        self._refuse_next = 0  # set by `chaos_refuse_next`: new streams refused as Overloaded
+        # Soak and failure tests only (`workers/fault_injection.py` installs it): None here.
+        self.faults: StepFaults | None = None
 
     # ------------------------------------------------------------ the loop
     def start(self) -> None:
@@ -135,7 +134,8 @@ class WorkerCore(WorkerRequests, WorkerKV):
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         self._loop_task = self._housekeeping = None
-        self._unstalled.set()  # a `chaos_stall`ed step must not hold the close forever
+        if self.faults is not None:  # a stalled step must not hold the close forever
+            self.faults.release()
         if self._step_in_flight is not None:  # its thread runs on after the loop's cancel
             with contextlib.suppress(Exception):
                 await self._step_in_flight
@@ -186,13 +186,12 @@ class WorkerCore(WorkerRequests, WorkerKV):
             self._publish_events()
 
     def _step(self) -> list[RequestDelta]:
-        self._unstalled.wait()  # only `chaos_stall` ever makes this wait
+        faults = self.faults
+        if faults is None:
+            return self.engine.step()
+        faults.before_step()
         deltas = self.engine.step()
-        if self._stall_after_steps is not None:
-            self._stall_after_steps -= 1
-            if self._stall_after_steps <= 0:  # `chaos_stall(True, after_steps)`: stall now
-                self._stall_after_steps = None
-                self._unstalled.clear()
+        faults.after_step()
         return deltas
 
     def seconds_without_progress(self) -> float:
@@ -253,9 +252,8 @@ class WorkerCore(WorkerRequests, WorkerKV):
         if self._stepping:
             return
         events = self.engine.kv.pool.take_events()
-        if events and self._drop_next_batch:  # chaos: the index must notice and resync
-            self._drop_next_batch = False
-            self.num_event_batches_dropped += 1
+        if events and self.faults is not None and self.faults.take_batch_drop():
+            self.num_event_batches_dropped += 1  # lost on purpose: the index must resync
             return
         if events and self.event_sink is not None:
             try:
@@ -305,28 +303,3 @@ class WorkerCore(WorkerRequests, WorkerKV):
             tenants=self.engine.scheduler.tenants.snapshot(),
             **engine,
         )
-
-    def chaos_stall(self, stalled: bool, after_steps: int = 0) -> None:
-        """Hang every engine step from the next one on (True) until released (False): a
-        worker alive and answering, whose requests make no progress (stall tests).
-
-        `after_steps` > 0: take that many more steps first, then hang; so a test knows a
-        stream cannot have run past them whatever the machine's speed."""
-        if after_steps < 0:
-            raise ValueError(f"after_steps must be >= 0, got {after_steps}")
-        self._stall_after_steps = None
-        if stalled and after_steps:
-            self._stall_after_steps = after_steps
-        elif stalled:
-            self._unstalled.clear()
-        else:
-            self._unstalled.set()
-
-    def chaos_refuse_next(self, count: int) -> None:
-        """Refuse the next `count` streams (new or adopted) with `Overloaded`, as a full
-        waiting queue would (retry tests)."""
-        self._refuse_next = count
-
-    def chaos_drop_next_event_batch(self) -> None:
-        """Lose the next KV event batch on purpose (soak and resync tests)."""
-        self._drop_next_batch = True

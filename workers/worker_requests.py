@@ -21,7 +21,7 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedserve.workers.errors import Draining, HandedOff, Overloaded, RequestRejected
 from pagedserve.workers.handoff import RequestHandoff
@@ -35,6 +35,9 @@ from pagedserve.workers.worker_types import (
     RequestMoved,
     WorkerRequest,
 )
+
+if TYPE_CHECKING:
+    from pagedserve.workers.fault_injection import StepFaults
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +55,7 @@ class WorkerRequests:
     draining: bool
     _streams: StreamTable
     _wakeup: asyncio.Event
-    _refuse_next: int
+    faults: StepFaults | None
     start: Callable[[], None]
     _on_engine: Callable[[Callable[[], Any]], Any]
     _on_engine_soon: Callable[[Callable[[], Any]], None]
@@ -190,9 +193,8 @@ class WorkerRequests:
         self.start()
         if self.draining:
             raise Draining(f"worker {self.worker_id} is draining", retry_after_s=0.0)
-        if self._refuse_next:
-            self._refuse_next -= 1
-            raise Overloaded(f"worker {self.worker_id} refused on purpose (chaos)")
+        if self.faults is not None and self.faults.take_refusal():
+            raise Overloaded(f"worker {self.worker_id} refused on purpose (fault injection)")
         stream = self._streams.open(request_id, owner_id, num_branches, trace, buffer)
         try:
             await self._on_engine(add)

@@ -68,7 +68,13 @@ def running_app(name: str, **args: Any) -> Iterator[RunningApp]:
 
     `args` are `build_app` arguments over the defaults (API keys and cluster config keys).
     """
-    defaults = {"engine": ENGINE, "num_workers": 2, "name": name, "stats_interval_s": 0.1}
+    defaults = {
+        "engine": ENGINE,
+        "num_workers": 2,
+        "name": name,
+        "stats_interval_s": 0.1,
+        "fault_injection": True,  # `stall_workers` calls the workers' `chaos_stall`
+    }
     app_args = {**defaults, **args}
     # The default model is the real (slower) SmolLM2: tests name tiny-llama unless they say.
     app_args["engine"] = {"model": "tiny-llama", **app_args["engine"]}
@@ -103,7 +109,7 @@ def _wait_routed(app: RunningApp) -> None:
 
 def stall_workers(app: RunningApp, stalled: bool, after_steps: int = 0) -> None:
     """Hold every worker's engine still after `after_steps` more steps (True), or release it
-    (`Worker.chaos_stall`): a stream open by construction, not by outrunning it."""
+    (`FaultInjectingWorker.chaos_stall`): a stream open by construction, not by outrunning it."""
     config = app.config
     handles = [
         ray.get_actor(config.worker_name(i), namespace=config.namespace)

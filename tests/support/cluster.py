@@ -40,6 +40,8 @@ def cluster_config(
     # cores from a server's engine.
     overrides.setdefault("worker_nice", None)
     overrides.setdefault("control_nice", None)
+    # Failure tests stall, refuse or drop through the workers' fault calls.
+    overrides.setdefault("fault_injection", True)
     return ClusterConfig(
         engine=engine,
         num_workers=num_workers,

@@ -10,6 +10,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.workers.block_hash import hash_full_blocks
 from pagedserve.workers.engine import RequestRejected
 from pagedserve.workers.errors import Draining
+from pagedserve.workers.fault_injection import StepFaults
 from pagedserve.workers.worker_core import WorkerCore
 from pagedserve.workers.worker_types import DrainResult, PoolCheck, RequestMoved
 
@@ -120,9 +121,10 @@ def test_pool_reads_wait_for_the_step_in_flight(tiny_llama):
 
     async def main():
         started = core.steps_started
-        core.chaos_stall(True, after_steps=2)  # the third step is held in flight
+        core.faults = faults = StepFaults()
+        faults.stall(True, after_steps=2)  # the third step is held in flight
         reader = asyncio.ensure_future(collect(core, "x", list(range(40)), long))
-        # `chaos_stall` holds the step thread before the engine step: the third, launched once
+        # A stall holds the step thread before the engine step: the third, launched once
         # the second ended (`_stepping` alone could be the second's end, then no read waits).
         await until(lambda: core.steps_started == started + 3 and core._stepping, "a held step")
         reads = (core.kv_snapshot(), core.check_pool(), core.push_candidates(4))
@@ -130,7 +132,7 @@ def test_pool_reads_wait_for_the_step_in_flight(tiny_llama):
         for _ in range(3):  # a read that did not wait would be done after its first turn
             await asyncio.sleep(0)
         waited = [not read.done() for read in reads]
-        core.chaos_stall(False)
+        faults.stall(False)
         snapshot, check, _ = await asyncio.gather(*reads)
         await reader
         await core.close()
