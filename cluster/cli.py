@@ -93,7 +93,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="interface to serve on (default: this machine only; 0.0.0.0: every interface). "
         "The gRPC port takes calls from this machine only when the host is a loopback one",
     )
-    add_config_flags(parser.add_argument_group("cluster (ClusterConfig)"), ClusterConfig)
+    # Fault injection is for soaks and failure tests (a config file can still set it).
+    add_config_flags(
+        parser.add_argument_group("cluster (ClusterConfig)"),
+        ClusterConfig,
+        exclude=("fault_injection",),
+    )
     add_config_flags(
         parser.add_argument_group("engine of every worker (EngineConfig)"),
         EngineConfig,

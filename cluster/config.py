@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
+from enum import StrEnum
 from typing import Any
 
 from pagedserve.cluster.router_types import BackpressureLimits
@@ -13,7 +14,16 @@ from pagedserve.cluster.tenant_quotas import EVERY_TENANT, TenantPolicy, tenant_
 from pagedserve.workers.cpu_placement import parse_cpu_list, worker_share
 from pagedserve.workers.engine_config import EngineConfig
 
-FAILURE_MODES = ("replay", "fail")
+
+class FailureMode(StrEnum):
+    """What a router does with the requests of a worker that died: `REPLAY` them on a peer
+    from their tokens, or `FAIL` them (UNAVAILABLE / 503)."""
+
+    REPLAY = "replay"
+    FAIL = "fail"
+
+
+FAILURE_MODES = tuple(mode.value for mode in FailureMode)
 
 
 @dataclass(frozen=True)
@@ -178,7 +188,9 @@ class ClusterConfig:
         default=DEFAULT_POLICY, metadata={"choices": RoutingPolicy.registry}
     )
     routing_options: dict[str, Any] = field(default_factory=dict)
-    on_worker_failure: str = field(default="replay", metadata={"choices": FAILURE_MODES})
+    on_worker_failure: FailureMode = field(
+        default=FailureMode.REPLAY, metadata={"choices": FAILURE_MODES}
+    )
     enable_pull: bool = True
     pull_min_blocks: int = 8
     pull_timeout_s: float = 5.0
@@ -217,6 +229,7 @@ class ClusterConfig:
             raise ValueError(
                 f"on_worker_failure must be one of {FAILURE_MODES}, got {self.on_worker_failure!r}"
             )
+        object.__setattr__(self, "on_worker_failure", FailureMode(self.on_worker_failure))
         if self.pull_min_blocks < 1:
             raise ValueError(f"pull_min_blocks must be >= 1, got {self.pull_min_blocks}")
         for name in ("tier_host_block_cost", "tier_disk_block_cost"):

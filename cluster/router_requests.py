@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
-from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.config import ClusterConfig, FailureMode
 from pagedserve.cluster.metrics import RouterMetrics
 from pagedserve.cluster.migration import Migrations
 from pagedserve.cluster.router_types import (
@@ -320,7 +320,7 @@ class RouterRequests:
         from the branch's tokens (recomputing their KV, or hitting its prefix cache) with the
         detokenizer resumed where the client's text stopped: a character split across the
         failure point, or a stop string spanning it, comes out exactly as without it."""
-        if self.config.on_worker_failure == "fail":
+        if self.config.on_worker_failure is FailureMode.FAIL:
             raise NoWorkerAvailable("the worker serving this request died")
         self.counters.replays += 1
         extra_keys = cache_key(self.model_name, request.prefix_salt)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import inspect
 import math
 import re
@@ -101,9 +102,12 @@ def attribute_docs(config_class: type) -> dict[str, str]:
 
 
 def _scalar_type(annotation: Any) -> type | None:
-    """`int` for `int` and `int | None`; None for anything that is no scalar."""
+    """`int` for `int` and `int | None`, `str` for a `StrEnum` (its values are the choices);
+    None for anything that is no scalar."""
     if annotation in _SCALARS:
         return annotation
+    if isinstance(annotation, type) and issubclass(annotation, enum.StrEnum):
+        return str
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         members = [a for a in typing.get_args(annotation) if a is not type(None)]
         if len(members) == 1 and members[0] in _SCALARS:

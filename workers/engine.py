@@ -50,6 +50,7 @@ from pagedserve.workers.request_intake import RequestIntake
 from pagedserve.workers.sampler import Sampler, sample_rows
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedserve.workers.scheduling_policy import PreemptionMode
 from pagedserve.workers.spec_decoding import SpecDecoding
 from pagedserve.workers.spec_proposer import Proposer, make_proposer
 from pagedserve.workers.spec_stats import SpecCounters
@@ -97,7 +98,7 @@ class Engine(EngineHandoffs, EngineBeamMoves, EngineStats):
         num_blocks = num_kv_blocks(config, self.loaded)
         num_swap = config.num_swap_blocks
         if num_swap is None:
-            num_swap = num_blocks if config.preemption_mode == "swap" else 0
+            num_swap = num_blocks if config.preemption_mode is PreemptionMode.SWAP else 0
         self.kv_cache = KVCache(
             num_layers=self.loaded.num_layers,
             num_blocks=num_blocks,

@@ -11,7 +11,11 @@ from pagedserve.kernels.backends import BACKENDS, LINEAR_BACKENDS
 from pagedserve.workers.fair_share import FairShareConfig
 from pagedserve.workers.kv_cache_manager import ALLOCATION_MODES
 from pagedserve.workers.model_registry import DEFAULT_MODEL
-from pagedserve.workers.scheduling_policy import PREEMPTION_MODES, SchedulingPolicy
+from pagedserve.workers.scheduling_policy import (
+    PREEMPTION_MODES,
+    PreemptionMode,
+    SchedulingPolicy,
+)
 from pagedserve.workers.spec_config import SpeculativeConfig
 
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024 * 1024
@@ -123,7 +127,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     scheduling_policy: str = field(default="fcfs", metadata={"choices": SchedulingPolicy.registry})
-    preemption_mode: str = field(default="recompute", metadata={"choices": PREEMPTION_MODES})
+    preemption_mode: PreemptionMode = field(
+        default=PreemptionMode.RECOMPUTE, metadata={"choices": PREEMPTION_MODES}
+    )
     max_waiting: int | None = None
     split_decodes: bool = False
     speculative: SpeculativeConfig | None = None
@@ -195,10 +201,7 @@ class EngineConfig:
             raise ValueError(
                 f"scheduling_policy must be one of {known}, got {self.scheduling_policy!r}"
             )
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(
-                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
-            )
+        object.__setattr__(self, "preemption_mode", PreemptionMode.of(self.preemption_mode))
 
     def _check_tiers(self) -> None:
         for name in ("kv_host_tier_bytes", "kv_disk_tier_bytes"):

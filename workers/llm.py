@@ -11,6 +11,7 @@ from pagedserve.workers.kv_cache_manager import KVUsage
 from pagedserve.workers.model_loader import LoadedModel
 from pagedserve.workers.outputs import OutputBuilder, RequestOutput
 from pagedserve.workers.sampling_params import SamplingParams
+from pagedserve.workers.scheduling_policy import PreemptionMode
 from pagedserve.workers.spec_stats import SpecStats
 
 Prompt = str | Sequence[int]
@@ -32,7 +33,7 @@ class LLM:
         self, model: str | None = None, *, loaded_model: LoadedModel | None = None, **config
     ) -> None:
         engine_config = EngineConfig(model=model, **config)
-        if engine_config.preemption_mode == "move":
+        if engine_config.preemption_mode is PreemptionMode.MOVE:
             raise ValueError(
                 "preemption_mode='move' hands requests to peer workers and needs a cluster "
                 "(pagedserve serve); offline, use 'recompute' or 'swap'"

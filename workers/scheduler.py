@@ -38,7 +38,7 @@ from pagedserve.workers.fair_share import (
 )
 from pagedserve.workers.kv_cache_manager import KVCacheManager
 from pagedserve.workers.request import Request, RequestStatus
-from pagedserve.workers.scheduling_policy import PREEMPTION_MODES, SchedulingPolicy
+from pagedserve.workers.scheduling_policy import PreemptionMode, SchedulingPolicy
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
-    preemption_mode: str = "recompute"
+    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
     max_waiting: int | None = None  # new requests queued at most; None: unbounded
     fair_share: FairShareConfig = field(default_factory=FairShareConfig)
 
@@ -62,10 +62,7 @@ class SchedulerConfig:
             )
         if self.policy not in SchedulingPolicy.registry:
             raise ValueError(f"policy must be one of {sorted(SchedulingPolicy.registry)}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(
-                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
-            )
+        object.__setattr__(self, "preemption_mode", PreemptionMode.of(self.preemption_mode))
 
 
 @dataclass
@@ -318,14 +315,15 @@ class Scheduler:
         unwritten: dict[int, int] = {}
         for request in group:
             unwritten |= self._yield(request, step)
-        if self.config.preemption_mode == "move" and group == [victim] and victim.movable:
+        mode = self.config.preemption_mode
+        if mode is PreemptionMode.MOVE and group == [victim] and victim.movable:
             # The blocks are freed now; the engine copies their KV out before this step's
             # forward can write into them.
             block_ids = [unwritten.get(b, b) for b in self._release(victim)]
             step.moved.append((victim, block_ids))
             self.counters.moved += 1
             return
-        if self.config.preemption_mode == "swap":
+        if mode is PreemptionMode.SWAP:
             moves = self.kv.swap_out_group([request.request_id for request in group])
             if moves is not None:
                 step.swap_out.extend((unwritten.get(block, block), slot) for block, slot in moves)

@@ -7,14 +7,34 @@ importing the scheduler (and torch with it).
 from __future__ import annotations
 
 import abc
+from enum import StrEnum
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
     from pagedserve.workers.request import Request
 
-# `move` hands the victim to a peer worker with its KV (see workers/handoff.py); only a worker
-# in a cluster can use it, and a victim that cannot move (n > 1) is recomputed instead.
-PREEMPTION_MODES = ("recompute", "swap", "move")
+
+class PreemptionMode(StrEnum):
+    """How a sequence yields its blocks when the pool runs short. `MOVE` hands the victim to a
+    peer worker with its KV (see workers/handoff.py); only a worker in a cluster can use it,
+    and a victim that cannot move (n > 1) is recomputed instead."""
+
+    RECOMPUTE = "recompute"
+    SWAP = "swap"
+    MOVE = "move"
+
+    @classmethod
+    def of(cls, value: str) -> PreemptionMode:
+        """`value` as a mode; a `ValueError` naming the field and the choices otherwise."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {value!r}"
+            ) from None
+
+
+PREEMPTION_MODES = tuple(mode.value for mode in PreemptionMode)
 
 
 class SchedulingPolicy(abc.ABC):

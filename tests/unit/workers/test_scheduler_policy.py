@@ -22,10 +22,13 @@ import itertools
 import pytest
 from support.scripted import scripted_request
 
+from pagedserve.cluster.config import ClusterConfig, FailureMode
+from pagedserve.workers.engine_config import EngineConfig
 from pagedserve.workers.kv_cache_manager import KVCacheManager
 from pagedserve.workers.kv_checks import assert_no_leaks
 from pagedserve.workers.request import Request, RequestStatus
 from pagedserve.workers.scheduler import Scheduler, SchedulerConfig, SchedulerCounters
+from pagedserve.workers.scheduling_policy import PreemptionMode
 
 B = 4  # tokens per block
 
@@ -206,3 +209,13 @@ def test_priority_has_no_aging_a_low_request_waits_while_better_ones_keep_arrivi
     driver.run()
     # It ran the moment no better request was waiting, and not one step before.
     assert driver.started == [f"high-{i}" for i in range(10)] + ["low"]
+
+
+def test_modes_are_enums_from_their_names_and_a_bad_name_is_named():
+    config = EngineConfig(model="tiny-llama", preemption_mode="swap")
+    assert config.preemption_mode is PreemptionMode.SWAP and config.preemption_mode == "swap"
+    assert ClusterConfig(on_worker_failure="fail").on_worker_failure is FailureMode.FAIL
+    with pytest.raises(ValueError, match="preemption_mode must be one of .* got 'drop'"):
+        EngineConfig(model="tiny-llama", preemption_mode="drop")
+    with pytest.raises(ValueError, match="on_worker_failure must be one of .* got 'retry'"):
+        ClusterConfig(on_worker_failure="retry")
