@@ -56,6 +56,7 @@ from pagedserve.workers.spec_proposer import Proposer, make_proposer
 from pagedserve.workers.spec_stats import SpecCounters
 from pagedserve.workers.stop_checker import FinishReason, check_stop
 from pagedserve.workers.structured.guided_requests import GuidedRequests, guided_stop
+from pagedserve.workers.tp.executor import GroupKVCache, TPRunner, build_tp_executor
 from pagedserve.workers.worker_role import WorkerRole
 
 _log = logging.getLogger(__name__)
@@ -99,16 +100,8 @@ class Engine(EngineHandoffs, EngineBeamMoves, EngineStats):
         num_swap = config.num_swap_blocks
         if num_swap is None:
             num_swap = num_blocks if config.preemption_mode is PreemptionMode.SWAP else 0
-        self.kv_cache = KVCache(
-            num_layers=self.loaded.num_layers,
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-            num_kv_heads=self.loaded.num_kv_heads,
-            head_dim=self.loaded.head_dim,
-            dtype=kv_pool_dtype(config, self.loaded),
-            device=self.loaded.device,
-            num_swap_blocks=num_swap,
-            ops=ops,
+        self.kv_cache, self.runner = _build_model_executor(
+            config, self.loaded, ops, num_blocks, num_swap
         )
         self.kv = KVCacheManager(
             num_blocks,
@@ -131,9 +124,6 @@ class Engine(EngineHandoffs, EngineBeamMoves, EngineStats):
                 fair_share=config.fair_share,
             ),
             self.kv,
-        )
-        self.runner = ModelRunner(
-            self.loaded, self.kv_cache, ops, linear_backend=config.linear_backend
         )
         self.sampler = Sampler(config.seed)
         self.beams = BeamSearch(self.scheduler, self.kv, decoder_for(self.tokenizer))
@@ -186,6 +176,7 @@ class Engine(EngineHandoffs, EngineBeamMoves, EngineStats):
         self.guided.close()
         if self.tiers is not None:
             self.tiers.close()
+        self.runner.close()
 
     # -------------------------------------------------------------- requests
     def add_request(
@@ -497,3 +488,27 @@ __all__ = [
     "RequestStatus",
     "RequestTooLarge",
 ]
+
+
+def _build_model_executor(
+    config: EngineConfig, loaded: LoadedModel, ops, num_blocks: int, num_swap: int
+) -> tuple[KVCache | GroupKVCache, ModelRunner | TPRunner]:
+    """The pool and the forward: one process's, or a tensor-parallel group's (`workers/tp/`)."""
+    kv_dtype = kv_pool_dtype(config, loaded)
+    if config.tensor_parallel_size > 1:
+        return build_tp_executor(
+            config, loaded, num_blocks=num_blocks, num_swap_blocks=num_swap, kv_dtype=kv_dtype
+        )
+    kv_cache = KVCache(
+        num_layers=loaded.num_layers,
+        num_blocks=num_blocks,
+        block_size=config.block_size,
+        num_kv_heads=loaded.num_kv_heads,
+        head_dim=loaded.head_dim,
+        dtype=kv_dtype,
+        device=loaded.device,
+        num_swap_blocks=num_swap,
+        ops=ops,
+    )
+    runner = ModelRunner(loaded, kv_cache, ops, linear_backend=config.linear_backend)
+    return kv_cache, runner

@@ -106,6 +106,11 @@ class EngineConfig:
             off the step, so a slow one never holds back other requests.
         max_beam_width: the widest beam search (`n` with `use_beam_search`) a request may
             ask for; a wider one is refused naming `n`.
+        tensor_parallel_size: ranks (devices) the model and its KV pool are split over
+            (`workers/tp/`; vLLM's name): each rank holds its share of the attention heads,
+            KV heads, MLP rows and vocabulary, and one all-reduce joins them after attention
+            and after the MLP of each layer. At most the model's KV heads; on the CPU each
+            rank is a process with `cores / k` threads. `kv_cache_bytes` is per rank.
     """
 
     model: str | None = DEFAULT_MODEL
@@ -139,6 +144,7 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 30.0
     fair_share: FairShareConfig = field(default_factory=FairShareConfig)
     max_beam_width: int = 8
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         # A dict (from `LLM(speculative={...})` or YAML) becomes the typed config here, once.
@@ -166,6 +172,9 @@ class EngineConfig:
         timeout = self.grammar_compile_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
             raise ValueError(f"grammar_compile_timeout_s must be > 0, got {timeout!r}")
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
         self._check_names()
         self._check_scheduling()
         self._check_tiers()

@@ -69,7 +69,9 @@ def num_kv_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
         budget,
         block_size=config.block_size,
         num_layers=loaded.num_layers,
-        num_kv_heads=loaded.num_kv_heads,
+        # Per rank under tensor parallelism: the budget is each device's, and the first
+        # ranks hold the most KV heads (`workers/tp/shards.py`).
+        num_kv_heads=-(-loaded.num_kv_heads // config.tensor_parallel_size),
         head_dim=loaded.head_dim,
         dtype=kv_pool_dtype(config, loaded),
     )

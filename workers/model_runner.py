@@ -205,6 +205,9 @@ class ModelRunner:
         pooled = None if hidden_rows is None else output.hidden_states[-1][0][hidden_rows]
         return output.logits[0].float(), pooled
 
+    def close(self) -> None:
+        """Nothing to release (a tensor-parallel runner stops its ranks here)."""
+
 
 def _check_pool_fits(loaded: LoadedModel, kv_cache: KVCache) -> None:
     expected = {
