@@ -241,7 +241,7 @@ def build_tp_executor(
 ) -> tuple[GroupKVCache, TPRunner]:
     """Start ranks 1..k-1 and build rank 0's shards here; the group's pool and runner.
 
-    On the CPU each rank (this process included) runs ``cpu_count // k`` torch threads.
+    On the CPU each rank (this process included) runs this process's torch threads // k.
     """
     check_tp_config(config, loaded)
     size = config.tensor_parallel_size
@@ -255,7 +255,7 @@ def build_tp_executor(
     )
     backend = backend_for(loaded.device)
     host, port = "127.0.0.1", free_port()
-    threads = max(1, (os.cpu_count() or 1) // size) if loaded.device.type == "cpu" else 1
+    threads = max(1, torch.get_num_threads() // size) if loaded.device.type == "cpu" else 1
     specs = [
         RankSpec(
             weights=slice_weights(loaded.model, shard, loaded.head_dim),

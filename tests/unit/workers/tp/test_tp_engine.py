@@ -1,0 +1,171 @@
+"""A tensor-parallel engine (k = 2 rank processes over gloo) gives k = 1's tokens: greedy equal
+to HF's own model under prefix hits, preemption (swap, recompute), n > 1 and ngram speculation;
+its KV leaves in the full-head layout a k = 1 pool takes; bad sizes are refused by name."""
+
+import random
+
+import pytest
+import torch
+from support.engine import finish_clean
+from support.real_model import prompt_ids
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.workers.engine_checks import EngineConfigError
+from pagedserve.workers.tp.group import TPGroupFailed
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+SAMPLED = SamplingParams(max_tokens=12, temperature=0.8, n=2, seed=7, ignore_eos=True)
+
+
+def prompts_with_shared_prefix(vocab: int, count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(vocab) for _ in range(24)]
+    mixed = [[rng.randrange(vocab) for _ in range(rng.randrange(1, 30))] for _ in range(count)]
+    return mixed + [prefix + tail for tail in mixed]
+
+
+def run_both(loaded, prompts, params, **config):
+    """Outputs of k = 1 and k = 2 engines over one config, and the k = 2 LLM (still open)."""
+    single = LLM(loaded_model=loaded, **config)
+    expected = single.generate(prompts, params)
+    finish_clean(single)
+    group = LLM(loaded_model=loaded, tensor_parallel_size=2, **config)
+    return expected, group.generate(prompts, params), group
+
+
+def token_ids(outputs):
+    return [[branch.token_ids for branch in output.outputs] for output in outputs]
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_k2_equals_k1_and_hf_with_prefix_hits_preemption_and_n2(tiny_llama, mode):
+    loaded, reference = tiny_llama
+    prompts = prompts_with_shared_prefix(loaded.vocab_size, 6, seed=5)
+    config = dict(
+        block_size=8,
+        num_kv_blocks=24,
+        preemption_mode=mode,
+        num_swap_blocks=64,
+        watermark=0.0,
+        max_num_batched_tokens=32,
+    )
+    expected, got, llm = run_both(loaded, prompts, GREEDY, **config)
+    try:
+        assert token_ids(got) == token_ids(expected)
+        for prompt, output in zip(prompts, got, strict=True):
+            assert output.outputs[0].token_ids == reference.greedy(prompt, 20)
+        assert sum(o.metrics.num_preemptions for o in got) > 0
+        cached = [o.num_cached_tokens for o in got]
+        assert cached == [o.num_cached_tokens for o in expected] and sum(cached) >= 24
+        assert token_ids(llm.generate(prompts[:3], SAMPLED)) == token_ids(
+            LLM(loaded_model=loaded, **config).generate(prompts[:3], SAMPLED)
+        )
+        finish_clean(llm)
+    finally:
+        llm.engine.close()
+
+
+def test_k2_ngram_speculation_equals_k1(tiny_llama):
+    loaded, _ = tiny_llama
+    rng = random.Random(3)
+    # Repeating prompts give the ngram proposer drafts to verify.
+    prompts = [[rng.randrange(256) for _ in range(6)] * 4 for _ in range(4)]
+    expected, got, llm = run_both(
+        loaded, prompts, GREEDY, speculative={"method": "ngram", "num_tokens": 3}
+    )
+    try:
+        assert token_ids(got) == token_ids(expected)
+        assert llm.engine.spec_counters.num_steps > 0
+        finish_clean(llm)
+    finally:
+        llm.engine.close()
+
+
+def test_exported_blocks_are_full_head_and_import_into_k1(tiny_llama):
+    loaded, _ = tiny_llama
+    prompt = list(range(40, 72))
+    group = LLM(loaded_model=loaded, tensor_parallel_size=2, block_size=8, num_kv_blocks=16)
+    try:
+        group.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
+        kv = group.engine.kv_cache
+        assert kv.heads_per_rank == [1, 1] and kv.local.num_kv_heads == 1
+        packed = kv.export_blocks([0, 1, 2])
+        assert tuple(packed.shape)[4] == loaded.num_kv_heads
+        single = LLM(loaded_model=loaded, block_size=8, num_kv_blocks=16)
+        single.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
+        mine = single.engine.kv_cache.export_blocks([0, 1, 2])
+        torch.testing.assert_close(packed, mine, rtol=1e-4, atol=1e-5)
+        # Back in: each rank takes its heads; a round trip changes no byte.
+        kv.import_blocks(mine, [5, 6, 7])
+        torch.testing.assert_close(kv.export_blocks([5, 6, 7]), mine, rtol=0, atol=0)
+        finish_clean(group)
+    finally:
+        group.engine.close()
+
+
+def test_a_dead_rank_fails_the_group(tiny_llama):
+    loaded, _ = tiny_llama
+    llm = LLM(loaded_model=loaded, tensor_parallel_size=2, block_size=8, num_kv_blocks=16)
+    group = llm.engine.runner.group
+    try:
+        (proc,) = group._procs
+        proc.kill()
+        proc.wait()
+        with pytest.raises(TPGroupFailed, match="rank 1"):
+            llm.engine.runner.execute(*_one_token_batch(llm))
+        assert group.failed is not None
+    finally:
+        llm.engine.close()
+    assert group.pids == []
+
+
+def _one_token_batch(llm):
+    from pagedserve.workers.attention_metadata import AttentionMetadata
+
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor([0]),
+        block_tables=torch.zeros((1, 1), dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+        seq_lens=torch.tensor([1], dtype=torch.int32),
+        max_query_len=1,
+    )
+    return torch.tensor([5]), torch.tensor([0]), metadata, torch.tensor([0])
+
+
+@pytest.mark.parametrize(("size", "words"), [(3, "more than tiny-llama's 2 KV heads"), (0, ">= 1")])
+def test_bad_sizes_are_refused_naming_the_flag(tiny_llama, size, words):
+    loaded, _ = tiny_llama
+    with pytest.raises(ValueError, match=words) as caught:
+        LLM(loaded_model=loaded, tensor_parallel_size=size)
+    assert "tensor_parallel_size" in str(caught.value)
+    if isinstance(caught.value, EngineConfigError):
+        assert caught.value.field == "tensor_parallel_size"
+
+
+@pytest.mark.slow
+def test_real_model_k2_equals_k1(smollm2):
+    """SmolLM2-135M (3 KV heads: ranks of 2 and 1) with prefix hits, preemption, n = 2 and
+    ngram speculation in one engine."""
+    loaded, _ = smollm2
+    prompts = prompt_ids(loaded)[:6]
+    prompts += [prompts[0] + prompts[1][:12], prompts[0] + prompts[2][:5]]  # prefix hits
+    config = dict(
+        block_size=16,
+        num_kv_blocks=28,
+        watermark=0.0,
+        max_num_batched_tokens=128,
+        speculative={"method": "ngram", "num_tokens": 3},
+    )
+    expected, got, llm = run_both(loaded, prompts, GREEDY, **config)
+    try:
+        assert token_ids(got) == token_ids(expected)
+        assert sum(o.metrics.num_preemptions for o in got) > 0
+        assert sum(o.num_cached_tokens for o in got) > 0
+        assert llm.engine.spec_counters.num_steps > 0
+        sampled = llm.generate(prompts[:2], SAMPLED)
+        assert token_ids(sampled) == token_ids(
+            LLM(loaded_model=loaded, **config).generate(prompts[:2], SAMPLED)
+        )
+        finish_clean(llm)
+    finally:
+        llm.engine.close()
