@@ -68,10 +68,13 @@ class WorkerSpec:
 
     @classmethod
     def of(cls, config: ClusterConfig) -> WorkerSpec:
+        # A tensor-parallel worker is one actor whose ranks are its child processes: it
+        # reserves k devices' worth, on one node (`docs/tensor-parallel.md`).
+        ranks = config.worker_engine.tensor_parallel_size
         return cls(
             engine=config.worker_engine,
-            num_gpus=config.worker_num_gpus,
-            num_cpus=config.worker_num_cpus,
+            num_gpus=config.worker_num_gpus * ranks,
+            num_cpus=config.worker_num_cpus * ranks,
             resources=tuple(sorted(config.worker_resources.items())),
             worker_threads=config.worker_threads,
             worker_cpus=config.worker_cpus,

@@ -133,8 +133,11 @@ class Worker:
         from pagedserve.workers.engine import Engine
         from pagedserve.workers.worker_core import WorkerCore
 
+        engine = Engine(config.for_worker(worker_id), role=role)
+        if config.tensor_parallel_size > 1:  # a rank that dies takes the worker down whole
+            engine.runner.exit_process_on_failure()
         self.core = WorkerCore(
-            Engine(config.for_worker(worker_id), role=role),
+            engine,
             worker_id,
             sink,
             tracing,
@@ -206,6 +209,7 @@ class Worker:
             nice=niceness(),
             config_fingerprint=self.config_fingerprint,
             role=engine.role,
+            rank_pids=getattr(engine.runner, "rank_pids", ()),
         )
 
     @ray.method(_generator_backpressure_num_objects=STREAM_BACKPRESSURE_OBJECTS)

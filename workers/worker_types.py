@@ -52,6 +52,8 @@ class WorkerInfo:
     nice: int = 0  # its niceness (`ClusterConfig.worker_nice`; Ray's default is 15)
     config_fingerprint: str = ""  # of the spec it was built from (`cluster/worker_spec.py`)
     role: WorkerRole = WorkerRole.MIXED  # P/D: what it takes (`workers/worker_role.py`)
+    # Tensor parallelism: the processes of ranks 1..k-1 beside `pid` (rank 0); () when k = 1.
+    rank_pids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -100,9 +100,27 @@ class TPRunner:
             pooled = decoder.normed(hidden, hidden_indices.to(device))
         return logits.float(), pooled
 
+    @property
+    def rank_pids(self) -> tuple[int, ...]:
+        """The processes of ranks 1..k-1."""
+        return tuple(self.group.pids)
+
+    def exit_process_on_failure(self) -> None:
+        """Make a failed group end this whole process (a cluster worker): its ranks are
+        stopped first, and Ray restarts the worker while the router replays its requests on a
+        peer; nothing is answered from half a group. Watches the ranks while idle too."""
+        self.group.on_failure = _exit_process
+        self.group.watch()
+
     def close(self) -> None:
         """Stop every other rank."""
         self.group.close()
+
+
+def _exit_process(reason: str) -> None:
+    _log.critical("tensor-parallel group failed (%s): this worker exits", reason)
+    logging.shutdown()
+    os._exit(70)
 
 
 class GroupKVCache:

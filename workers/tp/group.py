@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from multiprocessing.connection import Connection, Listener
 
@@ -58,6 +58,10 @@ class TPGroup:
             TPGroupFailed: a rank exited or did not connect within `START_TIMEOUT_S`.
         """
         self.failed: str | None = None
+        # Called with the reason as the group fails, before `TPGroupFailed` is raised (a
+        # cluster worker exits its process here, so its requests replay on a peer).
+        self.on_failure: Callable[[str], None] | None = None
+        self._closing = False
         self._conns: list[Connection] = []
         self._procs: list[subprocess.Popen] = []
         authkey = secrets.token_bytes(32)
@@ -144,8 +148,23 @@ class TPGroup:
         except (EOFError, OSError, RuntimeError) as exc:
             self._fail(f"tensor-parallel group failed: {type(exc).__name__}: {exc}")
 
+    def watch(self) -> None:
+        """Notice a rank that dies while the engine is idle too: a thread per rank waits on
+        its process and fails the group (calling `on_failure`) unless `close` stopped it."""
+        for rank, proc in enumerate(self._procs, start=1):
+            threading.Thread(
+                target=self._watch_rank, args=(rank, proc), name=f"tp-watch-{rank}", daemon=True
+            ).start()
+
+    def _watch_rank(self, rank: int, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        if not self._closing and self.failed is None:
+            with suppress(TPGroupFailed):
+                self._fail(f"rank {rank} (pid {proc.pid}) exited with code {code}")
+
     def close(self) -> None:
         """Stop every rank (politely, then by force); idempotent."""
+        self._closing = True
         for conn in self._conns:
             with suppress(OSError, ValueError):
                 _send(conn, Stop())
@@ -176,6 +195,8 @@ class TPGroup:
                 proc.kill()
         for proc in self._procs:
             proc.wait()
+        if self.on_failure is not None:
+            self.on_failure(reason)
         raise TPGroupFailed(reason)
 
 
