@@ -52,6 +52,20 @@ class ModelShape:
     head_dim: int
     dtype: str
     kv_dtype: str = "auto"
+    tensor_parallel_size: int = 1
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        """KV heads on the fullest rank of a tensor-parallel group (the first ranks take the
+        remainder: `workers/tp/shards.py`); each rank's device holds this share of the pool."""
+        return -(-self.num_kv_heads // self.tensor_parallel_size)
+
+    @property
+    def kv_bytes_per_token_per_rank(self) -> int:
+        """M_KV of the fullest rank: 2 · L · ceil(h_kv / k) · d_h · b."""
+        return kv_bytes_per_token(
+            self.num_layers, self.kv_heads_per_rank, self.head_dim, self.kv_value_dtype
+        )
 
     @property
     def kv_value_dtype(self) -> str:
@@ -238,6 +252,13 @@ def resolve_shape(args: argparse.Namespace) -> ModelShape | None:
             shape.dtype,
         )
     shape = dataclasses.replace(shape, kv_dtype=args.kv_dtype or "auto")
+    ranks = args.tensor_parallel_size
+    if ranks > shape.num_kv_heads:
+        raise KvCalcError(
+            f"--tensor-parallel-size {ranks} is more than the model's {shape.num_kv_heads} KV "
+            "heads: each rank must own at least one"
+        )
+    shape = dataclasses.replace(shape, tensor_parallel_size=ranks)
     try:
         dtype_bytes(shape.dtype)
     except ValueError as error:
@@ -300,6 +321,7 @@ def report_dict(inputs: KvCalcInputs, layouts: list[LayoutUsage]) -> dict[str, A
     shape = inputs.shape
     if shape is not None:
         out["kv_bytes_per_token"] = shape.kv_bytes_per_token
+        out["kv_bytes_per_token_per_rank"] = shape.kv_bytes_per_token_per_rank
         out["model"] = asdict(shape) | {"dtype_bytes": dtype_bytes(shape.kv_value_dtype)}
         out |= kv_calc_dtype.per_position(shape.kv_bytes_per_token, shape.scale_bytes_per_token)
     out["layouts"] = [layout_dict(layout, shape) for layout in layouts]
@@ -351,6 +373,14 @@ def format_text(inputs: KvCalcInputs, layouts: list[LayoutUsage]) -> str:
             f"({_human_bytes(m_kv)})"
         )
         lines += kv_calc_dtype.text_lines(shape.kv_dtype, m_kv, shape.scale_bytes_per_token)
+        if shape.tensor_parallel_size > 1:
+            per_rank = shape.kv_bytes_per_token_per_rank
+            lines.append(
+                f"per rank (tensor parallel {shape.tensor_parallel_size}, KV heads split, the "
+                f"fullest rank holds {shape.kv_heads_per_rank}): 2*{shape.num_layers}*"
+                f"{shape.kv_heads_per_rank}*{shape.head_dim}*{b} = {per_rank} "
+                f"({_human_bytes(per_rank)}) per token on each device"
+            )
         lines.append(f"useful KV bytes: {useful * m_kv} ({_human_bytes(useful * m_kv)})")
         header += ["allocated bytes", "wasted bytes"]
     rows = []
@@ -426,6 +456,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=kv_calc_dtype.KV_DTYPES,
         help="the pool's kv_cache_dtype: auto (--dtype), or int8 / fp8 (1 byte per value; "
         "the scales, 4 bytes per token and KV head of K and V, reported apart)",
+    )
+    shape.add_argument(
+        "--tensor-parallel-size",
+        type=positive_int,
+        default=1,
+        metavar="K",
+        help="ranks the KV heads are split over: adds each device's bytes per token",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", metavar="FILE.png", help="write utilization vs block size")

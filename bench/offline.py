@@ -196,7 +196,10 @@ def run_offline_bench(config: OfflineBenchConfig) -> OfflineBenchResult:
         run_hf(hf_model, warmup, warmup_lens, len(warmup), pad_id)
 
         recorder = _UsageRecorder()
+        collective_before = _collective_s(llm.engine)
         ours_tokens, ours_s = run_engine(llm.engine, prompts, _greedy_params(output_lens), recorder)
+        collective_s = _collective_s(llm.engine) - collective_before
+        llm.engine.close()  # a tensor-parallel group's ranks stop here, before HF runs
         hf = run_hf(
             hf_model,
             prompts,
@@ -217,7 +220,13 @@ def run_offline_bench(config: OfflineBenchConfig) -> OfflineBenchResult:
         hf=SideResult("hf-generate", useful, hf.generated_tokens, hf.elapsed_s),
         kv=recorder.result(llm.engine.kv.pool.num_blocks),
         agreement=agreement(ours_tokens, hf.outputs, output_lens),
+        collective_s=collective_s,
     )
+
+
+def _collective_s(engine: Engine) -> float:
+    """Rank 0's seconds in collectives so far (0 without tensor parallelism)."""
+    return getattr(engine.runner, "collective_seconds", 0.0)
 
 
 def _greedy_params(output_lens: Sequence[int]) -> list[SamplingParams]:
@@ -256,6 +265,7 @@ def _build_llm(
         max_num_batched_tokens=config.max_num_batched_tokens,
         enable_prefix_caching=config.enable_prefix_caching,
         kv_allocation=config.kv_allocation,
+        tensor_parallel_size=config.tensor_parallel_size,
     )
 
 
@@ -300,6 +310,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="HF: sort prompts by length before batching (less padding; default: prompt order)",
     )
+    add(
+        "--tensor-parallel-size",
+        type=positive_int,
+        default=1,
+        help="ranks our engine's model is split over (docs/tensor-parallel.md)",
+    )
     add("--json", metavar="FILE", default=None, help="also write the config and results here")
     parser.set_defaults(func=run, _parser=parser)
 
@@ -334,6 +350,7 @@ def run(args: argparse.Namespace) -> int:
         kv_allocation=args.kv_allocation,
         hf_batch_size=args.hf_batch_size,
         hf_sort_by_length=args.hf_sort_by_length,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     result = run_offline_bench(config)
     print(format_summary(result))

@@ -41,6 +41,7 @@ class OfflineBenchConfig:
     kv_allocation: str = "paged"
     hf_batch_size: int = 16
     hf_sort_by_length: bool = False
+    tensor_parallel_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,8 @@ class OfflineBenchResult:
     hf: SideResult
     kv: KVUtilization
     agreement: Agreement
+    # Tensor parallelism: rank 0's wall seconds inside all-reduces/gathers during the run.
+    collective_s: float = 0.0
 
     @property
     def ratio(self) -> float:
@@ -192,8 +195,8 @@ def format_summary(result: OfflineBenchResult) -> str:
         f"ours: B={c.block_size}, {result.num_kv_blocks} KV blocks (KV {c.kv_cache_dtype}), "
         f"{c.kv_allocation}, "
         f"max_num_seqs {c.max_num_seqs}, max_num_batched_tokens {c.max_num_batched_tokens}, "
-        f"attention {c.attention_backend}, prefix caching {caching}; each request stops at its "
-        "own target.",
+        f"attention {c.attention_backend}, prefix caching {caching}, tensor parallel "
+        f"{c.tensor_parallel_size}; each request stops at its own target.",
         f"HF: static left-padded batches of {c.hf_batch_size}, {_hf_batching(c)}; each batch "
         "generates its longest target, the first max_tokens_i tokens of each row count.",
         "",
@@ -205,6 +208,14 @@ def format_summary(result: OfflineBenchResult) -> str:
             f"| {side.name} | {side.useful_tokens} | {side.generated_tokens} | "
             f"{side.elapsed_s:.2f} | {side.tokens_per_s:.1f} | {side.generated_tokens_per_s:.1f} |"
         )
+    if c.tensor_parallel_size > 1:
+        share = result.collective_s / result.ours.elapsed_s
+        lines += [
+            "",
+            f"tensor parallel {c.tensor_parallel_size}: rank 0 spent {result.collective_s:.2f} s "
+            f"({share:.0%} of its wall time) in all-reduces and the LM-head gather, waiting for "
+            "its peers included",
+        ]
     lines += [
         "",
         f"ratio ours/HF (useful tokens/s): {result.ratio:.2f}x",

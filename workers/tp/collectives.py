@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,10 @@ class Collectives:
         """
         self.rank = rank
         self.size = size
+        # Wall time spent in collectives (waiting for peers included) and their count: what a
+        # benchmark reports as the group's communication share.
+        self.seconds = 0.0
+        self.calls = 0
         self._store = dist.TCPStore(
             host,
             port,
@@ -59,15 +64,23 @@ class Collectives:
 
     def all_reduce(self, tensor: Tensor) -> Tensor:
         """Sum ``tensor`` over the group, in place; every rank gets the same bits."""
+        started = time.perf_counter()
         self._group.allreduce(tensor).wait()
+        self._count(started)
         return tensor
 
     def gather(self, tensor: Tensor) -> list[Tensor] | None:
         """Every rank's ``tensor`` (one shape on all) on rank 0, in rank order; None elsewhere."""
         tensor = tensor.contiguous()
         outputs = [torch.empty_like(tensor) for _ in range(self.size)] if self.rank == 0 else []
+        started = time.perf_counter()
         self._group.gather(outputs, tensor, 0).wait()
+        self._count(started)
         return outputs if self.rank == 0 else None
+
+    def _count(self, started: float) -> None:
+        self.seconds += time.perf_counter() - started
+        self.calls += 1
 
     def close(self) -> None:
         """Leave the group (drops the connections)."""

@@ -101,6 +101,11 @@ class TPRunner:
         return logits.float(), pooled
 
     @property
+    def collective_seconds(self) -> float:
+        """Rank 0's wall time in all-reduces and gathers so far (waiting for peers included)."""
+        return self.state.decoder.collectives.seconds
+
+    @property
     def rank_pids(self) -> tuple[int, ...]:
         """The processes of ranks 1..k-1."""
         return tuple(self.group.pids)

@@ -392,3 +392,20 @@ def test_kv_dtype_needs_a_shape_and_a_known_name(capsys) -> None:
     argv = ["kv-calc", "--lengths", "10", *LLAMA_8B, "--kv-dtype", "int4"]
     code, _, err = run_cli(argv, capsys)
     assert code == 2 and "--kv-dtype" in err and "invalid choice" in err
+
+
+# --- tensor parallelism: KV per rank ------------------------------------------------------
+
+
+def test_tensor_parallel_reports_the_fullest_rank_s_bytes(capsys: pytest.CaptureFixture[str]):
+    # 8 KV heads over 3 ranks: 3, 3, 2 heads; each device holds at most 3 heads' KV.
+    report = run_json([*SEED_ARGS, *LLAMA_8B, "--tensor-parallel-size", "3"], capsys)
+    assert report["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 2
+    assert report["kv_bytes_per_token_per_rank"] == 2 * 32 * 3 * 128 * 2
+    code, out, _ = run_cli([*SEED_ARGS, *LLAMA_8B, "--tensor-parallel-size", "2"], capsys)
+    assert code == 0 and "per rank (tensor parallel 2" in out and "= 65536 " in out
+
+
+def test_more_ranks_than_kv_heads_is_refused(capsys: pytest.CaptureFixture[str]):
+    code, _, err = run_cli([*SEED_ARGS, *LLAMA_8B, "--tensor-parallel-size", "9"], capsys)
+    assert code == 2 and err.startswith(ERROR_PREFIX) and "--tensor-parallel-size 9" in err
