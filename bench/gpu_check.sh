@@ -14,6 +14,9 @@
 #               when present, serially otherwise; a failure does not stop the run
 #   4 kernels   python -m pagedserve.bench.kernels: rows appended as measured
 #   5 e2e       python -m pagedserve.bench.gpu_e2e: engine tokens/s vs HF generate
+#   5b tp       with more than one GPU: `bench offline --tensor-parallel-size 2` on SmolLM2
+#               (its figures in gpu_check.log); step 3 runs tests/gpu/test_tp_gpu.py, k = 2
+#               over NCCL against k = 1, which skips itself on one GPU
 #   6 report    summary.md from whatever rows exist
 # Files in $OUT (flat, at most 8): gpu_check.log, junit.xml, bench_rows.jsonl, kernels.json,
 # kernels.md, e2e.json, summary.md. Exit status: 0 only if every step passed.
@@ -177,6 +180,13 @@ run_step kernels "$kernels_cap" "$py" -m pagedserve.bench.kernels "${bench_flags
     --out-dir "$out_dir" --budget-s $((kernels_cap - 25))
 run_step e2e "${GPU_CHECK_E2E_S:-110}" "$py" -m pagedserve.bench.gpu_e2e "${bench_flags[@]}" \
     --out-dir "$out_dir"
+
+if [ "$dry" != 1 ] && [ "$gpus" -gt 1 ]; then
+    run_step tp "${GPU_CHECK_TP_S:-70}" "$py" -m pagedserve bench offline --device cuda \
+        --tensor-parallel-size 2 --num-prompts 16 --max-tokens 64
+else
+    printf 'tp\tskipped\t0\t%s GPU(s): tensor parallelism needs 2\n' "$gpus" >>"$steps"
+fi
 
 # --- 6 report ----------------------------------------------------------------------------
 report

@@ -39,7 +39,7 @@ from pagedserve.workers.tp.protocol import (
     SwapIn,
     SwapOut,
 )
-from pagedserve.workers.tp.rank_process import build_rank_state
+from pagedserve.workers.tp.rank_process import build_rank_state, weights_to
 from pagedserve.workers.tp.sharded_decoder import slice_weights
 from pagedserve.workers.tp.shards import FLAG, check_tp_size, plan_shards
 
@@ -229,6 +229,11 @@ class GroupKVCache:
             self.group.send_each([ImportBlocks(part, block_ids) for part in parts[1:]])
 
 
+def _weights_for(loaded: LoadedModel, shard, *, here: bool, via: torch.device):
+    weights = slice_weights(loaded.model, shard, loaded.head_dim)
+    return weights if here else weights_to(weights, via)
+
+
 def _pairs(pairs: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     return tuple((int(a), int(b)) for a, b in pairs)
 
@@ -279,9 +284,11 @@ def build_tp_executor(
     backend = backend_for(loaded.device)
     host, port = "127.0.0.1", free_port()
     threads = max(1, torch.get_num_threads() // size) if loaded.device.type == "cpu" else 1
+    cpu = torch.device("cpu")
     specs = [
         RankSpec(
-            weights=slice_weights(loaded.model, shard, loaded.head_dim),
+            # Ranks 1..k-1 get theirs through the CPU (and move them to their own device).
+            weights=_weights_for(loaded, shard, here=shard.rank == 0, via=cpu),
             num_layers=loaded.num_layers,
             device=f"cuda:{shard.rank}" if loaded.device.type == "cuda" else "cpu",
             linear_backend=config.linear_backend,

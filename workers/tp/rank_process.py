@@ -8,6 +8,7 @@ half-serves, and nothing outlives the engine that started it.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -32,7 +33,7 @@ def build_rank_state(spec: RankSpec, collectives: Collectives) -> RankState:
     device = torch.device(spec.device)
     dtype = spec.weights.embed.dtype
     backend = resolve_linear_backend(spec.linear_backend, device, dtype)
-    weights = _to_device(spec.weights, device)
+    weights = weights_to(spec.weights, device)
     decoder = ShardedDecoder(weights, collectives, backend)
     ops = get_kernel_ops(spec.attention_backend, device, split_decodes=spec.split_decodes)
     kv_cache = KVCache(
@@ -49,7 +50,7 @@ def build_rank_state(spec: RankSpec, collectives: Collectives) -> RankState:
     return RankState(decoder=decoder, kv_cache=kv_cache, ops=ops)
 
 
-def _to_device(weights: ShardWeights, device: torch.device) -> ShardWeights:
+def weights_to(weights: ShardWeights, device: torch.device) -> ShardWeights:
     """``weights`` with every tensor on ``device`` (the same object when they already are)."""
     if weights.embed.device == device:
         return weights
@@ -68,7 +69,7 @@ def _to_device(weights: ShardWeights, device: torch.device) -> ShardWeights:
     return dataclasses.replace(
         weights,
         embed=weights.embed.to(device),
-        rotary=weights.rotary.to(device),
+        rotary=copy.deepcopy(weights.rotary).to(device),  # Module.to moves in place
         final_norm=weights.final_norm.to(device),
         lm_head=weights.lm_head.to(device),
         layers=layers,
