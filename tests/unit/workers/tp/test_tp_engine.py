@@ -37,14 +37,15 @@ def token_ids(outputs):
     return [[branch.token_ids for branch in output.outputs] for output in outputs]
 
 
-@pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_k2_equals_k1_and_hf_with_prefix_hits_preemption_and_n2(tiny_llama, mode):
+def test_k2_equals_k1_and_hf_with_prefix_hits_swap_and_n2(tiny_llama):
+    """Swap preemption here (each rank swaps its own KV heads); recompute in the real-model
+    test below."""
     loaded, reference = tiny_llama
     prompts = prompts_with_shared_prefix(loaded.vocab_size, 6, seed=5)
     config = dict(
         block_size=8,
         num_kv_blocks=24,
-        preemption_mode=mode,
+        preemption_mode="swap",
         num_swap_blocks=64,
         watermark=0.0,
         max_num_batched_tokens=32,
@@ -52,7 +53,8 @@ def test_k2_equals_k1_and_hf_with_prefix_hits_preemption_and_n2(tiny_llama, mode
     expected, got, llm = run_both(loaded, prompts, GREEDY, **config)
     try:
         assert token_ids(got) == token_ids(expected)
-        for prompt, output in zip(prompts, got, strict=True):
+        # k = 1 equals HF on every prompt (test_engine_equivalence.py); here two suffice.
+        for prompt, output in zip(prompts[:2], got[:2], strict=True):
             assert output.outputs[0].token_ids == reference.greedy(prompt, 20)
         assert sum(o.metrics.num_preemptions for o in got) > 0
         cached = [o.num_cached_tokens for o in got]
@@ -81,7 +83,10 @@ def test_k2_ngram_speculation_equals_k1(tiny_llama):
         llm.engine.close()
 
 
-def test_exported_blocks_are_full_head_and_import_into_k1(tiny_llama):
+def test_blocks_leave_full_head_and_a_dead_rank_fails_the_group(tiny_llama):
+    """Exports join the ranks' KV heads into the k = 1 layout (a k = 1 pool's bytes to float
+    rounding), imports split them back exactly; then rank 1 dies: the next call fails the
+    group, which stops every rank."""
     loaded, _ = tiny_llama
     prompt = list(range(40, 72))
     group = LLM(loaded_model=loaded, tensor_parallel_size=2, block_size=8, num_kv_blocks=16)
@@ -95,31 +100,23 @@ def test_exported_blocks_are_full_head_and_import_into_k1(tiny_llama):
         single.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
         mine = single.engine.kv_cache.export_blocks([0, 1, 2])
         torch.testing.assert_close(packed, mine, rtol=1e-4, atol=1e-5)
-        # Back in: each rank takes its heads; a round trip changes no byte.
         kv.import_blocks(mine, [5, 6, 7])
         torch.testing.assert_close(kv.export_blocks([5, 6, 7]), mine, rtol=0, atol=0)
         finish_clean(group)
-    finally:
-        group.engine.close()
-
-
-def test_a_dead_rank_fails_the_group(tiny_llama):
-    loaded, _ = tiny_llama
-    llm = LLM(loaded_model=loaded, tensor_parallel_size=2, block_size=8, num_kv_blocks=16)
-    group = llm.engine.runner.group
-    try:
-        (proc,) = group._procs
+        runner = group.engine.runner
+        (proc,) = runner.group._procs
         proc.kill()
         proc.wait()
         with pytest.raises(TPGroupFailed, match="rank 1"):
-            llm.engine.runner.execute(*_one_token_batch(llm))
-        assert group.failed is not None
+            runner.execute(*_one_token_batch())
+        with pytest.raises(TPGroupFailed):  # failed for good: nothing half-serves
+            kv.copy_blocks([(0, 1)])
     finally:
-        llm.engine.close()
-    assert group.pids == []
+        group.engine.close()
+    assert group.engine.runner.rank_pids == ()
 
 
-def _one_token_batch(llm):
+def _one_token_batch():
     from pagedserve.workers.attention_metadata import AttentionMetadata
 
     metadata = AttentionMetadata(
