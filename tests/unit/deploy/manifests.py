@@ -18,6 +18,7 @@ KUSTOMIZATIONS = {
     "base": K8S / "base",
     "cpu-demo": K8S / "overlays" / "cpu-demo",
     "gpu": K8S / "overlays" / "gpu",
+    "gpu-tp2": K8S / "overlays" / "gpu-tp2",
 }
 # KubeRay's CRDs, carried as data (deploy/kuberay-crds/README.md: their source and licence).
 CRD_DIR = DEPLOY / "kuberay-crds"

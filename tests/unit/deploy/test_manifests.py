@@ -24,10 +24,11 @@ from unit.deploy.manifests import (
 from pagedserve.cli import build_parser
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.grpc_backlog import backlog_env_vars
+from pagedserve.cluster.worker_spec import WorkerSpec
 from pagedserve.workers import drain_node
 from pagedserve.workers.model_registry import DEFAULT_MODEL
 
-OVERLAYS = ("cpu-demo", "gpu")
+OVERLAYS = ("cpu-demo", "gpu", "gpu-tp2")
 ALL = ("base", *OVERLAYS)
 PROJECT_VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
 # RayService upgrade strategies KubeRay knows (the CRD types the field as a plain string).
@@ -76,7 +77,7 @@ def test_renders_the_expected_objects(rendered, name):
     }
     if name == "cpu-demo":
         expected |= {("Namespace", "pagedserve-demo")}
-    if name == "gpu":
+    if name in ("gpu", "gpu-tp2"):
         expected |= {("Namespace", "pagedserve"), ("PersistentVolumeClaim", "pagedserve-models")}
     assert ids == expected
 
@@ -161,7 +162,8 @@ def test_ray_version_matches_the_installed_ray(rendered, name):
 
 
 @pytest.mark.parametrize(
-    ("name", "variant"), [("base", "gpu"), ("gpu", "gpu"), ("cpu-demo", "cpu")]
+    ("name", "variant"),
+    [("base", "gpu"), ("gpu", "gpu"), ("gpu-tp2", "gpu"), ("cpu-demo", "cpu")],
 )
 def test_ray_pods_run_the_project_image_of_their_variant(rendered, name, variant):
     for container in ray_containers(find(rendered[name], "RayService")):
@@ -184,6 +186,21 @@ def test_gpu_worker_group(rendered, name):
     assert args["worker_num_cpus"] <= float(resources["limits"]["cpu"])
     head = cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
     assert "nvidia.com/gpu" not in head["resources"]["limits"]
+
+
+def test_tp2_worker_pods_each_hold_one_whole_group(rendered):
+    """A worker of `tensor_parallel_size` k reserves k times `worker_num_gpus` and
+    `worker_num_cpus` as one actor (`cluster/worker_spec.py`): one pod must hold all of it."""
+    cluster = find(rendered["gpu-tp2"], "RayService")["spec"]["rayClusterConfig"]
+    (group,) = cluster["workerGroupSpecs"]
+    limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+    config = ClusterConfig.from_dict(serve_config(rendered["gpu-tp2"])["applications"][0]["args"])
+    spec = WorkerSpec.of(config)
+    assert config.engine.tensor_parallel_size == 2
+    assert (spec.num_gpus, spec.num_cpus) == (2, 8)
+    assert int(limits["nvidia.com/gpu"]) == spec.num_gpus
+    assert float(limits["cpu"]) >= spec.num_cpus
+    assert config.max_workers <= group["maxReplicas"] and group["minReplicas"] >= config.min_workers
 
 
 def test_cpu_demo_has_no_gpus_and_room_for_its_actors(rendered):
@@ -249,8 +266,9 @@ def test_ray_pods_drain_their_workers_before_ray_stops(rendered, name):
         assert grace_s < parsed.timeout_s < pod["terminationGracePeriodSeconds"]
 
 
-def test_gpu_model_volume_is_mounted_where_the_config_reads_it(rendered):
-    objects = rendered["gpu"]
+@pytest.mark.parametrize("name", ["gpu", "gpu-tp2"])
+def test_gpu_model_volume_is_mounted_where_the_config_reads_it(rendered, name):
+    objects = rendered[name]
     claim = find(objects, "PersistentVolumeClaim")["metadata"]["name"]
     model = serve_config(objects)["applications"][0]["args"]["engine"]["model"]
     cluster = find(objects, "RayService")["spec"]["rayClusterConfig"]
