@@ -83,10 +83,17 @@ def plan(data: dict[str, Any], node: NodeResources) -> NodeLayout:
     settings: dict[str, Any] = {}
     chosen_engine: dict[str, Any] = {}
     reasons: dict[str, str] = {}  # the setting → why its value; only kept ones are printed
+    # A tensor-parallel worker spans k devices (`docs/tensor-parallel.md`); its KV budget is
+    # per rank.
+    ranks = engine.get("tensor_parallel_size") or 1
+    ranks = ranks if isinstance(ranks, int) and ranks >= 1 else 1  # the config check names it
     if node.num_gpus:
-        settings.update(num_workers=node.num_gpus, worker_num_gpus=1.0)
+        groups = max(1, node.num_gpus // ranks)
+        settings.update(num_workers=groups, worker_num_gpus=1.0)
         chosen_engine["device"] = "cuda"
-        reasons["num_workers"] = f"{node.num_gpus} GPU(s): one worker per GPU"
+        reasons["num_workers"] = f"{node.num_gpus} GPU(s): one worker per GPU" + (
+            f" group of {ranks} (tensor parallel)" if ranks > 1 else ""
+        )
         return _only_unset(data, engine, settings, chosen_engine, reasons)
     nodes = len(node.numa_cores)
     workers = max(nodes, roles, 2 if roles else 1)
@@ -104,11 +111,13 @@ def plan(data: dict[str, Any], node: NodeResources) -> NodeLayout:
             f"{threads} torch thread(s) per worker (its share of {node.num_cores} core(s) "
             f"among {num_workers} worker(s))"
         )
-    kv = min(CPU_KV_MAX_BYTES, int(node.available_bytes * CPU_KV_MEMORY_FRACTION) // num_workers)
+    share = int(node.available_bytes * CPU_KV_MEMORY_FRACTION) // (num_workers * ranks)
+    kv = min(CPU_KV_MAX_BYTES, share)
     if kv > 0:
         chosen_engine["kv_cache_bytes"] = kv
         reasons["kv_cache_bytes"] = (
-            f"KV pool {kv / GIB:.1f} GiB per worker ({CPU_KV_MEMORY_FRACTION:.0%} of "
+            f"KV pool {kv / GIB:.1f} GiB per worker{' rank' if ranks > 1 else ''} "
+            f"({CPU_KV_MEMORY_FRACTION:.0%} of "
             f"{node.available_bytes / GIB:.1f} GiB available, at most "
             f"{CPU_KV_MAX_BYTES / GIB:.0f} GiB each)"
         )

@@ -83,3 +83,15 @@ def test_gpus_get_a_worker_each_and_the_device_s_own_pool():
     layout = plan({"engine": {}}, node)
     assert layout.settings == {"num_workers": 4, "worker_num_gpus": 1.0}
     assert layout.engine == {"device": "cuda"}
+
+
+def test_tensor_parallel_workers_span_k_gpus_and_split_the_cpu_kv_share():
+    gpus = NodeResources(numa_cores=((0, 1),), available_bytes=8 * GIB, num_gpus=4)
+    layout = plan({"engine": {"tensor_parallel_size": 2}}, gpus)
+    assert layout.settings == {"num_workers": 2, "worker_num_gpus": 1.0}
+    assert "one worker per GPU group of 2" in layout.describe()
+    cpus = NodeResources(numa_cores=((0, 1),), available_bytes=8 * GIB, num_gpus=0)
+    layout = plan({"engine": {"tensor_parallel_size": 2}}, cpus)
+    # `kv_cache_bytes` is per rank: the worker's share of memory split over its 2 ranks.
+    assert layout.engine == {"kv_cache_bytes": int(8 * GIB * CPU_KV_MEMORY_FRACTION) // 2}
+    assert layout.settings == {"num_workers": 1, "worker_threads": 2}  # 1 per rank
