@@ -36,12 +36,13 @@ from pagedserve.workers.tp.protocol import (
     Forward,
     ImportBlocks,
     RankSpec,
+    RankState,
     SwapIn,
     SwapOut,
 )
 from pagedserve.workers.tp.rank_process import build_rank_state, weights_to
-from pagedserve.workers.tp.sharded_decoder import slice_weights
-from pagedserve.workers.tp.shards import FLAG, check_tp_size, plan_shards
+from pagedserve.workers.tp.sharded_decoder import ShardWeights, slice_weights
+from pagedserve.workers.tp.shards import FLAG, TPShard, check_tp_size, plan_shards
 
 _log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ _log = logging.getLogger(__name__)
 class TPRunner:
     """Rank 0's forward: sends each step's batch to the other ranks and runs its own shard."""
 
-    def __init__(self, group: TPGroup, state, loaded: LoadedModel) -> None:
+    def __init__(self, group: TPGroup, state: RankState, loaded: LoadedModel) -> None:
         self.group = group
         self.state = state
         self.loaded = loaded
@@ -148,10 +149,25 @@ class GroupKVCache:
         self.key_caches = local.key_caches
         self.value_caches = local.value_caches
 
-    num_blocks = property(lambda self: self.local.num_blocks)
-    block_size = property(lambda self: self.local.block_size)
-    num_swap_blocks = property(lambda self: self.local.num_swap_blocks)
-    row_width = property(lambda self: self.local.row_width)
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the pool (the same ids on every rank)."""
+        return self.local.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        return self.local.block_size
+
+    @property
+    def num_swap_blocks(self) -> int:
+        """Blocks in each rank's swap area."""
+        return self.local.num_swap_blocks
+
+    @property
+    def row_width(self) -> int:
+        """Elements per (token, KV head) row."""
+        return self.local.row_width
 
     @property
     def bytes_per_block(self) -> int:
@@ -229,7 +245,9 @@ class GroupKVCache:
             self.group.send_each([ImportBlocks(part, block_ids) for part in parts[1:]])
 
 
-def _weights_for(loaded: LoadedModel, shard, *, here: bool, via: torch.device):
+def _weights_for(
+    loaded: LoadedModel, shard: TPShard, *, here: bool, via: torch.device
+) -> ShardWeights:
     weights = slice_weights(loaded.model, shard, loaded.head_dim)
     return weights if here else weights_to(weights, via)
 

@@ -15,6 +15,7 @@ from pagedserve.workers.tp.group import TPGroupFailed
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=12, temperature=0.8, n=2, seed=7, ignore_eos=True)
+BEAM = SamplingParams(max_tokens=10, n=3, use_beam_search=True, temperature=0.0, ignore_eos=True)
 
 
 def prompts_with_shared_prefix(vocab: int, count: int, seed: int) -> list[list[int]]:
@@ -37,7 +38,7 @@ def token_ids(outputs):
     return [[branch.token_ids for branch in output.outputs] for output in outputs]
 
 
-def test_k2_equals_k1_and_hf_with_prefix_hits_swap_and_n2(tiny_llama):
+def test_k2_equals_k1_and_hf_with_prefix_hits_swap_n2_and_beams(tiny_llama):
     """Swap preemption here (each rank swaps its own KV heads); recompute in the real-model
     test below."""
     loaded, reference = tiny_llama
@@ -59,9 +60,11 @@ def test_k2_equals_k1_and_hf_with_prefix_hits_swap_and_n2(tiny_llama):
         assert sum(o.metrics.num_preemptions for o in got) > 0
         cached = [o.num_cached_tokens for o in got]
         assert cached == [o.num_cached_tokens for o in expected] and sum(cached) >= 24
-        assert token_ids(llm.generate(prompts[:3], SAMPLED)) == token_ids(
-            LLM(loaded_model=loaded, **config).generate(prompts[:3], SAMPLED)
-        )
+        single = LLM(loaded_model=loaded, **config)
+        for params in (SAMPLED, BEAM):  # n = 2 sampled; beams fork by copy-on-write
+            assert token_ids(llm.generate(prompts[:3], params)) == token_ids(
+                single.generate(prompts[:3], params)
+            )
         finish_clean(llm)
     finally:
         llm.engine.close()
