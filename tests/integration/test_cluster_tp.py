@@ -46,9 +46,11 @@ def alive(pid: int) -> bool:
     return True
 
 
-def test_tp_workers_serve_and_move_kv_rank_by_rank(hf_reference):
+def test_tp_workers_serve_move_kv_rank_by_rank_and_fail_whole(hf_reference):
+    """One cluster of two TP=2 workers (a cluster start saved): first a move between them,
+    then a rank killed mid-stream."""
     config = cluster_config(
-        "t-tp-move",
+        "t-tp",
         num_workers=2,
         enable_push=False,
         enable_pull=False,
@@ -60,30 +62,19 @@ def test_tp_workers_serve_and_move_kv_rank_by_rank(hf_reference):
             "enable_prefix_caching": False,
         },
     )
-    # 30 + 100 tokens need 17 blocks each: both cannot stay in a pool of 20, so one moves.
-    pair = [prompt(300 + i, 30) for i in range(2)]
 
     async def main():
         core = await start_router(config)
-        infos = [await w.handle.describe.remote() for w in core.workers.values()]
-        alone = [(await run_request(core, p, greedy(100)))[0][0] for p in pair]
-        source, target = core.workers.values()
-        before = await target.handle.stats.remote()
-        target.begin(PIN)
-        try:
-            results = await asyncio.gather(*(run_request(core, p, greedy(100)) for p in pair))
-        finally:
-            target.end(PIN)
-        after = await target.handle.stats.remote()
-        moves = core.counters.moves
-        await assert_cluster_clean(core)
+        moved = await move_between_groups(core)
+        killed = await kill_a_rank_mid_stream(core)
         await core.close()
-        return infos, alone, [tokens[0] for tokens, _ in results], before, after, moves
+        return moved, killed
 
     try:
-        infos, alone, together, before, after, moves = asyncio.run(main())
+        moved, killed = asyncio.run(main())
     finally:
         stop_worker_group(config)
+    infos, pair, alone, together, before, after, moves = moved
     assert all(len(info.rank_pids) == 1 for info in infos)
     assert alone == [hf_reference.greedy(p, 100) for p in pair] == together
     assert moves == 1 and after.scheduler.moved == before.scheduler.moved
@@ -92,49 +83,61 @@ def test_tp_workers_serve_and_move_kv_rank_by_rank(hf_reference):
         before.adopted_recomputed,
     )
     assert after.scheduler.prefill_tokens == before.scheduler.prefill_tokens, "KV recomputed"
-
-
-def test_a_rank_killed_mid_stream_takes_its_group_down_and_the_request_replays(hf_reference):
-    config = cluster_config("t-tp-kill", num_workers=2, engine=TP)
-    long_prompt = prompt(30, 24)
-
-    async def main():
-        core = await start_router(config)
-        reference, _ = await run_request(core, long_prompt, greedy(60))
-        victim, *peers = sorted(core.workers.values(), key=lambda w: w.worker_id)
-        info = await victim.handle.describe.remote()
-        (rank_pid,) = info.rank_pids
-        for peer in peers:
-            peer.begin(PIN)
-        await victim.handle.chaos_stall.remote(True, after_steps=STEPS_BEFORE_FAULT)
-        streamed: list[int] = []
-        killed = False
-        try:
-            request = GenerateRequest(params=greedy(60), prompt_token_ids=long_prompt)
-            async for delta in core.generate(request):
-                streamed.extend(delta.token_ids)
-                if not killed and streamed:
-                    assert delta.worker_id == victim.worker_id
-                    os.kill(rank_pid, 9)  # rank 1 only; rank 0 (the actor) must follow
-                    killed = True
-        finally:
-            for peer in peers:
-                peer.end(PIN)
-        assert not alive(rank_pid) and not alive(info.pid)
-        await assert_cluster_clean(core)
-        deadline = time.monotonic() + RESTART_DEADLINE_S
-        while not victim.alive:
-            assert time.monotonic() < deadline, "the group never came back"
-            await asyncio.sleep(0.2)
-        again = await victim.handle.describe.remote()
-        replays = core.counters.replays
-        await core.close()
-        return reference[0], streamed, replays, again
-
-    try:
-        reference, streamed, replays, again = asyncio.run(main())
-    finally:
-        stop_worker_group(config)
+    long_prompt, reference, streamed, replays, again = killed
     assert reference == hf_reference.greedy(long_prompt, 60)
     assert streamed == reference and replays == 1
     assert len(again.rank_pids) == 1  # restarted whole, with a new rank 1
+
+
+async def move_between_groups(core):
+    """Two requests that cannot both stay in one pool of 20 blocks (30 + 100 tokens: 17 blocks
+    each) run on one worker (the other looks full): one moves, with its KV."""
+    pair = [prompt(300 + i, 30) for i in range(2)]
+    infos = [await w.handle.describe.remote() for w in core.workers.values()]
+    alone = [(await run_request(core, p, greedy(100)))[0][0] for p in pair]
+    _, target = core.workers.values()
+    before = await target.handle.stats.remote()
+    target.begin(PIN)
+    try:
+        results = await asyncio.gather(*(run_request(core, p, greedy(100)) for p in pair))
+    finally:
+        target.end(PIN)
+    after = await target.handle.stats.remote()
+    await assert_cluster_clean(core)
+    together = [tokens[0] for tokens, _ in results]
+    return infos, pair, alone, together, before, after, core.counters.moves
+
+
+async def kill_a_rank_mid_stream(core):
+    """Rank 1 of the worker streaming a request is killed (its engine stopped after a few
+    steps, so the stream is open): the group goes down whole, the request replays on the
+    peer, the worker restarts with a new group."""
+    long_prompt = prompt(30, 24)
+    reference, _ = await run_request(core, long_prompt, greedy(60))
+    victim, *peers = sorted(core.workers.values(), key=lambda w: w.worker_id)
+    info = await victim.handle.describe.remote()
+    (rank_pid,) = info.rank_pids
+    for peer in peers:
+        peer.begin(PIN)
+    await victim.handle.chaos_stall.remote(True, after_steps=STEPS_BEFORE_FAULT)
+    streamed: list[int] = []
+    killed = False
+    try:
+        request = GenerateRequest(params=greedy(60), prompt_token_ids=long_prompt)
+        async for delta in core.generate(request):
+            streamed.extend(delta.token_ids)
+            if not killed and streamed:
+                assert delta.worker_id == victim.worker_id
+                os.kill(rank_pid, 9)  # rank 1 only; rank 0 (the actor) must follow
+                killed = True
+    finally:
+        for peer in peers:
+            peer.end(PIN)
+    assert not alive(rank_pid) and not alive(info.pid)
+    await assert_cluster_clean(core)
+    deadline = time.monotonic() + RESTART_DEADLINE_S
+    while not victim.alive:
+        assert time.monotonic() < deadline, "the group never came back"
+        await asyncio.sleep(0.2)
+    again = await victim.handle.describe.remote()
+    return long_prompt, reference[0], streamed, core.counters.replays, again
