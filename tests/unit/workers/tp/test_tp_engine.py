@@ -169,3 +169,11 @@ def test_real_model_k2_equals_k1(smollm2):
         finish_clean(llm)
     finally:
         llm.engine.close()
+
+
+def test_more_ranks_than_cores_is_refused_naming_the_flag(tiny_llama, monkeypatch):
+    loaded, _ = tiny_llama
+    monkeypatch.setattr("pagedserve.workers.tp.executor.os.cpu_count", lambda: 1)
+    with pytest.raises(EngineConfigError, match="needs a CPU core per rank; 1 here") as caught:
+        LLM(loaded_model=loaded, tensor_parallel_size=2)
+    assert caught.value.field == "tensor_parallel_size"
