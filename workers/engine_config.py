@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pagedserve.kernels.backends import BACKENDS, LINEAR_BACKENDS
 from pagedserve.workers.fair_share import FairShareConfig
 from pagedserve.workers.kv_cache_manager import ALLOCATION_MODES
+from pagedserve.workers.lora.config import LoraConfig, parse_lora_modules
 from pagedserve.workers.model_registry import DEFAULT_MODEL
 from pagedserve.workers.scheduling_policy import PREEMPTION_MODES, SchedulingPolicy
 from pagedserve.workers.spec_config import SpeculativeConfig
@@ -102,6 +103,15 @@ class EngineConfig:
             off the step, so a slow one never holds back other requests.
         max_beam_width: the widest beam search (`n` with `use_beam_search`) a request may
             ask for; a wider one is refused naming `n`.
+        max_loras: LoRA adapters on the device at once: one step serves requests of at most
+            this many adapters (and the base model); others wait for a slot (`workers/lora/`).
+        max_lora_rank: the largest LoRA rank an adapter may have; a larger one is refused at
+            load.
+        max_cpu_loras: parsed LoRA adapters kept in host memory (least recently used out;
+            an adapter out of it is read again from its directory when next used).
+        lora_modules: LoRA adapters loaded at start, as `NAME=PATH` entries (PEFT's format:
+            `adapter_config.json` + `adapter_model.safetensors`); a request selects one with
+            `model: NAME`.
     """
 
     model: str | None = DEFAULT_MODEL
@@ -133,6 +143,10 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 30.0
     fair_share: FairShareConfig = field(default_factory=FairShareConfig)
     max_beam_width: int = 8
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 64
+    lora_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # A dict (from `LLM(speculative={...})` or YAML) becomes the typed config here, once.
@@ -160,6 +174,9 @@ class EngineConfig:
         timeout = self.grammar_compile_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
             raise ValueError(f"grammar_compile_timeout_s must be > 0, got {timeout!r}")
+        object.__setattr__(self, "lora_modules", tuple(self.lora_modules or ()))
+        LoraConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)  # checks them
+        parse_lora_modules(self.lora_modules)
         self._check_names()
         self._check_scheduling()
         self._check_tiers()

@@ -11,6 +11,11 @@ class NoChatTemplate(RequestRejected):
     """A chat request for a model whose tokenizer has no chat template (INVALID_ARGUMENT)."""
 
 
+class UnknownLora(RequestRejected):
+    """A request for a LoRA adapter that is not loaded (NOT_FOUND, HTTP 404); the message
+    names it."""
+
+
 class RequestTooLarge(RequestRejected):
     """Valid, but prompt + max_tokens can never fit in this worker's KV pool."""
 
@@ -47,4 +52,5 @@ __all__ = [
     "Overloaded",
     "RequestRejected",
     "RequestTooLarge",
+    "UnknownLora",
 ]

@@ -50,6 +50,7 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
     max_waiting: int | None = None  # new requests queued at most; None: unbounded
     fair_share: FairShareConfig = field(default_factory=FairShareConfig)
+    max_loras: int | None = None  # LoRA adapters running at once (one step's device slots)
 
     def __post_init__(self) -> None:
         if self.max_waiting is not None and self.max_waiting < 1:
@@ -195,13 +196,23 @@ class Scheduler:
             return None
         return victim
 
-    @staticmethod
-    def _admissible(queue: list[Request], step: SchedulerOutput) -> Iterator[Request]:
+    def _admissible(self, queue: list[Request], step: SchedulerOutput) -> Iterator[Request]:
         """`queue` without paused sequences and those preempted in this step: a victim
         re-admitted in the step that preempted it would take back the place it gave up, and
-        the request it gave it up for would preempt it again, forever."""
+        the request it gave it up for would preempt it again, forever. Nor one whose LoRA
+        adapter would be one more than `max_loras` among the running (it waits for a slot)."""
         preempted = step.preempted
-        return (r for r in queue if not r.paused and r not in preempted)
+        return (
+            r
+            for r in queue
+            if not r.paused and r not in preempted and self._adapter_fits(r.lora_key)
+        )
+
+    def _adapter_fits(self, key: str | None) -> bool:
+        if key is None or self.config.max_loras is None:
+            return True
+        running = {r.lora_key for r in self.running} - {None}
+        return key in running or len(running) < self.config.max_loras
 
     def _next_of(self, queue: list[Request], step: SchedulerOutput) -> Request | None:
         """The next sequence of `queue` to bring in: the policy's first, or (fair) the first
