@@ -16,6 +16,11 @@ class UnknownLora(RequestRejected):
     names it."""
 
 
+class LoraLoadError(RequestRejected):
+    """A LoRA adapter that cannot be loaded (INVALID_ARGUMENT, HTTP 400); the message names
+    the adapter and the problem."""
+
+
 class RequestTooLarge(RequestRejected):
     """Valid, but prompt + max_tokens can never fit in this worker's KV pool."""
 
@@ -48,6 +53,7 @@ class HandedOff(Draining):
 __all__ = [
     "Draining",
     "HandedOff",
+    "LoraLoadError",
     "NoChatTemplate",
     "Overloaded",
     "RequestRejected",

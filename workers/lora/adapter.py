@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from pagedserve.workers.errors import LoraLoadError
+
 # The Llama-family projections an adapter may target (the fused decoder's linears).
 LORA_TARGETS: tuple[str, ...] = (
     "q_proj",
@@ -47,10 +49,6 @@ _UNSUPPORTED = {
     "alpha_pattern": lambda v: bool(v),
     "fan_in_fan_out": lambda v: bool(v),
 }
-
-
-class LoraLoadError(ValueError):
-    """An adapter that cannot be served; the message names the adapter and the problem."""
 
 
 @dataclass(frozen=True)
