@@ -1,0 +1,112 @@
+"""The router's view of LoRA adapters: keys from the workers' stats, the same block hashes as
+the worker that cached a prompt under an adapter (and none of the base's), a 404 naming an
+unknown adapter, and a replay that keeps the adapter and its output."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from support.engine import Stepper, finish_clean, load
+from support.lora import make_adapter
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.cluster.api_errors import ErrorCode, to_api_error
+from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.router import RouterCore
+from pagedserve.workers.block_hash import cache_key
+from pagedserve.workers.errors import UnknownLora
+from pagedserve.workers.handoff import RequestHandoff
+
+BLOCK_SIZE = 4
+PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_loaded():
+    return load("tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def lora_adapters(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("router-loras")
+    return {
+        "low": make_adapter(directory, "low", 2, ("q_proj", "k_proj", "v_proj"), seed=21),
+        "high": make_adapter(directory, "high", 8, ("o_proj", "up_proj"), seed=22),
+    }
+
+
+@pytest.fixture
+def engine(tiny_llama_loaded, lora_adapters):
+    llm = LLM(
+        loaded_model=tiny_llama_loaded,
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=64,
+        attention_backend="torch",
+        lora_modules=[f"{a.name}={a.path}" for a in lora_adapters.values()],
+    )
+    yield llm
+    finish_clean(llm)
+
+
+def _router(llm: LLM) -> RouterCore:
+    core = RouterCore(ClusterConfig(num_workers=2), index=None, workers={"w0": None, "w1": None})
+    for state in core.workers.values():
+        state.mark_alive(SimpleNamespace(num_blocks=64, block_size=BLOCK_SIZE, max_model_len=1024))
+        state.stats = SimpleNamespace(
+            lora_adapters=tuple(llm.engine.lora_adapters().items()), resident_loras=()
+        )
+    core.model_name = llm.engine.loaded.name
+    core.block_size = BLOCK_SIZE
+    return core
+
+
+def test_the_router_matches_the_blocks_a_worker_cached_under_an_adapter(engine):
+    prompt = list(range(100, 100 + 4 * BLOCK_SIZE + 1))  # 4 full blocks and a partial one
+    engine.engine.add_request("r", prompt, PARAMS, lora="low")
+    Stepper(engine.engine).run_to_end()
+    core = _router(engine)
+    low, high = core.lora_key("low"), core.lora_key("high")
+    for state in core.workers.values():
+        state.stats = None  # routing reads load from real stats; none here, as in test_cache_key
+    core.workers["w0"].begin(16)  # the busier one: only a prefix match can win it the prompt
+    for block_hash in engine.engine.kv.pool.cached:
+        core.view._link("w0", block_hash)
+    on_adapter = asyncio.run(core.route(prompt, None, lora_key=low))
+    assert (on_adapter[0].worker_id, on_adapter[1]) == ("w0", 4)
+    on_other = asyncio.run(core.route(prompt, None, lora_key=high))
+    on_base = asyncio.run(core.route(prompt, None))
+    assert on_other[1] == on_base[1] == 0
+
+
+def test_an_unknown_adapter_is_a_404_naming_it(engine):
+    core = _router(engine)
+    with pytest.raises(UnknownLora) as raised:
+        core.lora_key("nope")
+    error = to_api_error(raised.value)
+    assert error.code is ErrorCode.NOT_FOUND and "'nope'" in str(error)
+    assert core.lora_key(None) is None
+    assert core.lora_adapters() == engine.engine.lora_adapters()
+
+
+def test_a_replayed_request_keeps_its_adapter_and_output(engine, tiny_llama_loaded, lora_adapters):
+    """A replay (the router's handoff without KV, keys from `cache_key`) continues on a peer
+    with the adapter: the same tokens as running it there whole."""
+    prompt = list(range(40, 52))
+    expected = lora_adapters["high"].reference.greedy(prompt, PARAMS.max_tokens)
+    core = _router(engine)
+    handoff = RequestHandoff.replay(
+        "r",
+        prompt,
+        expected[:2],  # the lost worker streamed two tokens
+        0,
+        PARAMS,
+        priority=0,
+        cache_extra_keys=cache_key(core.model_name, None, core.lora_key("high")),
+        block_size=BLOCK_SIZE,
+        deadline_remaining_s=None,
+    )
+    engine.engine.adopt(handoff)
+    outputs = Stepper(engine.engine).run_to_end()
+    assert expected[:2] + outputs["r"].outputs[0].token_ids == expected
