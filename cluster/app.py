@@ -164,6 +164,12 @@ class Router:
     async def Embed(self, request: Any, grpc_context: Any) -> Any:
         return await self.grpc.embed(request, grpc_context)
 
+    async def LoadLoraAdapter(self, request: Any, grpc_context: Any) -> Any:
+        return await self.grpc.load_lora_adapter(request, grpc_context)
+
+    async def UnloadLoraAdapter(self, request: Any, grpc_context: Any) -> Any:
+        return await self.grpc.unload_lora_adapter(request, grpc_context)
+
     # ------------------------------------------------- gRPC: grpc.health.v1.Health
     async def Check(self, request: Any, grpc_context: Any) -> Any:
         return await self.grpc.check(request, grpc_context)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import grpc
 import pytest
 import ray
 import requests
@@ -18,6 +19,8 @@ from support.engine import Stepper, finish_clean, load
 from support.lora import make_adapter
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
+from pagedserve.proto.pagedserve.v1 import serving_pb2_grpc
 
 MODEL = "tiny-llama"
 PROMPT = list(range(30, 45))
@@ -134,4 +137,33 @@ def test_bad_adapters_are_refused_and_disturb_nothing(app, adapters, tmp_path, e
     assert unknown.status_code == 404 and "'nope'" in unknown.json()["error"]["message"]
     assert models(app) == {MODEL: None, "sql": MODEL}
     assert complete(app, "sql").json()["choices"][0]["text"] == expected["sql"]
+    assert_app_clean(app)
+
+
+def test_grpc_loads_serves_and_unloads_an_adapter(app, adapters, expected):
+    """The same through gRPC: `LoadLoraAdapter`, `Generate` with `model`, `UnloadLoraAdapter`;
+    `GetStats` shows each worker's adapters."""
+    channel = grpc.insecure_channel(app.grpc_address)
+    stub = serving_pb2_grpc.GenerationStub(channel)
+    loaded = stub.LoadLoraAdapter(
+        pb.LoadLoraAdapterRequest(lora_name="chat", lora_path=adapters["chat"].path), timeout=120
+    )
+    assert loaded.key.startswith("chat@")
+    sampling = pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    request = pb.GenerateRequest(prompt_token_ids=PROMPT, sampling=sampling, model="chat")
+    answer = stub.Generate(request, timeout=120)
+    assert answer.completions[0].text == expected["chat"]
+    stats = stub.GetStats(pb.GetStatsRequest(), timeout=60)
+    assert [sorted(w.lora_adapters) for w in stats.workers] == [["chat", "sql"]] * 2
+    stub.UnloadLoraAdapter(pb.UnloadLoraAdapterRequest(lora_name="chat"), timeout=120)
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.Generate(request, timeout=120)
+    assert raised.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "'chat'" in raised.value.details()
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.LoadLoraAdapter(
+            pb.LoadLoraAdapterRequest(lora_name="x", lora_path="/nope"), timeout=120
+        )
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    channel.close()
     assert_app_clean(app)

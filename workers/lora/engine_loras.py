@@ -26,6 +26,7 @@ class EngineLoras:
             return
         self.loras = LoraRegistry(
             LoraConfig(config.max_loras, config.max_lora_rank, config.max_cpu_loras),
+            self.loaded.name,
             model_shapes(self.loaded.model),
             self.loaded.num_layers,
             self.loaded.device,

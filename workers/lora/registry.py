@@ -74,12 +74,14 @@ class LoraRegistry:
     def __init__(
         self,
         config: LoraConfig,
+        model_name: str,
         shapes: dict[str, ModuleShape],
         num_layers: int,
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
         self.config = config
+        self.model_name = model_name
         self.shapes = shapes
         self.num_layers = num_layers
         self._device, self._dtype = device, dtype
@@ -106,8 +108,10 @@ class LoraRegistry:
         Raises:
             LoraLoadError: the adapter cannot be served, or the name holds other weights.
         """
-        if not isinstance(name, str) or not name or "@" in name:
-            raise LoraLoadError(f"lora_name must be a non-empty string without '@': {name!r}")
+        if not isinstance(name, str) or not name or "@" in name or name == self.model_name:
+            raise LoraLoadError(
+                f"lora_name must be a non-empty string without '@', not the model's: {name!r}"
+            )
         adapter = load_adapter(name, path, self.shapes, self.num_layers, self.config.max_lora_rank)
         current = self._names.get(name)
         if current is not None and current != adapter.key:
