@@ -284,6 +284,8 @@ class RouterCore(RouterRequests, RouterLoras):
         matches = self.view.match(hashes)  # local: no remote call on the request path
         tier_hits = self.view.tier_hits(hashes, matches)
         tier_load = self.tier_costs.per_worker(tier_hits)
+        if lora_key is not None:  # only workers with the adapter; a load where not resident
+            others, tier_load = self.lora_candidates(lora_key, others, exclude, tier_load)
         if others is None:
             decision = self.policy.choose_ranked(len(hashes), matches, ranking, tier_load)
         else:

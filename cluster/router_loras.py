@@ -61,6 +61,38 @@ class RouterLoras:
             raise UnknownLora(f"model: {name!r} is neither the served model nor a LoRA adapter")
         return key
 
+    def lora_candidates(
+        self,
+        key: str,
+        others: list | None,
+        exclude: frozenset[str],
+        extra_blocks: dict[str, float],
+    ) -> tuple[list, dict[str, float]]:
+        """The workers a request on adapter ``key`` may go to (routable, not excluded, the
+        adapter loaded under that key) and the extra prefill blocks each costs: `tier_load`'s
+        (``extra_blocks``) plus `lora_load_block_cost` where the adapter is not in a device
+        slot. The caller scores them with `choose` (the ranked path assumes that a worker
+        holding nothing of the prompt costs no more than its load).
+
+        Raises:
+            UnknownLora: no routable worker has it.
+        """
+        name = key.rsplit("@", 1)[0]
+        pool = (
+            others
+            if others is not None
+            else [w for w in self.workers.values() if w.routable and w.worker_id not in exclude]
+        )
+        fit = [w for w in pool if w.stats is None or (name, key) in w.stats.lora_adapters]
+        if not fit:
+            raise UnknownLora(f"LoRA adapter {name!r} is on no worker that admits requests")
+        cost = self.config.lora_load_block_cost
+        costs = dict(extra_blocks)
+        for worker in fit:
+            if cost and (worker.stats is None or name not in worker.stats.resident_loras):
+                costs[worker.worker_id] = costs.get(worker.worker_id, 0.0) + cost
+        return fit, costs
+
     async def load_lora(self, name: str, path: str) -> str:
         """Load adapter ``name`` from ``path`` on every live worker; all or none.
 

@@ -15,9 +15,11 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.cluster.api_errors import ErrorCode, to_api_error
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.router import RouterCore
-from pagedserve.workers.block_hash import cache_key
+from pagedserve.workers.block_hash import cache_key, hash_full_blocks
 from pagedserve.workers.errors import UnknownLora
 from pagedserve.workers.handoff import RequestHandoff
+from pagedserve.workers.kv_cache_manager import KVUsage
+from pagedserve.workers.worker_types import WorkerStats
 
 BLOCK_SIZE = 4
 PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
@@ -110,3 +112,44 @@ def test_a_replayed_request_keeps_its_adapter_and_output(engine, tiny_llama_load
     engine.engine.adopt(handoff)
     outputs = Stepper(engine.engine).run_to_end()
     assert expected[:2] + outputs["r"].outputs[0].token_ids == expected
+
+
+def _stats(worker_id: str, adapters: dict[str, str], resident: tuple[str, ...]) -> WorkerStats:
+    fields = {name: 0 for name in KVUsage.__dataclass_fields__}
+    kv = KVUsage(**{**fields, "block_size": BLOCK_SIZE, "total_blocks": 64, "free_blocks": 64})
+    return WorkerStats(
+        worker_id, "e", kv, lora_adapters=tuple(adapters.items()), resident_loras=resident
+    )
+
+
+def _two_workers(adapters: dict[str, str], resident: dict[str, tuple[str, ...]]) -> RouterCore:
+    core = RouterCore(ClusterConfig(num_workers=2), index=None, workers={"w0": None, "w1": None})
+    for worker_id, state in core.workers.items():
+        state.mark_alive(SimpleNamespace(num_blocks=64, block_size=BLOCK_SIZE, max_model_len=1024))
+        state.stats = _stats(worker_id, adapters, resident[worker_id])
+    core.model_name = "m"
+    core.block_size = BLOCK_SIZE
+    return core
+
+
+def test_routing_prefers_the_adapter_resident_but_a_cached_prefix_more():
+    adapters = {"a": "a@1", "b": "b@1"}
+    prompt = list(range(1, 4 * BLOCK_SIZE + 1))
+    core = _two_workers(adapters, {"w0": (), "w1": ("a",)})
+    worker, _ = asyncio.run(core.route(prompt, None, lora_key="a@1"))
+    assert worker.worker_id == "w1"  # equal loads, no prefix: the one with "a" in a slot
+    for block_hash in hash_full_blocks(prompt, BLOCK_SIZE, cache_key("m", None, "a@1")):
+        core.view._link("w0", block_hash)
+    worker, matched = asyncio.run(core.route(prompt, None, lora_key="a@1"))
+    assert (worker.worker_id, matched) == ("w0", 4)  # its 4 cached blocks outweigh a load
+
+
+def test_a_worker_without_the_adapter_is_never_chosen():
+    core = _two_workers({"a": "a@1"}, {"w0": (), "w1": ()})
+    core.workers["w1"].stats = _stats("w1", {}, ())
+    core.workers["w0"].begin(16)  # busier, but the only one with the adapter
+    worker, _ = asyncio.run(core.route(list(range(1, 9)), None, lora_key="a@1"))
+    assert worker.worker_id == "w0"
+    core.workers["w0"].stats = _stats("w0", {"a": "a@2"}, ())  # reloaded with other weights
+    with pytest.raises(UnknownLora, match="'a' is on no worker"):
+        asyncio.run(core.route(list(range(1, 9)), None, lora_key="a@1"))
