@@ -37,6 +37,7 @@ class EngineStats:
             "tiers": self.tier_stats(),
             "lora_adapters": tuple(self.lora_adapters().items()),
             "resident_loras": tuple(self.loras.resident()) if self.loras is not None else (),
+            "lora_requests": self.lora_requests(),
         }
 
     def tier_stats(self) -> TierStats:

@@ -89,6 +89,7 @@ class WorkerStats:
     # LoRA adapters loaded (name, key) and those in device slots now (`workers/lora/`).
     lora_adapters: tuple[tuple[str, str], ...] = ()
     resident_loras: tuple[str, ...] = ()
+    lora_requests: tuple[tuple[str, int], ...] = ()  # requests in the engine per adapter
     kv_cache_swap_bytes: int = 0
     scheduler: SchedulerCounters = field(default_factory=SchedulerCounters)  # a copy
     spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding (zero when off)

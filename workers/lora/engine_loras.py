@@ -54,6 +54,16 @@ class EngineLoras:
         """Loaded adapter name -> key."""
         return {} if self.loras is None else self.loras.names()
 
+    def lora_requests(self) -> tuple[tuple[str, int], ...]:
+        """(adapter name, requests on it in this engine), for stats and metrics."""
+        counts: dict[str, int] = {}
+        for group in list(self._groups.values()):  # read beside a step: a copy
+            key = group.branches[0].lora_key
+            if key is not None:
+                name = key.rsplit("@", 1)[0]
+                counts[name] = counts.get(name, 0) + 1
+        return tuple(sorted(counts.items()))
+
     def _request_keys(
         self, cache_salt: str | None, lora: str | None, beam: bool
     ) -> tuple[str, ...]:

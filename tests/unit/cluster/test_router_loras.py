@@ -13,12 +13,15 @@ from support.lora import make_adapter
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.cluster.api_errors import ErrorCode, to_api_error
+from pagedserve.cluster.client_cli import format_status
 from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.metrics import _WorkerCollector
 from pagedserve.cluster.router import RouterCore
+from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
 from pagedserve.workers.block_hash import cache_key, hash_full_blocks
 from pagedserve.workers.errors import UnknownLora
 from pagedserve.workers.handoff import RequestHandoff
-from pagedserve.workers.kv_cache_manager import KVUsage
+from pagedserve.workers.kv_cache_manager import KVCacheManager, KVUsage
 from pagedserve.workers.worker_types import WorkerStats
 
 BLOCK_SIZE = 4
@@ -153,3 +156,28 @@ def test_a_worker_without_the_adapter_is_never_chosen():
     core.workers["w0"].stats = _stats("w0", {"a": "a@2"}, ())  # reloaded with other weights
     with pytest.raises(UnknownLora, match="'a' is on no worker"):
         asyncio.run(core.route(list(range(1, 9)), None, lora_key="a@1"))
+
+
+def test_metrics_and_status_show_each_workers_adapters():
+    stats = WorkerStats(
+        "w0",
+        "e1",
+        KVCacheManager(4, 2, 8).usage(),
+        lora_adapters=(("a", "a@1"), ("b", "b@1")),
+        resident_loras=("b",),
+        lora_requests=(("b", 3),),
+    )
+    families = {f.name: f for f in _WorkerCollector(lambda: {"w0": (True, stats)}).collect()}
+    adapters = {
+        (s.labels["adapter"], s.labels["state"])
+        for s in families["pagedserve_lora_adapter"].samples
+    }
+    assert adapters == {("a", "loaded"), ("b", "loaded"), ("b", "resident")}
+    requests = {
+        (s.labels["adapter"], s.value) for s in families["pagedserve_lora_requests"].samples
+    }
+    assert requests == {("b", 3)}
+    message = pb.GetStatsResponse(
+        workers=[pb.WorkerStats(worker_id="w0", lora_adapters=["a", "b"], resident_loras=["b"])]
+    )
+    assert "LoRA adapters: w0: a, b (resident)" in format_status(message)
