@@ -12,8 +12,8 @@ base model has slot ``-1`` and is left alone.
 Three implementations, each in place on ``out`` and compared in `tests/unit/kernels`:
 
 - `add_lora_ref`: one token at a time, the definition above (the reference);
-- `add_lora_torch`: the CPU path, one shrink and one expand matmul per adapter present in the
-  batch over its rows (gathered with ``index_select``, added back with ``index_add_``);
+- `add_lora_torch`: the CPU path, every adapter in one shrink and one expand matmul, each
+  token's shrunk row masked to its own adapter's columns between them;
 - `add_lora_triton` (`lora_triton.py`): the GPU path, one program per token tile gathering
   each token's own A and B rows.
 """
@@ -69,29 +69,49 @@ def add_lora_torch(
     b: Tensor,
     scales: Tensor,
     slots: Tensor,
-    groups: list[tuple[int, Tensor]] | None = None,
+    num_slots: int | None = None,
+    mask: Tensor | None = None,
 ) -> Tensor:
-    """The CPU path: per adapter present, one shrink and one expand over its rows.
+    """The CPU path: every adapter of the batch in one shrink and one expand matmul.
+
+    The first ``num_slots`` slots' A matrices side by side are one ``[S'·R, K]`` matrix and
+    their B matrices one ``[N, S'·R]``; a token's shrunk row is masked to its own slot's R
+    columns (scaled by its ``alpha / r``) between the two:
+
+        out += ((x @ A_cat.T) * mask) @ B_cat.T        mask[t, s·R:(s+1)·R] = scales[s] if
+                                                       slots[t] == s, else 0
+
+    Three kernels per projection whatever the adapters' count: a loop per adapter (a gather,
+    two matmuls and a scatter each) cost ~1 ms per adapter per projection on this project's
+    loaded 2-core machine, where each small op waited at OpenMP's barrier. The matmuls do
+    ``S'·R`` columns' work for every token (those of other slots masked to zero): at rank 16
+    with 4 slots, 22% of a 576x576 projection's multiply-adds.
 
     Args:
-        groups: ``(slot, rows)`` for each adapter present (rows: int64 token indices); derived
-            from ``slots`` when None. The engine builds them once per step and reuses them
-            for every layer and projection.
+        num_slots: ``S'``: only slots below it are used (default: all ``S``). The engine passes
+            the highest slot of the step + 1.
+        mask: ``[T, S'·R]`` from `lora_mask`, built once per step and reused by every
+            projection (default: built here).
 
     Returns:
         ``out``, updated in place.
     """
     check_lora_args(out, x, a, b, scales, slots)
-    if groups is None:
-        groups = slot_groups(slots)
-    for slot, rows in groups:
-        shrunk = x.index_select(0, rows) @ a[slot].T
-        update = (shrunk @ b[slot].T) * scales[slot]
-        out.index_add_(0, rows, update.to(out.dtype))
+    num_slots = a.shape[0] if num_slots is None else num_slots
+    rank, k, n = a.shape[1], a.shape[2], b.shape[1]
+    if mask is None:
+        mask = lora_mask(slots, scales[:num_slots], rank, x.dtype)
+    a_cat = a[:num_slots].reshape(num_slots * rank, k)
+    # A view when `b` is stored `[N, S, R]` (the engine's `LoraSlots`), a copy otherwise.
+    b_cat = b[:num_slots].permute(1, 0, 2).reshape(n, num_slots * rank)
+    shrunk = (x @ a_cat.T) * mask
+    out.addmm_(shrunk.to(out.dtype), b_cat.T.to(out.dtype))
     return out
 
 
-def slot_groups(slots: Tensor) -> list[tuple[int, Tensor]]:
-    """``(slot, rows)`` per adapter slot present in ``slots`` (``-1``, the base, left out)."""
-    present = [int(s) for s in torch.unique(slots).tolist() if s >= 0]
-    return [(s, torch.nonzero(slots == s).flatten()) for s in present]
+def lora_mask(slots: Tensor, scales: Tensor, rank: int, dtype: torch.dtype) -> Tensor:
+    """``[T, S'·R]``: row t holds ``scales[s]`` over slot ``s = slots[t]``'s R columns, zeros
+    elsewhere (all zeros for a base token, slot -1). ``S'`` is ``len(scales)``."""
+    column_slots = torch.arange(len(scales) * rank, device=slots.device) // rank
+    mask = slots[:, None] == column_slots[None, :]
+    return mask.to(dtype) * scales.repeat_interleave(rank)[None, :].to(dtype)

@@ -27,6 +27,8 @@ def lora_shrink_expand_kernel(
     slots_ptr,
     stride_out_t,
     stride_x_t,
+    stride_b_s,
+    stride_b_n,
     K,
     N,
     R: tl.constexpr,
@@ -55,7 +57,7 @@ def lora_shrink_expand_kernel(
     outs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     out_mask = outs < N
     b = tl.load(
-        b_ptr + slot * N * R + outs[:, None] * R + ranks[None, :],
+        b_ptr + slot * stride_b_s + outs[:, None] * stride_b_n + ranks[None, :],
         mask=out_mask[:, None] & rank_mask[None, :],
         other=0.0,
     ).to(tl.float32)
@@ -84,7 +86,7 @@ def add_lora_triton(
             is fine: rows are addressed by its row stride).
         x: ``[T, K]``, unit stride in the last dimension.
         a: ``[S, R, K]`` contiguous stacked A of the resident adapters.
-        b: ``[S, N, R]`` contiguous stacked B.
+        b: ``[S, N, R]`` stacked B, unit stride in R (the engine's is a view of ``[N, S, R]``).
         scales: ``[S]`` each adapter's ``alpha / r``.
         slots: ``[T]`` int64 adapter slot per token, -1 for the base model.
 
@@ -94,8 +96,8 @@ def add_lora_triton(
     check_lora_args(out, x, a, b, scales, slots)
     if out.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError("out and x need unit stride in their last dimension")
-    if not (a.is_contiguous() and b.is_contiguous()):
-        raise ValueError("the stacked A and B must be contiguous")
+    if not a.is_contiguous() or b.stride(2) != 1:
+        raise ValueError("the stacked A must be contiguous and B have unit stride in R")
     num_tokens, n = out.shape
     if num_tokens == 0:
         return out
@@ -111,6 +113,8 @@ def add_lora_triton(
         slots,
         out.stride(0),
         x.stride(0),
+        b.stride(0),
+        b.stride(1),
         k,
         n,
         R=rank,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from pagedserve.kernels.lora_ops import add_lora_torch, slot_groups
+from pagedserve.kernels.lora_ops import add_lora_torch, lora_mask
 from pagedserve.workers.lora.adapter import ModuleShape
 from pagedserve.workers.lora.registry import LoraRegistry, LoraSlots
 
@@ -30,29 +30,36 @@ FUSED_TARGETS: dict[str, tuple[str, ...]] = {
 
 @dataclass
 class LoraBatch:
-    """Per-token adapter slots of one packed batch (-1: the base model) and the stacks."""
+    """Per-token adapter slots of one packed batch (-1: the base model) and the stacks.
+
+    Attributes:
+        num_slots: slots below this are used by the step (the highest one present + 1).
+        mask: ``[T, num_slots · R]`` for the CPU path (`lora_ops.lora_mask`); None on a GPU.
+        present: the slots the step uses.
+    """
 
     slots: LoraSlots
     token_slots: Tensor
-    groups: list[tuple[int, Tensor]]
+    num_slots: int
+    mask: Tensor | None
+    present: frozenset[int]
     columns: dict[str, tuple[int, int]]  # target -> its column range in the fused output
-    use_triton: bool
 
     def add(self, layer: int, fused: str, x: Tensor, out: Tensor) -> None:
         """Add every token's adapter update of projection ``fused`` of ``layer`` to ``out``."""
         for target in FUSED_TARGETS[fused]:
-            if not any(target in self.slots.targets[slot] for slot, _ in self.groups):
+            if not any(target in self.slots.targets[slot] for slot in self.present):
                 continue
             a, b = self.slots.stacks[(layer, target)]
             start, end = self.columns[target]
             columns = out[:, start:end]
-            if self.use_triton:
+            scales, slots = self.slots.scales, self.token_slots
+            if self.mask is None:
                 from pagedserve.kernels.lora_triton import add_lora_triton
 
-                add_lora_triton(columns, x, a, b, self.slots.scales, self.token_slots)
+                add_lora_triton(columns, x, a, b, scales, slots)
             else:
-                groups = [(s, rows) for s, rows in self.groups if target in self.slots.targets[s]]
-                add_lora_torch(columns, x, a, b, self.slots.scales, self.token_slots, groups)
+                add_lora_torch(columns, x, a, b, scales, slots, self.num_slots, self.mask)
 
 
 def fused_columns(shapes: dict[str, ModuleShape]) -> dict[str, tuple[int, int]]:
@@ -72,6 +79,7 @@ def build_lora_batch(
     keys: Sequence[str | None],
     num_tokens: Sequence[int],
     device: torch.device,
+    dtype: torch.dtype,
 ) -> LoraBatch | None:
     """The step's `LoraBatch`: request ``i`` (adapter ``keys[i]``, None for the base) has
     ``num_tokens[i]`` consecutive packed rows. None when no request uses an adapter, so the
@@ -83,12 +91,17 @@ def build_lora_batch(
     per_request = [-1 if key is None else slot_of[key] for key in keys]
     token_slots = torch.repeat_interleave(
         torch.tensor(per_request, dtype=torch.int64), torch.tensor(list(num_tokens))
-    )
-    groups = [(slot, rows.to(device)) for slot, rows in slot_groups(token_slots)]
+    ).to(device)
+    num_slots = max(slot_of.values()) + 1
+    mask = None
+    if device.type != "cuda":
+        scales = registry.slots.scales[:num_slots]
+        mask = lora_mask(token_slots, scales, registry.config.max_lora_rank, dtype)
     return LoraBatch(
         slots=registry.slots,
-        token_slots=token_slots.to(device),
-        groups=groups,
+        token_slots=token_slots,
+        num_slots=num_slots,
+        mask=mask,
+        present=frozenset(slot_of.values()),
         columns=fused_columns(registry.shapes),
-        use_triton=device.type == "cuda",
     )

@@ -90,7 +90,8 @@ class EngineLoras:
         keys = [request.lora_key for request in scheduled]
         if not any(keys):
             return None
-        return build_lora_batch(self.loras, keys, list(scheduled.values()), self.loaded.device)
+        sizes = list(scheduled.values())
+        return build_lora_batch(self.loras, keys, sizes, self.loaded.device, self.loaded.dtype)
 
     def _lora_keys_in_use(self) -> set[str]:
         return {

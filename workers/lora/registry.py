@@ -34,7 +34,11 @@ def _not_loaded(name: str) -> UnknownLora:
 
 
 class LoraSlots:
-    """The device stacks: per (layer, target) A ``[S, R, K]`` and B ``[S, N, R]``; scales."""
+    """The device stacks: per (layer, target) A ``[S, R, K]`` and B ``[S, N, R]``; scales.
+
+    B is stored ``[N, S, R]`` and handed out as its ``[S, N, R]`` view: the CPU path then reads
+    the first S' slots' B side by side as one ``[N, S'·R]`` matrix without a copy
+    (`lora_ops.add_lora_torch`)."""
 
     def __init__(
         self,
@@ -49,8 +53,8 @@ class LoraSlots:
         for layer in range(num_layers):
             for target, shape in shapes.items():
                 a = torch.zeros(slots, rank, shape.in_features, device=device, dtype=dtype)
-                b = torch.zeros(slots, shape.out_features, rank, device=device, dtype=dtype)
-                self.stacks[(layer, target)] = (a, b)
+                b = torch.zeros(shape.out_features, slots, rank, device=device, dtype=dtype)
+                self.stacks[(layer, target)] = (a, b.permute(1, 0, 2))
         self.scales = torch.zeros(slots, device=device, dtype=torch.float32)
         self.targets: list[frozenset[str]] = [frozenset()] * slots  # what each slot adapts
 

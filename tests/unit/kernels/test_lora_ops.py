@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.kernels.lora_ops import add_lora_ref, add_lora_torch, slot_groups
+from pagedserve.kernels.lora_ops import add_lora_ref, add_lora_torch, lora_mask
 
 
 def _case(gen, tokens, k, n, slots_count, rank, dtype):
@@ -36,10 +36,20 @@ def test_torch_path_equals_the_reference(gen, dtype, tokens, k, n, rank):
     assert torch.equal(got[base], out[base])  # the base model's tokens are left alone
 
 
-def test_groups_hold_each_present_slot_once(gen):
-    slots = torch.tensor([2, -1, 0, 2, 2, -1])
-    assert [(s, rows.tolist()) for s, rows in slot_groups(slots)] == [(0, [2]), (2, [0, 3, 4])]
-    assert slot_groups(torch.tensor([-1, -1])) == []
+def test_the_mask_holds_each_tokens_own_slot_scaled(gen):
+    mask = lora_mask(torch.tensor([1, -1, 0]), torch.tensor([2.0, 3.0]), 2, torch.float32)
+    assert mask.tolist() == [[0, 0, 3, 3], [0, 0, 0, 0], [2, 2, 0, 0]]
+
+
+@pytest.mark.parametrize("num_slots", [2, 3])
+def test_the_engines_layout_and_a_prefix_of_slots(gen, num_slots):
+    """B stored [N, S, R] (handed out as its [S, N, R] view), only the first S' slots used."""
+    out, x, a, b, scales, slots = _case(gen, 9, 24, 40, 3, 4, torch.float32)
+    slots = slots.clamp(max=num_slots - 1)
+    stored = b.permute(1, 0, 2).contiguous().permute(1, 0, 2)
+    expected = add_lora_ref(out.clone(), x, a, b, scales, slots)
+    got = add_lora_torch(out.clone(), x, a, stored, scales, slots, num_slots)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
 def test_wrong_shapes_are_refused(gen):
@@ -56,7 +66,7 @@ def test_triton_kernel_equals_the_reference(triton_device, gen, dtype, tokens, k
     from pagedserve.kernels.lora_triton import add_lora_triton
 
     wide, x, a, b, scales, slots = _case(gen, tokens, k, n + 6, 3, rank, dtype)
-    b = b[:, :n].contiguous()
+    b = b[:, :n].permute(1, 0, 2).contiguous().permute(1, 0, 2)  # the engine's layout
     expected = wide.clone()
     add_lora_ref(expected[:, 3 : 3 + n], x, a, b, scales, slots)
     moved = [t.to(triton_device) for t in (wide, x, a, b, scales, slots)]
