@@ -57,7 +57,7 @@ class EngineLoras:
     def lora_requests(self) -> tuple[tuple[str, int], ...]:
         """(adapter name, requests on it in this engine), for stats and metrics."""
         counts: dict[str, int] = {}
-        for group in list(self._groups.values()):  # read beside a step: a copy
+        for group in list(self._groups.values()):  # read beside a step: copied in one call
             key = group.branches[0].lora_key
             if key is not None:
                 name = key.rsplit("@", 1)[0]

@@ -154,8 +154,11 @@ class LoraRegistry:
         return dict(self._names)
 
     def resident(self) -> list[str]:
-        """Names of the adapters in device slots now, least recently used first."""
-        return [self._paths[key][0] for key in self._slot_of]
+        """Names of the adapters in device slots now, least recently used first. Read by the
+        worker's stats beside a step: the keys are copied first (one call, atomic under the
+        GIL), so a step changing the slots cannot break the iteration."""
+        keys, paths = list(self._slot_of), dict(self._paths)
+        return [paths[key][0] for key in keys if key in paths]
 
     @property
     def has_unloaded(self) -> bool:
