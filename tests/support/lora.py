@@ -60,3 +60,20 @@ def make_adapter(
     peft_model.save_pretrained(str(path))
     merged = peft_model.merge_and_unload().eval()
     return MadeAdapter(name, str(path), rank, _Merged(merged))
+
+
+# Different ranks and targets, to be served in one batch: a slot's rows must use its own
+# adapter's A and B (a peer once shipped mixed ranks applying the wrong adapter's weights).
+TEST_ADAPTERS = {
+    "attn4": (4, ("q_proj", "k_proj", "v_proj", "o_proj")),
+    "mlp8": (8, ("gate_proj", "up_proj", "down_proj")),
+    "all2": (2, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+}
+
+
+def make_test_adapters(directory: Path) -> dict[str, MadeAdapter]:
+    """`TEST_ADAPTERS`, each with its own random weights."""
+    return {
+        name: make_adapter(directory, name, rank, targets, seed=i + 1)
+        for i, (name, (rank, targets)) in enumerate(TEST_ADAPTERS.items())
+    }

@@ -9,7 +9,6 @@ from types import SimpleNamespace
 
 import pytest
 from support.engine import Stepper, finish_clean, load
-from support.lora import make_adapter
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.cluster.api_errors import ErrorCode, to_api_error
@@ -31,15 +30,6 @@ PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def tiny_llama_loaded():
     return load("tiny-llama")
-
-
-@pytest.fixture(scope="module")
-def lora_adapters(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("router-loras")
-    return {
-        "low": make_adapter(directory, "low", 2, ("q_proj", "k_proj", "v_proj"), seed=21),
-        "high": make_adapter(directory, "high", 8, ("o_proj", "up_proj"), seed=22),
-    }
 
 
 @pytest.fixture
@@ -69,10 +59,10 @@ def _router(llm: LLM) -> RouterCore:
 
 def test_the_router_matches_the_blocks_a_worker_cached_under_an_adapter(engine):
     prompt = list(range(100, 100 + 4 * BLOCK_SIZE + 1))  # 4 full blocks and a partial one
-    engine.engine.add_request("r", prompt, PARAMS, lora="low")
+    engine.engine.add_request("r", prompt, PARAMS, lora="all2")
     Stepper(engine.engine).run_to_end()
     core = _router(engine)
-    low, high = core.lora_key("low"), core.lora_key("high")
+    low, high = core.lora_key("all2"), core.lora_key("mlp8")
     for state in core.workers.values():
         state.stats = None  # routing reads load from real stats; none here, as in test_cache_key
     core.workers["w0"].begin(16)  # the busier one: only a prefix match can win it the prompt
@@ -99,7 +89,7 @@ def test_a_replayed_request_keeps_its_adapter_and_output(engine, tiny_llama_load
     """A replay (the router's handoff without KV, keys from `cache_key`) continues on a peer
     with the adapter: the same tokens as running it there whole."""
     prompt = list(range(40, 52))
-    expected = lora_adapters["high"].reference.greedy(prompt, PARAMS.max_tokens)
+    expected = lora_adapters["mlp8"].reference.greedy(prompt, PARAMS.max_tokens)
     core = _router(engine)
     handoff = RequestHandoff.replay(
         "r",
@@ -108,7 +98,7 @@ def test_a_replayed_request_keeps_its_adapter_and_output(engine, tiny_llama_load
         0,
         PARAMS,
         priority=0,
-        cache_extra_keys=cache_key(core.model_name, None, core.lora_key("high")),
+        cache_extra_keys=cache_key(core.model_name, None, core.lora_key("mlp8")),
         block_size=BLOCK_SIZE,
         deadline_remaining_s=None,
     )

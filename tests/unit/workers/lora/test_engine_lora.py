@@ -15,6 +15,7 @@ from pagedserve.workers.errors import UnknownLora
 from pagedserve.workers.handoff import HandoffReason, pack_handoff
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5 + 7 * i + k for k in range(11 + i)] for i in range(4)]
 
 
@@ -99,7 +100,7 @@ def test_kv_cached_under_one_adapter_is_no_hit_for_another(tiny_llama, adapters)
         ("b1", None),
         ("m2", "mlp8"),
     ]:
-        llm.engine.add_request(request_id, prompt, PARAMS, lora=lora)
+        llm.engine.add_request(request_id, prompt, ONE_TOKEN, lora=lora)
         outputs = Stepper(llm.engine).run_to_end()
         cached[request_id] = outputs[request_id].num_cached_tokens
     assert cached == {"a1": 0, "a2": 8, "m1": 0, "b1": 0, "m2": 8}
