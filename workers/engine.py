@@ -38,9 +38,7 @@ from pagedserve.workers.kv_cache import KVCache
 from pagedserve.workers.kv_cache_manager import KVCacheManager
 from pagedserve.workers.kv_tier_load import build_tier_store, load_waiting_prefixes
 from pagedserve.workers.kv_tiers import StepTierLoad
-from pagedserve.workers.logprobs import (
-    take_prompt_logprobs,
-)
+from pagedserve.workers.logprobs import take_prompt_logprobs
 from pagedserve.workers.lora.engine_loras import EngineLoras
 from pagedserve.workers.model_loader import LoadedModel, load_model
 from pagedserve.workers.model_runner import ModelRunner
@@ -201,9 +199,8 @@ class Engine(EngineHandoffs, EngineBeamMoves, EngineStats, EngineLoras):
         tenant: str = "",
         lora: str | None = None,
     ) -> None:
-        """Queue a request (of `tenant`: see `workers/fair_share.py`; on LoRA adapter `lora`
-        when given: `workers/lora/`). Raises `RequestRejected` naming the problem if it can
-        never run (`UnknownLora` for an adapter not loaded)."""
+        """Queue a request (of `tenant`: `workers/fair_share.py`; on LoRA adapter `lora`:
+        `workers/lora/`). Raises `RequestRejected` naming the problem if it can never run."""
         params = params or SamplingParams()
         check_timeout_s(timeout_s)
         if request_id in self._groups:
@@ -325,8 +322,7 @@ class Engine(EngineHandoffs, EngineBeamMoves, EngineStats, EngineLoras):
         for request in drafted:  # drafts the plan had no room for
             request.draft_token_ids = []
         deltas = [self._delta_for(group) for group in touched.values()]
-        if self.loras is not None and self.loras.has_unloaded:  # after finished groups left
-            self.loras.drop_unused(self._lora_keys_in_use())
+        self._drop_unloaded_loras()  # once the groups that finished here left
         return deltas
 
     def _admit_compiled(self, touched: dict[str, RequestGroup]) -> None:

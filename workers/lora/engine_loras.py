@@ -93,6 +93,11 @@ class EngineLoras:
         sizes = list(scheduled.values())
         return build_lora_batch(self.loras, keys, sizes, self.loaded.device, self.loaded.dtype)
 
+    def _drop_unloaded_loras(self) -> None:
+        """Free the weights of unloaded adapters whose last request has left."""
+        if self.loras is not None and self.loras.has_unloaded:
+            self.loras.drop_unused(self._lora_keys_in_use())
+
     def _lora_keys_in_use(self) -> set[str]:
         return {
             key

@@ -151,3 +151,14 @@ def test_unload_lets_running_requests_finish_and_refuses_new_ones(tiny_llama, ad
     assert "attn4" not in llm.engine.lora_adapters()
     llm.engine.load_lora("attn4", adapters["attn4"].path)  # and it can come back
     finish_clean(llm)
+
+
+def test_the_offline_api_takes_an_adapter_per_prompt(tiny_llama, adapters):
+    llm = make_llm(tiny_llama, adapters)
+    outputs = llm.generate([PROMPTS[0]] * 3, PARAMS, lora=["mlp8", None, "nope"])
+    assert outputs[0].outputs[0].token_ids == adapters["mlp8"].reference.greedy(
+        PROMPTS[0], PARAMS.max_tokens
+    )
+    assert outputs[1].outputs[0].token_ids == tiny_llama[1].greedy(PROMPTS[0], PARAMS.max_tokens)
+    assert "'nope' is not loaded" in outputs[2].error
+    finish_clean(llm)
