@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from pagedserve.workers.block_hash import cache_key, lora_key_of
-from pagedserve.workers.errors import RequestRejected
+from pagedserve.workers.errors import RequestRejected, UnknownLora
 from pagedserve.workers.lora.adapter import LoraAdapter, LoraLoadError, model_shapes
 from pagedserve.workers.lora.batch import LoraBatch, build_lora_batch
 from pagedserve.workers.lora.config import LoraConfig, parse_lora_modules
@@ -46,7 +46,7 @@ class EngineLoras:
         """Unload ``name``: new requests on it are refused (`UnknownLora`) at once; requests
         already running on it finish on it, then its weights are dropped."""
         if self.loras is None:
-            raise RequestRejected(f"LoRA adapter {name!r} is not loaded")
+            raise UnknownLora(f"LoRA adapter {name!r} is not loaded")
         self.loras.unload(name)
         self.loras.drop_unused(self._lora_keys_in_use())
 
@@ -71,7 +71,7 @@ class EngineLoras:
         if not lora:
             return cache_key(self.loaded.name, cache_salt)
         if self.loras is None:
-            raise RequestRejected(f"LoRA adapter {lora!r} is not loaded")
+            raise UnknownLora(f"LoRA adapter {lora!r} is not loaded")
         if beam:
             raise RequestRejected("use_beam_search is not supported with a LoRA adapter")
         return cache_key(self.loaded.name, cache_salt, self.loras.key_of(lora))
