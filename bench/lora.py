@@ -119,6 +119,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     from pagedserve.workers.model_loader import load_model
     from pagedserve.workers.sampling_params import SamplingParams
 
+    import torch
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     loaded = load_model(args.model)
     tmp = tempfile.TemporaryDirectory(prefix="pagedserve-bench-lora-")
     paths = [
@@ -159,6 +163,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "max_tokens": args.max_tokens,
         "load_average": os.getloadavg(),
         "cpus": len(os.sched_getaffinity(0)),
+        "threads": torch.get_num_threads(),
         "summary": summarize(runs),
         "load": loads,
     }
@@ -191,7 +196,8 @@ def format_markdown(data: dict[str, Any]) -> str:
         f"{data['max_loras']}; {data['num_requests']} requests "
         f"{arrivals} "
         f"({data['prompt_len']} prompt + {data['max_tokens']} output tokens); "
-        f"{data['cpus']} CPUs, load average {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}",
+        f"{data['cpus']} CPUs, {data['threads']} torch threads, load average at the end "
+        f"{load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}",
         "",
         "| adapters | tok/s (median, min-max) | of base | slot loads per run | steps |",
         "|---:|---:|---:|---:|---:|",
@@ -234,6 +240,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--max-tokens", type=positive_int, default=32, help="output tokens per request")
     add("--max-len", type=positive_int, default=1024, help="max_model_len of every arm")
     add("--repeats", type=positive_int, default=3, help="timed runs per arm")
+    add(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="torch threads (default: torch's; 1 steadies a machine others load)",
+    )
     add("--json", metavar="FILE", default=None)
     add("--markdown", metavar="FILE", default=None)
     parser.set_defaults(func=run)
