@@ -136,7 +136,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             model=args.model,
             max_model_len=args.max_len,
             max_loras=args.max_loras,
-            max_lora_rank=max(16, args.rank),
+            max_lora_rank=max(args.max_lora_rank, args.rank),
             lora_modules=modules[:k],
         )
         for k in ARMS
@@ -157,6 +157,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "model": args.model,
         "rank": args.rank,
         "max_loras": args.max_loras,
+        "max_lora_rank": max(args.max_lora_rank, args.rank),
         "num_requests": args.num_requests,
         "rate": args.rate,
         "prompt_len": args.prompt_len,
@@ -193,7 +194,8 @@ def format_markdown(data: dict[str, Any]) -> str:
     arrivals = f"at {data['rate']}/s" if data["rate"] else "at once"
     lines = [
         f"model `{data['model']}`, rank {data['rank']} on all 7 projections, max_loras "
-        f"{data['max_loras']}; {data['num_requests']} requests "
+        f"{data['max_loras']}, max_lora_rank {data['max_lora_rank']}; "
+        f"{data['num_requests']} requests "
         f"{arrivals} "
         f"({data['prompt_len']} prompt + {data['max_tokens']} output tokens); "
         f"{data['cpus']} CPUs, {data['threads']} torch threads, load average at the end "
@@ -229,6 +231,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--model", default="smollm2-135m", help="the base model (default: smollm2-135m)")
     add("--rank", type=positive_int, default=8, help="every adapter's rank")
     add("--max-loras", type=positive_int, default=4, help="adapters resident per step")
+    add(
+        "--max-lora-rank",
+        type=positive_int,
+        default=16,
+        help="the slots' width (default 16, the engine's; at least --rank)",
+    )
     add("--num-requests", type=positive_int, default=32, help="requests per run")
     add(
         "--rate",
