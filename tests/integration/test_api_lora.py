@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 import ray
 import requests
-from support.api_app import ENGINE, assert_app_clean, running_app
+from support.api_app import ENGINE, assert_app_clean, held_workers, running_app
 from support.engine import Stepper, finish_clean, load
 from support.lora import make_adapter
 
@@ -25,6 +26,7 @@ from pagedserve.proto.pagedserve.v1 import serving_pb2_grpc
 MODEL = "tiny-llama"
 PROMPT = list(range(30, 45))
 MAX_TOKENS = 8
+LONG = 200  # tokens: the stream still runs for many steps after the unload
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +60,17 @@ def expected(adapters):
         texts[name] = Stepper(llm.engine).run_to_end()[name or "base"].outputs[0].text
     finish_clean(llm)
     return texts
+
+
+@pytest.fixture(scope="module")
+def long_expected(adapters):
+    """`chat`'s greedy text of `LONG` tokens from an in-process engine."""
+    llm = LLM(loaded_model=load(MODEL), lora_modules=[f"chat={adapters['chat'].path}"], **ENGINE)
+    params = SamplingParams(max_tokens=LONG, temperature=0.0, ignore_eos=True)
+    llm.engine.add_request("r", PROMPT, params, lora="chat")
+    text = Stepper(llm.engine).run_to_end()["r"].outputs[0].text
+    finish_clean(llm)
+    return text
 
 
 def complete(app, model: str) -> requests.Response:
@@ -166,4 +179,40 @@ def test_grpc_loads_serves_and_unloads_an_adapter(app, adapters, expected):
         )
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     channel.close()
+    assert_app_clean(app)
+
+
+def test_unloading_waits_for_the_request_in_flight_on_it(app, adapters, long_expected):
+    """A stream on `chat` is open (its worker held after its first steps) when `chat` is
+    unloaded: the unload answers once the worker is between steps, a new request on `chat` is
+    then a 404, and the open stream runs to its end on `chat`, its text unchanged."""
+    load_url = f"{app.http_url}/v1/load_lora_adapter"
+    body = {"lora_name": "chat", "lora_path": adapters["chat"].path}
+    assert requests.post(load_url, json=body, timeout=120).status_code == 200
+    stream_body = {
+        "model": "chat",
+        "prompt": PROMPT,
+        "max_tokens": LONG,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    unload_url = f"{app.http_url}/v1/unload_lora_adapter"
+    with ThreadPoolExecutor(1) as pool:
+        with held_workers(app, after_steps=2):
+            stream = requests.post(
+                f"{app.http_url}/v1/completions", json=stream_body, stream=True, timeout=120
+            )
+            assert stream.status_code == 200
+            unloading = pool.submit(
+                requests.post, unload_url, json={"lora_name": "chat"}, timeout=120
+            )
+        assert unloading.result(timeout=120).status_code == 200
+    gone = complete(app, "chat")
+    assert gone.status_code == 404 and "'chat'" in gone.json()["error"]["message"]
+    text = ""
+    for line in stream.iter_lines():
+        if line.startswith(b"data: {"):
+            text += json.loads(line[6:])["choices"][0]["text"]
+    assert text == long_expected
     assert_app_clean(app)
