@@ -7,6 +7,7 @@ A user request with `n > 1` becomes `n` sequences (branches) that share the prom
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -110,7 +111,7 @@ class Request:
     # A beam of a beam search (`params.use_beam_search`): its `BeamGroup` (`beam_groups.py`).
     beam: Any = None
 
-    @property
+    @functools.cached_property
     def lora_key(self) -> str | None:
         """Its LoRA adapter's key (`workers/lora/`), carried in its cache keys; None: base."""
         return lora_key_of(self.cache_extra_keys)

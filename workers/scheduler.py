@@ -26,7 +26,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from pagedserve.workers.fair_share import (
@@ -202,17 +202,17 @@ class Scheduler:
         the request it gave it up for would preempt it again, forever. Nor one whose LoRA
         adapter would be one more than `max_loras` among the running (it waits for a slot)."""
         preempted = step.preempted
-        return (
-            r
-            for r in queue
-            if not r.paused and r not in preempted and self._adapter_fits(r.lora_key)
-        )
+        fits = self._adapter_gate()
+        return (r for r in queue if not r.paused and r not in preempted and fits(r.lora_key))
 
-    def _adapter_fits(self, key: str | None) -> bool:
-        if key is None or self.config.max_loras is None:
-            return True
+    def _adapter_gate(self) -> Callable[[str | None], bool]:
+        """Whether a request of a LoRA adapter may join the running set now (the base always
+        may): its adapter runs already, or fewer than `max_loras` do."""
+        limit = self.config.max_loras
+        if limit is None:
+            return lambda key: True
         running = {r.lora_key for r in self.running} - {None}
-        return key in running or len(running) < self.config.max_loras
+        return lambda key: key is None or key in running or len(running) < limit
 
     def _next_of(self, queue: list[Request], step: SchedulerOutput) -> Request | None:
         """The next sequence of `queue` to bring in: the policy's first, or (fair) the first
