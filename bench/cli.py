@@ -24,6 +24,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "pagedserve.bench.kv_dtype",
     "pagedserve.bench.fairness",
     "pagedserve.bench.beam",
+    "pagedserve.bench.lora",
 )
 
 

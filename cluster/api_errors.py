@@ -9,7 +9,7 @@ gRPC names its status codes); each front end maps the code to its own wire form:
 | RESOURCE_EXHAUSTED   | 400  | invalid_request_error | a request that can never fit the pool |
 | RESOURCE_EXHAUSTED   | 429  | rate_limit_error      | overloaded now: retry after the hint  |
 | UNAUTHENTICATED      | 401  | authentication_error  | bearer token missing or wrong         |
-| NOT_FOUND            | 404  | not_found_error       | unknown model or health service       |
+| NOT_FOUND            | 404  | not_found_error       | unknown model, adapter or health svc  |
 | UNAVAILABLE          | 503  | server_error          | no worker alive                       |
 | INTERNAL             | 500  | server_error          | a failed engine step, or a bug        |
 
@@ -35,7 +35,12 @@ from enum import StrEnum
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from pagedserve.cluster.router_types import NoWorkerAvailable, WorkerLost
-from pagedserve.workers.errors import Overloaded, RequestRejected, RequestTooLarge
+from pagedserve.workers.errors import (
+    Overloaded,
+    RequestRejected,
+    RequestTooLarge,
+    UnknownLora,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +153,8 @@ def as_api_error(error: BaseException) -> ApiError | None:
         return ApiError(ErrorCode.RESOURCE_EXHAUSTED, message, retry_after_s=retry_after_s)
     if isinstance(error, RequestTooLarge):
         return ApiError(ErrorCode.RESOURCE_EXHAUSTED, message)
+    if isinstance(error, UnknownLora):
+        return ApiError(ErrorCode.NOT_FOUND, message, "model")
     if isinstance(error, RequestRejected):
         return ApiError(ErrorCode.INVALID_ARGUMENT, message)
     if isinstance(error, NoWorkerAvailable | WorkerLost):

@@ -19,7 +19,7 @@ resolve the route annotations (`Request`) when the replica rebuilds the class.
 """
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 from typing import Any
 
@@ -29,13 +29,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pagedserve.cluster.api_config import ApiConfig, split_app_args
-from pagedserve.cluster.api_errors import ApiError
+from pagedserve.cluster.api_errors import ApiError, as_api_error
 from pagedserve.cluster.auth import TokenAuth
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.grpc_api import SERVING, GrpcFrontend
 from pagedserve.cluster.metrics import CONTENT_TYPE
 from pagedserve.cluster.openai_api import OpenAIFrontend, error_response
 from pagedserve.cluster.openai_embeddings import Embedder, EmbeddingsFrontend
+from pagedserve.cluster.openai_lora import LoraAdmin
 from pagedserve.cluster.openai_responses_api import ResponsesFrontend
 from pagedserve.cluster.openai_tokenize import TokenizeFrontend
 from pagedserve.cluster.router import RouterCore
@@ -61,6 +62,19 @@ def served_model_name(config: ClusterConfig, api: ApiConfig) -> str:
 
 # The Router's code runs on Serve's own event loop (ROUTER_ENV_VARS): only there does a client
 # that stops reading hold the Router's stream back, and so pause its request on the worker.
+
+
+async def _answer(route: Awaitable[Response]) -> Response:
+    """A route's response, or its failure as the API's error (`api_errors`)."""
+    try:
+        return await route
+    except Exception as error:
+        api_error = as_api_error(error)
+        if api_error is None:
+            raise
+        return error_response(api_error)
+
+
 @serve.deployment(
     name="Router",
     max_ongoing_requests=1024,
@@ -104,6 +118,7 @@ class Router:
         embedder = Embedder(self.core, api_config.embedding_pooling)
         self.grpc = GrpcFrontend(self.core, auth, embedder)
         self.openai = OpenAIFrontend(self.core, auth, model_name)
+        self.lora_admin = LoraAdmin(self.core, auth)
         self.tokenizing = TokenizeFrontend(self.core, auth, model_name)
         self.embedding = EmbeddingsFrontend(embedder, auth, model_name)
         self.responding = ResponsesFrontend(self.core, auth, model_name)
@@ -149,6 +164,12 @@ class Router:
     async def Embed(self, request: Any, grpc_context: Any) -> Any:
         return await self.grpc.embed(request, grpc_context)
 
+    async def LoadLoraAdapter(self, request: Any, grpc_context: Any) -> Any:
+        return await self.grpc.load_lora_adapter(request, grpc_context)
+
+    async def UnloadLoraAdapter(self, request: Any, grpc_context: Any) -> Any:
+        return await self.grpc.unload_lora_adapter(request, grpc_context)
+
     # ------------------------------------------------- gRPC: grpc.health.v1.Health
     async def Check(self, request: Any, grpc_context: Any) -> Any:
         return await self.grpc.check(request, grpc_context)
@@ -161,6 +182,14 @@ class Router:
     @http_app.get("/v1/models")
     async def models(self, request: Request) -> Response:
         return await self.openai.models(request)
+
+    @http_app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, request: Request) -> Response:
+        return await _answer(self.lora_admin.load(request))
+
+    @http_app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        return await _answer(self.lora_admin.unload(request))
 
     @http_app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:

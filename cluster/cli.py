@@ -112,6 +112,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--num-speculative-tokens", type=int, help="draft tokens per step, k (default: 3)"
     )
     spec.add_argument("--speculative-draft-model", help="the draft model of method 'draft'")
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT's format) every worker loads at start (EngineConfig."
+        "lora_modules); a request selects one with model: NAME. More load at run time: "
+        "POST /v1/load_lora_adapter",
+    )
     parser.set_defaults(func=run, one_line_errors=True)
 
 
@@ -155,6 +163,8 @@ def user_config_from_args(args: argparse.Namespace) -> dict[str, Any]:
     speculative = _speculative_from_args(args, engine.get("speculative"))
     if speculative is not None:
         engine["speculative"] = speculative
+    if getattr(args, "lora_modules", None):
+        engine["lora_modules"] = list(args.lora_modules)
     data.update(config_flags_set(args, ClusterConfig))
     if args.served_model_name is not None:
         data["served_model_name"] = args.served_model_name

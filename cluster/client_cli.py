@@ -203,6 +203,14 @@ def format_status(stats: Any) -> str:
         f"migrations: {m.pulls} pulls ({m.pulled_blocks} blocks), "
         f"{m.pushes} pushes ({m.pushed_blocks} blocks), {m.moves} moves"
     )
+    loras = [
+        f"{w.worker_id}: "
+        + ", ".join(f"{n} (resident)" if n in w.resident_loras else n for n in w.lora_adapters)
+        for w in stats.workers
+        if w.lora_adapters
+    ]
+    if loras:
+        table.append(f"LoRA adapters: {'; '.join(loras)}")
     return "\n".join(table)
 
 

@@ -100,6 +100,10 @@ class ClusterConfig:
             tiny-llama (0.33 ms a block) and 0.12 with SmolLM2-135M (2.1 ms), files in the
             page cache. On a GPU both are larger (a prefill per block is far cheaper there,
             a load crosses PCIe): measure there before serving.
+        lora_load_block_cost: what putting a LoRA adapter into a worker's device slots is worth
+            in prefilled blocks, for `kv_aware` routing of a request on that adapter
+            (`cluster/router_loras.py`): workers with it resident win ties, and a worker's
+            cached prefix still outweighs a load. `pagedserve bench lora` measures the load.
         enable_push: let a worker under eviction pressure hand cached blocks that no other
             worker holds to the worker with the most free blocks, instead of dropping them.
         push_free_fraction: "under pressure" means fewer uncached free blocks than this
@@ -196,6 +200,7 @@ class ClusterConfig:
     pull_timeout_s: float = 5.0
     tier_host_block_cost: float = 0.05
     tier_disk_block_cost: float = 0.3
+    lora_load_block_cost: float = 1.0
     enable_push: bool = True
     push_free_fraction: float = 0.1
     push_max_chains: int = 4
@@ -232,7 +237,7 @@ class ClusterConfig:
         object.__setattr__(self, "on_worker_failure", FailureMode(self.on_worker_failure))
         if self.pull_min_blocks < 1:
             raise ValueError(f"pull_min_blocks must be >= 1, got {self.pull_min_blocks}")
-        for name in ("tier_host_block_cost", "tier_disk_block_cost"):
+        for name in ("tier_host_block_cost", "tier_disk_block_cost", "lora_load_block_cost"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")

@@ -140,6 +140,24 @@ class GrpcFrontend:
         except Exception as error:
             return self._fail(context, error, pb.EmbedResponse())
 
+    async def load_lora_adapter(self, request: Any, context: Any) -> pb.LoadLoraAdapterResponse:
+        try:
+            self._admit(request, context)
+            if not request.lora_name or not request.lora_path:
+                raise ApiError.invalid("lora_name and lora_path are required", "lora_name")
+            key = await self.core.load_lora(request.lora_name, request.lora_path)
+            return pb.LoadLoraAdapterResponse(lora_name=request.lora_name, key=key)
+        except Exception as error:
+            return self._fail(context, error, pb.LoadLoraAdapterResponse())
+
+    async def unload_lora_adapter(self, request: Any, context: Any) -> pb.UnloadLoraAdapterResponse:
+        try:
+            self._admit(request, context)
+            await self.core.unload_lora(request.lora_name)
+            return pb.UnloadLoraAdapterResponse()
+        except Exception as error:
+            return self._fail(context, error, pb.UnloadLoraAdapterResponse())
+
     async def _abort(self, request_id: str, tenant: str) -> bool:
         """Abort through this replica's router; else ask every worker (another router replica
         may hold the stream, and each worker knows its own requests by their tenant-scoped id,
@@ -235,5 +253,7 @@ def _traced(message: Any, context: Any, caller: Caller, core: Any = None) -> Gen
     """The router request of a gRPC message, continuing the trace its metadata names (a chat
     rendered by the router's tokenizer)."""
     request = request_from_proto(message, caller, getattr(core, "tokenizer", None))
+    if request.lora is not None and request.lora == getattr(core, "model_name", None):
+        request.lora = None  # the served model by name: the base
     tag_ingress([request], context.invocation_metadata(), "grpc")
     return request

@@ -72,6 +72,7 @@ def request_from_proto(
             timeout_s=message.timeout_s or None,  # 0: none (proto3's unset); checked there
             tenant=caller.tenant,
             cache_scope=caller.cache_scope,
+            lora=message.model or None,
         )
     except RequestRejected as error:  # a field the request checks itself (`timeout_s`)
         raise ApiError.invalid(str(error)) from None
@@ -287,6 +288,8 @@ def _worker_stats(worker_id: str, view: WorkerView) -> pb.WorkerStats:
     for name in _WORKER_COUNTS:
         setattr(message, name, getattr(stats, name))
     message.role = str(stats.role)
+    message.lora_adapters.extend(name for name, _ in stats.lora_adapters)
+    message.resident_loras.extend(stats.resident_loras)
     _sum_spec(message.spec, [stats.spec])
     return message
 

@@ -212,6 +212,13 @@ class _WorkerCollector:
         virtual = gauge(
             "tenant_virtual_tokens", "A tenant's virtual token counter (fair share)", ["tenant"]
         )
+        adapters = gauge(
+            "lora_adapter", "1 per LoRA adapter a worker has (state: loaded, resident)",
+            ["adapter", "state"],
+        )  # fmt: skip
+        adapter_requests = gauge(
+            "lora_requests", "Requests on a LoRA adapter in a worker's engine", ["adapter"]
+        )
         for worker_id, (alive, stats) in sorted(self.worker_stats().items()):
             up.add_metric([worker_id], 1.0 if alive else 0.0)
             if stats is None:
@@ -238,6 +245,12 @@ class _WorkerCollector:
             spec_seconds.add_metric([worker_id, "verify"], stats.spec.verify_time_s)
             _add_tier_metrics(tier_families, worker_id, stats.tiers)
             role.add_metric([worker_id, str(stats.role)], 1.0)
+            for name, _ in stats.lora_adapters:
+                adapters.add_metric([worker_id, name, "loaded"], 1.0)
+            for name in stats.resident_loras:
+                adapters.add_metric([worker_id, name, "resident"], 1.0)
+            for name, count in stats.lora_requests:
+                adapter_requests.add_metric([worker_id, name], count)
             adopted.add_metric([worker_id, "imported"], stats.adopted_with_kv)
             adopted.add_metric([worker_id, "recomputed"], stats.adopted_recomputed)
             for tenant, used in sorted(stats.tenants.items()):
@@ -245,7 +258,7 @@ class _WorkerCollector:
                 service.add_metric([worker_id, tenant, "output"], used.output_tokens)
                 virtual.add_metric([worker_id, tenant], used.counter)
         yield from (up, running, waiting, usage, blocks, positions, queries, hits, role, adopted)
-        yield from (service, virtual)
+        yield from (service, virtual, adapters, adapter_requests)
         yield from (*spec_counters.values(), acceptance, spec_seconds)
         yield from tier_families.values()
 

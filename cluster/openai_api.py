@@ -91,8 +91,16 @@ class OpenAIFrontend:
             self.auth.check(request.headers.get("authorization"))
         except ApiError as error:
             return error_response(error)
-        card = ModelCard(id=self.model_name, created=self.created, owned_by=OWNER)
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        cards = [ModelCard(id=self.model_name, created=self.created, owned_by=OWNER)]
+        try:
+            adapters = await self.core.served_loras()
+        except Exception as error:
+            return _error_or_raise(error)
+        cards += [
+            ModelCard(id=name, created=self.created, owned_by=OWNER, parent=self.model_name)
+            for name in sorted(adapters)
+        ]
+        return JSONResponse(ModelList(data=cards).model_dump())
 
     async def completions(self, request: Request) -> Response:
         try:
@@ -108,7 +116,7 @@ class OpenAIFrontend:
         except Exception as error:
             return _error_or_raise(error)
         tag_ingress(requests, request.headers.items(), "http")
-        chunks = CompletionChunks(base_id, self.created, self.model_name, body.n)
+        chunks = CompletionChunks(base_id, self.created, body.model or self.model_name, body.n)
         try:
             echo = echoed_prompts(prompts, self.core.tokenizer) if body.echo else None
         except Exception as error:
@@ -128,7 +136,7 @@ class OpenAIFrontend:
         except Exception as error:
             return _error_or_raise(error)
         tag_ingress(requests, request.headers.items(), "http")
-        chunks = ChatChunks(base_id, self.created, self.model_name, body.n)
+        chunks = ChatChunks(base_id, self.created, body.model or self.model_name, body.n)
         if tools is not None and tools.parses_calls:
             chunks.tools = ToolAnswers()
         return await self._respond(requests, body.stream, body.include_usage, chunks)
@@ -137,7 +145,8 @@ class OpenAIFrontend:
     async def _read(self, request: Request, model: type) -> tuple[Any, Caller]:
         """Auth, then the body (`openai_reading.read_request`). Returns the body and caller."""
         max_bytes = self.core.config.max_request_bytes
-        return await read_request(request, self.auth, max_bytes, model, self.model_name)
+        served = self.core.served_loras
+        return await read_request(request, self.auth, max_bytes, model, self.model_name, served)
 
     async def _request(
         self,
@@ -158,6 +167,7 @@ class OpenAIFrontend:
             cache_salt=body.cache_salt,
             tenant=caller.tenant,
             cache_scope=caller.cache_scope,
+            lora=None if body.model in (None, self.model_name) else body.model,
         )
 
     async def _respond(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,22 +24,37 @@ MAX_NUMBER_CHARS = 100  # longer than any number a field can take (an int64 has 
 
 
 async def read_request(
-    request: Request, auth: TokenAuth, max_bytes: int, body_type: type, model_name: str
+    request: Request,
+    auth: TokenAuth,
+    max_bytes: int,
+    body_type: type,
+    model_name: str,
+    adapters: Callable[[], Awaitable[Collection[str]]] | None = None,
 ) -> tuple[Any, Caller]:
     """The checked body (a `body_type`) and its caller; `ApiError` naming what is wrong.
 
-    A body whose `model` is None (a route where it is optional) is taken as the served model.
+    A body whose `model` is None (a route where it is optional) is taken as the served model;
+    a LoRA adapter's name (`adapters()`, asked only for a name that is not the model's) is
+    served too.
     """
     caller = auth.check_headers(request.headers)
     raw = await read_body(request, max_bytes)
     body = parse_request(raw, body_type)
-    if body.model is not None and body.model != model_name:
+    if (
+        body.model is not None
+        and body.model != model_name
+        and not await _is_adapter(body.model, adapters)
+    ):
         raise ApiError(
             ErrorCode.NOT_FOUND,
             f"model: {body.model!r} is not served here (GET /v1/models: {model_name!r})",
             "model",
         )
     return body, caller
+
+
+async def _is_adapter(name: str, adapters: Callable[[], Awaitable[Collection[str]]] | None) -> bool:
+    return adapters is not None and name in await adapters()
 
 
 async def room_for(core: RouterCore, prompt: str | list[int]) -> int:

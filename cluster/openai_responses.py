@@ -217,6 +217,8 @@ class ModelCard(_Response):
     object: Literal["model"] = "model"
     created: int
     owned_by: str
+    root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class ModelList(_Response):

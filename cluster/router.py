@@ -58,6 +58,7 @@ from pagedserve.cluster.migration import Migrations
 from pagedserve.cluster.pool_follower import PoolFollower
 from pagedserve.cluster.prefix_view import FeedFollower, PrefixView
 from pagedserve.cluster.routable import RoutableWorkers
+from pagedserve.cluster.router_loras import RouterLoras
 from pagedserve.cluster.router_reports import ClusterRouters, RouterReport
 from pagedserve.cluster.router_requests import RouterRequests
 from pagedserve.cluster.router_types import (
@@ -88,7 +89,7 @@ from pagedserve.workers.tokenizer import load_tokenizer
 logger = logging.getLogger(__name__)
 
 
-class RouterCore(RouterRequests):
+class RouterCore(RouterRequests, RouterLoras):
     """Owns the routing policy, the view of every worker, its prefix view and the requests in
     flight.
 
@@ -262,11 +263,13 @@ class RouterCore(RouterRequests):
         cache_salt: str | None,
         span: Any = None,
         exclude: frozenset[str] = frozenset(),
+        lora_key: str | None = None,
     ) -> tuple[WorkerState, int]:
         """Pick a worker for a prompt; pull its prefix from a peer when that beats prefill.
 
         `span`: the `route` span, given the decision (and parent of a pull), if traced.
         `exclude`: workers not to pick (they refused this request already).
+        `lora_key`: the request's LoRA adapter key (its blocks hash with it).
         """
         ranking = self.routable.current()  # loads kept current per worker change
         if self.config.disaggregated:  # P/D: a fresh prompt goes to a worker that prefills
@@ -276,11 +279,13 @@ class RouterCore(RouterRequests):
             others = [w for w in self.workers.values() if w.routable and w.worker_id not in exclude]
         if not (ranking if others is None else others):
             raise NoWorkerAvailable("no worker is alive and admitting")
-        key = cache_key(self.model_name, cache_salt)
+        key = cache_key(self.model_name, cache_salt, lora_key)
         hashes = hash_full_blocks(token_ids, self.block_size, key)
         matches = self.view.match(hashes)  # local: no remote call on the request path
         tier_hits = self.view.tier_hits(hashes, matches)
         tier_load = self.tier_costs.per_worker(tier_hits)
+        if lora_key is not None:  # only workers with the adapter; a load where not resident
+            others, tier_load = self.lora_candidates(lora_key, others, exclude, tier_load)
         if others is None:
             decision = self.policy.choose_ranked(len(hashes), matches, ranking, tier_load)
         else:

@@ -264,7 +264,11 @@ class RouterRequests:
             route_span = trace.child("route")
             try:
                 worker, matched = await self.route(
-                    attempt.prompt, request.prefix_salt, route_span, attempt.refused_by
+                    attempt.prompt,
+                    request.prefix_salt,
+                    route_span,
+                    attempt.refused_by,
+                    self.lora_key(request.lora),
                 )
             finally:
                 route_span.end()
@@ -285,6 +289,7 @@ class RouterRequests:
                     timeout_s=request.timeout_s,
                     trace_context=trace.carrier(span),
                     owner_id=self.router_id,
+                    lora=request.lora,
                 )
                 decode = params.max_tokens * params.n
             # What this request adds to the worker's work: tokens it must still prefill (a
@@ -323,7 +328,7 @@ class RouterRequests:
         if self.config.on_worker_failure is FailureMode.FAIL:
             raise NoWorkerAvailable("the worker serving this request died")
         self.counters.replays += 1
-        extra_keys = cache_key(self.model_name, request.prefix_salt)
+        extra_keys = cache_key(self.model_name, request.prefix_salt, self.lora_key(request.lora))
         plan = []
         for j in sorted(set(emitted) - finished):
             done = emitted[j]

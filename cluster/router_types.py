@@ -43,6 +43,7 @@ class GenerateRequest:
     tenant: str = ""  # who sent it (with auth on): request ids are unique per tenant
     # Whose prefix cache it may share (with auth on: its tenant's, or its tokens' cache group).
     cache_scope: str = ""
+    lora: str | None = None  # the LoRA adapter it runs on (by name; None: the base model)
 
     def __post_init__(self) -> None:
         check_timeout_s(self.timeout_s)

@@ -70,6 +70,15 @@ def smollm2_tokenizer():
 
 
 # ------------------------------------------------------------------ leak checks
+@pytest.fixture(scope="session")
+def lora_adapters(tmp_path_factory):
+    """Three PEFT LoRA adapters over tiny-llama, of ranks 4, 8 and 2 and different targets,
+    with HF + PEFT's merged model of each (`support/lora.py`); made once per session."""
+    from support.lora import make_test_adapters
+
+    return make_test_adapters(tmp_path_factory.mktemp("loras"))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def leak_watch():
     with pytest.MonkeyPatch.context() as monkeypatch:

@@ -26,12 +26,31 @@ _DOMAIN = b"pagedserve.block.v1"
 _NO_PARENT = b"\x00" * 32
 
 
-def cache_key(model: str, cache_salt: str | None) -> tuple[str, ...]:
+# The third extra key of a request on a LoRA adapter: this prefix, then the adapter's key.
+LORA_KEY_PREFIX = "lora:"
+
+
+def cache_key(model: str, cache_salt: str | None, lora_key: str | None = None) -> tuple[str, ...]:
     """The extra keys every process hashes a request's blocks with: the model id, then the
     request's cache salt when it has one. An empty salt is no salt (a gRPC request without one
     carries ""): the router, which routes by these hashes, and the worker, which caches under
-    them, must build the same key for every request, or a prefix hit is never seen."""
+    them, must build the same key for every request, or a prefix hit is never seen.
+
+    A request on a LoRA adapter (``lora_key``: `LoraAdapter.key`, its name and a digest of its
+    files) has three keys, ``(model, salt or "", "lora:" + lora_key)``: the adapter changes
+    every layer's K and V, so its blocks never match the base model's (one or two keys; the
+    count is hashed) nor another adapter's. The keys travel with every block and handoff, so
+    a moved or replayed request keeps its adapter (`lora_key_of`)."""
+    if lora_key:
+        return (model, cache_salt or "", LORA_KEY_PREFIX + lora_key)
     return (model, cache_salt) if cache_salt else (model,)
+
+
+def lora_key_of(extra_keys: Sequence[str]) -> str | None:
+    """The LoRA adapter key ``cache_key`` put in ``extra_keys`` (None: the base model)."""
+    if len(extra_keys) == 3 and extra_keys[2].startswith(LORA_KEY_PREFIX):
+        return extra_keys[2][len(LORA_KEY_PREFIX) :]
+    return None
 
 
 def _encode_extra_keys(extra_keys: Sequence[str]) -> bytes:

@@ -28,7 +28,6 @@ from pagedserve.kernels import get_kernel_ops
 from pagedserve.workers.batch import Batch, build_batch
 from pagedserve.workers.beam_groups import BeamSearch, check_beam_request, decoder_for
 from pagedserve.workers.beam_moves import EngineBeamMoves
-from pagedserve.workers.block_hash import cache_key
 from pagedserve.workers.deadline import check_timeout_s
 from pagedserve.workers.engine_config import EngineConfig
 from pagedserve.workers.engine_handoffs import EngineHandoffs
@@ -39,9 +38,8 @@ from pagedserve.workers.kv_cache import KVCache
 from pagedserve.workers.kv_cache_manager import KVCacheManager
 from pagedserve.workers.kv_tier_load import build_tier_store, load_waiting_prefixes
 from pagedserve.workers.kv_tiers import StepTierLoad
-from pagedserve.workers.logprobs import (
-    take_prompt_logprobs,
-)
+from pagedserve.workers.logprobs import take_prompt_logprobs
+from pagedserve.workers.lora.engine_loras import EngineLoras
 from pagedserve.workers.model_loader import LoadedModel, load_model
 from pagedserve.workers.model_runner import ModelRunner
 from pagedserve.workers.outputs import RequestDelta
@@ -62,7 +60,7 @@ from pagedserve.workers.worker_role import WorkerRole
 _log = logging.getLogger(__name__)
 
 
-class Engine(EngineHandoffs, EngineBeamMoves, EngineStats):
+class Engine(EngineHandoffs, EngineBeamMoves, EngineStats, EngineLoras):
     """One worker's engine: model, KV pool, scheduler and sampler behind three calls.
 
     Args:
@@ -122,9 +120,11 @@ class Engine(EngineHandoffs, EngineBeamMoves, EngineStats):
                 preemption_mode=config.preemption_mode,
                 max_waiting=config.max_waiting,
                 fair_share=config.fair_share,
+                max_loras=config.max_loras,
             ),
             self.kv,
         )
+        self._init_loras()
         self.sampler = Sampler(config.seed)
         self.beams = BeamSearch(self.scheduler, self.kv, decoder_for(self.tokenizer))
         self.guided = GuidedRequests(self.loaded, config.grammar_compile_timeout_s)
@@ -189,9 +189,10 @@ class Engine(EngineHandoffs, EngineBeamMoves, EngineStats):
         cache_salt: str | None = None,
         timeout_s: float | None = None,
         tenant: str = "",
+        lora: str | None = None,
     ) -> None:
-        """Queue a request (of `tenant`: see `workers/fair_share.py`). Raises
-        `RequestRejected` naming the problem if it can never run."""
+        """Queue a request (of `tenant`: `workers/fair_share.py`; on LoRA adapter `lora`:
+        `workers/lora/`). Raises `RequestRejected` naming the problem if it can never run."""
         params = params or SamplingParams()
         check_timeout_s(timeout_s)
         if request_id in self._groups:
@@ -205,7 +206,7 @@ class Engine(EngineHandoffs, EngineBeamMoves, EngineStats):
             check_beam_request(params, self.config.max_beam_width, self.proposer is not None)
         now = time.monotonic()
         deadline = None if timeout_s is None else now + timeout_s
-        extra_keys = cache_key(self.loaded.name, cache_salt)
+        extra_keys = self._request_keys(cache_salt, lora, params.use_beam_search)
         # A beam search starts as one sequence (the prompt) with the group's params (its
         # width is their `n`); its beams fork from it.
         branch_params = (
@@ -312,7 +313,9 @@ class Engine(EngineHandoffs, EngineBeamMoves, EngineStats):
             self._run(plan, touched)
         for request in drafted:  # drafts the plan had no room for
             request.draft_token_ids = []
-        return [self._delta_for(group) for group in touched.values()]
+        deltas = [self._delta_for(group) for group in touched.values()]
+        self._drop_unloaded_loras()  # once the groups that finished here left
+        return deltas
 
     def _admit_compiled(self, touched: dict[str, RequestGroup]) -> None:
         """Queue the requests whose grammar compiled; fail those whose compile failed. An
@@ -377,6 +380,7 @@ class Engine(EngineHandoffs, EngineBeamMoves, EngineStats):
             batch.metadata,
             batch.logits_indices,
             batch.hidden_indices,
+            self._lora_batch(plan.scheduled),
         )
         if batch.verified:
             num_other = logits.shape[0] - batch.num_verify_rows

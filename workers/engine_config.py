@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pagedserve.kernels.backends import BACKENDS, LINEAR_BACKENDS
 from pagedserve.workers.fair_share import FairShareConfig
 from pagedserve.workers.kv_cache_manager import ALLOCATION_MODES
+from pagedserve.workers.lora.config import LoraConfig, parse_lora_modules
 from pagedserve.workers.model_registry import DEFAULT_MODEL
 from pagedserve.workers.scheduling_policy import (
     PREEMPTION_MODES,
@@ -111,6 +112,15 @@ class EngineConfig:
             KV heads, MLP rows and vocabulary, and one all-reduce joins them after attention
             and after the MLP of each layer. At most the model's KV heads; on the CPU each
             rank is a process with `cores / k` threads. `kv_cache_bytes` is per rank.
+        max_loras: LoRA adapters on the device at once: one step serves requests of at most
+            this many adapters (and the base model); others wait for a slot (`workers/lora/`).
+        max_lora_rank: the largest LoRA rank an adapter may have; a larger one is refused at
+            load.
+        max_cpu_loras: parsed LoRA adapters kept in host memory (least recently used out;
+            an adapter out of it is read again from its directory when next used).
+        lora_modules: LoRA adapters loaded at start, as `NAME=PATH` entries (PEFT's format:
+            `adapter_config.json` + `adapter_model.safetensors`); a request selects one with
+            `model: NAME`.
     """
 
     model: str | None = DEFAULT_MODEL
@@ -145,6 +155,10 @@ class EngineConfig:
     fair_share: FairShareConfig = field(default_factory=FairShareConfig)
     max_beam_width: int = 8
     tensor_parallel_size: int = 1
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 64
+    lora_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # A dict (from `LLM(speculative={...})` or YAML) becomes the typed config here, once.
@@ -175,6 +189,11 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        object.__setattr__(self, "lora_modules", tuple(self.lora_modules or ()))
+        LoraConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)  # checks them
+        parse_lora_modules(self.lora_modules)
+        if self.lora_modules and tp > 1:  # the sharded decoder has no adapter hooks
+            raise ValueError("lora_modules: LoRA adapters need tensor_parallel_size 1")
         self._check_names()
         self._check_scheduling()
         self._check_tiers()

@@ -66,6 +66,7 @@ class EngineHandoffs:
         Without room for its KV the sequence recomputes it from its tokens (same output).
         """
         handoff.check_compatible(self.kv.block_size, self.loaded.name)
+        self._check_adoptable(handoff.cache_extra_keys)
         # A replay may carry a request its lost worker never got to check, and a peer's
         # context or pool may be smaller: one that cannot fit here would wait forever.
         self.intake.check_fits(len(handoff.prompt_token_ids), handoff.params)

@@ -35,6 +35,9 @@ class EngineStats:
             "kv_cache_swap_bytes": self.kv_cache.swap_bytes,
             "spec": self.spec_stats(),
             "tiers": self.tier_stats(),
+            "lora_adapters": tuple(self.lora_adapters().items()),
+            "resident_loras": tuple(self.loras.resident()) if self.loras is not None else (),
+            "lora_requests": self.lora_requests(),
         }
 
     def tier_stats(self) -> TierStats:

@@ -11,6 +11,16 @@ class NoChatTemplate(RequestRejected):
     """A chat request for a model whose tokenizer has no chat template (INVALID_ARGUMENT)."""
 
 
+class UnknownLora(RequestRejected):
+    """A request for a LoRA adapter that is not loaded (NOT_FOUND, HTTP 404); the message
+    names it."""
+
+
+class LoraLoadError(RequestRejected):
+    """A LoRA adapter that cannot be loaded (INVALID_ARGUMENT, HTTP 400); the message names
+    the adapter and the problem."""
+
+
 class RequestTooLarge(RequestRejected):
     """Valid, but prompt + max_tokens can never fit in this worker's KV pool."""
 
@@ -43,8 +53,10 @@ class HandedOff(Draining):
 __all__ = [
     "Draining",
     "HandedOff",
+    "LoraLoadError",
     "NoChatTemplate",
     "Overloaded",
     "RequestRejected",
     "RequestTooLarge",
+    "UnknownLora",
 ]

@@ -23,6 +23,7 @@ holds a copy packed into oneDNN's layout, which its matmuls read instead.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,9 @@ from pagedserve.workers.attention_metadata import AttentionMetadata
 from pagedserve.workers.cpu_linear import Projection
 from pagedserve.workers.kv_cache import KVCache
 from pagedserve.workers.paged_attend import write_and_attend
+
+if TYPE_CHECKING:
+    from pagedserve.workers.lora.batch import LoraBatch
 
 # HF ``model_type``s whose decoder layers are the plain pre-norm Llama block (no QK-norm, no
 # logit soft-capping, no sliding window inside the context we serve).
@@ -109,9 +113,11 @@ class FusedDecoder:
         metadata: AttentionMetadata,
         kv_cache: KVCache,
         ops: KernelOps,
+        lora: LoraBatch | None = None,
     ) -> Tensor:
         """``[T, hidden]``: the last layer's output for every packed row, before the final
-        norm (after storing every layer's new K/V)."""
+        norm (after storing every layer's new K/V). With ``lora``, each token's adapter adds
+        its update after each projection it targets (`workers/lora/batch.py`)."""
         hidden = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary(hidden.unsqueeze(0), positions.unsqueeze(0))
         # [1, T, D] -> [T, 1, D]: broadcast over the heads of the token-major layout.
@@ -126,11 +132,23 @@ class FusedDecoder:
                 kv_cache.value_caches[index],
                 metadata,
                 ops,
+                lora,
+                index,
             )
-            hidden = hidden + layer.o(attended)
+            attention_out = layer.o(attended)
+            if lora is not None:
+                lora.add(index, "o", attended, attention_out)
+            hidden = hidden + attention_out
             normed = _rms_norm(hidden, layer.post_norm, self.eps)
-            gate, up = layer.gate_up(normed).split(self._intermediate, dim=-1)
-            hidden = hidden + layer.down(F.silu(gate) * up)
+            gate_up = layer.gate_up(normed)
+            if lora is not None:
+                lora.add(index, "gate_up", normed, gate_up)
+            gate, up = gate_up.split(self._intermediate, dim=-1)
+            activated = F.silu(gate) * up
+            mlp_out = layer.down(activated)
+            if lora is not None:
+                lora.add(index, "down", activated, mlp_out)
+            hidden = hidden + mlp_out
         return hidden
 
     def logits(self, hidden: Tensor, logits_indices: Tensor) -> Tensor:
@@ -152,10 +170,16 @@ class FusedDecoder:
         value_cache: Tensor,
         metadata: AttentionMetadata,
         ops: KernelOps,
+        lora: LoraBatch | None = None,
+        index: int = 0,
     ) -> Tensor:
-        """``[T, heads * D]``: this layer's attention output, after storing the new K/V."""
+        """``[T, heads * D]``: layer ``index``'s attention output, after storing the new K/V
+        (with ``lora``: the adapters' q/k/v updates added first)."""
         tokens = normed.shape[0]
-        q, k, v = layer.qkv(normed).split(self._qkv_split, -1)
+        qkv = layer.qkv(normed)
+        if lora is not None:
+            lora.add(index, "qkv", normed, qkv)
+        q, k, v = qkv.split(self._qkv_split, -1)
         q = _rope(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
         k = _rope(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)

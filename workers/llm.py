@@ -52,8 +52,13 @@ class LLM:
         cache_salt: str | None = None,
         priority: int | Sequence[int] = 0,
         timeout_s: float | None = None,
+        lora: str | None | Sequence[str | None] = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order.
+
+        `lora`: the LoRA adapter (loaded by `lora_modules` or `engine.load_lora`) of every
+        prompt, or one per prompt (None: the base model); prompts of several adapters run in
+        the same batches (`docs/lora.md`).
 
         A prompt that can never be served (bad input, or too large for the context or pool)
         gets an output with `error` set and no completions; the others run.
@@ -61,10 +66,13 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         params = _per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params")
         priorities = _per_prompt(priority, len(prompts), "priority")
+        loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora: {len(loras)} given for {len(prompts)} prompts")
         results: dict[str, RequestOutput] = {}
         builders: dict[str, OutputBuilder] = {}
         order: list[str] = []
-        for prompt, param, prio in zip(prompts, params, priorities, strict=True):
+        for prompt, param, prio, adapter in zip(prompts, params, priorities, loras, strict=True):
             request_id = str(next(self._ids))
             order.append(request_id)
             try:
@@ -75,6 +83,7 @@ class LLM:
                     priority=prio,
                     cache_salt=cache_salt,
                     timeout_s=timeout_s,
+                    lora=adapter,
                 )
                 builders[request_id] = OutputBuilder(request_id)
             except RequestRejected as error:

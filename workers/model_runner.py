@@ -19,7 +19,7 @@ so HF sees no padding and builds no mask; everything attention needs travels exp
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -33,6 +33,9 @@ from pagedserve.workers.fused_decoder import FusedDecoder, unfusable_reason
 from pagedserve.workers.kv_cache import KVCache
 from pagedserve.workers.model_loader import LoadedModel
 from pagedserve.workers.paged_attend import write_and_attend
+
+if TYPE_CHECKING:
+    from pagedserve.workers.lora.batch import LoraBatch
 
 PAGED_ATTENTION_NAME = "pagedserve_paged"
 # The keyword argument that carries the context from ``model(...)`` down to every layer.
@@ -166,9 +169,11 @@ class ModelRunner:
         metadata: AttentionMetadata,
         logits_indices: Tensor,
         hidden_indices: Tensor | None,
+        lora: LoraBatch | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """`execute`, and the final hidden states of the rows ``hidden_indices`` (embedding
-        requests pool them: `workers/pooling.py`).
+        requests pool them: `workers/pooling.py`); ``lora``: each token's LoRA adapter
+        (`workers/lora/`; the fused decoder only).
 
         Returns:
             ``[S', vocab]`` float32 logits, and ``[H', hidden]`` hidden states after the final
@@ -186,10 +191,13 @@ class ModelRunner:
                 metadata,
                 self.kv_cache,
                 self.ops,
+                lora,
             )
             logits = self.fused.logits(hidden, logits_indices.to(device, non_blocking=True))
             pooled = None if hidden_rows is None else self.fused.normed(hidden, hidden_rows)
             return logits.float(), pooled
+        if lora is not None:
+            raise ValueError(f"LoRA adapters need a fusable model: {unfusable_reason(self.model)}")
         context = PagedAttentionContext(metadata, self.kv_cache, self.ops)
         # logits_to_keep selects the rows before lm_head, so the full [T, vocab] is never made;
         # going through the CausalLM forward keeps any model-specific logit post-processing.

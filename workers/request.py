@@ -7,11 +7,13 @@ A user request with `n > 1` becomes `n` sequences (branches) that share the prom
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from pagedserve.workers.block_hash import lora_key_of
 from pagedserve.workers.detokenizer import IncrementalDetokenizer
 from pagedserve.workers.logprobs import TokenLogprob, branch_logprobs, prompt_logprobs_of
 from pagedserve.workers.outputs import CompletionDelta, RequestDelta, RequestMetrics, Usage
@@ -108,6 +110,11 @@ class Request:
     pooling: PoolingState | None = None
     # A beam of a beam search (`params.use_beam_search`): its `BeamGroup` (`beam_groups.py`).
     beam: Any = None
+
+    @functools.cached_property
+    def lora_key(self) -> str | None:
+        """Its LoRA adapter's key (`workers/lora/`), carried in its cache keys; None: base."""
+        return lora_key_of(self.cache_extra_keys)
 
     def __post_init__(self) -> None:
         if self.params.pooling is not None and self.pooling is None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from pagedserve.workers.fair_share import (
@@ -50,6 +50,7 @@ class SchedulerConfig:
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
     max_waiting: int | None = None  # new requests queued at most; None: unbounded
     fair_share: FairShareConfig = field(default_factory=FairShareConfig)
+    max_loras: int | None = None  # LoRA adapters running at once (one step's device slots)
 
     def __post_init__(self) -> None:
         if self.max_waiting is not None and self.max_waiting < 1:
@@ -192,13 +193,23 @@ class Scheduler:
             return None
         return victim
 
-    @staticmethod
-    def _admissible(queue: list[Request], step: SchedulerOutput) -> Iterator[Request]:
+    def _admissible(self, queue: list[Request], step: SchedulerOutput) -> Iterator[Request]:
         """`queue` without paused sequences and those preempted in this step: a victim
         re-admitted in the step that preempted it would take back the place it gave up, and
-        the request it gave it up for would preempt it again, forever."""
+        the request it gave it up for would preempt it again, forever. Nor one whose LoRA
+        adapter would be one more than `max_loras` among the running (it waits for a slot)."""
         preempted = step.preempted
-        return (r for r in queue if not r.paused and r not in preempted)
+        fits = self._adapter_gate()
+        return (r for r in queue if not r.paused and r not in preempted and fits(r.lora_key))
+
+    def _adapter_gate(self) -> Callable[[str | None], bool]:
+        """Whether a request of a LoRA adapter may join the running set now (the base always
+        may): its adapter runs already, or fewer than `max_loras` do."""
+        limit = self.config.max_loras
+        if limit is None:
+            return lambda key: True
+        running = {r.lora_key for r in self.running} - {None}
+        return lambda key: key is None or key in running or len(running) < limit
 
     def _next_of(self, queue: list[Request], step: SchedulerOutput) -> Request | None:
         """The next sequence of `queue` to bring in: the policy's first, or (fair) the first

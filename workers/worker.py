@@ -41,6 +41,7 @@ from pagedserve.workers.telemetry import TelemetryConfig, worker_tracing
 from pagedserve.workers.worker_role import WorkerRole
 from pagedserve.workers.worker_types import (
     DrainResult,
+    LoraLoadResult,
     PoolCheck,
     RequestMoved,
     WorkerInfo,
@@ -234,6 +235,7 @@ class Worker:
                 timeout_s=request.timeout_s,
                 trace_context=request.trace_context,
                 owner_id=request.owner_id,
+                lora=request.lora,
             )
         async with aclosing(deltas):  # closed with this call: the request is aborted now
             async for delta in deltas:
@@ -287,6 +289,15 @@ class Worker:
     async def release_kv(self, key: str) -> None:
         """A target fetched the KV of a handoff from here (or gave up): stop holding it."""
         self._held_kv.release(key)
+
+    async def load_lora(self, name: str, path: str) -> LoraLoadResult:
+        """Load LoRA adapter `name` from `path` between steps; a failure names its cause and
+        changes nothing (`workers/lora/`)."""
+        return await self.core.load_lora(name, path)
+
+    async def unload_lora(self, name: str) -> bool:
+        """Unload adapter `name` (its running requests finish on it); False if not loaded."""
+        return await self.core.unload_lora(name)
 
     async def abort(self, request_id: str) -> bool:
         return await self.core.abort(request_id)

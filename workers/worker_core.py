@@ -41,9 +41,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pagedserve.workers.engine import Engine
+from pagedserve.workers.errors import RequestRejected
 from pagedserve.workers.kv_events import KVEvent
 from pagedserve.workers.kv_prefix_transfer import PrefixTransfer
 from pagedserve.workers.lease import DEFAULT_LEASE_TIMEOUT_S, LeaseTable
+from pagedserve.workers.lora.adapter import LoraLoadError
 from pagedserve.workers.outputs import RequestDelta
 from pagedserve.workers.request_trace import RequestTraces
 from pagedserve.workers.stop_checker import FinishReason
@@ -52,7 +54,7 @@ from pagedserve.workers.telemetry import NOOP, Tracing
 from pagedserve.workers.worker_kv import WorkerKV
 from pagedserve.workers.worker_requests import WorkerRequests
 from pagedserve.workers.worker_streams import StreamTable
-from pagedserve.workers.worker_types import WorkerStats
+from pagedserve.workers.worker_types import LoraLoadResult, WorkerStats
 
 if TYPE_CHECKING:
     from pagedserve.workers.fault_injection import StepFaults
@@ -267,6 +269,21 @@ class WorkerCore(WorkerRequests, WorkerKV):
         return 0 if stream is None or stream.buffer is None else len(stream.buffer)
 
     # -------------------------------------------------------------- leases
+    async def load_lora(self, name: str, path: str) -> LoraLoadResult:
+        """Load an adapter on the engine's thread; its error, if any, as text."""
+        try:
+            adapter = await self._on_engine(lambda: self.engine.load_lora(name, path))
+        except LoraLoadError as error:
+            return LoraLoadResult(name, None, str(error))
+        return LoraLoadResult(name, adapter.key, None)
+
+    async def unload_lora(self, name: str) -> bool:
+        try:
+            await self._on_engine(lambda: self.engine.unload_lora(name))
+        except RequestRejected:
+            return False
+        return True
+
     def renew_lease(self, owner_id: str) -> None:
         """`owner_id` is alive: its requests live another `lease_timeout_s`."""
         self.leases.renew(owner_id)

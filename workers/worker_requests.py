@@ -74,6 +74,7 @@ class WorkerRequests:
         timeout_s: float | None = None,
         trace_context: dict[str, str] | None = None,
         owner_id: str | None = None,
+        lora: str | None = None,
     ) -> AsyncIterator[StreamDelta]:
         """Stream a request's deltas until every branch finished. Raises `RequestRejected`.
 
@@ -90,6 +91,7 @@ class WorkerRequests:
             tenant=tenant,
             cache_salt=cache_salt,
             timeout_s=timeout_s,
+            lora=lora,
         )
         trace = self.traces.open(request_id, trace_context, params)
         async for delta in self._stream(request_id, params.n, add, trace, owner_id):
@@ -139,6 +141,7 @@ class WorkerRequests:
                 tenant=request.tenant,
                 cache_salt=request.cache_salt,
                 timeout_s=request.timeout_s,
+                lora=request.lora,
             )
         await self._admit(request.request_id, request.num_branches, add, trace, request.owner_id)
 

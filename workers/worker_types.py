@@ -88,6 +88,10 @@ class WorkerStats:
     # counts the rest of what it sent as not yet reported (`WorkerState.unreported`).
     owned_requests: tuple[str, ...] = ()
     kv_cache_device_bytes: int = 0
+    # LoRA adapters loaded (name, key) and those in device slots now (`workers/lora/`).
+    lora_adapters: tuple[tuple[str, str], ...] = ()
+    resident_loras: tuple[str, ...] = ()
+    lora_requests: tuple[tuple[str, int], ...] = ()  # requests in the engine per adapter
     kv_cache_swap_bytes: int = 0
     scheduler: SchedulerCounters = field(default_factory=SchedulerCounters)  # a copy
     spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding (zero when off)
@@ -116,6 +120,7 @@ class WorkerRequest:
         timeout_s: the request ends with finish reason `timeout` after this long.
         trace_context: the W3C carrier of the caller's span, if traced.
         owner_id: the router whose lease keeps this request alive (None: no lease).
+        lora: the LoRA adapter it runs on (its name; None: the base model).
     """
 
     request_id: str
@@ -128,6 +133,7 @@ class WorkerRequest:
     timeout_s: float | None = None
     trace_context: Mapping[str, str] | None = field(default=None, hash=False)
     owner_id: str | None = None
+    lora: str | None = None
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -153,6 +159,15 @@ class WorkerRequest:
     @property
     def num_branches(self) -> int:
         return 1 if self.handoff is not None else self.params.n
+
+
+@dataclass(frozen=True)
+class LoraLoadResult:
+    """`Worker.load_lora`: the adapter's key (what its blocks hash with), or why it failed."""
+
+    name: str
+    key: str | None
+    error: str | None = None
 
 
 @dataclass(frozen=True)

@@ -74,12 +74,15 @@ class TPRunner:
         metadata: AttentionMetadata,
         logits_indices: Tensor,
         hidden_indices: Tensor | None,
+        lora: object | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """`ModelRunner.execute_pooling`, over the group: logits (and pooled rows) on rank 0.
+        ``lora`` is always None here: a group loads no adapter (`workers/lora/engine_loras.py`).
 
         Raises:
             TPGroupFailed: a rank died or a collective failed (every rank is stopped).
         """
+        assert lora is None, "a tensor-parallel group serves no LoRA adapter"
         _check_inputs(input_ids, positions, metadata, logits_indices)
         cpu = torch.device("cpu")
         self.group.send(

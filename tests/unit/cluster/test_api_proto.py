@@ -102,6 +102,8 @@ def test_servicer_functions_import_and_register_every_method():
         "GetStats",
         "ListWorkers",
         "Embed",
+        "LoadLoraAdapter",
+        "UnloadLoraAdapter",
     }
     assert "grpc.health.v1.Health" in server.registered
     stream = server.registered["pagedserve.v1.Generation"]["GenerateStream"]

@@ -139,3 +139,12 @@ def test_prefill_and_decode_worker_flags_make_a_pd_layout():
     with pytest.raises(ValueError, match="decode_workers"):
         args = _serve_args("--prefill-workers", "1", "--decode-workers", "2", "--num-workers", "2")
         ClusterConfig.from_dict(cluster_config_from_args(args, 0, NODE))
+
+
+def test_lora_modules_take_vllms_flag_shape():
+    args = _serve_args("--lora-modules", "sql=/a/sql", "chat=/a/chat", "--max-loras", "2")
+    config = ClusterConfig.from_dict(cluster_config_from_args(args, num_gpus=0, node=NODE))
+    assert config.engine.lora_modules == ("sql=/a/sql", "chat=/a/chat")
+    assert config.engine.max_loras == 2
+    with pytest.raises(ValueError, match="NAME=PATH"):
+        ClusterConfig.from_dict({"engine": {"lora_modules": ["sql"]}})

@@ -65,6 +65,16 @@ class GenerationStub:
                 request_serializer=pagedserve_dot_v1_dot_serving__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_serving__pb2.EmbedResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/pagedserve.v1.Generation/LoadLoraAdapter',
+                request_serializer=pagedserve_dot_v1_dot_serving__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_serving__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/pagedserve.v1.Generation/UnloadLoraAdapter',
+                request_serializer=pagedserve_dot_v1_dot_serving__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_serving__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -116,6 +126,21 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Load a LoRA adapter (PEFT's format, a directory on the workers' machines) on every
+        worker: INVALID_ARGUMENT naming the problem when it cannot be served (nothing changes).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Unload one: new requests on it get NOT_FOUND at once; those running on it finish on it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -148,6 +173,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=pagedserve_dot_v1_dot_serving__pb2.EmbedRequest.FromString,
                     response_serializer=pagedserve_dot_v1_dot_serving__pb2.EmbedResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=pagedserve_dot_v1_dot_serving__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_serving__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=pagedserve_dot_v1_dot_serving__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_serving__pb2.UnloadLoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -313,6 +348,60 @@ class Generation:
             '/pagedserve.v1.Generation/Embed',
             pagedserve_dot_v1_dot_serving__pb2.EmbedRequest.SerializeToString,
             pagedserve_dot_v1_dot_serving__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.Generation/LoadLoraAdapter',
+            pagedserve_dot_v1_dot_serving__pb2.LoadLoraAdapterRequest.SerializeToString,
+            pagedserve_dot_v1_dot_serving__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.Generation/UnloadLoraAdapter',
+            pagedserve_dot_v1_dot_serving__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            pagedserve_dot_v1_dot_serving__pb2.UnloadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

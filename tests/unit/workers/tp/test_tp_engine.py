@@ -11,6 +11,8 @@ from support.real_model import prompt_ids
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.workers.engine_checks import EngineConfigError
+from pagedserve.workers.engine_config import EngineConfig
+from pagedserve.workers.lora.adapter import LoraLoadError
 from pagedserve.workers.tp.group import TPGroupFailed
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
@@ -106,6 +108,8 @@ def test_blocks_leave_full_head_and_a_dead_rank_fails_the_group(tiny_llama):
         kv.import_blocks(mine, [5, 6, 7])
         torch.testing.assert_close(kv.export_blocks([5, 6, 7]), mine, rtol=0, atol=0)
         finish_clean(group)
+        with pytest.raises(LoraLoadError, match="tensor_parallel_size 1"):  # no adapter hooks
+            group.engine.load_lora("a", "/no/such/adapter")
         runner = group.engine.runner
         (proc,) = runner.group._procs
         proc.kill()
@@ -140,6 +144,11 @@ def test_bad_sizes_are_refused_naming_the_flag(tiny_llama, size, words):
     assert "tensor_parallel_size" in str(caught.value)
     if isinstance(caught.value, EngineConfigError):
         assert caught.value.field == "tensor_parallel_size"
+
+
+def test_lora_modules_with_a_group_are_refused_before_any_rank_starts():
+    with pytest.raises(ValueError, match="lora_modules: LoRA adapters need tensor_parallel_size 1"):
+        EngineConfig(model="tiny-llama", tensor_parallel_size=2, lora_modules=("a=/adapter",))
 
 
 @pytest.mark.slow
