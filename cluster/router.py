@@ -163,10 +163,11 @@ class RouterCore(RouterRequests, RouterLoras):
             self.workers,
             self.router_id,
             self.counters,
-            on_polled=self.migrations.push_if_under_pressure,
+            on_polled=self._after_poll,
             on_dropped=self.view.drop_worker,
             on_hung=self.channels.worker_hung,
         )
+        self.lora_seen: dict[str, str] = {}  # worker id -> the epoch `heal_loras` looked at
         self.membership = None
         if pool is not None:
             self.membership = PoolFollower(
@@ -233,6 +234,12 @@ class RouterCore(RouterRequests, RouterLoras):
                 task.cancel()
         if self.index is not None:  # the last counts, so cluster totals keep them
             self.index.report_router.remote(self.report())
+
+    async def _after_poll(self, worker: WorkerState) -> None:
+        """After each poll of a live worker: give a new one the run-time LoRA adapters it
+        lacks, then push its hot prefixes to peers if it is under pressure."""
+        await self.heal_loras(worker)
+        await self.migrations.push_if_under_pressure(worker)
 
     # -------------------------------------------------------------- routing
     async def _tokenize(self, request: GenerateRequest) -> list[int]:

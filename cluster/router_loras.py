@@ -7,6 +7,18 @@ its stats, and a router reads them from the last poll, so every replica converge
 list without a registry of its own. A load or unload through one replica goes to every worker
 and then re-polls them, so that replica serves the change as soon as it answers; the others
 see it at their next poll.
+
+A worker that joins later (the pool scales up or replaces one; Ray restarts one) starts with
+`lora_modules` only. The first time a router polls a worker incarnation (worker id and epoch)
+it compares its adapters with those the other live workers report (name, key and path:
+`WorkerStats.lora_paths`) and loads the missing ones onto it from their paths (`heal_loras`):
+an adapter counts there only once it loaded under the key the others serve, and a failure is
+logged and counted (`lora.heal_failures`), never raised into a request. Only a new
+incarnation is healed, so an unload is never undone on a worker the router has seen; and one
+that ran while a heal was loading is caught: the others are polled again after the load, and
+an adapter none of them still reports is unloaded from the new worker. Several replicas may
+heal the same worker at once: loading a name again with the same files is a no-op there
+(`LoraRegistry.load`).
 """
 
 from __future__ import annotations
@@ -14,6 +26,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from pagedserve.cluster.worker_liveness import WORKER_LOST_ERRORS
+from pagedserve.cluster.worker_state import WorkerState
 from pagedserve.workers.deadline import within
 from pagedserve.workers.errors import LoraLoadError, UnknownLora
 from pagedserve.workers.worker_types import LoraLoadResult
@@ -25,7 +39,8 @@ LOAD_TIMEOUT_S = 120.0
 
 
 class RouterLoras:
-    """LoRA adapters as this router sees them (needs `workers` and `liveness`)."""
+    """LoRA adapters as this router sees them (needs `workers`, `liveness`, `counters` and
+    `lora_seen`: worker id -> the epoch `heal_loras` last looked at)."""
 
     def lora_adapters(self) -> dict[str, str]:
         """Adapter name -> key, over every live worker's last stats."""
@@ -132,3 +147,88 @@ class RouterLoras:
 
     async def _repoll(self, workers) -> None:
         await asyncio.gather(*(self.liveness.poll(w) for w in workers))
+
+    # ------------------------------------------------------------ later workers
+    def lora_sources(self, besides: WorkerState) -> dict[str, tuple[str, str]]:
+        """Adapter name -> (key, path), over every live worker's last stats but ``besides``."""
+        sources: dict[str, tuple[str, str]] = {}
+        for worker in self._other_live(besides):
+            paths = dict(worker.stats.lora_paths)
+            for name, key in worker.stats.lora_adapters:
+                if name in paths:
+                    sources[name] = (key, paths[name])
+        return sources
+
+    async def heal_loras(self, worker: WorkerState) -> None:
+        """Load onto ``worker``, if this is the first look at its incarnation, the adapters the
+        other live workers serve and it lacks (see the module docstring); then re-poll it."""
+        stats = worker.stats
+        if stats is None or not worker.alive or self.lora_seen.get(worker.worker_id) == stats.epoch:
+            return
+        for gone in [w for w in self.lora_seen if w not in self.workers]:
+            del self.lora_seen[gone]
+        self.lora_seen[worker.worker_id] = stats.epoch
+        have = dict(stats.lora_adapters)
+        missing = {n: src for n, src in self.lora_sources(worker).items() if n not in have}
+        if not missing:
+            return
+        loaded = await asyncio.gather(
+            *(self._heal_one(worker, name, key, path) for name, (key, path) in missing.items())
+        )
+        healed = [name for name, ok in zip(missing, loaded, strict=True) if ok]
+        if healed:
+            await self._undo_unloaded(worker, healed)
+        await self.liveness.poll(worker)
+
+    async def _heal_one(self, worker: WorkerState, name: str, key: str, path: str) -> bool:
+        """Load adapter ``name`` onto ``worker``; True once it serves it under ``key``."""
+        try:
+            result = await within(worker.handle.load_lora.remote(name, path), LOAD_TIMEOUT_S)
+        except (*WORKER_LOST_ERRORS, TimeoutError) as error:
+            why = f"no answer ({type(error).__name__})"
+        else:
+            if result.error is None and result.key == key:
+                self.counters.lora_healed += 1
+                return True
+            why = result.error
+            if result.error is None:  # other files at that path now: not what the others serve
+                why = f"its files changed (key {result.key}; the other workers serve {key})"
+                await self._unload_quietly(worker, name)
+        self.counters.lora_heal_failures += 1
+        logger.warning(
+            "worker %s joined without LoRA adapter %r and could not load it from %r: %s; "
+            "it serves no request on it",
+            worker.worker_id,
+            name,
+            path,
+            why,
+        )
+        return False
+
+    async def _undo_unloaded(self, worker: WorkerState, healed: list[str]) -> None:
+        """An unload that ran while ``healed`` were loading missed ``worker``: poll the others
+        again, and unload from it what none of them still reports."""
+        others = list(self._other_live(worker))
+        await self._repoll(others)
+        still = set(self.lora_sources(worker))
+        for name in healed:
+            if name not in still:
+                logger.warning(
+                    "LoRA adapter %r was unloaded while worker %s loaded it; unloading it there",
+                    name,
+                    worker.worker_id,
+                )
+                await self._unload_quietly(worker, name)
+
+    async def _unload_quietly(self, worker: WorkerState, name: str) -> None:
+        try:
+            await within(worker.handle.unload_lora.remote(name), LOAD_TIMEOUT_S)
+        except (*WORKER_LOST_ERRORS, TimeoutError):
+            logger.warning("worker %s did not unload LoRA adapter %r", worker.worker_id, name)
+
+    def _other_live(self, besides: WorkerState):
+        return (
+            w
+            for w in list(self.workers.values())
+            if w is not besides and w.alive and w.stats is not None
+        )

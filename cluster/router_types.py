@@ -88,6 +88,10 @@ class RouterCounters:
     pd_handoff_tokens: int = 0  # the KV tokens those handoffs carried
     pd_fallbacks: int = 0  # P/D: no worker of the phase's role routable, any one taken
     refused_tenant: int = 0  # past a tenant's quota (`cluster/tenant_quotas.py`)
+    # Run-time LoRA adapters loaded onto a worker that joined later (`RouterLoras.heal_loras`),
+    # and those that failed there (logged; the worker serves the others).
+    lora_healed: int = 0
+    lora_heal_failures: int = 0
     tenants: dict[str, TenantCounts] = field(default_factory=dict)  # tenant id → its counts
 
     def count_routed(self, policy: str) -> None:
@@ -142,6 +146,8 @@ _FLAT_NAMES = {
     "pd_handoff_tokens": "pd.handoff_tokens",
     "pd_fallbacks": "pd.fallbacks",
     "refused_tenant": "refused.tenant",
+    "lora_healed": "lora.healed",
+    "lora_heal_failures": "lora.heal_failures",
 }
 
 

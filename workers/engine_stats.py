@@ -36,6 +36,7 @@ class EngineStats:
             "spec": self.spec_stats(),
             "tiers": self.tier_stats(),
             "lora_adapters": tuple(self.lora_adapters().items()),
+            "lora_paths": tuple(self.lora_paths().items()),
             "resident_loras": tuple(self.loras.resident()) if self.loras is not None else (),
             "lora_requests": self.lora_requests(),
         }

@@ -90,6 +90,9 @@ class WorkerStats:
     kv_cache_device_bytes: int = 0
     # LoRA adapters loaded (name, key) and those in device slots now (`workers/lora/`).
     lora_adapters: tuple[tuple[str, str], ...] = ()
+    # Each loaded adapter's directory (name, path): a router loads the cluster's adapters onto
+    # a worker that joins later from there (`cluster/router_loras.py`, `heal_loras`).
+    lora_paths: tuple[tuple[str, str], ...] = ()
     resident_loras: tuple[str, ...] = ()
     lora_requests: tuple[tuple[str, int], ...] = ()  # requests in the engine per adapter
     kv_cache_swap_bytes: int = 0

@@ -61,6 +61,10 @@ class EngineLoras:
         """Loaded adapter name -> key."""
         return {} if self.loras is None else self.loras.names()
 
+    def lora_paths(self) -> Mapping[str, str]:
+        """Loaded adapter name -> the directory it was read from."""
+        return {} if self.loras is None else self.loras.paths()
+
     def lora_requests(self) -> tuple[tuple[str, int], ...]:
         """(adapter name, requests on it in this engine), for stats and metrics."""
         counts: dict[str, int] = {}

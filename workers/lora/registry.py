@@ -153,6 +153,12 @@ class LoraRegistry:
         """Registered name -> key."""
         return dict(self._names)
 
+    def paths(self) -> dict[str, str]:
+        """Registered name -> the directory it was read from (what a peer loads it from).
+        Copied first, as in `resident`: read by the worker's stats beside a step."""
+        names, paths = dict(self._names), dict(self._paths)
+        return {name: paths[key][1] for name, key in names.items() if key in paths}
+
     def resident(self) -> list[str]:
         """Names of the adapters in device slots now, least recently used first. Read by the
         worker's stats beside a step: the keys are copied first (one call, atomic under the

@@ -5,6 +5,7 @@ unknown adapter, and a replay that keeps the adapter and its output."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -16,12 +17,13 @@ from pagedserve.cluster.client_cli import format_status
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.metrics import _WorkerCollector
 from pagedserve.cluster.router import RouterCore
+from pagedserve.cluster.worker_state import WorkerState
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
 from pagedserve.workers.block_hash import cache_key, hash_full_blocks
 from pagedserve.workers.errors import UnknownLora
 from pagedserve.workers.handoff import RequestHandoff
 from pagedserve.workers.kv_cache_manager import KVCacheManager, KVUsage
-from pagedserve.workers.worker_types import WorkerStats
+from pagedserve.workers.worker_types import LoraLoadResult, WorkerStats
 
 BLOCK_SIZE = 4
 PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
@@ -171,3 +173,134 @@ def test_metrics_and_status_show_each_workers_adapters():
         workers=[pb.WorkerStats(worker_id="w0", lora_adapters=["a", "b"], resident_loras=["b"])]
     )
     assert "LoRA adapters: w0: a, b (resident)" in format_status(message)
+
+
+# ------------------------------------------------- a worker that joins later (heal_loras)
+class _Call:
+    """An actor method's stand-in: ``.remote(*args)`` is an awaitable of ``fn(*args)``."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def remote(self, *args):
+        async def call():
+            result = self.fn(*args)
+            return await result if asyncio.iscoroutine(result) else result
+
+        return call()
+
+
+class _FakeWorker:
+    """A worker's adapters as `Worker` keeps them: name -> (key, path); ``files``: the key of
+    the adapter each path holds (shared by every worker, as one filesystem)."""
+
+    def __init__(self, worker_id: str, files: dict[str, str], epoch: str = "e1") -> None:
+        self.worker_id, self.files, self.epoch = worker_id, files, epoch
+        self.adapters: dict[str, tuple[str, str]] = {}
+        self.loads: list[str] = []
+        self.gate: asyncio.Event | None = None  # set: a load waits for it
+        self.stats = _Call(self._stats)
+        self.ready = _Call(lambda: _info(self.epoch))
+        self.load_lora = _Call(self._load)
+        self.unload_lora = _Call(lambda name: self.adapters.pop(name, None) is not None)
+
+    def _stats(self, owner_id: str) -> WorkerStats:
+        stats = _stats(self.worker_id, {n: k for n, (k, _) in self.adapters.items()}, ())
+        paths = tuple((n, p) for n, (_, p) in self.adapters.items())
+        return dataclasses.replace(stats, epoch=self.epoch, lora_paths=paths)
+
+    async def _load(self, name: str, path: str) -> LoraLoadResult:
+        self.loads.append(name)
+        if self.gate is not None:
+            await self.gate.wait()
+        if path not in self.files:
+            return LoraLoadResult(name, None, f"adapter {name!r}: no adapter_config.json")
+        self.adapters[name] = (self.files[path], path)
+        return LoraLoadResult(name, self.files[path])
+
+
+def _info(epoch: str) -> SimpleNamespace:
+    return SimpleNamespace(epoch=epoch, num_blocks=64, block_size=BLOCK_SIZE, max_model_len=1024)
+
+
+def _cluster(*fakes: _FakeWorker) -> RouterCore:
+    """A router over ``fakes``, each polled once (the after-poll hook off: driven by hand)."""
+    core = RouterCore(ClusterConfig(num_workers=len(fakes)), index=None, workers={})
+    core.liveness.on_polled = None
+    for fake in fakes:
+        core.workers[fake.worker_id] = state = WorkerState(fake.worker_id, fake)
+        state.mark_alive(_info(fake.epoch))
+    asyncio.run(core.liveness.poll_all())
+    return core
+
+
+FILES = {"/a": "a@1", "/b": "b@1"}
+
+
+def test_a_worker_that_joins_later_gets_the_run_time_adapters_once():
+    old, new = _FakeWorker("w0", FILES), _FakeWorker("w1", FILES)
+    old.adapters = {"a": ("a@1", "/a"), "b": ("b@1", "/b")}  # loaded at run time on w0 only
+    new.adapters = {"b": ("b@1", "/b")}  # its lora_modules
+    core = _cluster(old, new)
+    asyncio.run(core.heal_loras(core.workers["w1"]))
+    assert new.loads == ["a"]  # only what it lacked, from the path w0 reports
+    assert dict(core.workers["w1"].stats.lora_adapters) == {"a": "a@1", "b": "b@1"}  # re-polled
+    worker, _ = asyncio.run(core.route(list(range(1, 9)), None, lora_key="a@1", exclude={"w0"}))
+    assert worker.worker_id == "w1"
+    assert (core.counters.lora_healed, core.counters.lora_heal_failures) == (1, 0)
+    asyncio.run(core.heal_loras(core.workers["w0"]))  # w0 lacks nothing
+    assert old.loads == []
+
+
+def test_only_a_new_incarnation_is_healed_so_an_unload_is_never_undone():
+    old, new = _FakeWorker("w0", FILES), _FakeWorker("w1", FILES)
+    old.adapters = {"a": ("a@1", "/a")}
+    core = _cluster(old, new)
+    new_state = core.workers["w1"]
+    asyncio.run(core.heal_loras(new_state))
+    new.adapters.clear()  # an unload reached w1 first; w0's last report still has "a"
+    asyncio.run(core.liveness.poll(new_state))
+    asyncio.run(core.heal_loras(new_state))
+    assert new.loads == ["a"] and new.adapters == {}  # seen at this epoch: left alone
+    new.epoch = "e2"  # Ray restarted it: a new engine, with lora_modules only
+    asyncio.run(core.liveness.poll(new_state))
+    asyncio.run(core.heal_loras(new_state))
+    assert new.loads == ["a", "a"] and "a" in new.adapters
+
+
+def test_a_failed_heal_is_counted_not_raised_and_the_others_still_load():
+    old, new = _FakeWorker("w0", FILES), _FakeWorker("w1", {"/b": "b@1", "/a": "a@2"})
+    old.adapters = {"a": ("a@1", "/a"), "b": ("b@1", "/b"), "c": ("c@1", "/gone")}
+    core = _cluster(old, new)
+    asyncio.run(core.heal_loras(core.workers["w1"]))
+    # "c": its directory is gone; "a": other files at its path now (unloaded again, all or
+    # nothing: w1 never serves "a" under a key the others do not).
+    assert new.adapters == {"b": ("b@1", "/b")}
+    assert dict(core.workers["w1"].stats.lora_adapters) == {"b": "b@1"}
+    assert (core.counters.lora_healed, core.counters.lora_heal_failures) == (1, 2)
+    assert core.counters.as_dict()["lora.heal_failures"] == 2
+
+
+def test_an_unload_that_ran_during_the_heal_is_not_undone():
+    """The heal polls the others again after the load: none reports "a" any more."""
+    old, new = _FakeWorker("w0", FILES), _FakeWorker("w1", FILES)
+    old.adapters = {"a": ("a@1", "/a")}
+    new.gate = asyncio.Event()
+
+    async def heal_while_unloading() -> None:
+        core = RouterCore(ClusterConfig(num_workers=2), index=None, workers={})
+        core.liveness.on_polled = None
+        for fake in (old, new):
+            core.workers[fake.worker_id] = state = WorkerState(fake.worker_id, fake)
+            state.mark_alive(_info(fake.epoch))
+        await core.liveness.poll_all()
+        heal = asyncio.create_task(core.heal_loras(core.workers["w1"]))
+        while not new.loads:  # the load is on its way to w1
+            await asyncio.sleep(0)
+        # Another replica unloads "a": gone from w0, and nothing to unload on w1 yet.
+        assert old.unload_lora.fn("a") and not new.unload_lora.fn("a")
+        new.gate.set()
+        await heal
+        assert new.adapters == {} and core.lora_adapters() == {}
+
+    asyncio.run(heal_while_unloading())

@@ -58,3 +58,6 @@ def test_a_name_is_not_the_models_and_holds_one_set_of_weights(shapes, adapters)
     with pytest.raises(LoraLoadError, match="already loaded with other weights"):
         loras.load("a", adapters["attn4"].path)
     assert loras.names() == {"a": key}
+    assert loras.paths() == {"a": adapters["mlp8"].path}  # where a joining worker reads it
+    loras.unload("a")
+    assert loras.paths() == {}
