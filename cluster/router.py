@@ -167,7 +167,10 @@ class RouterCore(RouterRequests, RouterLoras):
             on_dropped=self.view.drop_worker,
             on_hung=self.channels.worker_hung,
         )
-        self.lora_seen: dict[str, str] = {}  # worker id -> the epoch `heal_loras` looked at
+        # LoRA adapters served (name -> key, path) and each worker's as last noted (epoch,
+        # name -> key): what a worker that joins later is given (`RouterLoras.follow_loras`).
+        self.lora_known: dict[str, tuple[str, str]] = {}
+        self.lora_seen: dict[str, tuple[str, dict[str, str]]] = {}
         self.membership = None
         if pool is not None:
             self.membership = PoolFollower(
@@ -238,7 +241,7 @@ class RouterCore(RouterRequests, RouterLoras):
     async def _after_poll(self, worker: WorkerState) -> None:
         """After each poll of a live worker: give a new one the run-time LoRA adapters it
         lacks, then push its hot prefixes to peers if it is under pressure."""
-        await self.heal_loras(worker)
+        await self.follow_loras(worker)
         await self.migrations.push_if_under_pressure(worker)
 
     # -------------------------------------------------------------- routing

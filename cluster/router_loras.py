@@ -9,16 +9,20 @@ and then re-polls them, so that replica serves the change as soon as it answers;
 see it at their next poll.
 
 A worker that joins later (the pool scales up or replaces one; Ray restarts one) starts with
-`lora_modules` only. The first time a router polls a worker incarnation (worker id and epoch)
-it compares its adapters with those the other live workers report (name, key and path:
-`WorkerStats.lora_paths`) and loads the missing ones onto it from their paths (`heal_loras`):
-an adapter counts there only once it loaded under the key the others serve, and a failure is
+`lora_modules` only, so each router keeps the adapters the cluster serves (`lora_known`: name
+-> key and path, `WorkerStats.lora_paths`) from every poll: what a worker reports is served;
+what a worker reported and no longer does at the same epoch was unloaded; a worker lost or
+replaced unloads nothing, so the adapters outlive every worker that had them. The first time
+a router polls a worker incarnation (worker id and epoch: `follow_loras`) it loads the known
+adapters that worker lacks from their paths: one counts there only once it loaded under the
+key the cluster serves (other files at that path now: unloaded again), and a failure is
 logged and counted (`lora.heal_failures`), never raised into a request. Only a new
 incarnation is healed, so an unload is never undone on a worker the router has seen; and one
 that ran while a heal was loading is caught: the others are polled again after the load, and
-an adapter none of them still reports is unloaded from the new worker. Several replicas may
-heal the same worker at once: loading a name again with the same files is a no-op there
-(`LoraRegistry.load`).
+an adapter no longer known is unloaded from the new worker. Several replicas may heal the same
+worker at once: loading a name again with the same files is a no-op there
+(`LoraRegistry.load`). A router that starts while no worker reports an adapter does not know
+it (the adapters are the workers', not a store of their own).
 """
 
 from __future__ import annotations
@@ -39,8 +43,9 @@ LOAD_TIMEOUT_S = 120.0
 
 
 class RouterLoras:
-    """LoRA adapters as this router sees them (needs `workers`, `liveness`, `counters` and
-    `lora_seen`: worker id -> the epoch `heal_loras` last looked at)."""
+    """LoRA adapters as this router sees them (needs `workers`, `liveness`, `counters`,
+    `lora_known`: name -> (key, path) of every adapter served, and `lora_seen`: worker id ->
+    the epoch and adapters (name -> key) `follow_loras` last noted there)."""
 
     def lora_adapters(self) -> dict[str, str]:
         """Adapter name -> key, over every live worker's last stats."""
@@ -143,42 +148,58 @@ class RouterLoras:
         await asyncio.gather(
             *(within(w.handle.unload_lora.remote(name), LOAD_TIMEOUT_S) for w in workers)
         )
+        self.lora_known.pop(name, None)  # no worker that joins later gets it
         await self._repoll(workers)
 
     async def _repoll(self, workers) -> None:
         await asyncio.gather(*(self.liveness.poll(w) for w in workers))
 
     # ------------------------------------------------------------ later workers
-    def lora_sources(self, besides: WorkerState) -> dict[str, tuple[str, str]]:
-        """Adapter name -> (key, path), over every live worker's last stats but ``besides``."""
-        sources: dict[str, tuple[str, str]] = {}
-        for worker in self._other_live(besides):
-            paths = dict(worker.stats.lora_paths)
-            for name, key in worker.stats.lora_adapters:
-                if name in paths:
-                    sources[name] = (key, paths[name])
-        return sources
-
-    async def heal_loras(self, worker: WorkerState) -> None:
-        """Load onto ``worker``, if this is the first look at its incarnation, the adapters the
-        other live workers serve and it lacks (see the module docstring); then re-poll it."""
+    async def follow_loras(self, worker: WorkerState) -> None:
+        """After each poll of a live worker: note its adapters (`lora_known`), and give it the
+        known adapters it lacks if this is the first look at its incarnation."""
         stats = worker.stats
-        if stats is None or not worker.alive or self.lora_seen.get(worker.worker_id) == stats.epoch:
+        if stats is None or not worker.alive:
             return
+        last = self.lora_seen.get(worker.worker_id)
+        self._note_loras(worker)
+        if last is None or last[0] != stats.epoch:
+            await self._heal_loras(worker)
+
+    def _note_loras(self, worker: WorkerState) -> None:
+        """What ``worker`` reports is served (`lora_known` gains it, with its path); what it
+        reported at the same epoch and no longer does was unloaded (`lora_known` loses it). A
+        worker lost or replaced unloads nothing: the adapters outlive every worker that had
+        them, for the next one to join."""
         for gone in [w for w in self.lora_seen if w not in self.workers]:
             del self.lora_seen[gone]
-        self.lora_seen[worker.worker_id] = stats.epoch
-        have = dict(stats.lora_adapters)
-        missing = {n: src for n, src in self.lora_sources(worker).items() if n not in have}
+        stats = worker.stats
+        now, paths = dict(stats.lora_adapters), dict(stats.lora_paths)
+        last = self.lora_seen.get(worker.worker_id)
+        if last is not None and last[0] == stats.epoch:
+            for name, key in last[1].items():
+                if now.get(name) != key and self.lora_known.get(name, ("",))[0] == key:
+                    del self.lora_known[name]
+        for name, key in now.items():
+            if name in paths:
+                self.lora_known[name] = (key, paths[name])
+        self.lora_seen[worker.worker_id] = (stats.epoch, now)
+
+    async def _heal_loras(self, worker: WorkerState) -> None:
+        """Load onto ``worker`` the known adapters it lacks; then re-poll it."""
+        have = dict(worker.stats.lora_adapters)
+        missing = {n: src for n, src in self.lora_known.items() if n not in have}
         if not missing:
             return
         loaded = await asyncio.gather(
             *(self._heal_one(worker, name, key, path) for name, (key, path) in missing.items())
         )
-        healed = [name for name, ok in zip(missing, loaded, strict=True) if ok]
+        healed = {name: missing[name][0] for name, ok in zip(missing, loaded, strict=True) if ok}
         if healed:
             await self._undo_unloaded(worker, healed)
         await self.liveness.poll(worker)
+        if worker.stats is not None:
+            self._note_loras(worker)
 
     async def _heal_one(self, worker: WorkerState, name: str, key: str, path: str) -> bool:
         """Load adapter ``name`` onto ``worker``; True once it serves it under ``key``."""
@@ -205,14 +226,16 @@ class RouterLoras:
         )
         return False
 
-    async def _undo_unloaded(self, worker: WorkerState, healed: list[str]) -> None:
-        """An unload that ran while ``healed`` were loading missed ``worker``: poll the others
-        again, and unload from it what none of them still reports."""
-        others = list(self._other_live(worker))
+    async def _undo_unloaded(self, worker: WorkerState, healed: dict[str, str]) -> None:
+        """An unload that ran while ``healed`` (name -> key) were loading missed ``worker``:
+        poll the others again, and unload from it what is no longer known under that key."""
+        others = [w for w in self.workers.values() if w is not worker and w.alive]
         await self._repoll(others)
-        still = set(self.lora_sources(worker))
-        for name in healed:
-            if name not in still:
+        for other in others:
+            if other.alive and other.stats is not None:
+                self._note_loras(other)
+        for name, key in healed.items():
+            if self.lora_known.get(name, ("",))[0] != key:
                 logger.warning(
                     "LoRA adapter %r was unloaded while worker %s loaded it; unloading it there",
                     name,
@@ -225,10 +248,3 @@ class RouterLoras:
             await within(worker.handle.unload_lora.remote(name), LOAD_TIMEOUT_S)
         except (*WORKER_LOST_ERRORS, TimeoutError):
             logger.warning("worker %s did not unload LoRA adapter %r", worker.worker_id, name)
-
-    def _other_live(self, besides: WorkerState):
-        return (
-            w
-            for w in list(self.workers.values())
-            if w is not besides and w.alive and w.stats is not None
-        )

@@ -224,7 +224,8 @@ def _info(epoch: str) -> SimpleNamespace:
 
 
 def _cluster(*fakes: _FakeWorker) -> RouterCore:
-    """A router over ``fakes``, each polled once (the after-poll hook off: driven by hand)."""
+    """A router over ``fakes``, each polled once and followed in order (the after-poll hook
+    off: `follow_loras` is driven by hand)."""
     core = RouterCore(ClusterConfig(num_workers=len(fakes)), index=None, workers={})
     core.liveness.on_polled = None
     for fake in fakes:
@@ -232,6 +233,11 @@ def _cluster(*fakes: _FakeWorker) -> RouterCore:
         state.mark_alive(_info(fake.epoch))
     asyncio.run(core.liveness.poll_all())
     return core
+
+
+def _follow(core: RouterCore, *worker_ids: str) -> None:
+    for worker_id in worker_ids:
+        asyncio.run(core.follow_loras(core.workers[worker_id]))
 
 
 FILES = {"/a": "a@1", "/b": "b@1"}
@@ -242,37 +248,66 @@ def test_a_worker_that_joins_later_gets_the_run_time_adapters_once():
     old.adapters = {"a": ("a@1", "/a"), "b": ("b@1", "/b")}  # loaded at run time on w0 only
     new.adapters = {"b": ("b@1", "/b")}  # its lora_modules
     core = _cluster(old, new)
-    asyncio.run(core.heal_loras(core.workers["w1"]))
+    _follow(core, "w0", "w1")
     assert new.loads == ["a"]  # only what it lacked, from the path w0 reports
     assert dict(core.workers["w1"].stats.lora_adapters) == {"a": "a@1", "b": "b@1"}  # re-polled
     worker, _ = asyncio.run(core.route(list(range(1, 9)), None, lora_key="a@1", exclude={"w0"}))
     assert worker.worker_id == "w1"
     assert (core.counters.lora_healed, core.counters.lora_heal_failures) == (1, 0)
-    asyncio.run(core.heal_loras(core.workers["w0"]))  # w0 lacks nothing
-    assert old.loads == []
+    _follow(core, "w0", "w1")  # seen: nothing more
+    assert old.loads == [] and new.loads == ["a"]
+
+
+def test_the_adapters_outlive_every_worker_that_had_them():
+    old, new = _FakeWorker("w0", FILES), _FakeWorker("w1", FILES)
+    old.adapters = {"a": ("a@1", "/a")}
+    core = _cluster(old)
+    _follow(core, "w0")
+    del core.workers["w0"]  # lost for good; its replacement joins
+    core.workers["w1"] = state = WorkerState("w1", new)
+    state.mark_alive(_info(new.epoch))
+    asyncio.run(core.liveness.poll(state))
+    with pytest.raises(UnknownLora):  # until the replacement has it
+        core.lora_key("a")
+    _follow(core, "w1")
+    assert new.adapters == {"a": ("a@1", "/a")} and core.lora_key("a") == "a@1"
+    assert list(core.lora_seen) == ["w1"]  # the lost worker's notes are forgotten
 
 
 def test_only_a_new_incarnation_is_healed_so_an_unload_is_never_undone():
     old, new = _FakeWorker("w0", FILES), _FakeWorker("w1", FILES)
     old.adapters = {"a": ("a@1", "/a")}
+    new.adapters = {"a": ("a@1", "/a")}
     core = _cluster(old, new)
-    new_state = core.workers["w1"]
-    asyncio.run(core.heal_loras(new_state))
-    new.adapters.clear()  # an unload reached w1 first; w0's last report still has "a"
-    asyncio.run(core.liveness.poll(new_state))
-    asyncio.run(core.heal_loras(new_state))
-    assert new.loads == ["a"] and new.adapters == {}  # seen at this epoch: left alone
+    _follow(core, "w0", "w1")
+    new.adapters.clear()  # another replica's unload reached w1 first; w0 still has "a"
+    asyncio.run(core.liveness.poll(core.workers["w1"]))
+    _follow(core, "w1")
+    assert new.loads == [] and "a" not in core.lora_known  # an unload, not a lost adapter
+    old.adapters.clear()
     new.epoch = "e2"  # Ray restarted it: a new engine, with lora_modules only
-    asyncio.run(core.liveness.poll(new_state))
-    asyncio.run(core.heal_loras(new_state))
-    assert new.loads == ["a", "a"] and "a" in new.adapters
+    asyncio.run(core.liveness.poll_all())
+    _follow(core, "w0", "w1")
+    assert new.loads == [] and core.lora_adapters() == {}
+
+
+def test_a_restarted_worker_is_healed():
+    old, new = _FakeWorker("w0", FILES), _FakeWorker("w1", FILES)
+    old.adapters = {"a": ("a@1", "/a")}
+    new.adapters = {"a": ("a@1", "/a")}
+    core = _cluster(old, new)
+    _follow(core, "w0", "w1")
+    new.adapters, new.epoch = {}, "e2"  # Ray restarted it: lora_modules only
+    asyncio.run(core.liveness.poll(core.workers["w1"]))
+    _follow(core, "w1")
+    assert new.loads == ["a"] and "a" in new.adapters
 
 
 def test_a_failed_heal_is_counted_not_raised_and_the_others_still_load():
     old, new = _FakeWorker("w0", FILES), _FakeWorker("w1", {"/b": "b@1", "/a": "a@2"})
     old.adapters = {"a": ("a@1", "/a"), "b": ("b@1", "/b"), "c": ("c@1", "/gone")}
     core = _cluster(old, new)
-    asyncio.run(core.heal_loras(core.workers["w1"]))
+    _follow(core, "w0", "w1")
     # "c": its directory is gone; "a": other files at its path now (unloaded again, all or
     # nothing: w1 never serves "a" under a key the others do not).
     assert new.adapters == {"b": ("b@1", "/b")}
@@ -282,25 +317,21 @@ def test_a_failed_heal_is_counted_not_raised_and_the_others_still_load():
 
 
 def test_an_unload_that_ran_during_the_heal_is_not_undone():
-    """The heal polls the others again after the load: none reports "a" any more."""
+    """The heal polls the others again after the load: w0 no longer reports "a"."""
     old, new = _FakeWorker("w0", FILES), _FakeWorker("w1", FILES)
     old.adapters = {"a": ("a@1", "/a")}
     new.gate = asyncio.Event()
+    core = _cluster(old, new)
+    _follow(core, "w0")
 
     async def heal_while_unloading() -> None:
-        core = RouterCore(ClusterConfig(num_workers=2), index=None, workers={})
-        core.liveness.on_polled = None
-        for fake in (old, new):
-            core.workers[fake.worker_id] = state = WorkerState(fake.worker_id, fake)
-            state.mark_alive(_info(fake.epoch))
-        await core.liveness.poll_all()
-        heal = asyncio.create_task(core.heal_loras(core.workers["w1"]))
+        heal = asyncio.create_task(core.follow_loras(core.workers["w1"]))
         while not new.loads:  # the load is on its way to w1
             await asyncio.sleep(0)
         # Another replica unloads "a": gone from w0, and nothing to unload on w1 yet.
         assert old.unload_lora.fn("a") and not new.unload_lora.fn("a")
         new.gate.set()
         await heal
-        assert new.adapters == {} and core.lora_adapters() == {}
 
     asyncio.run(heal_while_unloading())
+    assert new.adapters == {} and core.lora_adapters() == {} and core.lora_known == {}
