@@ -89,10 +89,11 @@ class RouterLoras:
         extra_blocks: dict[str, float],
     ) -> tuple[list, dict[str, float]]:
         """The workers a request on adapter ``key`` may go to (routable, not excluded, the
-        adapter loaded under that key) and the extra prefill blocks each costs: `tier_load`'s
-        (``extra_blocks``) plus `lora_load_block_cost` where the adapter is not in a device
-        slot. The caller scores them with `choose` (the ranked path assumes that a worker
-        holding nothing of the prompt costs no more than its load).
+        adapter loaded under that key; those not polled yet only when no polled one has it)
+        and the extra prefill blocks each costs: `tier_load`'s (``extra_blocks``) plus
+        `lora_load_block_cost` where the adapter is not in a device slot. The caller scores
+        them with `choose` (the ranked path assumes that a worker holding nothing of the
+        prompt costs no more than its load).
 
         Raises:
             UnknownLora: no routable worker has it.
@@ -103,7 +104,9 @@ class RouterLoras:
             if others is not None
             else [w for w in self.workers.values() if w.routable and w.worker_id not in exclude]
         )
-        fit = [w for w in pool if w.stats is None or (name, key) in w.stats.lora_adapters]
+        fit = [w for w in pool if w.stats is not None and (name, key) in w.stats.lora_adapters]
+        if not fit:  # a worker not polled yet may have it; one that just joined may not yet
+            fit = [w for w in pool if w.stats is None]
         if not fit:
             raise UnknownLora(f"LoRA adapter {name!r} is on no worker that admits requests")
         cost = self.config.lora_load_block_cost

@@ -150,6 +150,17 @@ def test_a_worker_without_the_adapter_is_never_chosen():
         asyncio.run(core.route(list(range(1, 9)), None, lora_key="a@1"))
 
 
+def test_a_worker_not_polled_yet_gets_an_adapter_only_when_no_polled_one_has_it():
+    core = _two_workers({"a": "a@1"}, {"w0": (), "w1": ()})
+    core.workers["w1"].stats = None  # just joined: its adapters are not known yet
+    core.workers["w0"].begin(16)  # busier, but known to have the adapter
+    worker, _ = asyncio.run(core.route(list(range(1, 9)), None, lora_key="a@1"))
+    assert worker.worker_id == "w0"
+    core.workers["w0"].stats = _stats("w0", {}, ())
+    worker, _ = asyncio.run(core.route(list(range(1, 9)), None, lora_key="a@1"))
+    assert worker.worker_id == "w1"
+
+
 def test_metrics_and_status_show_each_workers_adapters():
     stats = WorkerStats(
         "w0",
