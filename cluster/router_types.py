@@ -88,7 +88,7 @@ class RouterCounters:
     pd_handoff_tokens: int = 0  # the KV tokens those handoffs carried
     pd_fallbacks: int = 0  # P/D: no worker of the phase's role routable, any one taken
     refused_tenant: int = 0  # past a tenant's quota (`cluster/tenant_quotas.py`)
-    # Run-time LoRA adapters loaded onto a worker that joined later (`RouterLoras.heal_loras`),
+    # Run-time LoRA adapters loaded onto a worker that joined later (`RouterLoras.follow_loras`),
     # and those that failed there (logged; the worker serves the others).
     lora_healed: int = 0
     lora_heal_failures: int = 0

@@ -91,7 +91,7 @@ class WorkerStats:
     # LoRA adapters loaded (name, key) and those in device slots now (`workers/lora/`).
     lora_adapters: tuple[tuple[str, str], ...] = ()
     # Each loaded adapter's directory (name, path): a router loads the cluster's adapters onto
-    # a worker that joins later from there (`cluster/router_loras.py`, `heal_loras`).
+    # a worker that joins later from there (`cluster/router_loras.py`, `follow_loras`).
     lora_paths: tuple[tuple[str, str], ...] = ()
     resident_loras: tuple[str, ...] = ()
     lora_requests: tuple[tuple[str, int], ...] = ()  # requests in the engine per adapter

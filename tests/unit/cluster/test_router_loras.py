@@ -186,7 +186,7 @@ def test_metrics_and_status_show_each_workers_adapters():
     assert "LoRA adapters: w0: a, b (resident)" in format_status(message)
 
 
-# ------------------------------------------------- a worker that joins later (heal_loras)
+# ------------------------------------------------- a worker that joins later (follow_loras)
 class _Call:
     """An actor method's stand-in: ``.remote(*args)`` is an awaitable of ``fn(*args)``."""
 
