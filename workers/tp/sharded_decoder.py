@@ -20,6 +20,7 @@ forward's to float rounding, not bit for bit.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -52,7 +53,8 @@ class LayerSlice:
 @dataclass(frozen=True)
 class ShardWeights:
     """Everything rank ``shard.rank`` computes with, copied out of the model (rank 0 slices
-    the loaded model once and sends each rank its part)."""
+    the loaded model once and sends each rank its part); no tensor shares storage with the
+    model, so its weights can be released once every rank's shard is sliced."""
 
     shard: TPShard
     head_dim: int
@@ -81,7 +83,7 @@ def slice_weights(model: nn.Module, shard: TPShard, head_dim: int) -> ShardWeigh
         head_dim=head_dim,
         eps=float(config.rms_norm_eps),
         embed=decoder.embed_tokens.weight.detach().clone(),
-        rotary=decoder.rotary_emb,
+        rotary=copy.deepcopy(decoder.rotary_emb),  # its own: the model's may be released
         final_norm=decoder.norm.weight.detach().clone(),
         lm_head=_rows(model.lm_head.weight, shard.vocab),
         vocab_size=int(model.lm_head.weight.shape[0]),
