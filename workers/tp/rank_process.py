@@ -82,15 +82,17 @@ def rank_main(conn: Connection) -> None:
     torch.set_num_threads(spec.num_threads)
     if spec.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(spec.device))
-    collectives = Collectives(spec.backend, spec.host, spec.port, spec.shard.rank, spec.shard.size)
+    rank = spec.shard.rank
+    collectives = Collectives(spec.backend, spec.host, spec.port, rank, spec.shard.size)
     state = build_rank_state(spec, collectives)
+    del spec  # on a GPU its weights were the host copy: the rank keeps only the device's
     conn.send_bytes(pickle.dumps(READY))
     try:
         _serve(state, conn)
     except (EOFError, OSError):
         pass  # rank 0 went away: the group is over
     except Exception:  # a failed collective (a peer died) or a bad command: leave the group
-        _log.exception("tensor-parallel rank %d failed", spec.shard.rank)
+        _log.exception("tensor-parallel rank %d failed", rank)
         os._exit(1)
     finally:
         collectives.close()
