@@ -100,6 +100,34 @@ def test_k2_loading_its_own_model_keeps_only_its_shard_and_equals_k1_with_ngrams
         group.engine.close()
 
 
+def test_k2_draft_that_is_the_released_target_loads_again_on_rank_0(tiny_llama):
+    """The target's weights are released once sharded, so a draft naming the target itself is
+    loaded again, whole, on rank 0's device; greedy tokens equal k = 1's (whose draft reuses
+    its target)."""
+    loaded, _ = tiny_llama
+    config = dict(
+        model="tiny-llama",
+        speculative={"method": "draft", "num_tokens": 3, "draft_model": "tiny-llama"},
+        num_kv_blocks=32,
+    )
+    group = LLM(tensor_parallel_size=2, **config)
+    try:
+        draft = group.engine.proposer.runner.loaded
+        assert group.engine.loaded.device.type == "meta"
+        assert draft is not group.engine.loaded and draft.device == group.engine.device
+        rng = random.Random(4)
+        prompts = [[rng.randrange(256) for _ in range(5)] * 3 for _ in range(3)]
+        single = LLM(loaded_model=loaded, **config)
+        assert single.engine.proposer.runner.loaded is loaded
+        expected = single.generate(prompts, GREEDY)
+        finish_clean(single)
+        assert token_ids(group.generate(prompts, GREEDY)) == token_ids(expected)
+        assert group.engine.spec_counters.num_steps > 0
+        finish_clean(group)
+    finally:
+        group.engine.close()
+
+
 def record_loads(monkeypatch) -> dict:
     """What the engine's own `load_model` loaded: the device, weak references to the
     parameters, their bytes."""
