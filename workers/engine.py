@@ -103,10 +103,11 @@ class Engine(EngineHandoffs, EngineBeamMoves, EngineStats):
         num_swap = config.num_swap_blocks
         if num_swap is None:
             num_swap = num_blocks if config.preemption_mode is PreemptionMode.SWAP else 0
+        release_model = loaded is None and config.tensor_parallel_size > 1  # ours to drop
         self.kv_cache, self.runner = build_model_executor(
-            config, self.loaded, self.device, ops, num_blocks, num_swap
+            config, self.loaded, self.device, ops, num_blocks, num_swap, release_model=release_model
         )
-        if loaded is None and config.tensor_parallel_size > 1:
+        if release_model:
             self.loaded = release_weights(self.loaded)  # every rank holds its shard now
         self.kv = KVCacheManager(
             num_blocks,

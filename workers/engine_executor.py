@@ -20,9 +20,11 @@ def build_model_executor(
     ops,
     num_blocks: int,
     num_swap: int,
+    *,
+    release_model: bool = False,
 ) -> tuple[KVCache | GroupKVCache, ModelRunner | TPRunner]:
     """The pool and the forward on ``device``: one process's, or a tensor-parallel group's
-    (`workers/tp/`)."""
+    (`workers/tp/`; ``release_model``: drop the model's weights as they are sliced)."""
     kv_dtype = kv_pool_dtype(config, loaded)
     if config.tensor_parallel_size > 1:
         return build_tp_executor(
@@ -32,6 +34,7 @@ def build_model_executor(
             num_blocks=num_blocks,
             num_swap_blocks=num_swap,
             kv_dtype=kv_dtype,
+            release_model=release_model,
         )
     kv_cache = KVCache(
         num_layers=loaded.num_layers,

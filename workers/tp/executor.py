@@ -40,10 +40,10 @@ from pagedserve.workers.tp.protocol import (
     SwapIn,
     SwapOut,
 )
-from pagedserve.workers.tp.rank_process import build_rank_state, weights_to
+from pagedserve.workers.tp.rank_process import build_rank_state
 from pagedserve.workers.tp.shard_bytes import model_shards
-from pagedserve.workers.tp.sharded_decoder import ShardWeights, slice_weights
-from pagedserve.workers.tp.shards import FLAG, TPShard, check_tp_size
+from pagedserve.workers.tp.sharded_decoder import slice_shards
+from pagedserve.workers.tp.shards import FLAG, check_tp_size
 
 _log = logging.getLogger(__name__)
 
@@ -246,13 +246,6 @@ class GroupKVCache:
             self.group.send_each([ImportBlocks(part, block_ids) for part in parts[1:]])
 
 
-def _weights_for(
-    loaded: LoadedModel, shard: TPShard, *, here: bool, via: torch.device
-) -> ShardWeights:
-    weights = slice_weights(loaded.model, shard, loaded.head_dim)
-    return weights if here else weights_to(weights, via)
-
-
 def _pairs(pairs: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     return tuple((int(a), int(b)) for a, b in pairs)
 
@@ -287,15 +280,17 @@ def build_tp_executor(
     num_blocks: int,
     num_swap_blocks: int,
     kv_dtype: torch.dtype,
+    release_model: bool = False,
 ) -> tuple[GroupKVCache, TPRunner]:
     """Start ranks 1..k-1 and build rank 0's shard on ``device`` (``cuda:0`` or the CPU); the
     group's pool and runner.
 
     Every rank's shard is sliced from ``loaded``'s model wherever it is (the host, when the
-    engine loaded it), as copies that share no storage with it: rank 0's moves to ``device``,
-    the others go through the CPU to their ranks. The caller may then drop the model's weights
-    (`model_loader.release_weights`). On the CPU each rank (this process included) runs this
-    process's torch threads // k.
+    engine loaded it), layer by layer, as copies that share no storage with it: rank 0's go
+    to ``device``, the others' through the CPU to their ranks. With ``release_model`` each
+    layer's weights are dropped once sliced (`slice_shards`), so the host holds about the
+    model once, not twice; the caller then marks it released (`model_loader.release_weights`).
+    On the CPU each rank (this process included) runs this process's torch threads // k.
     """
     check_tp_config(config, loaded, device)
     size = config.tensor_parallel_size
@@ -303,13 +298,16 @@ def build_tp_executor(
     backend = backend_for(device)
     host, port = "127.0.0.1", free_port()
     threads = max(1, torch.get_num_threads() // size) if device.type == "cpu" else 1
-    cpu = torch.device("cpu")
+    # Ranks 1..k-1 get theirs through the CPU (and move them to their own device).
+    places = [device] + [torch.device("cpu")] * (size - 1)
+    shard_weights = slice_shards(
+        loaded.model, shards, loaded.head_dim, to=places, release=release_model
+    )
     specs = [
         RankSpec(
-            # Ranks 1..k-1 get theirs through the CPU (and move them to their own device).
-            weights=_weights_for(loaded, shard, here=shard.rank == 0, via=cpu),
+            weights=weights,
             num_layers=loaded.num_layers,
-            device=f"cuda:{shard.rank}" if device.type == "cuda" else "cpu",
+            device=f"cuda:{weights.shard.rank}" if device.type == "cuda" else "cpu",
             linear_backend=config.linear_backend,
             attention_backend=config.attention_backend,
             split_decodes=config.split_decodes,
@@ -322,8 +320,9 @@ def build_tp_executor(
             port=port,
             num_threads=threads,
         )
-        for shard in shards
+        for weights in shard_weights
     ]
+    del shard_weights  # the specs hold them until the group is up
     group = TPGroup(specs[1:])
     try:
         if device.type == "cpu":
