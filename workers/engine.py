@@ -30,18 +30,17 @@ from pagedserve.workers.beam_groups import BeamSearch, check_beam_request, decod
 from pagedserve.workers.beam_moves import EngineBeamMoves
 from pagedserve.workers.deadline import check_timeout_s
 from pagedserve.workers.engine_config import EngineConfig
+from pagedserve.workers.engine_executor import build_model_executor
 from pagedserve.workers.engine_handoffs import EngineHandoffs
-from pagedserve.workers.engine_sizing import kv_layout, kv_pool_dtype, num_kv_blocks
+from pagedserve.workers.engine_sizing import kv_layout, load_device, num_kv_blocks, serving_device
 from pagedserve.workers.engine_stats import EngineStats
 from pagedserve.workers.errors import Overloaded, RequestRejected, RequestTooLarge
-from pagedserve.workers.kv_cache import KVCache
 from pagedserve.workers.kv_cache_manager import KVCacheManager
 from pagedserve.workers.kv_tier_load import build_tier_store, load_waiting_prefixes
 from pagedserve.workers.kv_tiers import StepTierLoad
 from pagedserve.workers.logprobs import take_prompt_logprobs
 from pagedserve.workers.lora.engine_loras import EngineLoras
-from pagedserve.workers.model_loader import LoadedModel, load_model
-from pagedserve.workers.model_runner import ModelRunner
+from pagedserve.workers.model_loader import LoadedModel, load_model, release_weights
 from pagedserve.workers.outputs import RequestDelta
 from pagedserve.workers.request import Request, RequestGroup, RequestStatus
 from pagedserve.workers.request_intake import RequestIntake
@@ -54,7 +53,6 @@ from pagedserve.workers.spec_proposer import Proposer, make_proposer
 from pagedserve.workers.spec_stats import SpecCounters
 from pagedserve.workers.stop_checker import FinishReason, check_stop
 from pagedserve.workers.structured.guided_requests import GuidedRequests, guided_stop
-from pagedserve.workers.tp.executor import GroupKVCache, TPRunner, build_tp_executor
 from pagedserve.workers.worker_role import WorkerRole
 
 _log = logging.getLogger(__name__)
@@ -65,7 +63,10 @@ class Engine(EngineHandoffs, EngineBeamMoves, EngineStats, EngineLoras):
 
     Args:
         config: the engine's config.
-        loaded: an already loaded model (tests share one); loaded from `config` when None.
+        loaded: an already loaded model (tests share one; the caller's, never released);
+            loaded from `config` when None. Under tensor parallelism the engine loads it on
+            the host, slices every rank's shard from it, then releases its weights: rank 0
+            keeps its config, tokenizer and numbers (`docs/tensor-parallel.md`).
         role: its worker's role (`workers/worker_role.py`): a `prefill` engine hands each
             fresh request off once its first token went out.
     """
@@ -80,8 +81,10 @@ class Engine(EngineHandoffs, EngineBeamMoves, EngineStats, EngineLoras):
         self.config = config
         self.role = role
         self.loaded = loaded or load_model(
-            config.model, dtype=config.dtype, device=config.device, seed=config.seed
+            config.model, dtype=config.dtype, device=load_device(config), seed=config.seed
         )
+        # Where the forward, the pool and sampling run; not where the model was loaded.
+        self.device = serving_device(config, self.loaded)
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(
             config.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len
@@ -92,15 +95,18 @@ class Engine(EngineHandoffs, EngineBeamMoves, EngineStats, EngineLoras):
                 f"max_model_len ({self.max_model_len}) when chunked prefill is off"
             )
         ops = get_kernel_ops(
-            config.attention_backend, self.loaded.device, split_decodes=config.split_decodes
+            config.attention_backend, self.device, split_decodes=config.split_decodes
         )
         num_blocks = num_kv_blocks(config, self.loaded)
         num_swap = config.num_swap_blocks
         if num_swap is None:
             num_swap = num_blocks if config.preemption_mode is PreemptionMode.SWAP else 0
-        self.kv_cache, self.runner = _build_model_executor(
-            config, self.loaded, ops, num_blocks, num_swap
+        release_model = loaded is None and config.tensor_parallel_size > 1  # ours to drop
+        self.kv_cache, self.runner = build_model_executor(
+            config, self.loaded, self.device, ops, num_blocks, num_swap, release_model=release_model
         )
+        if release_model:
+            self.loaded = release_weights(self.loaded)  # every rank holds its shard now
         self.kv = KVCacheManager(
             num_blocks,
             config.block_size,
@@ -110,7 +116,7 @@ class Engine(EngineHandoffs, EngineBeamMoves, EngineStats, EngineLoras):
             watermark=config.watermark,
             num_swap_blocks=num_swap,
         )
-        self.intake = RequestIntake(self.loaded, self.max_model_len, self.kv)
+        self.intake = RequestIntake(self.loaded, self.device, self.max_model_len, self.kv)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -133,6 +139,7 @@ class Engine(EngineHandoffs, EngineBeamMoves, EngineStats, EngineLoras):
             self.proposer = make_proposer(
                 config.speculative,
                 target=self.loaded,
+                device=self.device,
                 ops=ops,
                 target_model=config.model,
                 target_seed=config.seed,
@@ -373,7 +380,7 @@ class Engine(EngineHandoffs, EngineBeamMoves, EngineStats, EngineLoras):
 
     def _run(self, plan: SchedulerOutput, touched: dict[str, RequestGroup]) -> None:
         started = time.perf_counter()
-        batch = build_batch(plan.scheduled, self.kv, self.loaded.device)
+        batch = build_batch(plan.scheduled, self.kv, self.device)
         logits, hidden = self.runner.execute_pooling(
             batch.input_ids,
             batch.positions,
@@ -492,27 +499,3 @@ __all__ = [
     "RequestStatus",
     "RequestTooLarge",
 ]
-
-
-def _build_model_executor(
-    config: EngineConfig, loaded: LoadedModel, ops, num_blocks: int, num_swap: int
-) -> tuple[KVCache | GroupKVCache, ModelRunner | TPRunner]:
-    """The pool and the forward: one process's, or a tensor-parallel group's (`workers/tp/`)."""
-    kv_dtype = kv_pool_dtype(config, loaded)
-    if config.tensor_parallel_size > 1:
-        return build_tp_executor(
-            config, loaded, num_blocks=num_blocks, num_swap_blocks=num_swap, kv_dtype=kv_dtype
-        )
-    kv_cache = KVCache(
-        num_layers=loaded.num_layers,
-        num_blocks=num_blocks,
-        block_size=config.block_size,
-        num_kv_heads=loaded.num_kv_heads,
-        head_dim=loaded.head_dim,
-        dtype=kv_dtype,
-        device=loaded.device,
-        num_swap_blocks=num_swap,
-        ops=ops,
-    )
-    runner = ModelRunner(loaded, kv_cache, ops, linear_backend=config.linear_backend)
-    return kv_cache, runner

@@ -60,8 +60,10 @@ class EngineConfig:
             positions of a 16-bit pool and 4x a float32 one (scales, 4 bytes per row, counted
             apart). See `docs/kv-dtype.md`.
         kv_cache_bytes: KV pool size in bytes. With neither, the pool takes 256 MiB on the CPU
-            or 80% of free device memory on CUDA; `pagedserve serve` sizes a CPU worker's pool
-            from the machine's available memory instead (`cluster/node_layout.py`).
+            or 80% of free device memory on CUDA (per rank with tensor parallelism: what
+            cuda:0 has free beside rank 0's shard of the weights); `pagedserve serve` sizes a
+            CPU worker's pool from the machine's available memory instead
+            (`cluster/node_layout.py`).
         num_swap_blocks: CPU swap slots for preempted requests (None: as many as KV blocks with
             `swap` preemption, else none).
         attention_backend: `auto` (Triton on CUDA; on the CPU the C++ `cpu` kernel, or `torch`

@@ -9,6 +9,7 @@ the KV cache and the engine need, so nobody else has to dig through HF configs.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -32,7 +33,12 @@ _AUTO = AUTO_DTYPE
 
 @dataclass(frozen=True)
 class LoadedModel:
-    """A model ready to serve, with its tokenizer and the architecture numbers the pool needs."""
+    """A model ready to serve, with its tokenizer and the architecture numbers the pool needs.
+
+    ``device`` is where the model's weights are: the device a one-process engine serves on,
+    the host for a tensor-parallel engine's rank 0 (which serves on its own device,
+    `engine_sizing.serving_device`), ``meta`` once `release_weights` dropped them.
+    """
 
     model: PreTrainedModel
     tokenizer: Tokenizer | None
@@ -86,6 +92,15 @@ def load_model(
         name, tokenizer = source.name, load_tokenizer(source.path)
     hf_model = hf_model.to(device).eval()
     return _describe(hf_model, tokenizer, name, device)
+
+
+def release_weights(loaded: LoadedModel) -> LoadedModel:
+    """``loaded`` without its weights: every parameter and buffer of its model moves to the
+    ``meta`` device (shape and dtype kept, storage freed once nothing else holds it). The
+    config, tokenizer and numbers stay; the model can no longer run (its ``device`` says
+    ``meta``). A tensor-parallel rank 0 calls this once it has sliced every rank's shard."""
+    loaded.model.to(torch.device("meta"))
+    return dataclasses.replace(loaded, device=torch.device("meta"))
 
 
 def _resolve_dtype(dtype: str) -> torch.dtype | None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+import torch
+
 from pagedserve.workers.detokenizer import IncrementalDetokenizer
 from pagedserve.workers.errors import RequestRejected, RequestTooLarge
 from pagedserve.workers.handoff import RequestHandoff
@@ -23,13 +25,17 @@ class RequestIntake:
     """Validates prompts and builds branches for one engine.
 
     Args:
-        loaded: the engine's model (its tokenizer, vocabulary and device).
+        loaded: the engine's model (its tokenizer and vocabulary).
+        device: where the engine samples (seeded rows' generators live there).
         max_model_len: the engine's context in tokens.
         kv: the engine's KV manager (whether a sequence can ever fit its pool).
     """
 
-    def __init__(self, loaded: LoadedModel, max_model_len: int, kv: KVCacheManager) -> None:
+    def __init__(
+        self, loaded: LoadedModel, device: torch.device, max_model_len: int, kv: KVCacheManager
+    ) -> None:
         self.loaded = loaded
+        self.device = device
         self.tokenizer = loaded.tokenizer
         self.max_model_len = max_model_len
         self.kv = kv
@@ -105,7 +111,7 @@ class RequestIntake:
             priority=priority,
             arrival_order=next(self._arrivals),
             deadline=deadline,
-            generator=make_generator(params.seed, self.loaded.device),
+            generator=make_generator(params.seed, self.device),
         )
         request.timings.arrival = now
         if self.tokenizer is not None:

@@ -82,13 +82,22 @@ class DraftModelProposer(Proposer):
 
     @classmethod
     def from_config(
-        cls, config: SpeculativeConfig, *, target: LoadedModel, ops: KernelOps, **pool
+        cls,
+        config: SpeculativeConfig,
+        *,
+        target: LoadedModel,
+        device: torch.device,
+        ops: KernelOps,
+        **pool,
     ) -> DraftModelProposer:
-        """Load the draft (or reuse the target when they are the same model and seed)."""
+        """Load the draft onto ``device`` (the engine's serving device), or reuse the target
+        when they are the same model and seed and its weights are there (not a tensor-parallel
+        rank 0's, released once sharded: the draft then loads whole, unsplit)."""
         same = config.draft_model == pool.pop("target_model") and config.draft_seed == pool.pop(
             "target_seed"
         )
-        draft = target if same else _load_draft(config, target)
+        reusable = same and target.device == device
+        draft = target if reusable else _load_draft(config, target, device)
         if draft.vocab_size != target.vocab_size:
             raise ValueError(
                 f"speculative.draft_model {config.draft_model!r} has a vocabulary of "
@@ -194,6 +203,8 @@ class DraftModelProposer(Proposer):
         self.kv.free(request_id)
 
 
-def _load_draft(config: SpeculativeConfig, target: LoadedModel) -> LoadedModel:
+def _load_draft(
+    config: SpeculativeConfig, target: LoadedModel, device: torch.device
+) -> LoadedModel:
     dtype = str(target.dtype).removeprefix("torch.")
-    return load_model(config.draft_model, dtype=dtype, device=target.device, seed=config.draft_seed)
+    return load_model(config.draft_model, dtype=dtype, device=device, seed=config.draft_seed)

@@ -108,7 +108,7 @@ class NgramProposer(Proposer):
 
 def make_proposer(config: SpeculativeConfig, **resources) -> Proposer:
     """The proposer `config.method` names, built from its config and what it needs of the
-    target (`draft`: `target`, `ops`, `target_model`, `target_seed`, `block_size`,
+    target (`draft`: `target`, `device`, `ops`, `target_model`, `target_seed`, `block_size`,
     `num_blocks`, `max_model_len`)."""
     from pagedserve.workers import spec_draft  # noqa: F401  (registers `draft`)
 

@@ -1,6 +1,8 @@
 """Tensor parallelism on GPUs: k = 2 ranks over NCCL with the Triton kernels give k = 1's greedy
 tokens on the real model (float32, so rounding cannot flip a near tie), under prefix hits,
-preemption and ngram speculation; and a move-shaped export/import round trip is exact.
+preemption and ngram speculation; and a move-shaped export/import round trip is exact. The
+group loads its own model on the host: cuda:0 gains only rank 0's shard and pool, never the
+whole model.
 Skipped without two CUDA GPUs (bench/gpu_check.sh runs it where the lent machine has them)."""
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from support.real_model import SMOLLM2
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.workers.model_loader import load_model
+from pagedserve.workers.tp.shard_bytes import model_shards, shard_weight_bytes
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
@@ -37,8 +40,15 @@ def test_k2_over_nccl_equals_k1():
     single = LLM(loaded_model=loaded, **CONFIG)
     expected = [o.outputs[0].token_ids for o in single.generate(prompts, GREEDY)]
     finish_clean(single)
-    group = LLM(loaded_model=loaded, tensor_parallel_size=2, **CONFIG)
+    before = torch.cuda.memory_allocated(0)
+    group = LLM(SMOLLM2, tensor_parallel_size=2, **CONFIG)  # loads on the host, then releases
     try:
+        engine = group.engine
+        assert engine.device == torch.device("cuda", 0) and engine.loaded.device.type == "meta"
+        rank0 = model_shards(engine.loaded, 2)[0]
+        shard = shard_weight_bytes(engine.loaded.model, rank0, engine.loaded.head_dim)
+        grown = torch.cuda.memory_allocated(0) - before
+        assert grown < shard + engine.kv_cache.local.device_bytes + (16 << 20)
         outputs = group.generate(prompts, GREEDY)
         assert [o.outputs[0].token_ids for o in outputs] == expected
         assert sum(o.metrics.num_preemptions for o in outputs) > 0

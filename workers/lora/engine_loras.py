@@ -31,7 +31,7 @@ class EngineLoras:
             self.loaded.name,
             model_shapes(self.loaded.model),
             self.loaded.num_layers,
-            self.loaded.device,
+            self.device,
             self.loaded.dtype,
         )
         for name, path in parse_lora_modules(config.lora_modules).items():
@@ -102,7 +102,7 @@ class EngineLoras:
         if not any(keys):
             return None
         sizes = list(scheduled.values())
-        return build_lora_batch(self.loras, keys, sizes, self.loaded.device, self.loaded.dtype)
+        return build_lora_batch(self.loras, keys, sizes, self.device, self.loaded.dtype)
 
     def _drop_unloaded_loras(self) -> None:
         """Free the weights of unloaded adapters whose last request has left."""

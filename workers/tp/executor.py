@@ -40,9 +40,10 @@ from pagedserve.workers.tp.protocol import (
     SwapIn,
     SwapOut,
 )
-from pagedserve.workers.tp.rank_process import build_rank_state, weights_to
-from pagedserve.workers.tp.sharded_decoder import ShardWeights, slice_weights
-from pagedserve.workers.tp.shards import FLAG, TPShard, check_tp_size, plan_shards
+from pagedserve.workers.tp.rank_process import build_rank_state
+from pagedserve.workers.tp.shard_bytes import model_shards
+from pagedserve.workers.tp.sharded_decoder import slice_shards
+from pagedserve.workers.tp.shards import FLAG, check_tp_size
 
 _log = logging.getLogger(__name__)
 
@@ -50,10 +51,10 @@ _log = logging.getLogger(__name__)
 class TPRunner:
     """Rank 0's forward: sends each step's batch to the other ranks and runs its own shard."""
 
-    def __init__(self, group: TPGroup, state: RankState, loaded: LoadedModel) -> None:
+    def __init__(self, group: TPGroup, state: RankState, device: torch.device) -> None:
         self.group = group
         self.state = state
-        self.loaded = loaded
+        self.device = device  # rank 0's: where its shard, its pool and the inputs live
 
     @torch.inference_mode()
     def execute(
@@ -88,7 +89,7 @@ class TPRunner:
         self.group.send(
             Forward(input_ids.to(cpu), positions.to(cpu), metadata.to(cpu), logits_indices.to(cpu))
         )
-        device, decoder, kv = self.loaded.device, self.state.decoder, self.state.kv_cache
+        device, decoder, kv = self.device, self.state.decoder, self.state.kv_cache
         with self.group.guard():
             hidden = decoder.hidden_states(
                 input_ids.to(device),
@@ -248,19 +249,13 @@ class GroupKVCache:
             self.group.send_each([ImportBlocks(part, block_ids) for part in parts[1:]])
 
 
-def _weights_for(
-    loaded: LoadedModel, shard: TPShard, *, here: bool, via: torch.device
-) -> ShardWeights:
-    weights = slice_weights(loaded.model, shard, loaded.head_dim)
-    return weights if here else weights_to(weights, via)
-
-
 def _pairs(pairs: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     return tuple((int(a), int(b)) for a, b in pairs)
 
 
-def check_tp_config(config: EngineConfig, loaded: LoadedModel) -> None:
-    """Refuse a `tensor_parallel_size` this model or machine cannot run, naming the flag.
+def check_tp_config(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> None:
+    """Refuse a `tensor_parallel_size` this model or machine cannot run (rank 0 serving on
+    ``device``), naming the flag.
 
     Raises:
         EngineConfigError: (field `tensor_parallel_size`).
@@ -270,7 +265,7 @@ def check_tp_config(config: EngineConfig, loaded: LoadedModel) -> None:
     reason = unfusable_reason(loaded.model)
     if reason is not None:
         raise EngineConfigError(FLAG, f"{FLAG} {size}: {loaded.name} cannot be split: {reason}")
-    if loaded.device.type == "cuda":
+    if device.type == "cuda":
         devices = torch.cuda.device_count()
         if size > devices:
             raise EngineConfigError(FLAG, f"{FLAG} {size} needs {size} GPUs; {devices} visible")
@@ -283,35 +278,39 @@ def check_tp_config(config: EngineConfig, loaded: LoadedModel) -> None:
 def build_tp_executor(
     config: EngineConfig,
     loaded: LoadedModel,
+    device: torch.device,
     *,
     num_blocks: int,
     num_swap_blocks: int,
     kv_dtype: torch.dtype,
+    release_model: bool = False,
 ) -> tuple[GroupKVCache, TPRunner]:
-    """Start ranks 1..k-1 and build rank 0's shards here; the group's pool and runner.
+    """Start ranks 1..k-1 and build rank 0's shard on ``device`` (``cuda:0`` or the CPU); the
+    group's pool and runner.
 
+    Every rank's shard is sliced from ``loaded``'s model wherever it is (the host, when the
+    engine loaded it), layer by layer, as copies that share no storage with it: rank 0's go
+    to ``device``, the others' through the CPU to their ranks. With ``release_model`` each
+    layer's weights are dropped once sliced (`slice_shards`), so the host holds about the
+    model once, not twice; the caller then marks it released (`model_loader.release_weights`).
     On the CPU each rank (this process included) runs this process's torch threads // k.
     """
-    check_tp_config(config, loaded)
+    check_tp_config(config, loaded, device)
     size = config.tensor_parallel_size
-    config_text = loaded.model.config.get_text_config()
-    shards = plan_shards(
-        size,
-        num_heads=loaded.num_heads,
-        num_kv_heads=loaded.num_kv_heads,
-        intermediate=int(config_text.intermediate_size),
-        vocab=loaded.vocab_size,
-    )
-    backend = backend_for(loaded.device)
+    shards = model_shards(loaded, size)
+    backend = backend_for(device)
     host, port = "127.0.0.1", free_port()
-    threads = max(1, torch.get_num_threads() // size) if loaded.device.type == "cpu" else 1
-    cpu = torch.device("cpu")
+    threads = max(1, torch.get_num_threads() // size) if device.type == "cpu" else 1
+    # Ranks 1..k-1 get theirs through the CPU (and move them to their own device).
+    places = [device] + [torch.device("cpu")] * (size - 1)
+    shard_weights = slice_shards(
+        loaded.model, shards, loaded.head_dim, to=places, release=release_model
+    )
     specs = [
         RankSpec(
-            # Ranks 1..k-1 get theirs through the CPU (and move them to their own device).
-            weights=_weights_for(loaded, shard, here=shard.rank == 0, via=cpu),
+            weights=weights,
             num_layers=loaded.num_layers,
-            device=f"cuda:{shard.rank}" if loaded.device.type == "cuda" else "cpu",
+            device=f"cuda:{weights.shard.rank}" if device.type == "cuda" else "cpu",
             linear_backend=config.linear_backend,
             attention_backend=config.attention_backend,
             split_decodes=config.split_decodes,
@@ -324,11 +323,12 @@ def build_tp_executor(
             port=port,
             num_threads=threads,
         )
-        for shard in shards
+        for weights in shard_weights
     ]
+    del shard_weights  # the specs hold them until the group is up
     group = TPGroup(specs[1:])
     try:
-        if loaded.device.type == "cpu":
+        if device.type == "cpu":
             torch.set_num_threads(threads)
         collectives = Collectives(backend, host, port, 0, size)
         state = build_rank_state(specs[0], collectives)
@@ -338,4 +338,4 @@ def build_tp_executor(
         raise
     kv = GroupKVCache(state.kv_cache, group, [shard.num_kv_heads for shard in shards])
     _log.info("tensor-parallel group of %d ranks up (pids %s)", size, group.pids)
-    return kv, TPRunner(group, state, loaded)
+    return kv, TPRunner(group, state, device)

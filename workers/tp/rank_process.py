@@ -23,7 +23,7 @@ from pagedserve.workers.cpu_linear import resolve_linear_backend
 from pagedserve.workers.kv_cache import KVCache
 from pagedserve.workers.tp.collectives import Collectives
 from pagedserve.workers.tp.protocol import READY, REPLYING, RankSpec, RankState, Stop
-from pagedserve.workers.tp.sharded_decoder import LayerSlice, ShardedDecoder, ShardWeights
+from pagedserve.workers.tp.sharded_decoder import ShardedDecoder, ShardWeights, layer_to
 
 _log = logging.getLogger(__name__)
 
@@ -54,18 +54,7 @@ def weights_to(weights: ShardWeights, device: torch.device) -> ShardWeights:
     """``weights`` with every tensor on ``device`` (the same object when they already are)."""
     if weights.embed.device == device:
         return weights
-    move = lambda pair: (pair[0].to(device), None if pair[1] is None else pair[1].to(device))  # noqa: E731
-    layers = tuple(
-        LayerSlice(
-            input_norm=layer.input_norm.to(device),
-            qkv=move(layer.qkv),
-            o=move(layer.o),
-            post_norm=layer.post_norm.to(device),
-            gate_up=move(layer.gate_up),
-            down=move(layer.down),
-        )
-        for layer in weights.layers
-    )
+    layers = tuple(layer_to(layer, device) for layer in weights.layers)
     return dataclasses.replace(
         weights,
         embed=weights.embed.to(device),
@@ -82,15 +71,17 @@ def rank_main(conn: Connection) -> None:
     torch.set_num_threads(spec.num_threads)
     if spec.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(spec.device))
-    collectives = Collectives(spec.backend, spec.host, spec.port, spec.shard.rank, spec.shard.size)
+    rank = spec.shard.rank
+    collectives = Collectives(spec.backend, spec.host, spec.port, rank, spec.shard.size)
     state = build_rank_state(spec, collectives)
+    del spec  # on a GPU its weights were the host copy: the rank keeps only the device's
     conn.send_bytes(pickle.dumps(READY))
     try:
         _serve(state, conn)
     except (EOFError, OSError):
         pass  # rank 0 went away: the group is over
     except Exception:  # a failed collective (a peer died) or a bad command: leave the group
-        _log.exception("tensor-parallel rank %d failed", spec.shard.rank)
+        _log.exception("tensor-parallel rank %d failed", rank)
         os._exit(1)
     finally:
         collectives.close()

@@ -20,6 +20,8 @@ forward's to float rounding, not bit for bit.
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -52,7 +54,8 @@ class LayerSlice:
 @dataclass(frozen=True)
 class ShardWeights:
     """Everything rank ``shard.rank`` computes with, copied out of the model (rank 0 slices
-    the loaded model once and sends each rank its part)."""
+    the loaded model once and sends each rank its part); no tensor shares storage with the
+    model, so its weights can be released once every rank's shard is sliced."""
 
     shard: TPShard
     head_dim: int
@@ -66,7 +69,27 @@ class ShardWeights:
 
 
 def slice_weights(model: nn.Module, shard: TPShard, head_dim: int) -> ShardWeights:
-    """Rank ``shard.rank``'s copies of ``model``'s weights.
+    """Rank ``shard.rank``'s copies of ``model``'s weights (`slice_shards` for one rank).
+
+    Raises:
+        ValueError: the model is not a Llama-style decoder (`fused_decoder.unfusable_reason`).
+    """
+    return slice_shards(model, [shard], head_dim)[0]
+
+
+def slice_shards(
+    model: nn.Module,
+    shards: Sequence[TPShard],
+    head_dim: int,
+    *,
+    to: Sequence[torch.device] | None = None,
+    release: bool = False,
+) -> list[ShardWeights]:
+    """Every rank's copies of ``model``'s weights, cut layer by layer: rank r's slices go to
+    ``to[r]`` (default: where the model is) as soon as they are cut, and with ``release`` each
+    layer's own weights are dropped (moved to ``meta``) once every rank has its slice, then the
+    rest of the model's: the host then holds about the model once while it is sliced, not
+    twice.
 
     Raises:
         ValueError: the model is not a Llama-style decoder (`fused_decoder.unfusable_reason`).
@@ -76,16 +99,45 @@ def slice_weights(model: nn.Module, shard: TPShard, head_dim: int) -> ShardWeigh
         raise ValueError(f"tensor parallelism cannot split {type(model).__name__}: {reason}")
     config = model.config.get_text_config()
     decoder = model.model
-    return ShardWeights(
-        shard=shard,
-        head_dim=head_dim,
-        eps=float(config.rms_norm_eps),
-        embed=decoder.embed_tokens.weight.detach().clone(),
-        rotary=decoder.rotary_emb,
-        final_norm=decoder.norm.weight.detach().clone(),
-        lm_head=_rows(model.lm_head.weight, shard.vocab),
-        vocab_size=int(model.lm_head.weight.shape[0]),
-        layers=tuple(_slice_layer(layer, shard, head_dim) for layer in decoder.layers),
+    places = list(to) if to is not None else [model.lm_head.weight.device] * len(shards)
+    layers: list[list[LayerSlice]] = [[] for _ in shards]
+    for layer in decoder.layers:
+        for cut, shard, place in zip(layers, shards, places, strict=True):
+            cut.append(layer_to(_slice_layer(layer, shard, head_dim), place))
+        if release:
+            layer.to(torch.device("meta"))
+    weights = [
+        ShardWeights(
+            shard=shard,
+            head_dim=head_dim,
+            eps=float(config.rms_norm_eps),
+            embed=decoder.embed_tokens.weight.detach().to(place, copy=True),
+            rotary=copy.deepcopy(decoder.rotary_emb).to(place),  # its own: see `release`
+            final_norm=decoder.norm.weight.detach().to(place, copy=True),
+            lm_head=_rows(model.lm_head.weight, shard.vocab).to(place),
+            vocab_size=int(model.lm_head.weight.shape[0]),
+            layers=tuple(cut),
+        )
+        for cut, shard, place in zip(layers, shards, places, strict=True)
+    ]
+    if release:
+        model.to(torch.device("meta"))
+    return weights
+
+
+def layer_to(layer: LayerSlice, device: torch.device) -> LayerSlice:
+    """``layer`` with every tensor on ``device`` (the same tensors where they already are)."""
+
+    def move(pair: tuple[Tensor, Tensor | None]) -> tuple[Tensor, Tensor | None]:
+        return pair[0].to(device), None if pair[1] is None else pair[1].to(device)
+
+    return LayerSlice(
+        input_norm=layer.input_norm.to(device),
+        qkv=move(layer.qkv),
+        o=move(layer.o),
+        post_norm=layer.post_norm.to(device),
+        gate_up=move(layer.gate_up),
+        down=move(layer.down),
     )
 
 

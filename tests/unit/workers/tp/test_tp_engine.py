@@ -2,7 +2,9 @@
 to HF's own model under prefix hits, preemption (swap, recompute), n > 1 and ngram speculation;
 its KV leaves in the full-head layout a k = 1 pool takes; bad sizes are refused by name."""
 
+import gc
 import random
+import weakref
 
 import pytest
 import torch
@@ -10,10 +12,12 @@ from support.engine import finish_clean
 from support.real_model import prompt_ids
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.workers import engine as engine_module
 from pagedserve.workers.engine_checks import EngineConfigError
 from pagedserve.workers.engine_config import EngineConfig
 from pagedserve.workers.lora.adapter import LoraLoadError
 from pagedserve.workers.tp.group import TPGroupFailed
+from pagedserve.workers.tp.shard_bytes import model_shards, shard_weight_bytes
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=12, temperature=0.8, n=2, seed=7, ignore_eos=True)
@@ -72,20 +76,107 @@ def test_k2_equals_k1_and_hf_with_prefix_hits_swap_n2_and_beams(tiny_llama):
         llm.engine.close()
 
 
-def test_k2_ngram_speculation_equals_k1(tiny_llama):
+def test_k2_loading_its_own_model_keeps_only_its_shard_and_equals_k1_with_ngrams(
+    tiny_llama, monkeypatch
+):
+    """An engine that loads its own model slices the shards on the host, then releases the
+    whole model's weights: none of its parameters survives, rank 0's live weights are its
+    shard's bytes (no slice is a view of a full tensor), and greedy tokens with ngram
+    speculation (no model needed) equal k = 1's."""
     loaded, _ = tiny_llama
-    rng = random.Random(3)
-    # Repeating prompts give the ngram proposer drafts to verify.
-    prompts = [[rng.randrange(256) for _ in range(6)] * 4 for _ in range(4)]
-    expected, got, llm = run_both(
-        loaded, prompts, GREEDY, speculative={"method": "ngram", "num_tokens": 3}
-    )
+    loads = record_loads(monkeypatch)
+    config = dict(speculative={"method": "ngram", "num_tokens": 3}, linear_backend="torch")
+    group = LLM("tiny-llama", tensor_parallel_size=2, **config)
     try:
-        assert token_ids(got) == token_ids(expected)
-        assert llm.engine.spec_counters.num_steps > 0
-        finish_clean(llm)
+        assert_rank_0_holds_only_its_shard(group.engine, loads)
+        rng = random.Random(3)
+        # Repeating prompts give the ngram proposer drafts to verify.
+        prompts = [[rng.randrange(256) for _ in range(6)] * 4 for _ in range(4)]
+        single = LLM(loaded_model=loaded, **config)
+        expected = single.generate(prompts, GREEDY)
+        finish_clean(single)
+        assert token_ids(group.generate(prompts, GREEDY)) == token_ids(expected)
+        assert group.engine.spec_counters.num_steps > 0
+        finish_clean(group)
     finally:
-        llm.engine.close()
+        group.engine.close()
+
+
+def test_k2_draft_that_is_the_released_target_loads_again_on_rank_0(tiny_llama):
+    """The target's weights are released once sharded, so a draft naming the target itself is
+    loaded again, whole, on rank 0's device; greedy tokens equal k = 1's (whose draft reuses
+    its target)."""
+    loaded, _ = tiny_llama
+    config = dict(
+        model="tiny-llama",
+        speculative={"method": "draft", "num_tokens": 3, "draft_model": "tiny-llama"},
+        num_kv_blocks=32,
+    )
+    group = LLM(tensor_parallel_size=2, **config)
+    try:
+        draft = group.engine.proposer.runner.loaded
+        assert group.engine.loaded.device.type == "meta"
+        assert draft is not group.engine.loaded and draft.device == group.engine.device
+        rng = random.Random(4)
+        prompts = [[rng.randrange(256) for _ in range(5)] * 3 for _ in range(3)]
+        single = LLM(loaded_model=loaded, **config)
+        assert single.engine.proposer.runner.loaded is loaded
+        expected = single.generate(prompts, GREEDY)
+        finish_clean(single)
+        assert token_ids(group.generate(prompts, GREEDY)) == token_ids(expected)
+        assert group.engine.spec_counters.num_steps > 0
+        finish_clean(group)
+    finally:
+        group.engine.close()
+
+
+def record_loads(monkeypatch) -> dict:
+    """What the engine's own `load_model` loaded: the device, weak references to the
+    parameters, their bytes."""
+    seen = {}
+    load_model = engine_module.load_model
+
+    def recording_load(*args, **kwargs):
+        loaded = load_model(*args, **kwargs)
+        params = list(loaded.model.parameters())
+        seen.update(
+            device=loaded.device,
+            params=[weakref.ref(p) for p in params],
+            bytes=sum(p.numel() * p.element_size() for p in params),
+        )
+        return loaded
+
+    monkeypatch.setattr(engine_module, "load_model", recording_load)
+    return seen
+
+
+def assert_rank_0_holds_only_its_shard(engine, loads: dict) -> None:
+    assert loads["device"].type == "cpu" and engine.device.type == "cpu"
+    assert engine.loaded.device.type == "meta"
+    assert {p.device.type for p in engine.loaded.model.parameters()} == {"meta"}
+    gc.collect()
+    assert [ref for ref in loads["params"] if ref() is not None] == []
+    rank0 = model_shards(engine.loaded, 2)[0]
+    shard = shard_weight_bytes(engine.loaded.model, rank0, engine.loaded.head_dim)
+    held = rank_0_weight_bytes(engine.runner.state.decoder)
+    assert shard <= held <= shard + (64 << 10)  # + the rotary table
+    assert held < 0.6 * loads["bytes"]
+
+
+def rank_0_weight_bytes(decoder) -> int:
+    """Bytes of the storages behind rank 0's weights: a slice that were a view of a full
+    tensor would count that tensor's whole storage."""
+    tensors = [decoder.embed, decoder.final_norm, *decoder.rotary.buffers()]
+    for projection in [decoder.lm_head, *(p for layer in decoder.layers for p in layer)]:
+        if isinstance(projection, torch.Tensor):  # a norm's weight
+            tensors.append(projection)
+        else:
+            assert not projection.packed
+            tensors += [projection.weight, projection.bias]
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors if t is not None
+    }
+    return sum(storage.nbytes() for storage in storages.values())
 
 
 def test_blocks_leave_full_head_and_a_dead_rank_fails_the_group(tiny_llama):
