@@ -228,32 +228,46 @@ async def _stall_workers(workers: dict[str, Any], stalled: bool, after_steps: in
     await asyncio.gather(*(w.chaos_stall.remote(stalled, after_steps) for w in workers.values()))
 
 
+# Sends of one router-kill victim refused at admission before the fault gives up on it.
+VICTIM_ATTEMPTS = 5
+
+
 async def _start_victims(
     app: SoakApp, channel: grpc.aio.Channel, victims: list[SoakRequest], spec: RouterKillSpec
 ) -> tuple[list[asyncio.Task], list[GrpcOutcome]]:
     """Start the victims one at a time, each once the workers hold every one before it (running
     or queued), so that no worker's waiting queue overflows: a refused victim proves nothing.
+    One refused all the same (a worker's queue filled by the moves of the victims before it,
+    on a loaded machine) is sent again after its retry hint, as a client would, a few times.
     Returns the calls and, for each, the outcome it fills in as its deltas arrive."""
     workers = await asyncio.to_thread(app.worker_handles)
-    tasks, outcomes = [], []
+    tasks: list[asyncio.Task] = []
+    outcomes: list[GrpcOutcome] = []
+
+    async def held() -> bool:
+        stats = await asyncio.gather(*(w.stats.remote() for w in workers.values()))
+        open_calls = sum(not t.done() for t in tasks)  # a refused victim is done
+        return sum(s.num_streams for s in stats) >= open_calls
+
     for victim in victims:
-        outcome = GrpcOutcome(victim)
-        call = call_stream(
-            channel,
-            victim,
-            spec.queued_timeout_s,  # silent while the workers hold still
-            outcome=outcome,
-            queued_timeout_s=spec.queued_timeout_s,
-        )
-        tasks.append(asyncio.create_task(call))
-        outcomes.append(outcome)
-
-        async def held() -> bool:
-            stats = await asyncio.gather(*(w.stats.remote() for w in workers.values()))
-            open_calls = sum(not t.done() for t in tasks)  # a refused victim is done
-            return sum(s.num_streams for s in stats) >= open_calls
-
-        await wait_until(held, spec.hang_timeout_s)
+        for attempt in range(VICTIM_ATTEMPTS):
+            outcome = GrpcOutcome(victim)
+            call = call_stream(
+                channel,
+                victim,
+                spec.queued_timeout_s,  # silent while the workers hold still
+                outcome=outcome,
+                queued_timeout_s=spec.queued_timeout_s,
+            )
+            task = asyncio.create_task(call)
+            tasks.append(task)
+            outcomes.append(outcome)
+            await wait_until(held, spec.hang_timeout_s)
+            refused = task.done() and outcome.code == "RESOURCE_EXHAUSTED"
+            if not refused or outcome.num_deltas or attempt == VICTIM_ATTEMPTS - 1:
+                break
+            tasks.pop(), outcomes.pop()
+            await asyncio.sleep(float(outcome.retry_after or 1.0))
     return tasks, outcomes
 
 
