@@ -40,7 +40,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.bench.bench_io import ensure_ray, write_json, write_text
+from pagedserve.bench.bench_io import ensure_ray, report
 from pagedserve.bench.extras import require_bench_extra
 from pagedserve.bench.serve_metrics import Delta, kv_sample_from_cluster, record_dict, summarize
 from pagedserve.bench.serve_runner import RunResult, run_workload
@@ -418,12 +418,7 @@ def run(args: argparse.Namespace) -> int:
         "ratios": ratio_rows(rounds[0]) if args.repeats == 1 else median_ratio_rows(rounds),
         "arms": [_arm_json(r) for r in results],
     }
-    markdown = format_markdown(data)
-    print(markdown)
-    if args.json:
-        write_json(args.json, data)
-    if args.markdown:
-        write_text(args.markdown, markdown + "\n")
+    report(data, format_markdown(data), args.json, args.markdown)
     if args.plot_prefix:
         ran = [r for r in results if r.run]
         plot_ablation_bars(data["ratios"], f"{args.plot_prefix}_ratios.png")

@@ -56,6 +56,15 @@ def write_text(path: str, text: str) -> None:
         f.write(text)
 
 
+def report(data: dict[str, Any], markdown: str, json_path: str | None, md_path: str | None) -> None:
+    """Print a bench's Markdown report; write its data as JSON and the report, when asked."""
+    print(markdown)
+    if json_path:
+        write_json(json_path, data)
+    if md_path:
+        write_text(md_path, markdown + "\n")
+
+
 def exit_on_sigterm() -> None:
     """Make SIGTERM end this bench as an exception would (`SystemExit`), so that its
     `finally` blocks stop the servers it started; by default SIGTERM ends the process at

@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from pagedserve.bench.bench_io import write_json, write_text
+from pagedserve.bench.bench_io import report
 from pagedserve.bench.extras import require_bench_extra
 from pagedserve.bench.serve_workload import PlannedRequest, WorkloadConfig, make_workload
 from pagedserve.workers.kv_memory import paged_usage, reserve_max_usage
@@ -239,12 +239,7 @@ def run(args: argparse.Namespace) -> int:
         "kv_positions": args.kv_positions,
         "result": result,
     }
-    markdown = format_markdown(data)
-    print(markdown)
-    if args.json:
-        write_json(args.json, data)
-    if args.markdown:
-        write_text(args.markdown, markdown + "\n")
+    report(data, format_markdown(data), args.json, args.markdown)
     if args.plot:
         plot(data, args.plot)
     return 0

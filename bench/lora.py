@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pagedserve.bench.bench_io import positive_int, write_json, write_text
+from pagedserve.bench.bench_io import positive_int, report
 
 ARMS = (0, 1, 4, 16)  # adapters in the workload; 0 is the base model alone
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -261,10 +261,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     data = bench(args)
-    text = format_markdown(data)
-    print(text)
-    if args.json:
-        write_json(args.json, data)
-    if args.markdown:
-        write_text(args.markdown, text + "\n")
+    report(data, format_markdown(data), args.json, args.markdown)
     return 0

@@ -26,7 +26,7 @@ import tempfile
 import time
 from typing import Any
 
-from pagedserve.bench.bench_io import positive_int, write_json, write_text
+from pagedserve.bench.bench_io import positive_int, report
 
 PASSAGES = [
     "The committee met on Tuesday to review the budget. After a long discussion it agreed "
@@ -210,10 +210,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     data = bench(args)
-    text = format_markdown(data)
-    print(text)
-    if args.json:
-        write_json(args.json, data)
-    if args.markdown:
-        write_text(args.markdown, text + "\n")
+    report(data, format_markdown(data), args.json, args.markdown)
     return 0
