@@ -94,9 +94,8 @@ class Engine(EngineHandoffs, EngineBeamMoves, EngineStats, EngineLoras):
                 f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= "
                 f"max_model_len ({self.max_model_len}) when chunked prefill is off"
             )
-        ops = get_kernel_ops(
-            config.attention_backend, self.device, split_decodes=config.split_decodes
-        )
+        backend = config.attention_backend
+        ops = get_kernel_ops(backend, self.device, split_decodes=config.split_decodes)
         num_blocks = num_kv_blocks(config, self.loaded)
         num_swap = config.num_swap_blocks
         if num_swap is None:

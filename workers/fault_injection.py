@@ -46,6 +46,11 @@ class StepFaults:
             self._stall_after_steps = None
             self._unstalled.clear()
 
+    @property
+    def stalled(self) -> bool:
+        """Whether the next step will hold until `stall(False)`."""
+        return not self._unstalled.is_set()
+
     def release(self) -> None:
         """The core is closing: a stalled step must not hold the close forever."""
         self._unstalled.set()

@@ -11,7 +11,6 @@ Own module so that the module-scoped Ray cluster is fresh: every worker slot is 
 import asyncio
 import os
 import random
-import time
 
 import pytest
 from support.cluster import (
@@ -22,7 +21,7 @@ from support.cluster import (
     run_request,
     start_router,
 )
-from support.wait import RESTART_DEADLINE_S
+from support.wait import RESTART_DEADLINE_S, until
 
 from pagedserve.cluster.router_types import GenerateRequest
 from pagedserve.cluster.worker_group import stop_worker_group
@@ -135,9 +134,6 @@ async def kill_a_rank_mid_stream(core):
             peer.end(PIN)
     assert not alive(rank_pid) and not alive(info.pid)
     await assert_cluster_clean(core)
-    deadline = time.monotonic() + RESTART_DEADLINE_S
-    while not victim.alive:
-        assert time.monotonic() < deadline, "the group never came back"
-        await asyncio.sleep(0.2)
+    await until(lambda: victim.alive, "the group to come back", RESTART_DEADLINE_S)
     again = await victim.handle.describe.remote()
     return long_prompt, reference[0], streamed, core.counters.replays, again
