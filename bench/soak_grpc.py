@@ -57,7 +57,8 @@ class GrpcSoakSpec:
         dup_at, router_kill_at, index_kill_at: when each fault strikes, as a fraction of the
             steady requests started (None: skipped).
         dup_pairs: duplicate-id pairs sent at `dup_at`, one after the other.
-        kill_victims: streams open when the router is killed.
+        kill_victims: streams open when the router is killed; no more than the workers'
+            waiting queues hold (the router-kill fault refuses more).
         victim_tokens: max_tokens of each victim (long: still decoding at the kill).
         probes: requests sent once the router is back.
         lease_s: the router's lease on the workers the run asks for (`lease_options`) and
@@ -73,7 +74,7 @@ class GrpcSoakSpec:
     router_kill_at: float | None = 0.6
     index_kill_at: float | None = 0.8
     dup_pairs: int = 3
-    kill_victims: int = 14
+    kill_victims: int = 12
     victim_tokens: int = 480
     probes: int = 4
     lease_s: float = 3.0
@@ -308,7 +309,7 @@ def grpc_soak_config(
       8 requests, the router 24, so the burst meets both limits;
     - 63 usable blocks of 8 tokens: two router-kill victims of 8 + 480 tokens cannot both fit,
       so each pair preempts and moves to the peer while the router lives; once it is dead, a
-      worker left with its 7 victims (2 running, 5 queued: ~3 x 480 decode steps) would decode
+      worker left with its 6 victims (2 running, 4 queued: ~3 x 480 decode steps) would decode
       well past the lease, so an orphan cannot hide by finishing early.
 
     `prefill_workers` / `decode_workers` split the pool for P/D; `tiers` are the engine's KV

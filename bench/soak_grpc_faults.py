@@ -163,6 +163,7 @@ async def router_kill(
     """
     record = FaultRecord("router_kill", {"victims": len(victims)})
     workers = await asyncio.to_thread(app.worker_handles)
+    _check_victims_fit(len(victims), len(workers), app.config.max_waiting_per_worker)
     half = min(v.params.max_tokens for v in victims) // 2
     if spec.steps_before_kill >= half:
         raise ValueError(
@@ -207,6 +208,18 @@ async def router_kill(
     return record
 
 
+def _check_victims_fit(num_victims: int, num_workers: int, max_waiting: int | None) -> None:
+    """Every victim must fit the workers' waiting queues alone: a worker holds still from
+    `steps_before_kill` steps after the victims start until the kill, so a victim that reaches
+    it after that waits, however many it runs (on a loaded machine, one each), and a queue
+    filled then never drains. A refused victim proves nothing about the kill."""
+    if max_waiting is not None and num_victims > num_workers * max_waiting:
+        raise ValueError(
+            f"{num_victims} router-kill victims do not fit {num_workers} workers' waiting "
+            f"queues of {max_waiting}: a held-still worker would refuse some"
+        )
+
+
 def _check_victim_codes(codes: Counter[str], survivors: bool, record: FaultRecord) -> None:
     """The killed replica's streams end UNAVAILABLE; with another replica left, the streams it
     carried finish OK (their outputs are checked with every other request's). Each side must
@@ -228,18 +241,11 @@ async def _stall_workers(workers: dict[str, Any], stalled: bool, after_steps: in
     await asyncio.gather(*(w.chaos_stall.remote(stalled, after_steps) for w in workers.values()))
 
 
-# Sends of one router-kill victim refused at admission before the fault gives up on it.
-VICTIM_ATTEMPTS = 5
-
-
 async def _start_victims(
     app: SoakApp, channel: grpc.aio.Channel, victims: list[SoakRequest], spec: RouterKillSpec
 ) -> tuple[list[asyncio.Task], list[GrpcOutcome]]:
     """Start the victims one at a time, each once the workers hold every one before it (running
-    or queued), so that no worker's waiting queue overflows: a refused victim proves nothing.
-    One refused all the same (a worker's queue filled by the moves of the victims before it,
-    on a loaded machine) is sent again after its retry hint, as a client would, a few times.
-    Returns the calls and, for each, the outcome it fills in as its deltas arrive."""
+    or queued). Returns the calls and, for each, the outcome it fills in as its deltas arrive."""
     workers = await asyncio.to_thread(app.worker_handles)
     tasks: list[asyncio.Task] = []
     outcomes: list[GrpcOutcome] = []
@@ -250,24 +256,17 @@ async def _start_victims(
         return sum(s.num_streams for s in stats) >= open_calls
 
     for victim in victims:
-        for attempt in range(VICTIM_ATTEMPTS):
-            outcome = GrpcOutcome(victim)
-            call = call_stream(
-                channel,
-                victim,
-                spec.queued_timeout_s,  # silent while the workers hold still
-                outcome=outcome,
-                queued_timeout_s=spec.queued_timeout_s,
-            )
-            task = asyncio.create_task(call)
-            tasks.append(task)
-            outcomes.append(outcome)
-            await wait_until(held, spec.hang_timeout_s)
-            refused = task.done() and outcome.code == "RESOURCE_EXHAUSTED"
-            if not refused or outcome.num_deltas or attempt == VICTIM_ATTEMPTS - 1:
-                break
-            tasks.pop(), outcomes.pop()
-            await asyncio.sleep(float(outcome.retry_after or 1.0))
+        outcome = GrpcOutcome(victim)
+        call = call_stream(
+            channel,
+            victim,
+            spec.queued_timeout_s,  # silent while the workers hold still
+            outcome=outcome,
+            queued_timeout_s=spec.queued_timeout_s,
+        )
+        tasks.append(asyncio.create_task(call))
+        outcomes.append(outcome)
+        await wait_until(held, spec.hang_timeout_s)
     return tasks, outcomes
 
 

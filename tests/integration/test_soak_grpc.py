@@ -46,7 +46,7 @@ LOAD = SoakSpec(
     burst_max_tokens=(96, 128),
     hang_timeout_s=60,
 )
-SPEC = GrpcSoakSpec(load=LOAD, dup_pairs=3, kill_victims=14, probes=4)
+SPEC = GrpcSoakSpec(load=LOAD, dup_pairs=3, kill_victims=12, probes=4)
 COMMAND = "pytest tests/integration/test_soak_grpc.py"
 
 
