@@ -28,8 +28,8 @@ from pagedserve.bench.offline_workload import (
     make_output_lens,
     make_prompts,
 )
-from pagedserve.workers.llm import LLM
-from pagedserve.workers.model_loader import load_model
+from pagedserve.workers.model.loader import load_model
+from pagedserve.workers.offline.llm import LLM
 
 
 def _workload(args: argparse.Namespace, loaded) -> tuple[list[list[int]], list[int]]:

@@ -57,8 +57,8 @@ def count_blocks(llm, prompts: Sequence[list[int]], width: int, max_tokens: int)
         width: the beam width (`n` with `use_beam_search`).
         max_tokens: tokens per beam (`ignore_eos`, so every request runs to it).
     """
-    from pagedserve.workers.kv_checks import assert_no_leaks
-    from pagedserve.workers.sampling_params import SamplingParams
+    from pagedserve.workers.kv.checks import assert_no_leaks
+    from pagedserve.workers.sampling.params import SamplingParams
 
     engine = llm.engine
     params = SamplingParams(

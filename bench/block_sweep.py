@@ -29,7 +29,7 @@ from typing import Any
 from pagedserve.bench.bench_io import report
 from pagedserve.bench.extras import require_bench_extra
 from pagedserve.bench.serve_workload import PlannedRequest, WorkloadConfig, make_workload
-from pagedserve.workers.kv_memory import paged_usage, reserve_max_usage
+from pagedserve.workers.kv.memory import paged_usage, reserve_max_usage
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 
@@ -54,9 +54,9 @@ def measure(
     Returns:
         The measured figures, and the loaded model (to reuse for the next B).
     """
-    from pagedserve.workers.engine import Engine
-    from pagedserve.workers.engine_config import EngineConfig
-    from pagedserve.workers.sampling_params import SamplingParams
+    from pagedserve.workers.engine.config import EngineConfig
+    from pagedserve.workers.engine.engine import Engine
+    from pagedserve.workers.sampling.params import SamplingParams
 
     config = EngineConfig(
         model="tiny-llama",

@@ -137,9 +137,9 @@ def compare(args: argparse.Namespace, vllm_python: str | None, scratch: Path) ->
 
 def checkpoint_and_tokenizer(model: str, scratch: Path):
     """An HF checkpoint directory every side can load, and our tokenizer of it (or None)."""
-    from pagedserve.workers.model_registry import TINY_LLAMA_NAME, resolve_model
-    from pagedserve.workers.tiny_llama import save_tiny_llama
-    from pagedserve.workers.tokenizer import load_tokenizer
+    from pagedserve.workers.model.registry import TINY_LLAMA_NAME, resolve_model
+    from pagedserve.workers.model.tiny_llama import save_tiny_llama
+    from pagedserve.workers.model.tokenizer import load_tokenizer
 
     if model == TINY_LLAMA_NAME:
         return save_tiny_llama(scratch / "tiny-llama"), None
@@ -168,7 +168,7 @@ def run_hf_reference(
     import torch
 
     from pagedserve.bench.offline_hf import pad_token_id, run_hf
-    from pagedserve.workers.model_loader import load_model
+    from pagedserve.workers.model.loader import load_model
 
     print("running HF generate once (the agreement reference)", flush=True)
     loaded = load_model(model_dir, dtype=args.dtype)

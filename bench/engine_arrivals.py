@@ -61,7 +61,7 @@ def run_requests(
         Per-request records (times in s after the start) and every step's seconds.
     """
     from pagedserve.bench.openai_load import RequestRecord
-    from pagedserve.workers.sampling_params import SamplingParams
+    from pagedserve.workers.sampling.params import SamplingParams
 
     step = step or engine.step
     pending = sorted(requests, key=lambda r: r["arrival_s"])
@@ -119,7 +119,7 @@ def _record(r: dict, sent: dict, ended: dict, chunks: dict, record_type):
 
 def place(nice: int | None, cpus: Sequence[int] | None) -> None:
     """This process's niceness and cores, before the engine starts a thread (as the worker)."""
-    from pagedserve.workers.cpu_placement import pin_process, set_niceness
+    from pagedserve.workers.process.cpu_placement import pin_process, set_niceness
 
     if cpus is not None:
         pin_process(cpus, what="engine arm")
@@ -133,8 +133,8 @@ def main(argv: Sequence[str]) -> int:
     place(spec.get("nice"), spec.get("cpus"))
     import torch
 
-    from pagedserve.workers.engine import Engine
-    from pagedserve.workers.engine_config import EngineConfig
+    from pagedserve.workers.engine.config import EngineConfig
+    from pagedserve.workers.engine.engine import Engine
 
     engine = Engine(EngineConfig(**spec["engine"]))
     # One thread steps, as the served worker's loop does (see the module docstring).

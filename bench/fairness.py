@@ -12,7 +12,7 @@ three phases:
 
 and reports B's TTFT p50 alone and under the flood, and A's output tok/s alone and beside B.
 The goal (issue 40): B's TTFT p50 under the flood within 3× alone, A's tok/s within 10% of
-alone. Each arm is one server: `fair` (the default: `workers/fair_share.py`) and `fcfs`
+alone. Each arm is one server: `fair` (the default: `workers/scheduler/fair_share.py`) and `fcfs`
 (`engine.fair_share.enabled: false`, the order before it), so the table shows what it changes.
 
 Prompts are random token ids (text for tiny-llama); every request is greedy with `ignore_eos`,

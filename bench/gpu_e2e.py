@@ -41,7 +41,7 @@ def build_model(shape: dict, dtype: torch.dtype, device: torch.device, seed: int
     """A random-weight Llama wrapped as the engine's `LoadedModel` (no tokenizer)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pagedserve.workers.model_loader import LoadedModel
+    from pagedserve.workers.model.loader import LoadedModel
 
     config = LlamaConfig(
         hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],

@@ -1,6 +1,6 @@
 """`pagedserve kv-calc`: the seed paper's KV memory equations for given lengths and shapes.
 
-Positions (equations (2)-(3) in ``pagedserve.workers.kv_memory``) are always reported; bytes
+Positions (equations (2)-(3) in ``pagedserve.workers.kv.memory``) are always reported; bytes
 (equation (1), M_KV per token) are added when a model shape is known, either from
 ``--layers/--kv-heads/--head-dim/--dtype`` or from a local HF ``config.json`` (``--model``).
 Block-table bytes are reported beside the KV bytes, never folded into utilization.
@@ -25,7 +25,7 @@ from pagedserve.bench import kv_calc_dtype
 from pagedserve.bench.bench_io import positive_int
 from pagedserve.bench.extras import require_bench_extra
 from pagedserve.bench.kv_calc_text import format_text
-from pagedserve.workers.kv_memory import (
+from pagedserve.workers.kv.memory import (
     LayoutUsage,
     check_lengths,
     dtype_bytes,
@@ -150,7 +150,7 @@ def _read_lengths_file(path: str) -> tuple[int, ...]:
 def _read_config(path: str) -> dict[str, Any]:
     """Load ``config.json`` from a file path or from the directory that holds it; a built-in
     GGUF model's name (``smollm2-135m``) reads its converted checkpoint's."""
-    from pagedserve.workers.model_registry import BUILTIN_GGUF, resolve_model
+    from pagedserve.workers.model.registry import BUILTIN_GGUF, resolve_model
 
     if path in BUILTIN_GGUF:
         try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pagedserve.bench import kv_calc_dtype
-from pagedserve.workers.kv_memory import LayoutUsage, dtype_bytes
+from pagedserve.workers.kv.memory import LayoutUsage, dtype_bytes
 
 if TYPE_CHECKING:
     from pagedserve.bench.kv_calc import KvCalcInputs

@@ -100,7 +100,7 @@ def _agreeing_prefix(a: list[int], b: list[int]) -> int:
 def measure(args: argparse.Namespace) -> list[KVDtypeAccuracy]:
     """Run the reference engine, then each KV dtype's, over the prompts; one report each."""
     from pagedserve.bench.compare_workload import text_prompts
-    from pagedserve.workers.model_loader import load_model
+    from pagedserve.workers.model.loader import load_model
 
     loaded = load_model(args.model, dtype=args.dtype)
     prompts = text_prompts(

@@ -13,7 +13,7 @@ import random
 import time
 from dataclasses import asdict, dataclass
 
-from pagedserve.workers.kv_cache_manager import KVCacheManager
+from pagedserve.workers.kv.manager import KVCacheManager
 
 
 @dataclass

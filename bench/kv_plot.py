@@ -6,7 +6,7 @@ from typing import Any
 
 from pagedserve.bench.kv_calc import PLOT_SWEEP, KvCalcInputs, lengths_note
 from pagedserve.bench.kv_calc_text import percent
-from pagedserve.workers.kv_memory import paged_usage, reserve_max_usage
+from pagedserve.workers.kv.memory import paged_usage, reserve_max_usage
 
 
 def write_plot(path: str, inputs: KvCalcInputs) -> None:

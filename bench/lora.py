@@ -117,9 +117,9 @@ def load_times(llm: Any, paths: list[str], repeats: int) -> dict[str, float]:
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from pagedserve.workers.llm import LLM
-    from pagedserve.workers.model_loader import load_model
-    from pagedserve.workers.sampling_params import SamplingParams
+    from pagedserve.workers.model.loader import load_model
+    from pagedserve.workers.offline.llm import LLM
+    from pagedserve.workers.sampling.params import SamplingParams
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)

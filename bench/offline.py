@@ -54,14 +54,14 @@ from pagedserve.bench.offline_workload import (
     make_prompts,
 )
 from pagedserve.kernels.backends import BACKENDS
-from pagedserve.workers.engine_config import KV_CACHE_DTYPES
-from pagedserve.workers.kv_cache_manager import ALLOCATION_MODES
+from pagedserve.workers.engine.config import KV_CACHE_DTYPES
+from pagedserve.workers.kv.manager import ALLOCATION_MODES
 
 if TYPE_CHECKING:
-    from pagedserve.workers.engine import Engine
-    from pagedserve.workers.llm import LLM
-    from pagedserve.workers.model_loader import LoadedModel
-    from pagedserve.workers.sampling_params import SamplingParams
+    from pagedserve.workers.engine.engine import Engine
+    from pagedserve.workers.model.loader import LoadedModel
+    from pagedserve.workers.offline.llm import LLM
+    from pagedserve.workers.sampling.params import SamplingParams
 
 _WARMUP_PROMPT_LEN = 8
 _WARMUP_TOKENS = 2
@@ -161,7 +161,7 @@ def run_offline_bench(config: OfflineBenchConfig) -> OfflineBenchResult:
 
     import torch
 
-    from pagedserve.workers.model_loader import load_model
+    from pagedserve.workers.model.loader import load_model
 
     # --seed picks the workload; tiny-llama's weights stay those of seed 0.
     loaded = load_model(config.model, dtype=config.dtype, device=config.device)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pagedserve.workers.model_loader import LoadedModel
+    from pagedserve.workers.model.loader import LoadedModel
 
 
 @dataclass(frozen=True)

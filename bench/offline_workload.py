@@ -12,7 +12,7 @@ import math
 import random
 from collections.abc import Callable, Sequence
 
-from pagedserve.workers.kv_memory import blocks_needed
+from pagedserve.workers.kv.memory import blocks_needed
 
 # The engine keeps this fraction of the pool free at admission (EngineConfig.watermark); the
 # default pool size adds it back so the whole batch can be admitted at once.

@@ -33,7 +33,7 @@ from typing import Any
 from pagedserve.bench.bench_io import ensure_ray
 from pagedserve.bench.routing import HelpFormatter
 from pagedserve.cluster.config import ClusterConfig
-from pagedserve.workers.worker_types import WorkerRequest
+from pagedserve.workers.worker.types import WorkerRequest
 
 DEFAULT_LENGTHS = (1, 2, 4, 8, 16, 32, 64)
 _WARMUP_PROMPT_LEN = 40
@@ -96,8 +96,8 @@ def start_workers(config: PullBenchConfig) -> tuple[Any, Any]:
     """Two workers that publish no events (no index): A holds prefixes, B pulls them."""
     import ray
 
-    from pagedserve.workers.engine_config import EngineConfig
-    from pagedserve.workers.worker import Worker
+    from pagedserve.workers.engine.config import EngineConfig
+    from pagedserve.workers.worker.actor import Worker
 
     engine = EngineConfig(model="tiny-llama", block_size=config.block_size)
     remote_worker = ray.remote(Worker).options(num_cpus=config.worker_num_cpus, max_concurrency=64)
@@ -109,7 +109,7 @@ def start_workers(config: PullBenchConfig) -> tuple[Any, Any]:
 
 async def ttft(handle: Any, request_id: str, token_ids: list[int]) -> tuple[float, int]:
     """(call → first token, in seconds; cached tokens) of a max_tokens=1 request."""
-    from pagedserve.workers.sampling_params import SamplingParams
+    from pagedserve.workers.sampling.params import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     started = time.perf_counter()
@@ -129,7 +129,7 @@ async def ttft(handle: Any, request_id: str, token_ids: list[int]) -> tuple[floa
 async def measure_once(
     a: Any, b: Any, model: str, config: PullBenchConfig, blocks: int, rng: random.Random
 ) -> Sample:
-    from pagedserve.workers.block_hash import hash_full_blocks
+    from pagedserve.workers.kv.block_hash import hash_full_blocks
 
     prefix = [rng.randrange(256) for _ in range(blocks * config.block_size)]
     prompt = prefix + [rng.randrange(256) for _ in range(config.suffix_len)]
@@ -151,7 +151,7 @@ async def measure_once(
 
 async def kv_bytes_of(a: Any, model: str, config: PullBenchConfig, blocks: int) -> int:
     """Bytes one pull of `blocks` moves: export a prefix A holds and weigh the packed KV."""
-    from pagedserve.workers.block_hash import hash_full_blocks
+    from pagedserve.workers.kv.block_hash import hash_full_blocks
 
     rng = random.Random(f"weigh {blocks}")
     prompt = [rng.randrange(256) for _ in range(blocks * config.block_size + 1)]

@@ -66,8 +66,8 @@ from pagedserve.bench.routing_workload import (
 )
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.router_types import ClusterStats
-from pagedserve.workers.engine_config import EngineConfig
-from pagedserve.workers.worker_types import WorkerRequest
+from pagedserve.workers.engine.config import EngineConfig
+from pagedserve.workers.worker.types import WorkerRequest
 
 _WARMUP_PROMPT_LEN = 40
 _WARMUP_TOKENS = 2
@@ -136,7 +136,7 @@ async def _measure(config, cluster, index, workers, workload) -> PolicyResult:
 
 async def _warm_up(worker_id: str, handle: Any) -> None:
     """One short request straight to the worker: its first forward is slow, keep it out."""
-    from pagedserve.workers.sampling_params import SamplingParams
+    from pagedserve.workers.sampling.params import SamplingParams
 
     rng = random.Random(f"warm-up {worker_id}")
     tokens = [rng.randrange(256) for _ in range(_WARMUP_PROMPT_LEN)]
@@ -152,7 +152,7 @@ async def _send(
 ) -> RequestRecord:
     """Send one request at its arrival time and time its stream."""
     from pagedserve.cluster.router_types import GenerateRequest
-    from pagedserve.workers.sampling_params import SamplingParams
+    from pagedserve.workers.sampling.params import SamplingParams
 
     loop = asyncio.get_running_loop()
     arrived = t0 + planned.arrival_s

@@ -69,7 +69,7 @@ def cluster_config(config: ScaleBenchConfig) -> Any:
     """The routers' config: kv_aware (the default policy), no migrations (simulated workers
     hold no KV to move), polls every `stats_interval_s`."""
     from pagedserve.cluster.config import ClusterConfig
-    from pagedserve.workers.engine_config import EngineConfig
+    from pagedserve.workers.engine.config import EngineConfig
 
     return ClusterConfig(
         engine=EngineConfig(model="tiny-llama", block_size=config.block_size),

@@ -25,9 +25,9 @@ from pagedserve.bench.scale_report import percentile
 from pagedserve.bench.scale_worker import SIM_MODEL, SimWorkerConfig, SimWorkerCore
 from pagedserve.cluster.prefix_index_state import PrefixIndexState
 from pagedserve.cluster.router import RouterCore
-from pagedserve.workers.block_hash import hash_full_blocks
-from pagedserve.workers.sampling_params import SamplingParams
-from pagedserve.workers.worker_types import WorkerRequest
+from pagedserve.workers.kv.block_hash import hash_full_blocks
+from pagedserve.workers.sampling.params import SamplingParams
+from pagedserve.workers.worker.types import WorkerRequest
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from pagedserve.bench.scale_report import RequestResult, RouterRun
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.router import RouterCore
 from pagedserve.cluster.router_types import GenerateRequest
-from pagedserve.workers.sampling_params import SamplingParams
+from pagedserve.workers.sampling.params import SamplingParams
 
 
 def process_cpu_s() -> float:

@@ -5,7 +5,7 @@ tensors: the manager never needs any), admits requests first come first served, 
 their blocks with prefix caching, "computes" each step by sleeping `step_s`, emits one
 deterministic fake token per running request per step, frees the blocks when a request ends
 and hands every step's real KV events (`BlockPool.take_events`) to its sink with the pool's
-`next_event_seq`, exactly as `workers/worker.py` publishes them.
+`next_event_seq`, exactly as `workers/worker/actor.py` publishes them.
 
 `SimWorkerHost` is the Ray actor that hosts several cores in one process (8 by default, so
 64 workers are 8 processes, not 64: on a 2-core machine 64 Python processes would spend the
@@ -17,7 +17,7 @@ looks like a `Worker` actor handle (`submit`, `channel`, `set_paused`, `generate
 `stats`, `renew_lease`, `abort`, `kv_snapshot`, `check_pool`) and sends each call to its host
 with the worker's slot, so routing, streaming through the channels, liveness and the index's
 resync run unchanged. As on a real worker, a router's requests stream back through its one
-channel per worker, a `StepBatch` per step (`workers/stream.py`'s `OwnerChannel`), and a
+channel per worker, a `StepBatch` per step (`workers/worker/stream.py`'s `OwnerChannel`), and a
 channel that closes frees its owner's requests.
 
 What is not simulated: leases (`renew_lease` is a no-op), pauses (`set_paused` is a no-op:
@@ -39,14 +39,14 @@ from typing import Any
 
 import ray
 
-from pagedserve.workers.block_hash import cache_key
 from pagedserve.workers.deadline import within
-from pagedserve.workers.kv_cache_manager import KVCacheManager
-from pagedserve.workers.kv_checks import KVInvariantError, assert_no_leaks
-from pagedserve.workers.kv_events import KVEvent, KVSnapshot
-from pagedserve.workers.outputs import Usage
-from pagedserve.workers.stream import OwnerChannel, StepBatch, StreamDelta
-from pagedserve.workers.worker_types import PoolCheck, WorkerInfo, WorkerRequest, WorkerStats
+from pagedserve.workers.engine.outputs import Usage
+from pagedserve.workers.kv.block_hash import cache_key
+from pagedserve.workers.kv.checks import KVInvariantError, assert_no_leaks
+from pagedserve.workers.kv.events import KVEvent, KVSnapshot
+from pagedserve.workers.kv.manager import KVCacheManager
+from pagedserve.workers.worker.stream import OwnerChannel, StepBatch, StreamDelta
+from pagedserve.workers.worker.types import PoolCheck, WorkerInfo, WorkerRequest, WorkerStats
 
 logger = logging.getLogger(__name__)
 
@@ -313,7 +313,7 @@ class SimWorkerCore:
 
 # ---------------------------------------------------------------------- the Ray side
 
-# As `workers/worker.py` (not imported: it pulls torch into every host process).
+# As `workers/worker/actor.py` (not imported: it pulls torch into every host process).
 INDEX_CALL_TIMEOUT_S = 30.0  # an index call must never hang a worker
 STREAM_BACKPRESSURE_OBJECTS = 8
 

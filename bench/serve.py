@@ -41,7 +41,7 @@ from pagedserve.bench.serve_workload import (
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.routing import RoutingPolicy
 from pagedserve.workers.config_flags import add_config_flags, config_flags_set
-from pagedserve.workers.model_registry import DEFAULT_MODEL
+from pagedserve.workers.model.registry import DEFAULT_MODEL
 
 LOCAL_ENGINE = {"attention_backend": "torch", "block_size": 16}
 
@@ -139,7 +139,7 @@ def local_app(cluster: dict[str, Any], *, num_cpus: int | None = None) -> Iterat
     from pagedserve.cluster.ports import free_port
     from pagedserve.cluster.serve_options import grpc_options
     from pagedserve.cluster.worker_group import stop_worker_group
-    from pagedserve.workers.model_cli import prepare_in_subprocess
+    from pagedserve.workers.model.cli import prepare_in_subprocess
 
     config = ClusterConfig.from_dict(cluster)
     prepare_in_subprocess(config.engine.model)  # a GGUF model: converted once, before workers

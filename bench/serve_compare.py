@@ -83,7 +83,7 @@ def serve_compare(args: argparse.Namespace, vllm_python: str | None, scratch: Pa
         with_arrivals,
         workload_at,
     )
-    from pagedserve.workers.model_registry import TINY_LLAMA_NAME
+    from pagedserve.workers.model.registry import TINY_LLAMA_NAME
 
     model_dir = tokenizer = None
     if args.model != TINY_LLAMA_NAME:  # random weights and a byte tokenizer: random ids
@@ -163,7 +163,7 @@ def engine_layout(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedserve.workers.model_registry import TINY_LLAMA_NAME
+    from pagedserve.workers.model.registry import TINY_LLAMA_NAME
 
     check_args(args)
     vllm_python = vllm_python_of(args)

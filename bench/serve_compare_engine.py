@@ -34,7 +34,7 @@ from pagedserve.bench.proc_cpu import ENGINE_ARM_ROLE
 from pagedserve.bench.serve_compare_arms import ENGINE, ArmRun
 from pagedserve.bench.serve_compare_server import ServerFailed
 from pagedserve.bench.serve_compare_sweep import LoadPoint
-from pagedserve.workers.engine_config import EngineConfig
+from pagedserve.workers.engine.config import EngineConfig
 
 if TYPE_CHECKING:
     from pagedserve.cluster.node_layout import NodeResources

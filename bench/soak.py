@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     from pagedserve.bench.soak_driver import SoakSpec
     from pagedserve.cluster.config import ClusterConfig
     from pagedserve.cluster.worker_group import stop_worker_group
-    from pagedserve.workers.engine_config import EngineConfig
+    from pagedserve.workers.engine.config import EngineConfig
 
     no_faults = ("kill_at", "stall_at", "drop_events_at", "burst_at")
     faults = dict.fromkeys(no_faults) if args.no_faults else {}

@@ -15,9 +15,9 @@ import ray
 from pagedserve.bench.soak_driver import Outcome, SoakReport, SoakRequest
 from pagedserve.cluster.router import RouterCore
 from pagedserve.workers.deadline import within
-from pagedserve.workers.engine_config import EngineConfig
-from pagedserve.workers.kv_events import TIER_NAMES
-from pagedserve.workers.worker_types import PoolCheck
+from pagedserve.workers.engine.config import EngineConfig
+from pagedserve.workers.kv.events import TIER_NAMES
+from pagedserve.workers.worker.types import PoolCheck
 
 # What each kind of request may end as; anything else is a problem.
 ALLOWED = {
@@ -46,7 +46,7 @@ def references_for(engine: EngineConfig, requests: Iterable[SoakRequest]) -> dic
     """
     import torch
 
-    from pagedserve.workers.llm import LLM
+    from pagedserve.workers.offline.llm import LLM
 
     options = dataclasses.asdict(engine)
     options.update(max_waiting=None, preemption_mode="recompute")

@@ -31,7 +31,7 @@ from pagedserve.cluster.router import RouterCore
 from pagedserve.cluster.router_types import GenerateRequest, NoWorkerAvailable, WorkerLost
 from pagedserve.workers.deadline import within
 from pagedserve.workers.errors import Overloaded, RequestRejected
-from pagedserve.workers.sampling_params import SamplingParams
+from pagedserve.workers.sampling.params import SamplingParams
 
 KINDS = ("ok", "cancel", "deadline", "bad", "slow", "burst")
 BAD_INPUTS = ("out_of_vocab", "empty", "too_long", "both_prompts")

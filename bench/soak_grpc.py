@@ -43,8 +43,8 @@ from pagedserve.bench.soak_grpc_faults import (
     router_kill,
 )
 from pagedserve.cluster.config import ClusterConfig
-from pagedserve.workers.engine_config import EngineConfig
-from pagedserve.workers.sampling_params import SamplingParams
+from pagedserve.workers.engine.config import EngineConfig
+from pagedserve.workers.sampling.params import SamplingParams
 
 
 @dataclass(frozen=True)

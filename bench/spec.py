@@ -107,10 +107,10 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
-    from pagedserve.workers.llm import LLM
-    from pagedserve.workers.model_loader import load_model
-    from pagedserve.workers.sampling_params import SamplingParams
-    from pagedserve.workers.tiny_llama import save_truncated_tiny_llama
+    from pagedserve.workers.model.loader import load_model
+    from pagedserve.workers.model.tiny_llama import save_truncated_tiny_llama
+    from pagedserve.workers.offline.llm import LLM
+    from pagedserve.workers.sampling.params import SamplingParams
 
     loaded = load_model(args.model)
     tmp = tempfile.TemporaryDirectory(prefix="pagedserve-spec-draft-")

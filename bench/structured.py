@@ -44,7 +44,7 @@ class MaskTimer:
         self.calls = 0
 
     def __enter__(self) -> MaskTimer:
-        from pagedserve.workers import sampler
+        from pagedserve.workers.sampling import sampler
 
         self._module, self._original = sampler, sampler.apply_token_constraints
 
@@ -62,7 +62,7 @@ class MaskTimer:
 
 
 def prompts_for(llm: Any, batch: int) -> list[str]:
-    from pagedserve.workers.tokenizer import render_chat
+    from pagedserve.workers.model.tokenizer import render_chat
 
     tokenizer = llm.get_tokenizer()
     texts = [f"Describe {CITIES[i % len(CITIES)]} as a JSON object." for i in range(batch)]

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from pagedserve.bench.bench_io import write_json
-from pagedserve.workers.model_registry import DEFAULT_MODEL
+from pagedserve.workers.model.registry import DEFAULT_MODEL
 
 DEFAULT_LENGTHS = (4, 16, 32)
 TIERS = ("host", "disk")
@@ -167,7 +167,7 @@ def measure_point(config: TierCostConfig, loaded, blocks: int, tier: str, rng) -
 
 
 def measure(config: TierCostConfig) -> dict[str, Any]:
-    from pagedserve.workers.model_loader import load_model
+    from pagedserve.workers.model.loader import load_model
 
     loaded = load_model(config.model, seed=config.seed)
     rng = random.Random(config.seed)

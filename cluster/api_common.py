@@ -23,12 +23,12 @@ from pagedserve.cluster.api_errors import ApiError, field_of
 from pagedserve.cluster.openai_tools import ToolCalling, tool_chat_turns
 from pagedserve.cluster.router import RouterCore
 from pagedserve.cluster.router_types import GenerateRequest
+from pagedserve.workers.engine.outputs import RequestMetrics, Usage
 from pagedserve.workers.errors import RequestRejected
-from pagedserve.workers.logprobs import TokenLogprob
-from pagedserve.workers.outputs import RequestMetrics, Usage
-from pagedserve.workers.sampling_params import SamplingKwargs, SamplingParams
-from pagedserve.workers.stream import StreamDelta
-from pagedserve.workers.tokenizer import render_chat
+from pagedserve.workers.model.tokenizer import render_chat
+from pagedserve.workers.sampling.logprobs import TokenLogprob
+from pagedserve.workers.sampling.params import SamplingKwargs, SamplingParams
+from pagedserve.workers.worker.stream import StreamDelta
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack from Python 3.12

@@ -43,11 +43,11 @@ from pagedserve.cluster.router import RouterCore
 from pagedserve.cluster.router_types import ClusterStats, GenerateRequest, RouterInflight
 from pagedserve.cluster.serve_options import ROUTER_ENV_VARS
 from pagedserve.cluster.worker_group import start_pool
-from pagedserve.workers.cpu_placement import pin_process, set_niceness
-from pagedserve.workers.model_registry import DEFAULT_MODEL
+from pagedserve.workers.model.registry import DEFAULT_MODEL
+from pagedserve.workers.process.cpu_placement import pin_process, set_niceness
 from pagedserve.workers.ray_internals import bound_http_responses
-from pagedserve.workers.stream import StreamDelta
-from pagedserve.workers.telemetry import ROUTER_SERVICE, get_tracing
+from pagedserve.workers.telemetry.telemetry import ROUTER_SERVICE, get_tracing
+from pagedserve.workers.worker.stream import StreamDelta
 
 DEFAULT_INFLIGHT = 1024  # Serve's slots for a router without `max_inflight`
 REFUSAL_HEADROOM = 1024

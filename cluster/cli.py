@@ -29,10 +29,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     # Light imports only (no torch, no ray): this runs for every `pagedserve` command.
     from pagedserve.cluster.config import ClusterConfig
     from pagedserve.workers.config_flags import add_config_flags
-    from pagedserve.workers.engine_config import EngineConfig
-    from pagedserve.workers.sampling_params import Pooling
-    from pagedserve.workers.spec_config import SPEC_METHODS
-    from pagedserve.workers.telemetry import EXPORTERS
+    from pagedserve.workers.engine.config import EngineConfig
+    from pagedserve.workers.sampling.params import Pooling
+    from pagedserve.workers.spec.config import SPEC_METHODS
+    from pagedserve.workers.telemetry.telemetry import EXPORTERS
 
     parser = subparsers.add_parser(
         "serve",
@@ -156,7 +156,7 @@ def user_config_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The YAML file, then flags, as plain config data: what the user set, nothing more."""
     from pagedserve.cluster.config import ClusterConfig
     from pagedserve.workers.config_flags import config_flags_set
-    from pagedserve.workers.engine_config import EngineConfig
+    from pagedserve.workers.engine.config import EngineConfig
 
     data = _read_config_file(args.config) if args.config else {}
     engine = {**(data.pop("engine", {}) or {}), **config_flags_set(args, EngineConfig)}
@@ -319,7 +319,7 @@ def settings_of(args: argparse.Namespace, user: dict[str, Any], data: dict[str, 
     from pagedserve.cluster.config import ClusterConfig
     from pagedserve.cluster.preflight import Settings, defaults
     from pagedserve.workers.config_flags import config_flags_set
-    from pagedserve.workers.engine_config import EngineConfig
+    from pagedserve.workers.engine.config import EngineConfig
 
     flags = set(config_flags_set(args, ClusterConfig))
     flags |= {f"engine.{name}" for name in config_flags_set(args, EngineConfig)}

@@ -16,8 +16,8 @@ import os
 import sys
 from typing import Any, TypedDict
 
-from pagedserve.workers import cli as offline_cli
-from pagedserve.workers.sampling_params import SamplingKwargs
+from pagedserve.workers.offline import cli as offline_cli
+from pagedserve.workers.sampling.params import SamplingKwargs
 
 TOKEN_ENV = "PAGEDSERVE_TOKEN"
 

@@ -11,8 +11,8 @@ from typing import Any
 from pagedserve.cluster.router_types import BackpressureLimits
 from pagedserve.cluster.routing import DEFAULT_POLICY, RoutingPolicy
 from pagedserve.cluster.tenant_quotas import EVERY_TENANT, TenantPolicy, tenant_policies
-from pagedserve.workers.cpu_placement import parse_cpu_list, worker_share
-from pagedserve.workers.engine_config import EngineConfig
+from pagedserve.workers.engine.config import EngineConfig
+from pagedserve.workers.process.cpu_placement import parse_cpu_list, worker_share
 
 
 class FailureMode(StrEnum):
@@ -63,7 +63,7 @@ class ClusterConfig:
             `"0,2-3"`); with several workers on one machine, worker i gets the i-th equal
             slice. Each worker pins its whole process there, and gets one torch thread per
             core of its slice unless `worker_threads` says otherwise. None: not pinned (the
-            scheduler places every process anywhere). See `workers/cpu_placement.py`.
+            scheduler places every process anywhere). See `workers/process/cpu_placement.py`.
         control_cpus: cores of the control plane, as a CPU list: the router replica and the
             prefix index pin themselves there, and `pagedserve serve` pins the local Ray
             cluster it starts (Serve's proxy and controller, Ray's daemons) there too. None:
@@ -147,7 +147,7 @@ class ClusterConfig:
             `stop_worker_group` stops the app, and when `pagedserve serve` stops on SIGINT or
             SIGTERM (unless `--shutdown-grace-s` says otherwise).
         fault_injection: workers accept fault calls (stall, refuse, lose a KV fetch or an
-            event batch: `workers/fault_injection.py`), for soaks and failure tests. Off in
+            event batch: `workers/worker/fault_injection.py`), for soaks and failure tests. Off in
             production: a production worker has no such methods.
         router_replicas: Router replicas Serve runs (each one ingress of both proxies, with its
             own prefix view, liveness watch and `max_inflight`; any replica serves any call,

@@ -42,7 +42,7 @@ from pagedserve.cluster.tracing import tag_ingress
 from pagedserve.cluster.worker_liveness import WORKER_LOST_ERRORS
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
 from pagedserve.workers.deadline import within
-from pagedserve.workers.sampling_params import Pooling
+from pagedserve.workers.sampling.params import Pooling
 
 logger = logging.getLogger(__name__)
 

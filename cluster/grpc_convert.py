@@ -13,13 +13,13 @@ from pagedserve.cluster.auth import ANONYMOUS, Caller
 from pagedserve.cluster.router_types import ClusterStats, GenerateRequest, WorkerView
 from pagedserve.cluster.worker_state import WorkerState
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
+from pagedserve.workers.engine.outputs import RequestMetrics
 from pagedserve.workers.errors import RequestRejected
-from pagedserve.workers.logprobs import TokenLogprob
-from pagedserve.workers.outputs import RequestMetrics
-from pagedserve.workers.sampling_params import SamplingKwargs, SamplingParams
-from pagedserve.workers.stream import StreamDelta, Usage
+from pagedserve.workers.model.tokenizer import Tokenizer
+from pagedserve.workers.sampling.logprobs import TokenLogprob
+from pagedserve.workers.sampling.params import SamplingKwargs, SamplingParams
 from pagedserve.workers.structured.spec import GuidedKind
-from pagedserve.workers.tokenizer import Tokenizer
+from pagedserve.workers.worker.stream import StreamDelta, Usage
 
 # Sampling fields declared `optional`: unset means the SamplingParams default, not zero.
 _OptionalSampling = Literal[

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pagedserve.cluster.router_reports import ClusterRouters
-    from pagedserve.workers.worker_types import WorkerStats
+    from pagedserve.workers.worker.types import WorkerStats
 
 logger = logging.getLogger(__name__)
 # worker id → (alive, its last stats or None): what the router's poll last saw.

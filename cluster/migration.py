@@ -18,8 +18,8 @@ leaves both pools as they were; the receiver's KV events put the blocks in the i
   (`Scheduler._preempt`, mode `move`); the engine packs its tokens, sampler state and computed
   KV into a `RequestHandoff` and frees its blocks (`Engine._hand_off`); the worker puts the
   KV in Ray's object store and ends that branch's stream with `RequestMoved` whose handoff
-  carries only the `ObjectRef` (`workers/handoff_ref.py`, `Worker.channel`); the router sends
-  `WorkerRequest.moved(handoff)` to `Migrations.move_target(source)`, which fetches the KV by
+  carries only the `ObjectRef` (`workers/transfer/handoff_ref.py`, `Worker.channel`); the router
+  sends `WorkerRequest.moved(handoff)` to `Migrations.move_target(source)`, which fetches the KV by
   the ref from the source directly (the router never resolves it: the bytes go worker to
   worker) and whose engine adopts it (`Engine.adopt`, `handoff.adopt_kv`: cached prefix
   blocks reused, the rest imported, or recomputed when there is no room, or when the ref is
@@ -48,8 +48,8 @@ from pagedserve.cluster.worker_liveness import WORKER_LOST_ERRORS
 from pagedserve.cluster.worker_roles import DECODE_PHASE, RoleFilter
 from pagedserve.cluster.worker_state import WorkerState
 from pagedserve.workers.deadline import within
-from pagedserve.workers.handoff import HandoffReason, RequestHandoff
-from pagedserve.workers.telemetry import Tracing
+from pagedserve.workers.telemetry.telemetry import Tracing
+from pagedserve.workers.transfer.handoff import HandoffReason, RequestHandoff
 
 logger = logging.getLogger(__name__)
 

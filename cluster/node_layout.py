@@ -151,7 +151,7 @@ def _threads_per_worker(node: NodeResources, num_workers: int) -> int:
 def _numa_cores(usable: set[int], sys_root: Path) -> tuple[tuple[int, ...], ...]:
     """The usable cores of each NUMA node that has any (one group when the machine does not
     say: no /sys/devices/system/node)."""
-    from pagedserve.workers.cpu_placement import parse_cpu_list
+    from pagedserve.workers.process.cpu_placement import parse_cpu_list
 
     nodes = []
     for cpulist in sorted((sys_root / "sys/devices/system/node").glob("node[0-9]*/cpulist")):

@@ -63,8 +63,8 @@ from pagedserve.cluster.router_types import GenerateRequest
 from pagedserve.cluster.sse_response import PacedStreamingResponse
 from pagedserve.cluster.tool_call_parser import ToolAnswers
 from pagedserve.cluster.tracing import tag_ingress
-from pagedserve.workers.outputs import Usage
-from pagedserve.workers.stream import StreamDelta
+from pagedserve.workers.engine.outputs import Usage
+from pagedserve.workers.worker.stream import StreamDelta
 
 logger = logging.getLogger(__name__)
 OWNER = "pagedserve"

@@ -4,7 +4,8 @@
       → {"object": "list", "data": [{"object": "embedding", "index", "embedding"}],
          "model", "usage": {"prompt_tokens", "total_tokens"}}
 
-Each input is one prefill-only request (`SamplingParams.pooling`, `workers/pooling.py`) through
+Each input is one prefill-only request (`SamplingParams.pooling`, `workers/engine/pooling.py`)
+through
 the router as any generation: admission, tokenizing off the event loop, prefix-aware routing,
 the worker's scheduler and prefix cache, tracing and metrics. The vector is the final hidden
 state (after the final norm) of the prompt's last token, or the mean over its positions (the
@@ -37,7 +38,7 @@ from pagedserve.cluster.openai_reading import read_request
 from pagedserve.cluster.router import RouterCore
 from pagedserve.cluster.router_types import GenerateRequest
 from pagedserve.cluster.tracing import tag_ingress
-from pagedserve.workers.sampling_params import Pooling, SamplingParams
+from pagedserve.workers.sampling.params import Pooling, SamplingParams
 
 MAX_INPUTS = 2048  # OpenAI's limit on one call's inputs
 

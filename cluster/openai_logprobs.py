@@ -28,7 +28,7 @@ from pagedserve.cluster.openai_responses import (
     ChatLogprobs,
     CompletionLogprobs,
 )
-from pagedserve.workers.logprobs import TokenLogprob
+from pagedserve.workers.sampling.logprobs import TokenLogprob
 
 
 @dataclass(frozen=True)

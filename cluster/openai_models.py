@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pagedserve.cluster.api_errors import ApiError
 from pagedserve.cluster.api_guided import guided_spec
 from pagedserve.cluster.openai_tools import ToolCalling, checked_tool_calling
-from pagedserve.workers.sampling_params import SamplingKwargs
+from pagedserve.workers.sampling.params import SamplingKwargs
 from pagedserve.workers.structured.spec import GuidedKind
 
 
@@ -90,7 +90,7 @@ class _SamplingFields(_Body):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    # vLLM's beam search: `n` is the width (workers/beam_groups.py)
+    # vLLM's beam search: `n` is the width (workers/beam/groups.py)
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False  # true, false or "never" (checked by SamplingParams)

@@ -68,8 +68,8 @@ from pagedserve.cluster.router_types import GenerateRequest
 from pagedserve.cluster.sse_response import PacedStreamingResponse
 from pagedserve.cluster.tool_call_parser import ToolCallParser
 from pagedserve.cluster.tracing import tag_ingress
-from pagedserve.workers.sampling_params import SamplingKwargs
-from pagedserve.workers.stream import StreamDelta
+from pagedserve.workers.sampling.params import SamplingKwargs
+from pagedserve.workers.worker.stream import StreamDelta
 
 
 class _Body(BaseModel):

@@ -31,7 +31,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from pagedserve.cluster.tool_call_parser import CallDelta
-from pagedserve.workers.outputs import Usage
+from pagedserve.workers.engine.outputs import Usage
 
 Status = Literal["in_progress", "completed", "incomplete", "failed"]
 

@@ -26,8 +26,8 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from pagedserve.workers.block import BlockHash
-from pagedserve.workers.kv_events import TIER_NAMES
+from pagedserve.workers.kv.block import BlockHash
+from pagedserve.workers.kv.events import TIER_NAMES
 
 DEFAULT_FEED_CAPACITY = 65_536
 

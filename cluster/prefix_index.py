@@ -62,10 +62,10 @@ from pagedserve.cluster.prefix_index_state import (
     PublishResult,
 )
 from pagedserve.cluster.router_reports import ClusterRouters, RouterReport, RouterReports
-from pagedserve.workers.block import BlockHash
-from pagedserve.workers.cpu_placement import pin_process, set_niceness
 from pagedserve.workers.deadline import within
-from pagedserve.workers.kv_events import KVEvent, KVSnapshot
+from pagedserve.workers.kv.block import BlockHash
+from pagedserve.workers.kv.events import KVEvent, KVSnapshot
+from pagedserve.workers.process.cpu_placement import pin_process, set_niceness
 
 __all__ = ["KVSnapshot", "PrefixIndexActor", "PrefixIndexState", "PublishResult"]
 

@@ -29,8 +29,8 @@ from pagedserve.cluster.prefix_feed import (
     WorkerReplaced,
 )
 from pagedserve.cluster.prefix_match import leading_matches
-from pagedserve.workers.block import BlockHash
-from pagedserve.workers.kv_events import (
+from pagedserve.workers.kv.block import BlockHash
+from pagedserve.workers.kv.events import (
     TIER_NAMES,
     AllCleared,
     BlockRemoved,

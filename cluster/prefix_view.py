@@ -39,8 +39,8 @@ from pagedserve.cluster.prefix_feed import (
 )
 from pagedserve.cluster.prefix_match import leading_matches
 from pagedserve.cluster.tier_costs import TierHits
-from pagedserve.workers.block import BlockHash
 from pagedserve.workers.deadline import within
+from pagedserve.workers.kv.block import BlockHash
 
 logger = logging.getLogger(__name__)
 

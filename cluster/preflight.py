@@ -10,7 +10,7 @@ In order, cheapest first:
    tokens file) from the merged file, flags and machine defaults;
 2. this machine, for a cluster started here: the cores `worker_cpus` and `control_cpus`
    name, the CPUs and GPUs the first workers reserve, the HTTP and gRPC ports;
-3. the engine (`workers/engine_checks.py`): the model resolves, its config and tokenizer
+3. the engine (`workers/engine/checks.py`): the model resolves, its config and tokenizer
    load and it holds weights, the device and dtype exist, the KV budget holds a block, the
    lengths fit the model. A GGUF model is converted first, as the workers would find it.
 """
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.cluster.config import ClusterConfig
-from pagedserve.workers.engine_config import EngineConfig
+from pagedserve.workers.engine.config import EngineConfig
 
 # Settings whose flag is not `--` + the field's name (field paths as in the config file).
 FLAG_NAMES: dict[str, str] = {
@@ -105,7 +105,7 @@ def _field_paths() -> list[str]:
     """Every config field's path: cluster fields, `engine.` fields, `engine.speculative.`."""
     from dataclasses import fields
 
-    from pagedserve.workers.spec_config import SpeculativeConfig
+    from pagedserve.workers.spec.config import SpeculativeConfig
 
     cluster = [f.name for f in fields(ClusterConfig) if f.name != "engine"]
     engine = [f"engine.{f.name}" for f in fields(EngineConfig) if f.name != "speculative"]
@@ -149,7 +149,7 @@ def _named(error: Exception, settings: Settings) -> StartError:
 def check_machine(config: ClusterConfig, settings: Settings, num_gpus: int) -> None:
     """For a cluster started on this machine: the cores named exist, and the first workers
     get what they reserve (Ray would leave the rest waiting for ever)."""
-    from pagedserve.workers.cpu_placement import check_available, parse_cpu_list
+    from pagedserve.workers.process.cpu_placement import check_available, parse_cpu_list
 
     for name in ("worker_cpus", "control_cpus"):
         if (text := getattr(config, name)) is not None:
@@ -210,10 +210,10 @@ def _bind_problem(host: str, port: int) -> str | None:
 
 
 def check_engine(config: ClusterConfig, settings: Settings, local: bool) -> None:
-    """The workers' engine, as a worker would load it (`workers/engine_checks.py`)."""
-    from pagedserve.workers.engine_checks import EngineConfigError
-    from pagedserve.workers.engine_checks import check_engine as check
-    from pagedserve.workers.model_cli import prepare_in_subprocess
+    """The workers' engine, as a worker would load it (`workers/engine/checks.py`)."""
+    from pagedserve.workers.engine.checks import EngineConfigError
+    from pagedserve.workers.engine.checks import check_engine as check
+    from pagedserve.workers.model.cli import prepare_in_subprocess
 
     engine = config.worker_engine
     try:

@@ -177,8 +177,8 @@ def _state(pid: int, proc: Path) -> str | None:
 def descendants_now() -> dict[int, int | None]:
     """Every process under this one (the local Ray cluster it started, nothing else): pid →
     its start time, which tells it from a later process given the same pid."""
-    from pagedserve.workers.cpu_placement import descendants
-    from pagedserve.workers.pid_files import process_start_time
+    from pagedserve.workers.process.cpu_placement import descendants
+    from pagedserve.workers.process.pid_files import process_start_time
 
     return {pid: process_start_time(pid) for pid in descendants(os.getpid())}
 
@@ -186,7 +186,7 @@ def descendants_now() -> dict[int, int | None]:
 def kill_if_running(processes: dict[int, int | None]) -> None:
     """SIGKILL those of `processes` still running, even those no longer under this one (a
     process whose parent Ray's shutdown ended is handed to init)."""
-    from pagedserve.workers.pid_files import process_start_time
+    from pagedserve.workers.process.pid_files import process_start_time
 
     for pid, started in processes.items():
         if started is not None and process_start_time(pid) == started:

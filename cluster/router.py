@@ -77,14 +77,14 @@ from pagedserve.cluster.worker_channel import WorkerChannels
 from pagedserve.cluster.worker_liveness import WORKER_LOST_ERRORS, WorkerLiveness
 from pagedserve.cluster.worker_roles import PREFILL_PHASE, RoleFilter
 from pagedserve.cluster.worker_state import WorkerState
-from pagedserve.workers.block_hash import cache_key, hash_full_blocks
 from pagedserve.workers.deadline import within
 from pagedserve.workers.errors import RequestRejected
-from pagedserve.workers.model_registry import DEFAULT_MODEL
+from pagedserve.workers.kv.block_hash import cache_key, hash_full_blocks
+from pagedserve.workers.model.registry import DEFAULT_MODEL
+from pagedserve.workers.model.tokenizer import load_tokenizer
 from pagedserve.workers.ray_internals import detached_task
-from pagedserve.workers.sampling_params import SamplingParams
-from pagedserve.workers.telemetry import NOOP, Tracing
-from pagedserve.workers.tokenizer import load_tokenizer
+from pagedserve.workers.sampling.params import SamplingParams
+from pagedserve.workers.telemetry.telemetry import NOOP, Tracing
 
 logger = logging.getLogger(__name__)
 

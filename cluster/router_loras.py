@@ -1,5 +1,5 @@
 """The router's side of LoRA adapters (a mixin of `RouterCore`): which adapters the cluster
-serves, their keys (what a request's blocks hash with, `workers/block_hash.py`), and loading
+serves, their keys (what a request's blocks hash with, `workers/kv/block_hash.py`), and loading
 or unloading one on every worker at run time.
 
 The adapters are the workers' own: every worker reports its loaded adapters (name and key) in
@@ -34,7 +34,7 @@ from pagedserve.cluster.worker_liveness import WORKER_LOST_ERRORS
 from pagedserve.cluster.worker_state import WorkerState
 from pagedserve.workers.deadline import within
 from pagedserve.workers.errors import LoraLoadError, UnknownLora
-from pagedserve.workers.worker_types import LoraLoadResult
+from pagedserve.workers.worker.types import LoraLoadResult
 
 logger = logging.getLogger(__name__)
 # Reading and checking an adapter's files takes a worker well under a second at the ranks

@@ -40,14 +40,14 @@ from pagedserve.cluster.tracing import RouterTrace
 from pagedserve.cluster.worker_channel import WorkerChannels
 from pagedserve.cluster.worker_liveness import WORKER_LOST_ERRORS, WorkerLiveness
 from pagedserve.cluster.worker_state import WorkerState
-from pagedserve.workers.block_hash import cache_key
 from pagedserve.workers.deadline import within
 from pagedserve.workers.errors import Draining, HandedOff, Overloaded, RequestRejected
-from pagedserve.workers.handoff import RequestHandoff
-from pagedserve.workers.sampling_params import SamplingParams
-from pagedserve.workers.stream import StreamDelta
-from pagedserve.workers.telemetry import Tracing
-from pagedserve.workers.worker_types import DrainResult, RequestMoved, WorkerRequest
+from pagedserve.workers.kv.block_hash import cache_key
+from pagedserve.workers.sampling.params import SamplingParams
+from pagedserve.workers.telemetry.telemetry import Tracing
+from pagedserve.workers.transfer.handoff import RequestHandoff
+from pagedserve.workers.worker.stream import StreamDelta
+from pagedserve.workers.worker.types import DrainResult, RequestMoved, WorkerRequest
 
 logger = logging.getLogger(__name__)
 

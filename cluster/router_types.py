@@ -12,8 +12,8 @@ from pagedserve.cluster.index_stats import IndexStats
 from pagedserve.cluster.prefix_view import ViewStats
 from pagedserve.cluster.tenant_quotas import TenantCounts
 from pagedserve.workers.deadline import check_timeout_s
-from pagedserve.workers.sampling_params import SamplingParams
-from pagedserve.workers.worker_types import WorkerInfo, WorkerStats
+from pagedserve.workers.sampling.params import SamplingParams
+from pagedserve.workers.worker.types import WorkerInfo, WorkerStats
 
 if TYPE_CHECKING:  # it imports `RouterCounters` from here
     from pagedserve.cluster.router_reports import ClusterRouters

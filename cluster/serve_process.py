@@ -58,7 +58,7 @@ def await_workers(pool: Any, config: Any, watch: LocalRayWatch | JoinedRayWatch)
     import ray
 
     from pagedserve.cluster.pool_types import MemberState
-    from pagedserve.workers.model_registry import DEFAULT_MODEL
+    from pagedserve.workers.model.registry import DEFAULT_MODEL
 
     end = time.monotonic() + config.startup_timeout_s
     while True:
@@ -171,7 +171,7 @@ def start_serving(plan: ServePlan, watch: LocalRayWatch | JoinedRayWatch) -> Non
     from pagedserve.cluster.app import build_app
     from pagedserve.cluster.serve_options import controller_env_vars, grpc_options, http_options
     from pagedserve.cluster.worker_group import start_pool
-    from pagedserve.workers.model_registry import DEFAULT_MODEL
+    from pagedserve.workers.model.registry import DEFAULT_MODEL
     from pagedserve.workers.ray_internals import version_warning
 
     config = plan.config
@@ -290,7 +290,7 @@ def place_local_cluster(config: ClusterConfig) -> None:
     placed themselves."""
     import ray
 
-    from pagedserve.workers.cpu_placement import (
+    from pagedserve.workers.process.cpu_placement import (
         descendants,
         format_cpu_list,
         niceness,

@@ -10,8 +10,8 @@ tenant not named:
       "*":              {max_inflight: 64}
       9f86d081884c7d65: {weight: 2.0, tokens_per_minute: 600000}
 
-`weight` goes to every worker's scheduler (`workers/fair_share.py`: its share of the engine,
-counted in weighted tokens); the quotas are each router replica's (as `max_inflight` is).
+`weight` goes to every worker's scheduler (`workers/scheduler/fair_share.py`: its share of the
+engine, counted in weighted tokens); the quotas are each router replica's (as `max_inflight` is).
 
 Tokens per minute is a token bucket holding at most a minute's tokens and refilled at the
 quota's rate: a request takes its prompt tokens plus `max_tokens × n` when admitted, and what
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.workers.errors import Overloaded, RequestRejected
-from pagedserve.workers.fair_share import check_weight
+from pagedserve.workers.scheduler.fair_share import check_weight
 
 EVERY_TENANT = "*"
 

@@ -1,6 +1,6 @@
 """What a prefix hit below the device costs the router: a load, cheaper than a prefill.
 
-A worker's matched prefix can sit partly in its host or disk tier (`workers/kv_tiers.py`): the
+A worker's matched prefix can sit partly in its host or disk tier (`workers/kv/tiers.py`): the
 engine loads those blocks back before the prefill, which costs time, though less than computing
 them. `PrefixView.tier_hits` counts, per worker, the matched blocks in each tier; `TierCosts`
 turns that into prefill blocks' worth (`kv_aware` adds it to the blocks to prefill), so that

@@ -2,7 +2,7 @@
 
 Reads the JSON-lines file that `pagedserve serve --trace-file F.jsonl` writes (one span a line,
 from the router and every worker process; each line is read once into a `SpanRecord`, see
-`workers/trace_file`):
+`workers/telemetry/trace_file.py`):
 
     trace 516ec8e9…  request cmpl-1  63.5 ms
     pagedserve.request     router |████████████████████|  63.5 ms  grpc out 16
@@ -23,7 +23,7 @@ import argparse
 import sys
 from collections import defaultdict
 
-from pagedserve.workers.trace_file import SpanRecord, read_spans
+from pagedserve.workers.telemetry.trace_file import SpanRecord, read_spans
 
 BAR_WIDTH = 40
 

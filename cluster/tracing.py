@@ -1,4 +1,4 @@
-"""The router's spans of one request (the worker's are in `workers/request_trace.py`).
+"""The router's spans of one request (the worker's are in `workers/telemetry/request_trace.py`).
 
     pagedserve.request (SERVER; child of the client's traceparent, if any)   ingress, usage
       route                      policy, candidates and their costs, chosen worker, matched blocks
@@ -17,9 +17,9 @@ from typing import Any
 
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from pagedserve.workers.request_trace import request_attributes
-from pagedserve.workers.stream import StreamDelta
-from pagedserve.workers.telemetry import AttributeValue, SpanAttributes, Tracing
+from pagedserve.workers.telemetry.request_trace import request_attributes
+from pagedserve.workers.telemetry.telemetry import AttributeValue, SpanAttributes, Tracing
+from pagedserve.workers.worker.stream import StreamDelta
 
 
 class RouterTrace:

@@ -36,8 +36,8 @@ from pagedserve.cluster.worker_liveness import WORKER_LOST_ERRORS
 from pagedserve.cluster.worker_state import WorkerState
 from pagedserve.workers.errors import RequestRejected
 from pagedserve.workers.ray_internals import detached_context, detached_task
-from pagedserve.workers.stream import DeltaBuffer, StreamDelta, StreamMessage
-from pagedserve.workers.worker_types import RequestFailed, RequestMoved, WorkerRequest
+from pagedserve.workers.worker.stream import DeltaBuffer, StreamDelta, StreamMessage
+from pagedserve.workers.worker.types import RequestFailed, RequestMoved, WorkerRequest
 
 logger = logging.getLogger(__name__)
 

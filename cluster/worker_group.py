@@ -16,8 +16,8 @@ from pagedserve.cluster.pool_types import MemberState
 from pagedserve.cluster.prefix_index import get_or_create_prefix_index
 from pagedserve.cluster.worker_pool import existing_workers, get_or_create_worker_pool
 from pagedserve.cluster.worker_spec import WORKER_MAX_CONCURRENCY
-from pagedserve.workers.telemetry import TelemetryConfig
-from pagedserve.workers.worker_types import DrainResult
+from pagedserve.workers.telemetry.telemetry import TelemetryConfig
+from pagedserve.workers.worker.types import DrainResult
 
 __all__ = [
     "WORKER_MAX_CONCURRENCY",

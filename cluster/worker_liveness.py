@@ -27,7 +27,7 @@ from pagedserve.cluster.router_types import NoWorkerAvailable, RouterCounters
 from pagedserve.cluster.worker_state import WorkerState
 from pagedserve.workers.deadline import within
 from pagedserve.workers.ray_internals import detached_task
-from pagedserve.workers.worker_types import WorkerStats
+from pagedserve.workers.worker.types import WorkerStats
 
 logger = logging.getLogger(__name__)
 WORKER_LOST_ERRORS = (RayActorError, ActorDiedError, ActorUnavailableError)

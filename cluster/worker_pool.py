@@ -91,8 +91,8 @@ from pagedserve.cluster.worker_liveness import WORKER_LOST_ERRORS
 from pagedserve.cluster.worker_spec import WorkerSpec, create_worker
 from pagedserve.cluster.worker_state import WorkerState
 from pagedserve.workers.deadline import within
-from pagedserve.workers.telemetry import NOOP, TelemetryConfig, otel_env
-from pagedserve.workers.worker_role import WorkerRole
+from pagedserve.workers.engine.role import WorkerRole
+from pagedserve.workers.telemetry.telemetry import NOOP, TelemetryConfig, otel_env
 
 logger = logging.getLogger(__name__)
 CALL_ERRORS = (*WORKER_LOST_ERRORS, TimeoutError, ray.exceptions.RayError)

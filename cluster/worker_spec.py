@@ -20,12 +20,12 @@ import ray
 from ray.actor import ActorHandle
 
 from pagedserve.cluster.config import ClusterConfig
-from pagedserve.workers import drain_signal
-from pagedserve.workers.engine_config import EngineConfig
+from pagedserve.workers.engine.config import EngineConfig
+from pagedserve.workers.engine.role import WorkerRole
+from pagedserve.workers.process import drain_signal
 from pagedserve.workers.ray_internals import setup_hook_env_var
-from pagedserve.workers.telemetry import TelemetryConfig, otel_env
-from pagedserve.workers.worker import Worker
-from pagedserve.workers.worker_role import WorkerRole
+from pagedserve.workers.telemetry.telemetry import TelemetryConfig, otel_env
+from pagedserve.workers.worker.actor import Worker
 
 # Generous: a worker streams many requests at once, each a long-lived generator call.
 WORKER_MAX_CONCURRENCY = 4096
@@ -119,7 +119,7 @@ def worker_class(spec: WorkerSpec) -> type[Worker]:
     """The production `Worker`, or with `fault_injection` its subclass that takes faults."""
     if not spec.fault_injection:
         return Worker
-    from pagedserve.workers.fault_injection import FaultInjectingWorker
+    from pagedserve.workers.worker.fault_injection import FaultInjectingWorker
 
     return FaultInjectingWorker
 
@@ -137,7 +137,7 @@ def create_worker(
     Ray restarts a crashed worker (max_restarts) and a router revives it once it answers. The
     worker gets the telemetry settings, this process's OTEL_* variables in its runtime env, and
     `OMP_NUM_THREADS` when threads or pinning are set (torch reads it at import). Its process
-    runs the setup hook that makes SIGTERM drain it (`workers/drain_signal.py`).
+    runs the setup hook that makes SIGTERM drain it (`workers/process/drain_signal.py`).
     """
     placement = spec._placement()
     env = {**otel_env(), setup_hook_env_var(): drain_signal.SETUP_HOOK}

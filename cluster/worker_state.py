@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.cluster.routing import WorkerLoad
-from pagedserve.workers.worker_types import WorkerInfo, WorkerStats
+from pagedserve.workers.worker.types import WorkerInfo, WorkerStats
 
 
 @dataclass

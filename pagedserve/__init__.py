@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _PUBLIC_NAMES: dict[str, str] = {
-    "LLM": "pagedserve.workers.llm",
-    "SamplingParams": "pagedserve.workers.sampling_params",
+    "LLM": "pagedserve.workers.offline.llm",
+    "SamplingParams": "pagedserve.workers.sampling.params",
     "GuidedSpec": "pagedserve.workers.structured.spec",
-    "RequestOutput": "pagedserve.workers.outputs",
-    "CompletionOutput": "pagedserve.workers.outputs",
+    "RequestOutput": "pagedserve.workers.engine.outputs",
+    "CompletionOutput": "pagedserve.workers.engine.outputs",
     "Client": "pagedserve.cluster.client",
     "AsyncClient": "pagedserve.cluster.client",
 }
@@ -23,9 +23,9 @@ __all__ = ["__version__", *_PUBLIC_NAMES]
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports lazily
     from pagedserve.cluster.client import AsyncClient, Client  # noqa: F401
-    from pagedserve.workers.llm import LLM  # noqa: F401
-    from pagedserve.workers.outputs import CompletionOutput, RequestOutput  # noqa: F401
-    from pagedserve.workers.sampling_params import SamplingParams  # noqa: F401
+    from pagedserve.workers.engine.outputs import CompletionOutput, RequestOutput  # noqa: F401
+    from pagedserve.workers.offline.llm import LLM  # noqa: F401
+    from pagedserve.workers.sampling.params import SamplingParams  # noqa: F401
     from pagedserve.workers.structured.spec import GuidedSpec  # noqa: F401
 
 

@@ -20,8 +20,8 @@ COMMAND_MODULES: tuple[str, ...] = (
     "pagedserve.cluster.client_cli",  # generate (cluster, or --offline), status
     "pagedserve.cluster.cli",
     "pagedserve.cluster.trace_view",  # trace show
-    "pagedserve.workers.model_cli",  # model list, model prepare
-    "pagedserve.workers.drain_node",  # drain-node (a pod's preStop hook)
+    "pagedserve.workers.model.cli",  # model list, model prepare
+    "pagedserve.workers.process.drain_node",  # drain-node (a pod's preStop hook)
 )
 
 

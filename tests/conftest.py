@@ -64,7 +64,7 @@ def smollm2():
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
     """SmolLM2's BPE tokenizer alone (no weights loaded)."""
-    from pagedserve.workers.tokenizer import load_tokenizer
+    from pagedserve.workers.model.tokenizer import load_tokenizer
 
     return load_tokenizer(SMOLLM2)
 

@@ -40,7 +40,7 @@ def test_an_engine_on_cuda_serves_mixed_adapters_as_merged_peft(tmp_path) -> Non
     from support.lora import make_test_adapters
 
     from pagedserve import LLM, SamplingParams
-    from pagedserve.workers.tiny_llama import build_tiny_llama
+    from pagedserve.workers.model.tiny_llama import build_tiny_llama
 
     adapters = make_test_adapters(tmp_path)
     llm = LLM(

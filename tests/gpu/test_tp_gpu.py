@@ -13,7 +13,7 @@ from support.engine import finish_clean
 from support.real_model import SMOLLM2
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.workers.model_loader import load_model
+from pagedserve.workers.model.loader import load_model
 from pagedserve.workers.tp.shard_bytes import model_shards, shard_weight_bytes
 
 pytestmark = pytest.mark.skipif(

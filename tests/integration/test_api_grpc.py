@@ -32,8 +32,8 @@ from pagedserve.cli import main as cli_main
 from pagedserve.cluster.client import AsyncClient, Client
 from pagedserve.cluster.grpc_backlog import pending_backlog_options
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
+from pagedserve.workers.model.tokenizer import ByteTokenizer
 from pagedserve.workers.ray_internals import serve_grpc_server_options
-from pagedserve.workers.tokenizer import ByteTokenizer
 
 TOKEN = "grpc-test-token"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)

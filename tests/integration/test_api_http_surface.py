@@ -19,8 +19,8 @@ from support.api_app import CONTEXT, VOCAB, assert_app_clean, running_app
 from support.beam import hf_beams
 
 from pagedserve.cluster.client import Client
-from pagedserve.workers.beam_groups import decoder_for
-from pagedserve.workers.model_loader import load_model
+from pagedserve.workers.beam.groups import decoder_for
+from pagedserve.workers.model.loader import load_model
 
 TOKEN = "surface-test-token"
 MODEL = "tiny-llama"

@@ -24,10 +24,10 @@ from support.cluster import (
 from support.wait import until
 
 from pagedserve.cluster.worker_group import stop_worker_group
-from pagedserve.workers import handoff_ref
-from pagedserve.workers.handoff import RequestHandoff
-from pagedserve.workers.sampling_params import SamplingParams
-from pagedserve.workers.worker_types import RequestMoved, WorkerStats
+from pagedserve.workers.sampling.params import SamplingParams
+from pagedserve.workers.transfer import handoff_ref
+from pagedserve.workers.transfer.handoff import RequestHandoff
+from pagedserve.workers.worker.types import RequestMoved, WorkerStats
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 

@@ -31,7 +31,7 @@ from support.wait import RESTART_DEADLINE_S, until
 from pagedserve import LLM, SamplingParams
 from pagedserve.cluster.router_types import GenerateRequest
 from pagedserve.cluster.worker_group import stop_worker_group
-from pagedserve.workers.worker_role import WorkerRole
+from pagedserve.workers.engine.role import WorkerRole
 
 # A small step budget: a 40-token prompt takes 3 prefill steps, so a fault can strike inside
 # a prefill (the engine stopped after its first chunk).

@@ -22,7 +22,7 @@ from support.wait import until
 
 from pagedserve.cluster.router_types import GenerateRequest
 from pagedserve.cluster.worker_group import drain_worker_group, stop_worker_group
-from pagedserve.workers.pid_files import process_start_time
+from pagedserve.workers.process.pid_files import process_start_time
 
 PIN = 10_000_000  # router-side demand that makes a worker look full, to steer routing
 MAX_TOKENS = 40  # more than a held stream's buffers take: it pauses before its end

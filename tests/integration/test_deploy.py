@@ -25,7 +25,7 @@ from pagedserve.cluster.client import Client
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.ports import free_port
 from pagedserve.cluster.worker_group import stop_worker_group
-from pagedserve.workers.model_cli import prepare_in_subprocess
+from pagedserve.workers.model.cli import prepare_in_subprocess
 
 MAX_TOKENS = 8
 # A failsafe, not a measure: the real model's workers load in seconds on a quiet machine, and

@@ -17,9 +17,9 @@ from pagedserve.cluster.prefix_index import (
     PublishResult,
     get_or_create_prefix_index,
 )
-from pagedserve.workers.block import BlockKey
-from pagedserve.workers.block_hash import block_hash
-from pagedserve.workers.block_pool import BlockPool
+from pagedserve.workers.kv.block import BlockKey
+from pagedserve.workers.kv.block_hash import block_hash
+from pagedserve.workers.kv.block_pool import BlockPool
 
 # The deadline of one snapshot pull. A stand-in answers at once on a quiet machine, but a
 # pull that misses the deadline is a failed resync, not a slow one: under a loaded machine 1 s

@@ -40,7 +40,7 @@ from support.processes import MARK_ENV, processes_marked
 from pagedserve.cluster.ports import free_port
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
 from pagedserve.proto.pagedserve.v1 import serving_pb2_grpc
-from pagedserve.workers.tiny_llama import save_tiny_llama
+from pagedserve.workers.model.tiny_llama import save_tiny_llama
 
 START_TIMEOUT_S = 600  # a loaded 2-core machine took minutes to start a local Ray
 EXIT_TIMEOUT_S = 300  # a failsafe only: what the tests check is the state at the exit

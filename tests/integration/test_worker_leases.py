@@ -12,10 +12,10 @@ import pytest
 import ray
 
 from pagedserve.workers.deadline import within
-from pagedserve.workers.engine_config import EngineConfig
-from pagedserve.workers.sampling_params import SamplingParams
-from pagedserve.workers.worker import Worker
-from pagedserve.workers.worker_types import WorkerRequest
+from pagedserve.workers.engine.config import EngineConfig
+from pagedserve.workers.sampling.params import SamplingParams
+from pagedserve.workers.worker.actor import Worker
+from pagedserve.workers.worker.types import WorkerRequest
 
 LEASE_S = 10.0  # generous: renewals on a loaded machine must never lapse it
 DEADLINE_S = 120.0

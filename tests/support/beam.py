@@ -1,4 +1,4 @@
-"""HF's beam search as the reference for the engine's (`workers/beam_groups.py`)."""
+"""HF's beam search as the reference for the engine's (`workers/beam/groups.py`)."""
 
 from __future__ import annotations
 

@@ -13,9 +13,9 @@ from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.router import RouterCore
 from pagedserve.cluster.router_types import GenerateRequest
 from pagedserve.cluster.worker_group import start_pool
-from pagedserve.workers.engine_config import EngineConfig
-from pagedserve.workers.sampling_params import SamplingParams
-from pagedserve.workers.telemetry import NOOP, TelemetryConfig, Tracing
+from pagedserve.workers.engine.config import EngineConfig
+from pagedserve.workers.sampling.params import SamplingParams
+from pagedserve.workers.telemetry.telemetry import NOOP, TelemetryConfig, Tracing
 from support.leaks import DEADLINE_S, cluster_problems, in_process_router
 from support.wait import until
 

@@ -7,11 +7,11 @@ import copy
 import torch
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
-from pagedserve.workers.engine import Engine
-from pagedserve.workers.kv_checks import assert_no_leaks
-from pagedserve.workers.llm import LLM
-from pagedserve.workers.model_loader import LoadedModel, load_model
-from pagedserve.workers.outputs import OutputBuilder, RequestDelta, RequestOutput
+from pagedserve.workers.engine.engine import Engine
+from pagedserve.workers.engine.outputs import OutputBuilder, RequestDelta, RequestOutput
+from pagedserve.workers.kv.checks import assert_no_leaks
+from pagedserve.workers.model.loader import LoadedModel, load_model
+from pagedserve.workers.offline.llm import LLM
 
 
 class ReferenceModel:

@@ -14,7 +14,7 @@ def no_local_constants() -> Iterator[None]:
     Hypothesis (6.170, pinned in requirements/) draws a share of its values from the literals
     it finds in every loaded local module, so an unrelated constant anywhere in the project
     changed the cases of the block manager's state machine
-    (`tests/unit/workers/test_kv_manager_stateful.py`): adding int8's constants to
+    (`tests/unit/workers/kv/test_kv_manager_stateful.py`): adding int8's constants to
     `kv_quant.py` cut the host-tier loads of its derandomised run from 166 to 27, under its
     threshold. Without them its cases depend only on its own file and seed (166 loads, 381
     verify steps with drafts, 487 preempted or aborted drafts). `providers` is Hypothesis'

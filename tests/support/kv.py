@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedserve.workers.kv_cache_manager import KVCacheManager
+from pagedserve.workers.kv.manager import KVCacheManager
 
 
 @dataclass

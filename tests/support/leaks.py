@@ -53,10 +53,10 @@ from pagedserve.cluster.prefix_view import PrefixView
 from pagedserve.cluster.router import RouterCore
 from pagedserve.cluster.router_types import RouterInflight
 from pagedserve.cluster.worker_pool import existing_workers
-from pagedserve.workers.engine import Engine
-from pagedserve.workers.kv_cache_manager import KVCacheManager
-from pagedserve.workers.kv_checks import KVInvariantError, assert_no_leaks
-from pagedserve.workers.kv_events import TIER_NAMES
+from pagedserve.workers.engine.engine import Engine
+from pagedserve.workers.kv.checks import KVInvariantError, assert_no_leaks
+from pagedserve.workers.kv.events import TIER_NAMES
+from pagedserve.workers.kv.manager import KVCacheManager
 from support.wait import RESTART_DEADLINE_S
 
 # A failsafe: the check returns as soon as everything is clean. A worker a test killed is

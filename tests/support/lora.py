@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, get_peft_model
 
-from pagedserve.workers.tiny_llama import build_tiny_llama
+from pagedserve.workers.model.tiny_llama import build_tiny_llama
 from support.engine import ReferenceModel
 
 

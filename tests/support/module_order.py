@@ -40,17 +40,17 @@ OWN_RAY = (
 LONGEST_FIRST = (
     "unit/bench/test_gpu_check_dry_run.py",
     "unit/bench/test_offline_bench.py",
-    "unit/workers/test_real_model.py",
+    "unit/workers/engine/test_real_model.py",
     "unit/bench/test_compare.py",
     "unit/cluster/test_fuzz_inputs.py",
     "unit/cluster/test_serve_preflight.py",
     "unit/kernels/test_split_and_knobs.py",
-    "unit/workers/test_spec_decode.py",
-    "unit/workers/test_sampler.py",
+    "unit/workers/spec/test_spec_decode.py",
+    "unit/workers/sampling/test_sampler.py",
     "unit/kernels/test_attention_triton.py",
-    "unit/workers/test_kv_manager_stateful.py",
+    "unit/workers/kv/test_kv_manager_stateful.py",
     "unit/cluster/test_prefix_index.py",
-    "unit/workers/test_engine_equivalence.py",
+    "unit/workers/engine/test_engine_equivalence.py",
     "unit/bench/test_kv_calc.py",
 )
 

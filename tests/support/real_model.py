@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.workers.model_loader import LoadedModel
-from pagedserve.workers.tokenizer import render_chat
+from pagedserve.workers.model.loader import LoadedModel
+from pagedserve.workers.model.tokenizer import render_chat
 from support.engine import ReferenceModel
 from support.real_text import CHATS, PROMPTS
 

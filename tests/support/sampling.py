@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagedserve.workers.sampling_params import SamplingParams
+from pagedserve.workers.sampling.params import SamplingParams
 
 
 def reference_penalties(

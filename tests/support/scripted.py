@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pagedserve.workers.request import Request
-from pagedserve.workers.sampling_params import SamplingParams
+from pagedserve.workers.engine.request import Request
+from pagedserve.workers.sampling.params import SamplingParams
 
 
 def scripted_request(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from pagedserve.workers.tiny_llama import save_truncated_tiny_llama
+from pagedserve.workers.model.tiny_llama import save_truncated_tiny_llama
 
 __all__ = ["repetitive_prompts", "save_truncated_tiny_llama"]
 

@@ -5,7 +5,7 @@ What each module owns:
 - `adapter.py`: one adapter read from PEFT's format (`adapter_config.json` +
   `adapter_model.safetensors`), checked against the model (targets, shapes, rank) at load;
   its identity (`LoraAdapter.key`: name and a digest of its files) is what the block hash
-  carries (`workers/block_hash.py`, `cache_key`), so KV computed under one adapter is never
+  carries (`workers/kv/block_hash.py`, `cache_key`), so KV computed under one adapter is never
   a hit for another or for the base.
 - `registry.py`: an engine's adapters: every registered name, the parsed ones kept in host
   memory (LRU, `max_cpu_loras`), and `max_loras` device slots whose weights are stacked per

@@ -17,9 +17,9 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.workers.model_loader import LoadedModel
-from pagedserve.workers.request import Request
-from pagedserve.workers.stop_checker import FinishReason
+from pagedserve.workers.engine.request import Request
+from pagedserve.workers.engine.stop_checker import FinishReason
+from pagedserve.workers.model.loader import LoadedModel
 from pagedserve.workers.structured.backend import GrammarBackend
 from pagedserve.workers.structured.compiler import DEFAULT_COMPILE_TIMEOUT_S, GrammarCompiler
 from pagedserve.workers.structured.spec import GuidedSpec

@@ -22,8 +22,8 @@ from torch import Tensor
 from pagedserve.workers.structured.backend import GrammarBackend
 
 if TYPE_CHECKING:
-    from pagedserve.workers.request import Request
-    from pagedserve.workers.sampling_params import SamplingParams
+    from pagedserve.workers.engine.request import Request
+    from pagedserve.workers.sampling.params import SamplingParams
 
 
 def bad_word_token_ids(tokenizer, words: Sequence[str]) -> list[list[int]]:

@@ -16,8 +16,8 @@ from typing import Any
 import xgrammar as xgr
 from torch import Tensor
 
+from pagedserve.workers.model.tokenizer import ByteTokenizer
 from pagedserve.workers.structured.spec import GuidedKind, GuidedSpec
-from pagedserve.workers.tokenizer import ByteTokenizer
 
 
 def build_grammar(spec: GuidedSpec) -> xgr.Grammar:

@@ -21,13 +21,13 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from pagedserve.workers.attention_metadata import AttentionMetadata
-from pagedserve.workers.engine_checks import EngineConfigError
-from pagedserve.workers.engine_config import EngineConfig
-from pagedserve.workers.fused_decoder import unfusable_reason
-from pagedserve.workers.kv_cache import KVCache, KVDtypeMismatch
-from pagedserve.workers.model_loader import LoadedModel
-from pagedserve.workers.model_runner import _check_inputs
+from pagedserve.workers.engine.checks import EngineConfigError
+from pagedserve.workers.engine.config import EngineConfig
+from pagedserve.workers.kv.cache import KVCache, KVDtypeMismatch
+from pagedserve.workers.model.attention_metadata import AttentionMetadata
+from pagedserve.workers.model.fused_decoder import unfusable_reason
+from pagedserve.workers.model.loader import LoadedModel
+from pagedserve.workers.model.runner import _check_inputs
 from pagedserve.workers.tp.collectives import Collectives, backend_for, free_port
 from pagedserve.workers.tp.group import TPGroup
 from pagedserve.workers.tp.protocol import (

@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
-from pagedserve.workers.attention_metadata import AttentionMetadata
+from pagedserve.workers.model.attention_metadata import AttentionMetadata
 from pagedserve.workers.tp.sharded_decoder import ShardWeights
 from pagedserve.workers.tp.shards import TPShard
 
 if TYPE_CHECKING:
     from pagedserve.kernels import KernelOps
-    from pagedserve.workers.kv_cache import KVCache
+    from pagedserve.workers.kv.cache import KVCache
     from pagedserve.workers.tp.sharded_decoder import ShardedDecoder
 
 

@@ -19,8 +19,8 @@ from multiprocessing.connection import Client, Connection
 import torch
 
 from pagedserve.kernels import get_kernel_ops
-from pagedserve.workers.cpu_linear import resolve_linear_backend
-from pagedserve.workers.kv_cache import KVCache
+from pagedserve.workers.kv.cache import KVCache
+from pagedserve.workers.model.cpu_linear import resolve_linear_backend
 from pagedserve.workers.tp.collectives import Collectives
 from pagedserve.workers.tp.protocol import READY, REPLYING, RankSpec, RankState, Stop
 from pagedserve.workers.tp.sharded_decoder import ShardedDecoder, ShardWeights, layer_to

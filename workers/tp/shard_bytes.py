@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from pagedserve.workers.model_loader import LoadedModel
+from pagedserve.workers.model.loader import LoadedModel
 from pagedserve.workers.tp.shards import TPShard, plan_shards
 
 

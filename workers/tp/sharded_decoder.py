@@ -30,10 +30,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pagedserve.kernels import KernelOps
-from pagedserve.workers.attention_metadata import AttentionMetadata
-from pagedserve.workers.cpu_linear import Projection
-from pagedserve.workers.fused_decoder import _rms_norm, _rope, unfusable_reason
-from pagedserve.workers.paged_attend import write_and_attend
+from pagedserve.workers.model.attention_metadata import AttentionMetadata
+from pagedserve.workers.model.cpu_linear import Projection
+from pagedserve.workers.model.fused_decoder import _rms_norm, _rope, unfusable_reason
+from pagedserve.workers.model.paged_attend import write_and_attend
 from pagedserve.workers.tp.collectives import Collectives
 from pagedserve.workers.tp.shards import TPShard, split_evenly
 

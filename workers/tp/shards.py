@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedserve.workers.engine_checks import EngineConfigError
+from pagedserve.workers.engine.checks import EngineConfigError
 
 FLAG = "tensor_parallel_size"
 

@@ -9,7 +9,7 @@ from support.engine import finish_clean, load
 from pagedserve.bench.beam import _widths, compare_beams, format_throughput, summarise_throughput
 from pagedserve.bench.beam_blocks import count_blocks, format_blocks
 from pagedserve.bench.compare_protocol import ArmRun
-from pagedserve.workers.llm import LLM
+from pagedserve.workers.offline.llm import LLM
 
 PROMPTS = [list(range(3, 40)), list(range(50, 70))]
 

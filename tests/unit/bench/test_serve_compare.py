@@ -104,7 +104,7 @@ def test_the_engine_arm_gets_the_served_workers_engine_and_threads():
     from pagedserve.bench.serve_compare_engine import served_worker_layout
     from pagedserve.cluster.config import ClusterConfig
     from pagedserve.cluster.node_layout import NodeResources
-    from pagedserve.workers.engine_config import EngineConfig
+    from pagedserve.workers.engine.config import EngineConfig
 
     node = NodeResources(numa_cores=((0, 1, 2),), available_bytes=5 << 30, num_gpus=0)
     flags = our_flags(args_of(model="tiny-llama"))

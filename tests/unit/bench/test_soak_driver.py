@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from pagedserve.bench.soak_driver import SoakRequest, run_one
 from pagedserve.workers.errors import Overloaded
-from pagedserve.workers.sampling_params import SamplingParams
+from pagedserve.workers.sampling.params import SamplingParams
 
 
 @dataclass(frozen=True)

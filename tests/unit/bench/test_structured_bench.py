@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from pagedserve.bench import structured
-from pagedserve.workers import sampler
+from pagedserve.workers.sampling import sampler
 
 
 def test_bench_structured_small():

@@ -20,7 +20,7 @@ from pagedserve.cluster.app import build_app
 from pagedserve.cluster.auth import Caller, TokenAuth, read_tokens_file
 from pagedserve.cluster.router_types import GenerateRequest, NoWorkerAvailable
 from pagedserve.workers.errors import Overloaded, RequestRejected, RequestTooLarge
-from pagedserve.workers.sampling_params import SamplingParams
+from pagedserve.workers.sampling.params import SamplingParams
 
 
 # ------------------------------------------------------------------ mapping

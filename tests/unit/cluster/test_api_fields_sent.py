@@ -12,7 +12,7 @@ from pagedserve.cluster.api_errors import ApiError, ErrorCode
 from pagedserve.cluster.grpc_convert import request_from_proto
 from pagedserve.cluster.openai_models import ChatCompletionBody, CompletionBody, parse_body
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
-from pagedserve.workers.tokenizer import ByteTokenizer
+from pagedserve.workers.model.tokenizer import ByteTokenizer
 
 MODEL = {"model": "tiny-llama"}
 USER = {"role": "user", "content": "hi"}

@@ -40,12 +40,12 @@ from pagedserve.cluster.router_types import (
     WorkerView,
 )
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
-from pagedserve.workers.kv_cache_manager import KVUsage
-from pagedserve.workers.logprobs import TokenLogprob, TopLogprob
-from pagedserve.workers.outputs import RequestMetrics
-from pagedserve.workers.stream import StreamDelta, Usage
-from pagedserve.workers.tokenizer import ByteTokenizer
-from pagedserve.workers.worker_types import WorkerStats
+from pagedserve.workers.engine.outputs import RequestMetrics
+from pagedserve.workers.kv.manager import KVUsage
+from pagedserve.workers.model.tokenizer import ByteTokenizer
+from pagedserve.workers.sampling.logprobs import TokenLogprob, TopLogprob
+from pagedserve.workers.worker.stream import StreamDelta, Usage
+from pagedserve.workers.worker.types import WorkerStats
 
 
 # ----------------------------------------------------------------- gRPC in
@@ -546,7 +546,7 @@ def test_grpc_carries_logprobs_and_prompt_logprobs():
 
 
 def test_stats_carry_each_worker_s_pd_role_and_the_handoff_counters():
-    from pagedserve.workers.worker_role import WorkerRole
+    from pagedserve.workers.engine.role import WorkerRole
 
     stats = ClusterStats(
         workers={

@@ -14,7 +14,7 @@ from support.engine import finish_clean, load
 from pagedserve import LLM, SamplingParams
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.router import RouterCore
-from pagedserve.workers.block_hash import cache_key
+from pagedserve.workers.kv.block_hash import cache_key
 
 BLOCK_SIZE = 16
 GREEDY = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)

@@ -4,7 +4,7 @@ import pytest
 
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.router_types import BackpressureLimits
-from pagedserve.workers.engine_config import EngineConfig
+from pagedserve.workers.engine.config import EngineConfig
 
 
 def test_workers_get_the_cluster_queue_bound():

@@ -25,8 +25,8 @@ from pagedserve.cluster.openai_models import ChatCompletionBody, CompletionBody
 from pagedserve.cluster.openai_reading import parse_request
 from pagedserve.cluster.router_types import GenerateRequest
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
-from pagedserve.workers.sampling_params import SamplingParams
-from pagedserve.workers.tokenizer import ByteTokenizer
+from pagedserve.workers.model.tokenizer import ByteTokenizer
+from pagedserve.workers.sampling.params import SamplingParams
 
 FUZZ = settings(
     max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True

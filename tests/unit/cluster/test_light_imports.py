@@ -18,7 +18,7 @@ LIGHT_MODULES = [
     "pagedserve.cluster.prefix_index",  # the prefix index actor
     "pagedserve.cluster.worker_pool",  # the worker pool actor (creates `Worker` actors)
     "pagedserve.cluster.app",  # the Router replica and `build_app`
-    "pagedserve.workers.worker",  # the class the pool creates workers from
+    "pagedserve.workers.worker.actor",  # the class the pool creates workers from
 ]
 
 
@@ -42,4 +42,4 @@ def test_the_control_actors_modules_import_no_torch():
 
 
 def test_the_check_sees_a_module_that_imports_torch():
-    assert heavy_imports("pagedserve.workers.kv_cache") == ["torch"]
+    assert heavy_imports("pagedserve.workers.kv.cache") == ["torch"]

@@ -12,7 +12,7 @@ from pagedserve.cluster.api_config import split_app_args
 from pagedserve.cluster.api_errors import ApiError
 from pagedserve.cluster.openai_embeddings import MAX_INPUTS, EmbeddingBody, encode
 from pagedserve.cluster.openai_models import parse_body
-from pagedserve.workers.sampling_params import Pooling
+from pagedserve.workers.sampling.params import Pooling
 
 
 def inputs(value) -> list:

@@ -12,7 +12,7 @@ from pagedserve.cluster.api_errors import ApiError
 from pagedserve.cluster.openai_models import parse_body
 from pagedserve.cluster.openai_responses_api import AnswerReader, ResponsesBody
 from pagedserve.cluster.openai_responses_objects import ResponseEvents, ResponseObject
-from pagedserve.workers.outputs import Usage
+from pagedserve.workers.engine.outputs import Usage
 
 
 def body(**fields) -> ResponsesBody:

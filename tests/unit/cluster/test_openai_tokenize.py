@@ -9,7 +9,7 @@ import pytest
 from pagedserve.cluster.api_errors import ApiError
 from pagedserve.cluster.openai_models import ChatMessage
 from pagedserve.cluster.openai_tokenize import chat_turns, encode
-from pagedserve.workers.tokenizer import ByteTokenizer, HFTokenizer, render_chat
+from pagedserve.workers.model.tokenizer import ByteTokenizer, HFTokenizer, render_chat
 
 CHAT = [{"role": "user", "content": "What is a KV cache?"}]
 

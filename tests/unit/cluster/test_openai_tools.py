@@ -12,8 +12,8 @@ from pagedserve.cluster.api_common import chat_prompt, sampling_params
 from pagedserve.cluster.api_errors import ApiError, ErrorCode
 from pagedserve.cluster.openai_models import ChatCompletionBody, parse_body
 from pagedserve.cluster.openai_tools import ARGUMENTS_KEY, CALL_BEGIN, CALL_END
+from pagedserve.workers.model.tokenizer import ByteTokenizer
 from pagedserve.workers.structured.xgrammar_backend import XGrammarBackend
-from pagedserve.workers.tokenizer import ByteTokenizer
 
 EOS = ByteTokenizer.eos_token_id
 WEATHER = {

@@ -12,9 +12,9 @@ from pagedserve.cluster.api_errors import ApiError
 from pagedserve.cluster.auth import TokenAuth
 from pagedserve.cluster.openai_api import ChatChunks, CompletionChunks, OpenAIFrontend
 from pagedserve.cluster.openai_logprobs import CompletionExtras, echoed_prompts
-from pagedserve.workers.logprobs import TokenLogprob, TopLogprob
-from pagedserve.workers.stream import StreamDelta, Usage
-from pagedserve.workers.tokenizer import ByteTokenizer
+from pagedserve.workers.model.tokenizer import ByteTokenizer
+from pagedserve.workers.sampling.logprobs import TokenLogprob, TopLogprob
+from pagedserve.workers.worker.stream import StreamDelta, Usage
 
 
 def lp(token_id: int, logprob: float, *top: tuple[int, float]) -> TokenLogprob:

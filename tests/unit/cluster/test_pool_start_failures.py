@@ -30,7 +30,7 @@ def test_the_cause_is_the_constructor_s_exception_line():
     traceback_text = (
         "The actor died because of an error raised in its creation task, "
         "ray::Worker.__init__() (pid=123, ip=10.0.0.1, actor_id=ab12)\n"
-        '  File "workers/model_loader.py", line 118, in _load_checkpoint\n'
+        '  File "workers/model/loader.py", line 118, in _load_checkpoint\n'
         "    raise ValueError(...)\n"
         "ValueError: cannot load a causal LM checkpoint from '/m': bad header\n"
     )

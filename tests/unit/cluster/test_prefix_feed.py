@@ -19,7 +19,7 @@ from pagedserve.cluster.prefix_feed import (
 )
 from pagedserve.cluster.prefix_index import KVSnapshot, PrefixIndexState
 from pagedserve.cluster.prefix_view import FeedFollower, PrefixView
-from pagedserve.workers.kv_events import TIER_NAMES, AllCleared, BlockRemoved, BlockStored
+from pagedserve.workers.kv.events import TIER_NAMES, AllCleared, BlockRemoved, BlockStored
 
 
 def h(i: int) -> bytes:

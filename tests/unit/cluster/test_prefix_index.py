@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 
 from pagedserve.cluster.index_stats import IndexStats
 from pagedserve.cluster.prefix_index import KVSnapshot, PrefixIndexState, PublishResult
-from pagedserve.workers.block import BlockKey
-from pagedserve.workers.block_hash import block_hash
-from pagedserve.workers.block_pool import BlockPool
-from pagedserve.workers.kv_events import AllCleared, BlockRemoved, BlockStored, KVEvent
+from pagedserve.workers.kv.block import BlockKey
+from pagedserve.workers.kv.block_hash import block_hash
+from pagedserve.workers.kv.block_pool import BlockPool
+from pagedserve.workers.kv.events import AllCleared, BlockRemoved, BlockStored, KVEvent
 
 
 def h(i: int) -> bytes:

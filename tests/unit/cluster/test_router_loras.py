@@ -19,11 +19,11 @@ from pagedserve.cluster.metrics import _WorkerCollector
 from pagedserve.cluster.router import RouterCore
 from pagedserve.cluster.worker_state import WorkerState
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
-from pagedserve.workers.block_hash import cache_key, hash_full_blocks
 from pagedserve.workers.errors import UnknownLora
-from pagedserve.workers.handoff import RequestHandoff
-from pagedserve.workers.kv_cache_manager import KVCacheManager, KVUsage
-from pagedserve.workers.worker_types import LoraLoadResult, WorkerStats
+from pagedserve.workers.kv.block_hash import cache_key, hash_full_blocks
+from pagedserve.workers.kv.manager import KVCacheManager, KVUsage
+from pagedserve.workers.transfer.handoff import RequestHandoff
+from pagedserve.workers.worker.types import LoraLoadResult, WorkerStats
 
 BLOCK_SIZE = 4
 PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)

@@ -20,7 +20,7 @@ from pagedserve.cluster.routable import RoutableWorkers
 from pagedserve.cluster.router import RouterCore
 from pagedserve.cluster.routing import RANKED_LISTED, KvAwarePolicy, WorkerLoad, make_policy
 from pagedserve.cluster.worker_state import WorkerState
-from pagedserve.workers.block_hash import hash_full_blocks
+from pagedserve.workers.kv.block_hash import hash_full_blocks
 
 
 def random_policy(rng: random.Random) -> KvAwarePolicy:

@@ -13,9 +13,9 @@ from pagedserve.cluster.node_layout import NodeResources
 from pagedserve.cluster.routing import RoutingPolicy
 from pagedserve.kernels.backends import BACKENDS
 from pagedserve.workers.config_flags import attribute_docs
-from pagedserve.workers.engine_config import EngineConfig
-from pagedserve.workers.kv_cache_manager import ALLOCATION_MODES
-from pagedserve.workers.scheduling_policy import PREEMPTION_MODES, SchedulingPolicy
+from pagedserve.workers.engine.config import EngineConfig
+from pagedserve.workers.kv.manager import ALLOCATION_MODES
+from pagedserve.workers.scheduler.policy import PREEMPTION_MODES, SchedulingPolicy
 
 # The machine the defaults are sized to in these tests: 2 cores on one NUMA node, 8 GiB free.
 NODE = NodeResources(numa_cores=((0, 1),), available_bytes=8 << 30, num_gpus=0)

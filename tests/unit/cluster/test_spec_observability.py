@@ -16,9 +16,9 @@ from pagedserve.cluster.router_types import (
     RouterCounters,
     WorkerView,
 )
-from pagedserve.workers.kv_cache_manager import KVUsage
-from pagedserve.workers.spec_stats import SpecStats
-from pagedserve.workers.worker_types import WorkerStats
+from pagedserve.workers.kv.manager import KVUsage
+from pagedserve.workers.spec.stats import SpecStats
+from pagedserve.workers.worker.types import WorkerStats
 
 
 def worker(worker_id: str, spec: SpecStats) -> WorkerStats:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pagedserve.cluster.metrics import _WorkerCollector
-from pagedserve.workers.kv_cache_manager import KVCacheManager
-from pagedserve.workers.kv_tiers import TierStats, TierUsage
-from pagedserve.workers.worker_types import WorkerStats
+from pagedserve.workers.kv.manager import KVCacheManager
+from pagedserve.workers.kv.tiers import TierStats, TierUsage
+from pagedserve.workers.worker.types import WorkerStats
 
 
 def test_tier_occupancy_hits_and_bytes_are_exported():

@@ -13,7 +13,7 @@ from pagedserve.cluster.prefix_index import KVSnapshot, PrefixIndexState
 from pagedserve.cluster.prefix_view import PrefixView
 from pagedserve.cluster.routing import KvAwarePolicy, WorkerLoad
 from pagedserve.cluster.tier_costs import TierCosts, TierHits
-from pagedserve.workers.kv_events import BlockStored
+from pagedserve.workers.kv.events import BlockStored
 
 COSTS = TierCosts(host_block_cost=0.25, disk_block_cost=0.5)
 

@@ -20,13 +20,13 @@ from pagedserve.cluster.metrics import RouterMetrics
 from pagedserve.cluster.router_types import GenerateRequest
 from pagedserve.cluster.trace_view import find_trace, render
 from pagedserve.cluster.tracing import RouterTrace, carrier_from_headers
-from pagedserve.workers.kv_cache_manager import KVUsage
-from pagedserve.workers.outputs import RequestMetrics
-from pagedserve.workers.stream import StreamDelta, Usage
-from pagedserve.workers.telemetry import NOOP, TelemetryConfig, Tracing, get_tracing
-from pagedserve.workers.trace_file import read_spans
-from pagedserve.workers.worker_core import WorkerCore
-from pagedserve.workers.worker_types import WorkerStats
+from pagedserve.workers.engine.outputs import RequestMetrics
+from pagedserve.workers.kv.manager import KVUsage
+from pagedserve.workers.telemetry.telemetry import NOOP, TelemetryConfig, Tracing, get_tracing
+from pagedserve.workers.telemetry.trace_file import read_spans
+from pagedserve.workers.worker.core import WorkerCore
+from pagedserve.workers.worker.stream import StreamDelta, Usage
+from pagedserve.workers.worker.types import WorkerStats
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

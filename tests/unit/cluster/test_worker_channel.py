@@ -16,9 +16,9 @@ from pagedserve.cluster.router_types import WorkerLost
 from pagedserve.cluster.worker_channel import WorkerChannels
 from pagedserve.cluster.worker_state import WorkerState
 from pagedserve.workers.errors import HandedOff, Overloaded
-from pagedserve.workers.sampling_params import SamplingParams
-from pagedserve.workers.stream import StepBatch, StreamDelta
-from pagedserve.workers.worker_types import RequestFailed, WorkerRequest
+from pagedserve.workers.sampling.params import SamplingParams
+from pagedserve.workers.worker.stream import StepBatch, StreamDelta
+from pagedserve.workers.worker.types import RequestFailed, WorkerRequest
 
 
 def _method(fn) -> Any:

@@ -12,8 +12,8 @@ from pagedserve.cluster.router_types import RouterCounters
 from pagedserve.cluster.worker_liveness import WorkerLiveness
 from pagedserve.cluster.worker_state import WorkerState
 from pagedserve.workers.deadline import within
-from pagedserve.workers.kv_cache_manager import KVUsage
-from pagedserve.workers.worker_types import WorkerInfo, WorkerStats
+from pagedserve.workers.kv.manager import KVUsage
+from pagedserve.workers.worker.types import WorkerInfo, WorkerStats
 
 
 class SlowIndex:

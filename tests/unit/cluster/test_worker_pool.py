@@ -24,7 +24,7 @@ from pagedserve.cluster.pool_types import MemberState
 from pagedserve.cluster.prefix_view import PrefixView
 from pagedserve.cluster.worker_spec import WorkerSpec
 from pagedserve.cluster.worker_state import WorkerState
-from pagedserve.workers.engine_config import EngineConfig
+from pagedserve.workers.engine.config import EngineConfig
 
 SERVING, STARTING, LEAVING = MemberState.SERVING, MemberState.STARTING, MemberState.LEAVING
 SETTINGS = ScalingSettings(

@@ -16,10 +16,10 @@ from pagedserve.cluster.router_types import NoWorkerAvailable, RouterCounters
 from pagedserve.cluster.worker_roles import DECODE_PHASE, PREFILL_PHASE
 from pagedserve.cluster.worker_spec import WorkerSpec
 from pagedserve.cluster.worker_state import WorkerState
-from pagedserve.workers.kv_cache_manager import KVUsage
-from pagedserve.workers.telemetry import NOOP
-from pagedserve.workers.worker_role import WorkerRole
-from pagedserve.workers.worker_types import WorkerInfo, WorkerStats
+from pagedserve.workers.engine.role import WorkerRole
+from pagedserve.workers.kv.manager import KVUsage
+from pagedserve.workers.telemetry.telemetry import NOOP
+from pagedserve.workers.worker.types import WorkerInfo, WorkerStats
 
 P, D, M = WorkerRole.PREFILL, WorkerRole.DECODE, WorkerRole.MIXED
 
@@ -132,9 +132,9 @@ def test_a_handoff_after_prefill_is_traced_and_counted_as_a_pd_transfer():
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from pagedserve.workers.handoff import HandoffReason, RequestHandoff
-    from pagedserve.workers.sampling_params import SamplingParams
-    from pagedserve.workers.telemetry import Tracing
+    from pagedserve.workers.sampling.params import SamplingParams
+    from pagedserve.workers.telemetry.telemetry import Tracing
+    from pagedserve.workers.transfer.handoff import HandoffReason, RequestHandoff
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()

@@ -9,8 +9,8 @@ import pytest
 
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.worker_state import WorkerState
-from pagedserve.workers.kv_cache_manager import KVUsage
-from pagedserve.workers.worker_types import WorkerStats
+from pagedserve.workers.kv.manager import KVUsage
+from pagedserve.workers.worker.types import WorkerStats
 
 STALL_S = 5.0
 

@@ -26,7 +26,7 @@ from support.scripts import load_script
 from unit.deploy.manifests import DEPLOY, REPO, find, ray_containers
 
 from pagedserve.cluster import serve_options
-from pagedserve.workers.model_registry import BUILTIN_GGUF, DEFAULT_MODEL
+from pagedserve.workers.model.registry import BUILTIN_GGUF, DEFAULT_MODEL
 
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 PACKAGE_DIRS = sorted(set(PYPROJECT["tool"]["setuptools"]["package-dir"].values()))

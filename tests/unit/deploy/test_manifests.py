@@ -25,8 +25,8 @@ from pagedserve.cli import build_parser
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.grpc_backlog import backlog_env_vars
 from pagedserve.cluster.worker_spec import WorkerSpec
-from pagedserve.workers import drain_node
-from pagedserve.workers.model_registry import DEFAULT_MODEL
+from pagedserve.workers.model.registry import DEFAULT_MODEL
+from pagedserve.workers.process import drain_node
 
 OVERLAYS = ("cpu-demo", "gpu", "gpu-tp2")
 ALL = ("base", *OVERLAYS)

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from pagedserve.kernels.launch import DECODE_CANDIDATES, PREFILL_CANDIDATES
-from pagedserve.workers.model_registry import default_cache_dir
+from pagedserve.workers.model.registry import default_cache_dir
 
 SCRIPT = pathlib.Path(__file__).with_name("compile_sm90.py")
 # 3 dtypes x (decode and reduce, each plain and VARLEN, + prefill) + write_kv + 3 block movers,

@@ -151,8 +151,8 @@ def test_a_decode_row_is_the_same_bits_whatever_its_batch(gen: torch.Generator) 
     """A decode row's attention depends on its own sequence only: alone, beside longer
     contexts, or in a mixed step beside a short chunk (in the op) and a long one (gather +
     SDPA), its output is bit for bit the same. So a request's tokens do not depend on what the
-    worker batched it with (with row-invariant projections: `workers/cpu_linear.py`). The torch
-    reference lacks this: it pads each decode group to its longest context, and a decode row
+    worker batched it with (with row-invariant projections: `workers/model/cpu_linear.py`). The
+    torch reference lacks this: it pads each decode group to its longest context, and a decode row
     beside a longer one comes out a rounding apart."""
     lens = [300, 900, 40, 20]
     kv = make_paged_kv(lens, 3, 64, 16, generator=gen)

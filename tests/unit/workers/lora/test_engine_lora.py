@@ -12,7 +12,7 @@ from support.engine import Stepper, finish_clean
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.workers.errors import UnknownLora
-from pagedserve.workers.handoff import HandoffReason, pack_handoff
+from pagedserve.workers.transfer.handoff import HandoffReason, pack_handoff
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)

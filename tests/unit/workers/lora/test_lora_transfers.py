@@ -6,12 +6,12 @@ from __future__ import annotations
 from support.engine import Stepper, finish_clean
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.workers.block_hash import cache_key, hash_full_blocks
-from pagedserve.workers.engine import Engine
-from pagedserve.workers.engine_config import EngineConfig
-from pagedserve.workers.kv_checks import assert_no_leaks
-from pagedserve.workers.kv_prefix_transfer import PrefixTransfer
-from pagedserve.workers.worker_role import WorkerRole
+from pagedserve.workers.engine.config import EngineConfig
+from pagedserve.workers.engine.engine import Engine
+from pagedserve.workers.engine.role import WorkerRole
+from pagedserve.workers.kv.block_hash import cache_key, hash_full_blocks
+from pagedserve.workers.kv.checks import assert_no_leaks
+from pagedserve.workers.transfer.prefix_transfer import PrefixTransfer
 
 BLOCK = 4
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -13,7 +13,7 @@ from pagedserve.workers.errors import LoraLoadError
 from pagedserve.workers.lora.adapter import model_shapes
 from pagedserve.workers.lora.config import LoraConfig
 from pagedserve.workers.lora.registry import LoraRegistry
-from pagedserve.workers.tiny_llama import build_tiny_llama
+from pagedserve.workers.model.tiny_llama import build_tiny_llama
 
 
 @pytest.fixture(scope="module")

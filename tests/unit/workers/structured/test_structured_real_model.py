@@ -12,8 +12,8 @@ from support.engine import finish_clean
 from support.real_model import prompt_ids
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.workers.model.tokenizer import render_chat
 from pagedserve.workers.structured import GuidedKind, GuidedSpec
-from pagedserve.workers.tokenizer import render_chat
 
 
 def engine(loaded) -> LLM:

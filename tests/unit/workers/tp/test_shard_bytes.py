@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from pagedserve.workers.model_loader import load_model
+from pagedserve.workers.model.loader import load_model
 from pagedserve.workers.tp.shard_bytes import model_shards, shard_weight_bytes
 from pagedserve.workers.tp.sharded_decoder import ShardWeights, slice_weights
 

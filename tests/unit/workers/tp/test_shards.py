@@ -2,7 +2,7 @@
 
 import pytest
 
-from pagedserve.workers.engine_checks import EngineConfigError
+from pagedserve.workers.engine.checks import EngineConfigError
 from pagedserve.workers.tp.shards import check_tp_size, plan_shards, split_evenly
 
 

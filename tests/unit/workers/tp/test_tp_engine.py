@@ -12,9 +12,9 @@ from support.engine import finish_clean
 from support.real_model import prompt_ids
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.workers import engine as engine_module
-from pagedserve.workers.engine_checks import EngineConfigError
-from pagedserve.workers.engine_config import EngineConfig
+from pagedserve.workers.engine import engine as engine_module
+from pagedserve.workers.engine.checks import EngineConfigError
+from pagedserve.workers.engine.config import EngineConfig
 from pagedserve.workers.lora.adapter import LoraLoadError
 from pagedserve.workers.tp.group import TPGroupFailed
 from pagedserve.workers.tp.shard_bytes import model_shards, shard_weight_bytes
@@ -215,7 +215,7 @@ def test_blocks_leave_full_head_and_a_dead_rank_fails_the_group(tiny_llama):
 
 
 def _one_token_batch():
-    from pagedserve.workers.attention_metadata import AttentionMetadata
+    from pagedserve.workers.model.attention_metadata import AttentionMetadata
 
     metadata = AttentionMetadata(
         slot_mapping=torch.tensor([0]),

@@ -7,10 +7,10 @@ from __future__ import annotations
 from support.engine import finish_clean
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.workers.engine import Engine
-from pagedserve.workers.engine_config import EngineConfig
-from pagedserve.workers.kv_checks import assert_no_leaks
-from pagedserve.workers.worker_role import WorkerRole
+from pagedserve.workers.engine.config import EngineConfig
+from pagedserve.workers.engine.engine import Engine
+from pagedserve.workers.engine.role import WorkerRole
+from pagedserve.workers.kv.checks import assert_no_leaks
 
 PROMPT = list(range(40, 60))  # 20 tokens: 2 full blocks of 8 and a partial one
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
