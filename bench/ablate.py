@@ -169,7 +169,7 @@ def run_arm(
 ) -> ArmResult:
     """Start the arm's worker group, run the workload through a `RouterCore`, stop the group."""
     from pagedserve.cluster.config import ClusterConfig
-    from pagedserve.cluster.worker_group import start_worker_group, stop_worker_group
+    from pagedserve.cluster.pool.group import start_worker_group, stop_worker_group
 
     tier_dir = tempfile.TemporaryDirectory(prefix="pagedserve-ablate-kv-")
     cluster = config.cluster(arm, tier_dir.name)
@@ -190,7 +190,7 @@ def run_arm(
 
 
 async def _drive(cluster_config, index, workers, workload, config: AblateConfig) -> RunResult:
-    from pagedserve.cluster.router import RouterCore
+    from pagedserve.cluster.router.router import RouterCore
 
     core = RouterCore(cluster_config, index, workers)
     try:
@@ -221,7 +221,7 @@ def core_error_reason(error: BaseException) -> str:
 
 def _core_sender(core):
     async def send(planned: PlannedRequest):
-        from pagedserve.cluster.router_types import GenerateRequest
+        from pagedserve.cluster.router.types import GenerateRequest
         from pagedserve.workers.sampling.params import SamplingParams
 
         params = SamplingParams(max_tokens=planned.max_tokens, temperature=0.0, ignore_eos=True)

@@ -34,7 +34,7 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
     """
     import ray
 
-    from pagedserve.cluster.ray_startup import allow_slow_startup
+    from pagedserve.cluster.serve.ray_startup import allow_slow_startup
 
     if ray.is_initialized():
         return False

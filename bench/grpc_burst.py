@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from pagedserve.cluster.grpc_status import RETRY_AFTER_KEY
+from pagedserve.cluster.api.grpc.status import RETRY_AFTER_KEY
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
 from pagedserve.proto.pagedserve.v1 import serving_pb2_grpc
 

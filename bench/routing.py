@@ -65,7 +65,7 @@ from pagedserve.bench.routing_workload import (
     make_workload,
 )
 from pagedserve.cluster.config import ClusterConfig
-from pagedserve.cluster.router_types import ClusterStats
+from pagedserve.cluster.router.types import ClusterStats
 from pagedserve.workers.engine.config import EngineConfig
 from pagedserve.workers.worker.types import WorkerRequest
 
@@ -101,7 +101,7 @@ def run_policy(
     config: RoutingBenchConfig, policy: str, workload: list[PlannedRequest]
 ) -> PolicyResult:
     """Start a fresh worker group for `policy`, run the workload on it, stop the group."""
-    from pagedserve.cluster.worker_group import start_worker_group, stop_worker_group
+    from pagedserve.cluster.pool.group import start_worker_group, stop_worker_group
 
     cluster = cluster_config(config, policy)
     index, workers = start_worker_group(cluster)
@@ -112,7 +112,7 @@ def run_policy(
 
 
 async def _measure(config, cluster, index, workers, workload) -> PolicyResult:
-    from pagedserve.cluster.router import RouterCore
+    from pagedserve.cluster.router.router import RouterCore
 
     core = RouterCore(cluster, index, workers)
     try:
@@ -151,7 +151,7 @@ async def _send(
     core, planned: PlannedRequest, t0: float, ideal: int, max_tokens: int
 ) -> RequestRecord:
     """Send one request at its arrival time and time its stream."""
-    from pagedserve.cluster.router_types import GenerateRequest
+    from pagedserve.cluster.router.types import GenerateRequest
     from pagedserve.workers.sampling.params import SamplingParams
 
     loop = asyncio.get_running_loop()

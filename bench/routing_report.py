@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pagedserve.bench.routing_workload import RoutingBenchConfig
-from pagedserve.cluster.router_types import WorkerView
+from pagedserve.cluster.router.types import WorkerView
 
 TTFT_GOAL = 3.0  # kv_aware TTFT p50 at least 3x better than round_robin
 HIT_RATE_GOAL = 0.90  # hit rate at least 90% of the ideal

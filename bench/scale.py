@@ -110,7 +110,7 @@ def run_scale_bench(config: ScaleBenchConfig) -> tuple[list[ScaleSummary], int]:
     import ray
 
     from pagedserve.bench.scale_worker import SimWorkerConfig, start_sim_workers
-    from pagedserve.cluster.prefix_index import PrefixIndexActor
+    from pagedserve.cluster.index.prefix_index import PrefixIndexActor
 
     index = PrefixIndexActor.options(num_cpus=0, name=f"scale-index-{uuid.uuid4().hex}").remote()
     sim = SimWorkerConfig(config.num_blocks, config.block_size, step_s=config.step_ms / 1e3)

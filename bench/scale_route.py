@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 from pagedserve.bench.scale_report import percentile
 from pagedserve.bench.scale_worker import SIM_MODEL, SimWorkerConfig, SimWorkerCore
-from pagedserve.cluster.prefix_index_state import PrefixIndexState
-from pagedserve.cluster.router import RouterCore
+from pagedserve.cluster.index.state import PrefixIndexState
+from pagedserve.cluster.router.router import RouterCore
 from pagedserve.workers.kv.block_hash import hash_full_blocks
 from pagedserve.workers.sampling.params import SamplingParams
 from pagedserve.workers.worker.types import WorkerRequest
@@ -91,8 +91,8 @@ def filled_router(config, num_workers: int, prompts: list[tuple[int, tuple[int, 
 def view_us_per_entry(state: PrefixIndexState) -> float:
     """CPU µs per feed entry for a fresh view that follows the feed from its first entry
     (an empty dump at offset 0, then every entry), as a replica up from the start would."""
-    from pagedserve.cluster.prefix_feed import FeedBatch
-    from pagedserve.cluster.prefix_view import PrefixView
+    from pagedserve.cluster.index.feed import FeedBatch
+    from pagedserve.cluster.index.view import PrefixView
 
     feed = state.feed
     batch = feed.read(feed.epoch, feed.first_offset)

@@ -17,8 +17,8 @@ from typing import Any
 
 from pagedserve.bench.scale_report import RequestResult, RouterRun
 from pagedserve.cluster.config import ClusterConfig
-from pagedserve.cluster.router import RouterCore
-from pagedserve.cluster.router_types import GenerateRequest
+from pagedserve.cluster.router.router import RouterCore
+from pagedserve.cluster.router.types import GenerateRequest
 from pagedserve.workers.sampling.params import SamplingParams
 
 

@@ -446,7 +446,7 @@ def start_sim_workers(
     num_workers: int, per_host: int, config: SimWorkerConfig, index: Any, prefix: str = "sim"
 ) -> tuple[list[Any], dict[str, SimWorkerHandle]]:
     """Start ceil(num_workers / per_host) hosts; returns (hosts, {worker_id: handle})."""
-    from pagedserve.cluster.worker_group import WORKER_MAX_CONCURRENCY
+    from pagedserve.cluster.pool.group import WORKER_MAX_CONCURRENCY
 
     remote_host = ray.remote(SimWorkerHost)
     hosts, handles = [], {}

@@ -39,7 +39,7 @@ from pagedserve.bench.serve_workload import (
     make_workload,
 )
 from pagedserve.cluster.config import ClusterConfig
-from pagedserve.cluster.routing import RoutingPolicy
+from pagedserve.cluster.routing.policies import RoutingPolicy
 from pagedserve.workers.config_flags import add_config_flags, config_flags_set
 from pagedserve.workers.model.registry import DEFAULT_MODEL
 
@@ -134,11 +134,11 @@ def local_app(cluster: dict[str, Any], *, num_cpus: int | None = None) -> Iterat
     import ray
     from ray import serve
 
+    from pagedserve.cluster.api.serve_options import grpc_options
     from pagedserve.cluster.app import build_app
     from pagedserve.cluster.config import ClusterConfig
+    from pagedserve.cluster.pool.group import stop_worker_group
     from pagedserve.cluster.ports import free_port
-    from pagedserve.cluster.serve_options import grpc_options
-    from pagedserve.cluster.worker_group import stop_worker_group
     from pagedserve.workers.model.cli import prepare_in_subprocess
 
     config = ClusterConfig.from_dict(cluster)

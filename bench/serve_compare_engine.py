@@ -3,9 +3,9 @@
 It answers what the serving path costs: served output tok/s ÷ engine-alone tok/s on the same
 arrivals (the report's ``ours/engine``). For that the engine must be the one the `ours` arm
 serves with, so nothing here restates a setting: `served_worker_layout` puts the `ours` arm's
-own flags through `pagedserve serve`'s parser and config (`cluster/cli.py`'s
+own flags through `pagedserve serve`'s parser and config (`cluster/serve/cli.py`'s
 `cluster_config_from_args`, `ClusterConfig`) and takes what worker 0 is built from
-(`cluster/worker_spec.py`): its `EngineConfig`, its torch threads, its niceness and its cores.
+(`cluster/pool/spec.py`): its `EngineConfig`, its torch threads, its niceness and its cores.
 Its threads are `ClusterConfig.worker_thread_count` where the config sets them; where it
 leaves them to Ray, Ray's rule for an actor (``OMP_NUM_THREADS`` of the environment if set,
 else its CPUs rounded down, at least 1: `ray._private.utils.set_omp_num_threads_if_unset`).
@@ -37,7 +37,7 @@ from pagedserve.bench.serve_compare_sweep import LoadPoint
 from pagedserve.workers.engine.config import EngineConfig
 
 if TYPE_CHECKING:
-    from pagedserve.cluster.node_layout import NodeResources
+    from pagedserve.cluster.serve.node_layout import NodeResources
 
 
 @dataclass(frozen=True)
@@ -68,14 +68,14 @@ def served_worker_layout(
     node: NodeResources | None = None,
 ) -> WorkerLayout:
     """Worker 0's layout under ``pagedserve serve SERVE_FLAGS`` on this (CPU) machine (or
-    `node`: what `pagedserve serve` sizes from, `cluster/node_layout.py`).
+    `node`: what `pagedserve serve` sizes from, `cluster/serve/node_layout.py`).
 
     Raises:
         ValueError: flags `pagedserve serve` would refuse.
     """
-    from pagedserve.cluster import cli as serve_cli
-    from pagedserve.cluster.api_config import split_app_args
+    from pagedserve.cluster.api.config import split_app_args
     from pagedserve.cluster.config import ClusterConfig
+    from pagedserve.cluster.serve import cli as serve_cli
 
     parser = argparse.ArgumentParser(prog="pagedserve", exit_on_error=False)
     serve_cli.register(parser.add_subparsers())

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from pagedserve.cluster.router_types import ClusterStats
+from pagedserve.cluster.router.types import ClusterStats
 
 OK_FINISH = ("stop", "length")
 REFUSED_PREFIX = "RESOURCE_EXHAUSTED"  # how `bench serve` names a load refusal's error

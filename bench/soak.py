@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
     from pagedserve.bench.soak_driver import SoakSpec
     from pagedserve.cluster.config import ClusterConfig
-    from pagedserve.cluster.worker_group import stop_worker_group
+    from pagedserve.cluster.pool.group import stop_worker_group
     from pagedserve.workers.engine.config import EngineConfig
 
     no_faults = ("kill_at", "stall_at", "drop_events_at", "burst_at")
@@ -145,8 +145,8 @@ def run(args: argparse.Namespace) -> int:
 async def _soak(config, spec) -> dict[str, Any]:
     from pagedserve.bench.soak_checks import check_soak, reference_outputs
     from pagedserve.bench.soak_driver import run_soak
-    from pagedserve.cluster.router import RouterCore
-    from pagedserve.cluster.worker_group import start_worker_group
+    from pagedserve.cluster.pool.group import start_worker_group
+    from pagedserve.cluster.router.router import RouterCore
 
     index, workers = start_worker_group(config)
     core = RouterCore(config, index, workers)

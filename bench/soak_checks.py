@@ -13,7 +13,7 @@ from typing import Any
 import ray
 
 from pagedserve.bench.soak_driver import Outcome, SoakReport, SoakRequest
-from pagedserve.cluster.router import RouterCore
+from pagedserve.cluster.router.router import RouterCore
 from pagedserve.workers.deadline import within
 from pagedserve.workers.engine.config import EngineConfig
 from pagedserve.workers.kv.events import TIER_NAMES

@@ -27,8 +27,8 @@ from typing import Any
 
 import ray
 
-from pagedserve.cluster.router import RouterCore
-from pagedserve.cluster.router_types import GenerateRequest, NoWorkerAvailable, WorkerLost
+from pagedserve.cluster.router.router import RouterCore
+from pagedserve.cluster.router.types import GenerateRequest, NoWorkerAvailable, WorkerLost
 from pagedserve.workers.deadline import within
 from pagedserve.workers.errors import Overloaded, RequestRejected
 from pagedserve.workers.sampling.params import SamplingParams

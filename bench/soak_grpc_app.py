@@ -16,13 +16,13 @@ from typing import Any
 import ray
 from ray import serve
 
+from pagedserve.cluster.api.grpc.status import proxy_env_vars
+from pagedserve.cluster.api.serve_options import grpc_options
 from pagedserve.cluster.app import build_app
 from pagedserve.cluster.config import ClusterConfig
-from pagedserve.cluster.grpc_status import proxy_env_vars
+from pagedserve.cluster.pool.group import stop_worker_group
 from pagedserve.cluster.ports import free_port
-from pagedserve.cluster.ray_startup import allow_slow_startup
-from pagedserve.cluster.serve_options import grpc_options
-from pagedserve.cluster.worker_group import stop_worker_group
+from pagedserve.cluster.serve.ray_startup import allow_slow_startup
 
 SERVE_NAMESPACE = "serve"
 # Serve names each replica actor "SERVE_REPLICA::<app>#<deployment>#<id>" (ReplicaID).

@@ -28,21 +28,21 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from pagedserve.cluster.api_config import ApiConfig, split_app_args
-from pagedserve.cluster.api_errors import ApiError, as_api_error
-from pagedserve.cluster.auth import TokenAuth
+from pagedserve.cluster.api.auth import TokenAuth
+from pagedserve.cluster.api.config import ApiConfig, split_app_args
+from pagedserve.cluster.api.errors import ApiError, as_api_error
+from pagedserve.cluster.api.grpc.api import SERVING, GrpcFrontend
+from pagedserve.cluster.api.openai.api import OpenAIFrontend, error_response
+from pagedserve.cluster.api.openai.embeddings import Embedder, EmbeddingsFrontend
+from pagedserve.cluster.api.openai.lora import LoraAdmin
+from pagedserve.cluster.api.openai.responses_api import ResponsesFrontend
+from pagedserve.cluster.api.openai.tokenization import TokenizeFrontend
+from pagedserve.cluster.api.serve_options import ROUTER_ENV_VARS
 from pagedserve.cluster.config import ClusterConfig
-from pagedserve.cluster.grpc_api import SERVING, GrpcFrontend
-from pagedserve.cluster.metrics import CONTENT_TYPE
-from pagedserve.cluster.openai_api import OpenAIFrontend, error_response
-from pagedserve.cluster.openai_embeddings import Embedder, EmbeddingsFrontend
-from pagedserve.cluster.openai_lora import LoraAdmin
-from pagedserve.cluster.openai_responses_api import ResponsesFrontend
-from pagedserve.cluster.openai_tokenize import TokenizeFrontend
-from pagedserve.cluster.router import RouterCore
-from pagedserve.cluster.router_types import ClusterStats, GenerateRequest, RouterInflight
-from pagedserve.cluster.serve_options import ROUTER_ENV_VARS
-from pagedserve.cluster.worker_group import start_pool
+from pagedserve.cluster.pool.group import start_pool
+from pagedserve.cluster.router.metrics import CONTENT_TYPE
+from pagedserve.cluster.router.router import RouterCore
+from pagedserve.cluster.router.types import ClusterStats, GenerateRequest, RouterInflight
 from pagedserve.workers.model.registry import DEFAULT_MODEL
 from pagedserve.workers.process.cpu_placement import pin_process, set_niceness
 from pagedserve.workers.ray_internals import bound_http_responses
@@ -99,7 +99,7 @@ class Router:
             pin_process(config.control_cpu_set, what="router")
         if config.control_nice is not None:
             set_niceness(config.control_nice, what="router")
-        bound_http_responses()  # unread HTTP streams pause (cluster/sse_response.py)
+        bound_http_responses()  # unread HTTP streams pause (cluster/api/sse_response.py)
         api_config = api or ApiConfig()
         telemetry = api_config.telemetry
         group = start_pool(self.config, telemetry, config_revision)

@@ -8,9 +8,9 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from enum import StrEnum
 from typing import Any
 
-from pagedserve.cluster.router_types import BackpressureLimits
-from pagedserve.cluster.routing import DEFAULT_POLICY, RoutingPolicy
-from pagedserve.cluster.tenant_quotas import EVERY_TENANT, TenantPolicy, tenant_policies
+from pagedserve.cluster.router.tenant_quotas import EVERY_TENANT, TenantPolicy, tenant_policies
+from pagedserve.cluster.router.types import BackpressureLimits
+from pagedserve.cluster.routing.policies import DEFAULT_POLICY, RoutingPolicy
 from pagedserve.workers.engine.config import EngineConfig
 from pagedserve.workers.process.cpu_placement import parse_cpu_list, worker_share
 
@@ -33,7 +33,8 @@ class ClusterConfig:
     Attributes:
         engine: the config every worker's engine is built from.
         num_workers: worker actors the pool starts with. `pagedserve serve` without it
-            sizes to the machine: one per GPU, else one per NUMA node (`cluster/node_layout.py`).
+            sizes to the machine: one per GPU, else one per NUMA node
+            (`cluster/serve/node_layout.py`).
         min_workers: the fewest workers the pool scales down to. None: `num_workers`.
         max_workers: the most workers the pool scales up to. None: `num_workers` (with both
             None the pool is fixed). A rolling replacement (reconcile, below) briefly runs one
@@ -41,14 +42,14 @@ class ClusterConfig:
         scale_up_waiting_per_worker: scale up (one worker at a time, up to `max_workers`) when
             the mean of the serving workers' waiting queues reaches this many requests ...
         scale_up_kv_usage: ... or when their mean KV usage (used / total blocks) reaches this
-            fraction. The worker pool (`cluster/worker_pool.py`) judges both from each
+            fraction. The worker pool (`cluster/pool/pool.py`) judges both from each
             worker's own stats every `scale_interval_s`; a new worker is a new actor, so on
             KubeRay its resource demand is what makes the autoscaler add a pod.
         scale_down_idle_s: scale down (one worker at a time, down to `min_workers`) once a
             worker has had no request, running, waiting or streaming, for this long and no
             scale-up signal holds. The newest idle worker leaves: out of routing on every
             router first, its hot cached prefixes pushed to peers with free blocks, then
-            drained and stopped (see `cluster/worker_pool.py`).
+            drained and stopped (see `cluster/pool/pool.py`).
         scale_interval_s: how often the pool looks at its workers' stats and decides.
         scale_down_grace_s: the drain grace of a worker leaving the pool: its open streams get
             this long to finish; the rest are handed back and replayed on peers.
@@ -82,7 +83,7 @@ class ClusterConfig:
             control plane's per-token work fills the gaps (on 2 shared cores: streamed TPOT
             p50 0.66x of 0's in two alternated pairs, bench/README.md). None: Ray's 15.
         worker_resources: custom Ray resources per worker actor (to pin workers to nodes).
-        routing_policy: a registered routing policy (`cluster/routing.py`).
+        routing_policy: a registered routing policy (`cluster/routing/policies.py`).
         routing_options: keyword options of the policy (e.g. `prefill_weight`).
         on_worker_failure: `replay` a dead worker's requests on a peer from their tokens, or
             `fail` them with UNAVAILABLE.
@@ -92,7 +93,7 @@ class ClusterConfig:
             crossover at 8 blocks of 16 tokens on CPU workers).
         pull_timeout_s: deadline of one pull; past it the request prefills as usual.
         tier_host_block_cost: what loading one matched block from a worker's host tier is
-            worth in prefilled blocks, for `kv_aware` routing (`cluster/tier_costs.py`): a
+            worth in prefilled blocks, for `kv_aware` routing (`cluster/routing/tier_costs.py`): a
             device hit costs 0, a prefill 1. `pagedserve bench tier-cost` measured, on CPU
             workers at 16 tokens a block, a host load at 0.05 of a prefill per block with
             tiny-llama (0.05 ms vs 1.06 ms) and 0.03 with SmolLM2-135M (0.58 ms vs 18.4 ms).
@@ -102,7 +103,7 @@ class ClusterConfig:
             a load crosses PCIe): measure there before serving.
         lora_load_block_cost: what putting a LoRA adapter into a worker's device slots is worth
             in prefilled blocks, for `kv_aware` routing of a request on that adapter
-            (`cluster/router_loras.py`): workers with it resident win ties, and a worker's
+            (`cluster/router/loras.py`): workers with it resident win ties, and a worker's
             cached prefix still outweighs a load. `pagedserve bench lora` measures the load.
         enable_push: let a worker under eviction pressure hand cached blocks that no other
             worker holds to the worker with the most free blocks, instead of dropping them.
@@ -162,11 +163,12 @@ class ClusterConfig:
             requests, their KV fetched from the prefill worker; least loaded, most free
             blocks first). The rest of `num_workers` are `mixed` (both). 0 and 0: no P/D,
             every worker mixed. A worker that replaces a lost one takes the role that is
-            short; one the pool adds past the roles' counts is mixed (`cluster/worker_roles.py`).
-        tenants: tenant id (the auth token's, `cluster/auth.py`) or `*` (every tenant not
+            short; one the pool adds past the roles' counts is mixed
+            (`cluster/routing/worker_roles.py`).
+        tenants: tenant id (the auth token's, `cluster/api/auth.py`) or `*` (every tenant not
             named) → its `weight` in each worker's fair share of the engine and its optional
             quotas per router replica, `max_inflight` and `tokens_per_minute`
-            (`cluster/tenant_quotas.py`, docs/fairness.md).
+            (`cluster/router/tenant_quotas.py`, docs/fairness.md).
         namespace: Ray namespace of the named actors (index, workers).
         name: prefix of the actors' names, so two apps can share a Ray cluster.
     """

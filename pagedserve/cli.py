@@ -12,13 +12,13 @@ import importlib
 import sys
 
 from pagedserve.bench.extras import is_missing_bench_extra, missing_extra_message
-from pagedserve.cluster.ray_startup import exec_only_forks
+from pagedserve.cluster.serve.ray_startup import exec_only_forks
 
 COMMAND_MODULES: tuple[str, ...] = (
     "pagedserve.bench.kv_calc",
     "pagedserve.bench.cli",
     "pagedserve.cluster.client_cli",  # generate (cluster, or --offline), status
-    "pagedserve.cluster.cli",
+    "pagedserve.cluster.serve.cli",
     "pagedserve.cluster.trace_view",  # trace show
     "pagedserve.workers.model.cli",  # model list, model prepare
     "pagedserve.workers.process.drain_node",  # drain-node (a pod's preStop hook)
@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Before any command imports grpc: this process starts Ray's (cluster/ray_startup.py).
+    # Before any command imports grpc: this process starts Ray's (cluster/serve/ray_startup.py).
     exec_only_forks()
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)

@@ -4,7 +4,7 @@ check every test that runs requests ends with (see support/leaks.py)."""
 import os
 from pathlib import Path
 
-from pagedserve.cluster.ray_startup import allow_slow_startup, exec_only_forks
+from pagedserve.cluster.serve.ray_startup import allow_slow_startup, exec_only_forks
 
 # First, before anything imports grpc (grpcio reads it on import): see exec_only_forks.
 GRPC_FORKS_EXEC_ONLY_IN_TIME = exec_only_forks()
@@ -18,7 +18,7 @@ from support.real_model import SMOLLM2
 from support.shared_cluster import SHARED
 from support.startups import STARTUPS, StartupCount
 
-# Every local Ray a test starts inherits this process's environment (cluster/ray_startup.py).
+# Every local Ray a test starts inherits this process's environment (cluster/serve/ray_startup.py).
 allow_slow_startup()
 # Ray's token authentication, one mode for every cluster of the run. Unset, the first
 # `ray.init()` that starts a local Ray turns it on for this process (`RAY_AUTH_MODE=token`):

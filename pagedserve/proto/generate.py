@@ -6,8 +6,8 @@ protoc names imports and the messages' module after the proto's path (`pagedserv
 is not where the stubs live once installed; `generate` rewrites both to the installed path
 (`pagedserve.proto.pagedserve.v1`), so that imports and pickling by reference work (Serve
 pickles each request from its gRPC proxy to the replica). The unit test
-`tests/unit/cluster/test_api_proto.py` runs the same function into a temporary directory and
-fails when the committed files differ.
+`tests/unit/cluster/api/grpc/test_api_proto.py` runs the same function into a temporary directory
+and fails when the committed files differ.
 """
 
 from __future__ import annotations

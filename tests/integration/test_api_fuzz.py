@@ -4,7 +4,7 @@ RESOURCE_EXHAUSTED) naming its problem, never 5xx / INTERNAL / UNKNOWN; the good
 equal those of the same requests run alone; the workers stay alive, keep stepping, and end with
 clean pools.
 
-The unit-level fuzz (tests/unit/cluster/test_fuzz_inputs.py) covers the parsing with many
+The unit-level fuzz (tests/unit/cluster/api/test_fuzz_inputs.py) covers the parsing with many
 generated inputs; this test checks the same categories end to end, once each or a few times.
 """
 

@@ -29,8 +29,8 @@ from support.api_app import (
 
 from pagedserve.bench.grpc_burst import run_burst
 from pagedserve.cli import main as cli_main
+from pagedserve.cluster.api.grpc.backlog import pending_backlog_options
 from pagedserve.cluster.client import AsyncClient, Client
-from pagedserve.cluster.grpc_backlog import pending_backlog_options
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
 from pagedserve.workers.model.tokenizer import ByteTokenizer
 from pagedserve.workers.ray_internals import serve_grpc_server_options

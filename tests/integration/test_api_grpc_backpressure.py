@@ -5,10 +5,10 @@ what the same requests give unpaused; nothing leaks. gRPC and HTTP (SSE) alike.
 The hops that carry it: gRPC flow control → `grpc_streams` (bounded buffer, Ray generator
 backpressure on the replica call) → the Router replica (user code on Serve's own loop, see
 `serve_options.ROUTER_ENV_VARS`) → the router's bounded buffer of the request, read from its
-worker's channel (`cluster/worker_channel.py`) → `Worker.set_paused` → the engine pauses the
+worker's channel (`cluster/router/worker_channel.py`) → `Worker.set_paused` → the engine pauses the
 request. Over HTTP, the first hops are TCP flow control → uvicorn's write buffer in the proxy →
 the same Ray generator backpressure → the replica's bounded queue of the response's messages
-(`cluster/sse_response.py`).
+(`cluster/api/sse_response.py`).
 """
 
 from __future__ import annotations

@@ -282,7 +282,7 @@ def test_client_disconnect_mid_stream_frees_the_blocks(app, grpc_client):
 
 
 def test_a_half_sent_request_is_closed_at_its_deadline_while_others_are_served(app, oai):
-    """Serve's proxy carries the connection bounds (`cluster/http_connections.py`): a client
+    """Serve's proxy carries the connection bounds (`cluster/api/http_connections.py`): a client
     that never finishes its headers is closed at the default deadline; a stream opened before
     it and a request after it are served whole."""
     half = socket.create_connection(("127.0.0.1", app.http_port), timeout=120)

@@ -1,6 +1,6 @@
 """Per-tenant quotas end to end, through Serve's HTTP proxy with two tenants named by the
 trusted tenant header (auth off, `auth.tenant_header`; with auth on the token names the tenant
-the same way, `tests/unit/cluster/test_auth.py`): a tenant past its quota is refused at once
+the same way, `tests/unit/cluster/api/test_auth.py`): a tenant past its quota is refused at once
 with 429 and a retry hint, the other tenant is served, and nothing in flight is disturbed; the
 per-tenant counters reach `/metrics`.
 

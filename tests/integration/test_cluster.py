@@ -17,7 +17,7 @@ from support.cluster import (
 )
 from support.wait import until
 
-from pagedserve.cluster.worker_group import stop_worker_group
+from pagedserve.cluster.pool.group import stop_worker_group
 from pagedserve.workers.process.cpu_placement import available_cpus
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")

@@ -10,9 +10,9 @@ import dataclasses
 from support.cluster import cluster_config, greedy, run_request, start_router
 from support.wait import until
 
-from pagedserve.cluster.api_errors import as_api_error
-from pagedserve.cluster.router_types import GenerateRequest
-from pagedserve.cluster.worker_group import stop_worker_group
+from pagedserve.cluster.api.errors import as_api_error
+from pagedserve.cluster.pool.group import stop_worker_group
+from pagedserve.cluster.router.types import GenerateRequest
 from pagedserve.workers.deadline import within
 from pagedserve.workers.errors import Overloaded
 

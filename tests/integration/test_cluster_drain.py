@@ -15,8 +15,8 @@ import asyncio
 from support.cluster import PIN, cluster_config, greedy, run_request, start_router
 from support.wait import until
 
-from pagedserve.cluster.router_types import GenerateRequest
-from pagedserve.cluster.worker_group import stop_worker_group
+from pagedserve.cluster.pool.group import stop_worker_group
+from pagedserve.cluster.router.types import GenerateRequest
 
 MAX_TOKENS = 40  # more than a held stream's buffers take: it pauses before its end
 GRACE_S = 10.0  # ample for a resumed stream's last ~30 tokens; the held one never ends in it

@@ -26,8 +26,8 @@ from support.cluster import (
 )
 from support.wait import RESTART_DEADLINE_S
 
-from pagedserve.cluster.router_types import GenerateRequest, NoWorkerAvailable
-from pagedserve.cluster.worker_group import stop_worker_group
+from pagedserve.cluster.pool.group import stop_worker_group
+from pagedserve.cluster.router.types import GenerateRequest, NoWorkerAvailable
 
 
 def prompt(seed: int, length: int) -> list[int]:

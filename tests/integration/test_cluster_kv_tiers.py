@@ -16,7 +16,7 @@ from support.cluster import TEST_MODEL, cluster_config, greedy, run_request, sta
 from support.engine import load
 from support.wait import until
 
-from pagedserve.cluster.worker_group import stop_worker_group
+from pagedserve.cluster.pool.group import stop_worker_group
 from pagedserve.workers.kv.block_hash import hash_full_blocks
 from pagedserve.workers.kv.memory import kv_bytes_per_token
 from pagedserve.workers.worker.types import WorkerRequest

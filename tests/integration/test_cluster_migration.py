@@ -23,7 +23,7 @@ from support.cluster import (
 )
 from support.wait import until
 
-from pagedserve.cluster.worker_group import stop_worker_group
+from pagedserve.cluster.pool.group import stop_worker_group
 from pagedserve.workers.sampling.params import SamplingParams
 from pagedserve.workers.transfer import handoff_ref
 from pagedserve.workers.transfer.handoff import RequestHandoff

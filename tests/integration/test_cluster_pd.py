@@ -29,8 +29,8 @@ from support.engine import load
 from support.wait import RESTART_DEADLINE_S, until
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.cluster.router_types import GenerateRequest
-from pagedserve.cluster.worker_group import stop_worker_group
+from pagedserve.cluster.pool.group import stop_worker_group
+from pagedserve.cluster.router.types import GenerateRequest
 from pagedserve.workers.engine.role import WorkerRole
 
 # A small step budget: a 40-token prompt takes 3 prefill steps, so a fault can strike inside

@@ -20,8 +20,8 @@ import signal
 from support.cluster import cluster_config, greedy, run_request, start_router
 from support.wait import until
 
-from pagedserve.cluster.router_types import GenerateRequest
-from pagedserve.cluster.worker_group import drain_worker_group, stop_worker_group
+from pagedserve.cluster.pool.group import drain_worker_group, stop_worker_group
+from pagedserve.cluster.router.types import GenerateRequest
 from pagedserve.workers.process.pid_files import process_start_time
 
 PIN = 10_000_000  # router-side demand that makes a worker look full, to steer routing

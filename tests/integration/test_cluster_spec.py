@@ -8,8 +8,8 @@ import random
 import pytest
 from support.cluster import PIN, cluster_config, greedy, run_request, start_router
 
-from pagedserve.cluster.grpc_convert import stats_to_proto
-from pagedserve.cluster.worker_group import stop_worker_group
+from pagedserve.cluster.api.grpc.convert import stats_to_proto
+from pagedserve.cluster.pool.group import stop_worker_group
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 

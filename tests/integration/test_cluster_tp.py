@@ -23,8 +23,8 @@ from support.cluster import (
 )
 from support.wait import RESTART_DEADLINE_S, until
 
-from pagedserve.cluster.router_types import GenerateRequest
-from pagedserve.cluster.worker_group import stop_worker_group
+from pagedserve.cluster.pool.group import stop_worker_group
+from pagedserve.cluster.router.types import GenerateRequest
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 

@@ -20,11 +20,11 @@ from ray import serve
 from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
 from unit.deploy.manifests import KUSTOMIZATIONS, kustomize, serve_config
 
-from pagedserve.cluster.api_config import split_app_args
+from pagedserve.cluster.api.config import split_app_args
 from pagedserve.cluster.client import Client
 from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.pool.group import stop_worker_group
 from pagedserve.cluster.ports import free_port
-from pagedserve.cluster.worker_group import stop_worker_group
 from pagedserve.workers.model.cli import prepare_in_subprocess
 
 MAX_TOKENS = 8

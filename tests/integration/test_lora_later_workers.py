@@ -11,8 +11,8 @@ import ray
 from support.cluster import assert_cluster_clean, cluster_config, greedy, run_request, start_router
 from support.wait import until
 
-from pagedserve.cluster.pool_types import MemberState
-from pagedserve.cluster.worker_group import stop_worker_group
+from pagedserve.cluster.pool.group import stop_worker_group
+from pagedserve.cluster.pool.types import MemberState
 from pagedserve.workers.errors import UnknownLora
 
 PROMPT = list(range(30, 45))

@@ -23,8 +23,8 @@ from support.cluster import greedy, run_request
 
 from pagedserve.cluster.client import Client, build_request
 from pagedserve.cluster.config import ClusterConfig
-from pagedserve.cluster.router import RouterCore
-from pagedserve.cluster.worker_group import start_worker_group, stop_worker_group
+from pagedserve.cluster.pool.group import start_worker_group, stop_worker_group
+from pagedserve.cluster.router.router import RouterCore
 from pagedserve.workers.telemetry.telemetry import ROUTER_SERVICE, TelemetryConfig, get_tracing
 
 CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -11,12 +11,12 @@ import pytest
 import ray
 from support.wait import until
 
-from pagedserve.cluster.pool_types import Member, Membership, MembershipVersion, MemberState
-from pagedserve.cluster.prefix_index import (
+from pagedserve.cluster.index.prefix_index import (
     KVSnapshot,
     PublishResult,
     get_or_create_prefix_index,
 )
+from pagedserve.cluster.pool.types import Member, Membership, MembershipVersion, MemberState
 from pagedserve.workers.kv.block import BlockKey
 from pagedserve.workers.kv.block_hash import block_hash
 from pagedserve.workers.kv.block_pool import BlockPool

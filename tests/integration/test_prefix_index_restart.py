@@ -12,7 +12,7 @@ import time
 import ray
 from support.cluster import cluster_config, greedy, run_request, start_router, view_mirrors
 
-from pagedserve.cluster.worker_group import stop_worker_group
+from pagedserve.cluster.pool.group import stop_worker_group
 
 DEADLINE_S = 60.0
 

@@ -21,8 +21,8 @@ from support.cluster import (
 from support.real_model import SMOLLM2, prompt_ids
 from support.wait import until
 
-from pagedserve.cluster.router_types import GenerateRequest
-from pagedserve.cluster.worker_group import stop_worker_group
+from pagedserve.cluster.pool.group import stop_worker_group
+from pagedserve.cluster.router.types import GenerateRequest
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 MAX_TOKENS = 12

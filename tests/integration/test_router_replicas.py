@@ -22,9 +22,9 @@ from support.cluster import (
 )
 from support.wait import until
 
-from pagedserve.cluster.grpc_convert import stats_to_proto
-from pagedserve.cluster.router_types import GenerateRequest
-from pagedserve.cluster.worker_group import stop_worker_group
+from pagedserve.cluster.api.grpc.convert import stats_to_proto
+from pagedserve.cluster.pool.group import stop_worker_group
+from pagedserve.cluster.router.types import GenerateRequest
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 LONG = 1_000  # decode steps (within the test model's context): it only ends when aborted

@@ -16,7 +16,7 @@ from support.cluster import cluster_config, start_router
 
 from pagedserve.bench.soak_checks import check_soak, reference_outputs
 from pagedserve.bench.soak_driver import BAD_INPUTS, SoakSpec, plan_requests, run_soak
-from pagedserve.cluster.worker_group import stop_worker_group
+from pagedserve.cluster.pool.group import stop_worker_group
 
 SPEC = SoakSpec(num_requests=150, seed=6, concurrency=12, burst_size=40, hang_timeout_s=60.0)
 

@@ -17,10 +17,10 @@ import ray
 from support.cluster import assert_cluster_clean, cluster_config, greedy, run_request, start_router
 from support.wait import until
 
-from pagedserve.cluster.pool_types import MemberState
-from pagedserve.cluster.router_types import GenerateRequest
-from pagedserve.cluster.worker_group import stop_worker_group
-from pagedserve.cluster.worker_spec import WorkerSpec
+from pagedserve.cluster.pool.group import stop_worker_group
+from pagedserve.cluster.pool.spec import WorkerSpec
+from pagedserve.cluster.pool.types import MemberState
+from pagedserve.cluster.router.types import GenerateRequest
 
 MAX_TOKENS = 32  # more than a held stream's buffers take: it pauses before its end
 NEVER_S = 3600.0

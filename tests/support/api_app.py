@@ -21,12 +21,12 @@ import ray
 import requests
 from ray import serve
 
-from pagedserve.cluster.api_config import split_app_args
+from pagedserve.cluster.api.config import split_app_args
+from pagedserve.cluster.api.grpc.status import proxy_env_vars
 from pagedserve.cluster.app import build_app
 from pagedserve.cluster.client import Client
 from pagedserve.cluster.config import ClusterConfig
-from pagedserve.cluster.grpc_status import proxy_env_vars
-from pagedserve.cluster.worker_group import stop_worker_group
+from pagedserve.cluster.pool.group import stop_worker_group
 from support.leaks import DEADLINE_S, WATCH, assert_cluster_clean, serve_router
 from support.shared_cluster import SHARED
 

@@ -10,9 +10,9 @@ import asyncio
 import time
 
 from pagedserve.cluster.config import ClusterConfig
-from pagedserve.cluster.router import RouterCore
-from pagedserve.cluster.router_types import GenerateRequest
-from pagedserve.cluster.worker_group import start_pool
+from pagedserve.cluster.pool.group import start_pool
+from pagedserve.cluster.router.router import RouterCore
+from pagedserve.cluster.router.types import GenerateRequest
 from pagedserve.workers.engine.config import EngineConfig
 from pagedserve.workers.sampling.params import SamplingParams
 from pagedserve.workers.telemetry.telemetry import NOOP, TelemetryConfig, Tracing

@@ -47,12 +47,12 @@ from typing import Any
 import ray
 from ray import serve
 
-from pagedserve.cluster import worker_group
 from pagedserve.cluster.config import ClusterConfig
-from pagedserve.cluster.prefix_view import PrefixView
-from pagedserve.cluster.router import RouterCore
-from pagedserve.cluster.router_types import RouterInflight
-from pagedserve.cluster.worker_pool import existing_workers
+from pagedserve.cluster.index.view import PrefixView
+from pagedserve.cluster.pool import group as worker_group
+from pagedserve.cluster.pool.pool import existing_workers
+from pagedserve.cluster.router.router import RouterCore
+from pagedserve.cluster.router.types import RouterInflight
 from pagedserve.workers.engine.engine import Engine
 from pagedserve.workers.kv.checks import KVInvariantError, assert_no_leaks
 from pagedserve.workers.kv.events import TIER_NAMES

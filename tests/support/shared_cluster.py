@@ -35,8 +35,8 @@ import ray
 from ray import serve
 from ray.cluster_utils import Cluster
 
+from pagedserve.cluster.api.serve_options import grpc_options
 from pagedserve.cluster.ports import free_port
-from pagedserve.cluster.serve_options import grpc_options
 from support.cluster import WORKER_RESOURCE
 
 WORKER_NODES = 3

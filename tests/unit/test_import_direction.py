@@ -4,6 +4,13 @@ those inside functions too); the tests' shared helpers (`tests/support`) import 
 
 The layers are the packages `pyproject.toml` maps (`pagedserve.cluster` is `cluster/`, and so
 on); `pagedserve.proto` (generated messages) sits below them all.
+
+Inside `cluster/` and `workers/` the subpackages import each other both ways (the engine and
+the KV cache manager, the router and the routing policies), with two exceptions kept here
+(`INNER_RULES`): the router's side (`router/`, `routing/`, `index/`, `pool/`) imports neither
+the front ends (`api/`) nor the `serve` process (`serve/`) that sit above it, and nothing of the
+engine's side imports the worker actor (`worker/`) or the offline front door (`offline/`) built
+on top of it (only `telemetry/`, which names the worker's stream types, may).
 """
 
 from __future__ import annotations
@@ -22,6 +29,25 @@ LAYERS = [
     ("pagedserve.workers", [ROOT / "workers"]),
     ("pagedserve.kernels", [ROOT / "pagedserve" / "kernels"]),
     ("pagedserve.proto", [ROOT / "pagedserve" / "proto"]),
+]
+
+# (what is checked, the files, the packages they may not import)
+INNER_RULES = [
+    (
+        "the router side imports no front end",
+        [ROOT / "cluster" / name for name in ("router", "routing", "index", "pool")],
+        ["pagedserve.cluster.api", "pagedserve.cluster.serve"],
+    ),
+    (
+        "the engine side imports no worker actor",
+        [
+            path
+            for path in sorted((ROOT / "workers").iterdir())
+            if path.name not in {"worker", "telemetry", "offline", "__pycache__"}
+            and (path.suffix == ".py" or (path / "__init__.py").exists())
+        ],
+        ["pagedserve.workers.worker", "pagedserve.workers.offline"],
+    ),
 ]
 
 
@@ -76,7 +102,33 @@ def test_the_tests_shared_helpers_import_no_benchmark():
 
 def test_the_check_sees_an_upward_import(tmp_path):
     module = tmp_path / "engine.py"
-    module.write_text("def f():\n    from pagedserve.cluster.router import RouterCore\n")
+    module.write_text("def f():\n    from pagedserve.cluster.router.router import RouterCore\n")
     workers = [p for p, _ in LAYERS].index("pagedserve.workers")
     wrong = upward_imports(workers, [module])
-    assert len(wrong) == 1 and "pagedserve.cluster.router" in wrong[0]
+    assert len(wrong) == 1 and "pagedserve.cluster.router.router" in wrong[0]
+
+
+def forbidden_imports(files: list[Path], forbidden: list[str]) -> list[str]:
+    wrong = []
+    for path in files:
+        for line, module in imported_modules(path):
+            if any(module == name or module.startswith(name + ".") for name in forbidden):
+                where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+                wrong.append(f"{where}:{line} imports {module}")
+    return wrong
+
+
+@pytest.mark.parametrize(
+    ("paths", "forbidden"), [rule[1:] for rule in INNER_RULES], ids=[r[0] for r in INNER_RULES]
+)
+def test_no_subpackage_imports_one_above_it(paths, forbidden):
+    files = python_files(paths)
+    assert all(path.exists() for path in paths) and files
+    assert forbidden_imports(files, forbidden) == []
+
+
+def test_the_inner_check_sees_an_import_of_the_actor(tmp_path):
+    module = tmp_path / "scheduler.py"
+    module.write_text("from pagedserve.workers.worker.types import WorkerStats\n")
+    (_, _, forbidden) = INNER_RULES[1]
+    assert len(forbidden_imports([module], forbidden)) == 1

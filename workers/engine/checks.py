@@ -2,7 +2,7 @@
 weights: the model resolves, its config and tokenizer load and it holds weights, the device
 and dtype exist here, the KV budget holds a block, and the lengths fit the model.
 
-`pagedserve serve` runs `check_engine` before it starts Ray (`cluster/preflight.py`): each of
+`pagedserve serve` runs `check_engine` before it starts Ray (`cluster/serve/preflight.py`): each of
 these mistakes would otherwise surface minutes later, inside a worker, once per worker it
 retried. The checks read what the worker would read (`model_registry.resolve_model`, HF's
 config and tokenizer files) and use the KV equations the worker sizes its pool by

@@ -63,7 +63,7 @@ class EngineConfig:
             or 80% of free device memory on CUDA (per rank with tensor parallelism: what
             cuda:0 has free beside rank 0's shard of the weights); `pagedserve serve` sizes a
             CPU worker's pool from the machine's available memory instead
-            (`cluster/node_layout.py`).
+            (`cluster/serve/node_layout.py`).
         num_swap_blocks: CPU swap slots for preempted requests (None: as many as KV blocks with
             `swap` preemption, else none).
         attention_backend: `auto` (Triton on CUDA; on the CPU the C++ `cpu` kernel, or `torch`

@@ -2,7 +2,7 @@
 
     fresh request ──route (prefix hits + load, among roles that prefill)──► prefill | mixed
     prefill worker: prompt computed, first token sampled and streamed, then the request is
-        handed off (`Engine._hand_off_prefilled`, the `move` path of `cluster/migration.py`)
+        handed off (`Engine._hand_off_prefilled`, the `move` path of `cluster/pool/migration.py`)
     handed-off request ──move target (load, free blocks, among roles that decode)──► decode | mixed
 
 `mixed` (the default) does both and never hands a request off after its prefill: a cluster of

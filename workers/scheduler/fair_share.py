@@ -31,7 +31,7 @@ holds between two tenants backlogged throughout (the VTC paper's bound; `tests/u
 test_fair_share.py` checks it on scripted arrivals).
 
 The counters are one worker's: each worker is fair over the requests routed to it; the router's
-per-tenant quotas (`cluster/tenant_quotas.py`) bound what one tenant can hold cluster-wide.
+per-tenant quotas (`cluster/router/tenant_quotas.py`) bound what one tenant can hold cluster-wide.
 """
 
 from __future__ import annotations

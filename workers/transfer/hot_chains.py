@@ -1,6 +1,6 @@
 """A worker's cached prefixes as whole chains: hottest first, what it hands over before it
-leaves the pool (`cluster/worker_pool.py`); or next evicted first, what it pushes to a peer
-(`cluster/migration.py`).
+leaves the pool (`cluster/pool/pool.py`); or next evicted first, what it pushes to a peer
+(`cluster/pool/migration.py`).
 
 A cached block is only useful with its ancestors (a prefix match walks from the root), so the
 unit handed over is a chain from the root to a leaf (a cached block no other cached block

@@ -1,5 +1,5 @@
 """Moving cached prefix blocks between two workers' pools: lookup and export on the source,
-import on the target (`WorkerCore.import_prefix`, `cluster/migration.py`).
+import on the target (`WorkerCore.import_prefix`, `cluster/pool/migration.py`).
 
 An import is all or nothing: `reserve_for_import` takes fresh blocks for the keys the pool
 lacks, the caller writes their KV, then `commit_import` registers them under their hashes and

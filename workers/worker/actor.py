@@ -99,7 +99,7 @@ class Worker:
             `workers/process/cpu_placement.py`.
         nice: this worker's niceness (None: Ray's, 15).
         config_fingerprint: the fingerprint of the spec it was built from
-            (`cluster/worker_spec.py`), reported in `WorkerInfo` so the worker pool can tell
+            (`cluster/pool/spec.py`), reported in `WorkerInfo` so the worker pool can tell
             a worker of an older config from a current one.
         drain_grace_s: on SIGTERM, how long open streams get to finish before the rest are
             handed back (see `workers/process/drain_signal.py`); then the process exits.
@@ -135,7 +135,7 @@ class Worker:
         sink = self._publish if self._index is not None else None
         tracing = worker_tracing(telemetry, worker_id)
         # The engine (torch, transformers, the kernels) is imported here, in the worker's own
-        # process: the pool that creates workers (`cluster/worker_spec.py`) imports only this
+        # process: the pool that creates workers (`cluster/pool/spec.py`) imports only this
         # class, and a control actor that imported torch paid seconds of CPU at every start.
         from pagedserve.workers.engine.engine import Engine
         from pagedserve.workers.worker.core import WorkerCore

@@ -6,7 +6,7 @@ the bounded buffer a stream's messages wait in until its reader takes them.
         ├─► OwnerChannel (its owner's requests) ─► StepBatch, one per step ─► the router
         └─► DeltaBuffer (one request's own reader, `WorkerCore.generate`)
 
-The router reads each batch into one `DeltaBuffer` per request (`cluster/worker_channel.py`),
+The router reads each batch into one `DeltaBuffer` per request (`cluster/router/worker_channel.py`),
 so the bounded buffer and its coalescing are the same on both sides of a channel.
 """
 
@@ -220,7 +220,7 @@ class DeltaBuffer:
     delta can arrive: at most `capacity` deltas plus one step's worth wait here) and resumed
     once the reader has drained the buffer to `low_water`. On a worker the buffer of a
     `WorkerCore.generate` stream pauses the engine itself; on the router the buffer of each
-    request read from a channel asks its worker to (`cluster/worker_channel.py`). A
+    request read from a channel asks its worker to (`cluster/router/worker_channel.py`). A
     `RequestFailed` entry ends the stream with its error (a drain's cut-off).
 
     Args:

@@ -50,7 +50,7 @@ class WorkerInfo:
     pid: int = 0  # its process (placement pins the control plane around it)
     cpus: tuple[int, ...] = ()  # the cores its process may run on (`ClusterConfig.worker_cpus`)
     nice: int = 0  # its niceness (`ClusterConfig.worker_nice`; Ray's default is 15)
-    config_fingerprint: str = ""  # of the spec it was built from (`cluster/worker_spec.py`)
+    config_fingerprint: str = ""  # of the spec it was built from (`cluster/pool/spec.py`)
     role: WorkerRole = WorkerRole.MIXED  # P/D: what it takes (`workers/engine/role.py`)
     # Tensor parallelism: the processes of ranks 1..k-1 beside `pid` (rank 0); () when k = 1.
     rank_pids: tuple[int, ...] = ()
@@ -91,7 +91,7 @@ class WorkerStats:
     # LoRA adapters loaded (name, key) and those in device slots now (`workers/lora/`).
     lora_adapters: tuple[tuple[str, str], ...] = ()
     # Each loaded adapter's directory (name, path): a router loads the cluster's adapters onto
-    # a worker that joins later from there (`cluster/router_loras.py`, `follow_loras`).
+    # a worker that joins later from there (`cluster/router/loras.py`, `follow_loras`).
     lora_paths: tuple[tuple[str, str], ...] = ()
     resident_loras: tuple[str, ...] = ()
     lora_requests: tuple[tuple[str, int], ...] = ()  # requests in the engine per adapter

@@ -7,7 +7,7 @@ import asyncio
 from dataclasses import dataclass
 
 from pagedserve.bench.scale_worker import SIM_MODEL, SimWorkerConfig, SimWorkerCore, fake_token
-from pagedserve.cluster.prefix_index_state import PrefixIndexState
+from pagedserve.cluster.index.state import PrefixIndexState
 from pagedserve.workers.kv.checks import assert_no_leaks
 from pagedserve.workers.kv.events import KVSnapshot
 from pagedserve.workers.kv.manager import KVCacheManager

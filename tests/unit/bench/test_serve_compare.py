@@ -103,7 +103,7 @@ def test_equal_settings_are_opt_in_and_apply_to_both():
 def test_the_engine_arm_gets_the_served_workers_engine_and_threads():
     from pagedserve.bench.serve_compare_engine import served_worker_layout
     from pagedserve.cluster.config import ClusterConfig
-    from pagedserve.cluster.node_layout import NodeResources
+    from pagedserve.cluster.serve.node_layout import NodeResources
     from pagedserve.workers.engine.config import EngineConfig
 
     node = NodeResources(numa_cores=((0, 1, 2),), available_bytes=5 << 30, num_gpus=0)

@@ -3,7 +3,7 @@
 import pytest
 
 from pagedserve.cluster.config import ClusterConfig
-from pagedserve.cluster.router_types import BackpressureLimits
+from pagedserve.cluster.router.types import BackpressureLimits
 from pagedserve.workers.engine.config import EngineConfig
 
 

@@ -15,8 +15,8 @@ import sys
 
 HEAVY = ("torch", "transformers", "triton")
 LIGHT_MODULES = [
-    "pagedserve.cluster.prefix_index",  # the prefix index actor
-    "pagedserve.cluster.worker_pool",  # the worker pool actor (creates `Worker` actors)
+    "pagedserve.cluster.index.prefix_index",  # the prefix index actor
+    "pagedserve.cluster.pool.pool",  # the worker pool actor (creates `Worker` actors)
     "pagedserve.cluster.app",  # the Router replica and `build_app`
     "pagedserve.workers.worker.actor",  # the class the pool creates workers from
 ]

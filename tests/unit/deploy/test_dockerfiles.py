@@ -25,7 +25,7 @@ import torch
 from support.scripts import load_script
 from unit.deploy.manifests import DEPLOY, REPO, find, ray_containers
 
-from pagedserve.cluster import serve_options
+from pagedserve.cluster.api import serve_options
 from pagedserve.workers.model.registry import BUILTIN_GGUF, DEFAULT_MODEL
 
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())

@@ -22,9 +22,9 @@ from unit.deploy.manifests import (
 )
 
 from pagedserve.cli import build_parser
+from pagedserve.cluster.api.grpc.backlog import backlog_env_vars
 from pagedserve.cluster.config import ClusterConfig
-from pagedserve.cluster.grpc_backlog import backlog_env_vars
-from pagedserve.cluster.worker_spec import WorkerSpec
+from pagedserve.cluster.pool.spec import WorkerSpec
 from pagedserve.workers.model.registry import DEFAULT_MODEL
 from pagedserve.workers.process import drain_node
 
@@ -190,7 +190,7 @@ def test_gpu_worker_group(rendered, name):
 
 def test_tp2_worker_pods_each_hold_one_whole_group(rendered):
     """A worker of `tensor_parallel_size` k reserves k times `worker_num_gpus` and
-    `worker_num_cpus` as one actor (`cluster/worker_spec.py`): one pod must hold all of it."""
+    `worker_num_cpus` as one actor (`cluster/pool/spec.py`): one pod must hold all of it."""
     cluster = find(rendered["gpu-tp2"], "RayService")["spec"]["rayClusterConfig"]
     (group,) = cluster["workerGroupSpecs"]
     limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]

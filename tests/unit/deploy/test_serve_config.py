@@ -8,11 +8,11 @@ import pytest
 from ray.serve.schema import ServeDeploySchema
 from unit.deploy.manifests import find, serve_config
 
-from pagedserve.cluster import serve_options
-from pagedserve.cluster.api_config import split_app_args
+from pagedserve.cluster.api import serve_options
+from pagedserve.cluster.api.config import split_app_args
 from pagedserve.cluster.app import Router, build_app
 from pagedserve.cluster.config import ClusterConfig
-from pagedserve.cluster.routing import make_policy
+from pagedserve.cluster.routing.policies import make_policy
 
 ALL = ("base", "cpu-demo", "gpu")
 APP_BUILDER = "pagedserve.cluster.app:build_app"
@@ -40,7 +40,7 @@ def test_is_a_valid_serve_deploy_config(rendered, name):
 @pytest.mark.parametrize("name", ALL)
 def test_grpc_servicers_are_the_apps_own(rendered, name):
     grpc = serve_config(rendered[name])["grpc_options"]
-    # One list, in cluster/serve_options.py: the manifests may not drift from it.
+    # One list, in cluster/api/serve_options.py: the manifests may not drift from it.
     assert grpc["grpc_servicer_functions"] == serve_options.GRPC_SERVICER_FUNCTIONS
     assert grpc["port"] == 9000
     for path in grpc["grpc_servicer_functions"]:

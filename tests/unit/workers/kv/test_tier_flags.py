@@ -9,8 +9,8 @@ import os
 import pytest
 
 from pagedserve.cli import build_parser
-from pagedserve.cluster.cli import cluster_config_from_args
 from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.serve.cli import cluster_config_from_args
 
 
 def serve_config(*argv: str) -> ClusterConfig:

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 from support.cluster import cluster_config
 
-from pagedserve.cluster.worker_spec import WorkerSpec, worker_class
+from pagedserve.cluster.pool.spec import WorkerSpec, worker_class
 from pagedserve.workers.worker.actor import Worker
 from pagedserve.workers.worker.fault_injection import FaultInjectingWorker, StepFaults
 

@@ -1,0 +1,250 @@
+"""What both front ends do the same way: build sampling params, check text, collect completions.
+
+`CompletionCollector` is the one collector of a request's stream, for gRPC and HTTP alike: it
+puts whole completions together (when a response needs them) and, through `Usage.of_request`,
+owns the request's usage; `Usage.total` adds up several prompts'.
+
+Validation is the router's and the worker's (`SamplingParams`, `RouterCore`, `Engine` raise with
+messages that name the field); this module only turns their errors into `ApiError`s and checks
+what they cannot see on the wire (malformed UTF-8).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pagedserve.cluster.api.errors import ApiError, field_of
+from pagedserve.cluster.api.openai.tools import ToolCalling, tool_chat_turns
+from pagedserve.cluster.router.router import RouterCore
+from pagedserve.cluster.router.types import GenerateRequest
+from pagedserve.workers.engine.outputs import RequestMetrics, Usage
+from pagedserve.workers.errors import RequestRejected
+from pagedserve.workers.model.tokenizer import render_chat
+from pagedserve.workers.sampling.logprobs import TokenLogprob
+from pagedserve.workers.sampling.params import SamplingKwargs, SamplingParams
+from pagedserve.workers.worker.stream import StreamDelta
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack from Python 3.12
+
+
+def sampling_params(
+    sent_as: Mapping[str, str] | None = None, **kwargs: Unpack[SamplingKwargs]
+) -> SamplingParams:
+    """`SamplingParams(**kwargs)`, with its ValueError (which names the field) as an ApiError.
+
+    Args:
+        sent_as: `SamplingParams` field → the request field it came from, where they differ
+            (chat `top_logprobs` is `logprobs`): the error names the field the client sent.
+    """
+    try:
+        return SamplingParams(**kwargs)
+    except (TypeError, ValueError) as error:
+        message = str(error)
+        field = field_of(message)
+        if field is not None and sent_as and field in sent_as:
+            message = sent_as[field] + message[len(field) :]
+        raise ApiError.invalid(message) from None
+
+
+def chat_prompt(
+    messages: Sequence[Mapping[str, Any]],
+    tokenizer: Any,
+    add_generation_prompt: bool = True,
+    tools: ToolCalling | None = None,
+) -> str:
+    """The prompt text of a chat by the model's chat template; INVALID_ARGUMENT (param
+    `messages`) when the model has none or a message is malformed.
+
+    A template that takes tools renders `tools` and the turns' calls and results itself; for
+    any other they are written into the turns (`openai_tools.tool_chat_turns`).
+    """
+    try:
+        if getattr(tokenizer, "template_takes_tools", False):
+            listed = tools.tools() if tools is not None else None
+            return render_chat(tokenizer, messages, add_generation_prompt, tools=listed)
+        return render_chat(tokenizer, tool_chat_turns(messages, tools), add_generation_prompt)
+    except RequestRejected as error:
+        raise ApiError.invalid(str(error), "messages") from None
+
+
+def new_request_id(prefix: str = "") -> str:
+    return f"{prefix}{uuid.uuid4().hex}"
+
+
+def find_malformed_text(value: Any, path: str) -> str | None:
+    """The path of the first string (value or object key) under `value` that is not valid
+    Unicode, else None.
+
+    JSON can carry lone surrogates (`"\\ud800"`), and a body decoded with `surrogateescape`
+    turns invalid UTF-8 bytes into them too; neither can be encoded again, so neither can be
+    tokenized.
+    """
+    if isinstance(value, str):
+        return None if _is_unicode(value) else path
+    if isinstance(value, Mapping):
+        for key in value:
+            if isinstance(key, str) and not _is_unicode(key):
+                # The path must be printable in the error: show the bad bytes escaped.
+                shown = key.encode("utf-8", "backslashreplace").decode("ascii")
+                return f"{path}.{shown}" if path else shown
+        items = ((f"{path}.{key}" if path else str(key), item) for key, item in value.items())
+    elif isinstance(value, list | tuple):
+        items = ((f"{path}[{i}]", item) for i, item in enumerate(value))
+    else:
+        return None
+    for item_path, item in items:
+        found = find_malformed_text(item, item_path)
+        if found is not None:
+            return found
+    return None
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+@dataclass
+class CompletionResult:
+    """One completion (branch) put together from its deltas; its text is kept as pieces and
+    joined when read, so adding a delta never copies the text so far."""
+
+    index: int
+    text_pieces: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    usage: Usage | None = None
+    metrics: RequestMetrics | None = None
+    error: str | None = None
+    logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    beam_logprob: float | None = None  # a beam search's hypothesis: the engine's sum
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_pieces)
+
+    @property
+    def cumulative_logprob(self) -> float:
+        """The sum of its tokens' log-probabilities (0 without them)."""
+        if self.beam_logprob is not None:
+            return self.beam_logprob
+        return sum(item.logprob for item in self.logprobs or () if item is not None)
+
+
+@dataclass
+class CompletionCollector:
+    """Collects one request's stream: each branch's end (finish, usage, metrics, error), and its
+    text and token ids unless `keep_output` is off (a stream that only needs the totals).
+
+    Args:
+        keep_output: put whole completions together (a unary response needs them).
+    """
+
+    request_id: str = ""
+    worker_id: str = ""
+    results: dict[int, CompletionResult] = field(default_factory=dict)
+    keep_output: bool = True
+    best: list[CompletionResult] | None = None  # `keep_best`'s pick
+
+    def add(self, delta: StreamDelta) -> None:
+        self.request_id = delta.request_id or self.request_id
+        self.worker_id = delta.worker_id or self.worker_id
+        result = self.results.setdefault(delta.index, CompletionResult(delta.index))
+        if self.keep_output:
+            result.text_pieces.append(delta.text)
+            result.token_ids.extend(delta.token_ids)
+            if delta.logprobs is not None:
+                result.logprobs = result.logprobs or []
+                result.logprobs.extend(delta.logprobs)
+            if delta.prompt_logprobs is not None and result.prompt_logprobs is None:
+                result.prompt_logprobs = list(delta.prompt_logprobs)
+        if delta.finish_reason is not None:
+            result.finish_reason = delta.finish_reason
+            result.stop_reason = delta.stop_reason
+            result.usage = delta.usage
+            result.metrics = delta.metrics
+            result.error = delta.error
+            result.beam_logprob = delta.cumulative_logprob
+
+    @property
+    def completions(self) -> list[CompletionResult]:
+        """The branches, in order (after `keep_best`: the ones it kept, best first)."""
+        if self.best is not None:
+            return self.best
+        return [self.results[i] for i in sorted(self.results)]
+
+    def keep_best(self, n: int) -> None:
+        """Keep the `n` branches of highest cumulative log-probability of their tokens (ties:
+        the lower branch), renumbered 0..n-1 best first: `best_of`. `usage` still counts every
+        branch, since every one was generated."""
+        ranked = sorted(self.results.values(), key=lambda r: (-r.cumulative_logprob, r.index))
+        self.best = [dataclasses.replace(r, index=i) for i, r in enumerate(ranked[:n])]
+
+    def usage(self) -> Usage:
+        """The request's usage: prompt and cached tokens once, completion tokens summed over
+        the branches that finished."""
+        finished = (self.results[i].usage for i in sorted(self.results))
+        return Usage.of_request(usage for usage in finished if usage is not None)
+
+
+async def collect(core: RouterCore, request: GenerateRequest) -> CompletionCollector:
+    """Run a request to the end and collect its completions."""
+    collector = CompletionCollector(request_id=request.request_id or "")
+    async with aclosing(core.generate(request)) as deltas:
+        async for delta in deltas:
+            collector.add(delta)
+    return collector
+
+
+async def merge_streams(
+    streams: Sequence[AsyncGenerator[StreamDelta, None]],
+) -> AsyncIterator[tuple[int, StreamDelta]]:
+    """Interleave several streams as their deltas arrive, as (stream index, delta).
+
+    The first failure ends the merge with that error; leaving early (or failing) cancels every
+    stream, which aborts its request on the worker.
+    """
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as only:
+            async for delta in only:
+                yield 0, delta
+        return
+    queue: asyncio.Queue[tuple[int, StreamDelta | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncGenerator[StreamDelta, None]) -> None:
+        try:
+            async with aclosing(stream) as deltas:
+                async for delta in deltas:
+                    await queue.put((i, delta))
+        except Exception as error:  # handed to the consumer, which re-raises it
+            await queue.put((i, error))
+        else:
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_streams = len(tasks)
+        while open_streams:
+            i, item = await queue.get()
+            if item is None:
+                open_streams -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,390 @@
+"""The router: validate, tokenize, hash, match its prefix view, pick a worker, stream back.
+
+`RouterCore` holds the logic and runs wherever an event loop does (tests drive it directly);
+`Router` in `cluster/app.py` is the Ray Serve deployment around it. It keeps routing, the
+workers' views and its lifecycle; a request's path (generate, replay, abort, drain) is
+`RouterRequests` (`cluster/router/requests.py`), which it inherits; the watch over workers
+(ready, polled, leased, dropped) is `cluster/router/worker_liveness.py`, and KV migration (pull,
+push, move) is `cluster/pool/migration.py`.
+
+Routing makes no remote call: each `RouterCore` keeps its own copy of the prefix index
+(`PrefixView`, `cluster/index/view.py`), and a background task (`FeedFollower`, started by
+`start` on the running event loop, cancelled by `close`) follows the index actor's change
+feed into it. A new replica resyncs from the feed's dump before it serves; an index that does
+not answer leaves the last view in place (counted as `index_unavailable`).
+
+Load is counted here as well as reported by workers: every request sent to a worker counts in
+its `inflight` until its stream ends, so the policy sees a burst before any report shows it;
+a request count adds to the report only the requests it does not show yet (`WorkerState`), so
+the other replicas' requests come from the report and this one's are not counted twice.
+Which workers there are is the worker pool's to say (`cluster/pool/pool.py`): each stats
+poll round first asks it for the membership (`cluster/pool/follower.py`), so joins and leaves
+reach every replica without a remote call on the request path. A worker that stops answering
+is dropped from routing, from this router's view and from the index at once; its requests
+are replayed on a peer from their tokens (or failed with UNAVAILABLE, by config).
+
+Streams: each worker sends everything of this router's requests there through one channel,
+a batch per engine step (`cluster/router/worker_channel.py`), read into a bounded buffer per
+request: a client that stops reading gets its request paused on the worker, one that leaves gets it
+aborted there.
+
+Request ids are the router's: a request's id is checked and reserved in one step, before any
+await, so two requests can never share one; with auth on, an id is scoped to its tenant (the
+token that sent it): what the workers see is `tenant:id`, so a tenant can neither see, abort
+nor squat another's request. Any replica can abort any request: one that does not stream it
+asks every alive worker to abort the scoped id. Prompts are length-checked before they are
+tokenized, and tokenized in a thread, so a huge prompt cannot stall the event loop every
+request shares.
+
+Backpressure: past `max_inflight` open requests the router refuses at once with `Overloaded`
+(RESOURCE_EXHAUSTED, HTTP 429, a retry hint), as each worker does past its waiting-queue bound.
+A draining worker (`drain_worker`) leaves routing first; what it cannot finish in its grace
+period comes back as `Draining` and replays on a peer like a lost worker's requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import uuid
+from typing import Any
+
+from ray.actor import ActorHandle
+
+from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.index.view import FeedFollower, PrefixView
+from pagedserve.cluster.pool.follower import PoolFollower
+from pagedserve.cluster.pool.migration import Migrations
+from pagedserve.cluster.router.loras import RouterLoras
+from pagedserve.cluster.router.metrics import RouterMetrics
+from pagedserve.cluster.router.reports import ClusterRouters, RouterReport
+from pagedserve.cluster.router.requests import RouterRequests
+from pagedserve.cluster.router.tenant_quotas import TenantAdmission
+from pagedserve.cluster.router.tracing import record_decision
+from pagedserve.cluster.router.types import (
+    ClusterStats,
+    GenerateRequest,
+    NoWorkerAvailable,
+    RouterCounters,
+    RouterInflight,
+    WorkerView,
+)
+from pagedserve.cluster.router.worker_channel import WorkerChannels
+from pagedserve.cluster.router.worker_liveness import WORKER_LOST_ERRORS, WorkerLiveness
+from pagedserve.cluster.router.worker_state import WorkerState
+from pagedserve.cluster.routing.policies import make_policy
+from pagedserve.cluster.routing.routable import RoutableWorkers
+from pagedserve.cluster.routing.tier_costs import TierCosts
+from pagedserve.cluster.routing.worker_roles import PREFILL_PHASE, RoleFilter
+from pagedserve.workers.deadline import within
+from pagedserve.workers.errors import RequestRejected
+from pagedserve.workers.kv.block_hash import cache_key, hash_full_blocks
+from pagedserve.workers.model.registry import DEFAULT_MODEL
+from pagedserve.workers.model.tokenizer import load_tokenizer
+from pagedserve.workers.ray_internals import detached_task
+from pagedserve.workers.sampling.params import SamplingParams
+from pagedserve.workers.telemetry.telemetry import NOOP, Tracing
+
+logger = logging.getLogger(__name__)
+
+
+class RouterCore(RouterRequests, RouterLoras):
+    """Owns the routing policy, the view of every worker, its prefix view and the requests in
+    flight.
+
+    Args:
+        config: the cluster config.
+        index: the prefix index actor.
+        workers: worker id → actor handle.
+        tracing: where request spans go (no-op by default).
+        metrics: whether to keep Prometheus metrics (`self.metrics.render()`).
+        pool: the worker pool actor; with it, the workers follow its membership (joins and
+            leaves learnt on each stats poll: `cluster/pool/follower.py`). None: `workers` is
+            all there is.
+        config_revision: the revision of `config` (a newer one reconfigures the pool).
+    """
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        index: ActorHandle,
+        workers: dict[str, ActorHandle],
+        tracing: Tracing = NOOP,
+        metrics: bool = False,
+        pool: ActorHandle | None = None,
+        config_revision: float = 0.0,
+    ) -> None:
+        self.config = config
+        self.router_id = uuid.uuid4().hex
+        self.tracing = tracing
+        self.index = index
+        self.workers = {wid: WorkerState(wid, handle) for wid, handle in workers.items()}
+        options = dict(config.routing_options)
+        if config.routing_policy == "kv_aware":  # it converts router token counts to blocks
+            options.setdefault("block_size", config.engine.block_size)
+        self.policy = make_policy(config.routing_policy, **options)
+        self.routable = RoutableWorkers(self.workers, self.policy.new_ranking())
+        self.tier_costs = TierCosts(config.tier_host_block_cost, config.tier_disk_block_cost)
+        self.tokenizer = load_tokenizer(config.engine.model or DEFAULT_MODEL)
+        self.model_name = ""
+        self.block_size = config.engine.block_size
+        self.counters = RouterCounters()
+        self.tenant_admission = TenantAdmission(config.tenants, config.retry_after_s)
+        # Scoped request id → the worker serving it now (None until routed). Reserved when a
+        # request is admitted, released when its stream ends: the one owner of id uniqueness.
+        self._inflight_ids: dict[str, WorkerState | None] = {}
+        self.num_inflight = 0  # requests between admission and their stream's end
+        self._started: asyncio.Task | None = None
+        self.view = PrefixView()
+        self.feed = FeedFollower(
+            self.view,
+            index,
+            config.rpc_timeout_s,
+            on_error=self._count_index_unavailable,
+            lost_errors=WORKER_LOST_ERRORS,
+        )
+        self._following: asyncio.Task | None = None
+        self._reporting: asyncio.Task | None = None
+        self.last_cluster: ClusterRouters | None = None  # every replica's, as last read
+        self.metrics = RouterMetrics(
+            metrics,
+            lambda: {w.worker_id: (w.alive, w.stats) for w in self.workers.values()},
+            lambda: self.last_cluster,
+        )
+        self.migrations = Migrations(
+            config, index, self.workers, tracing, self.counters, self.metrics
+        )
+        # One channel per worker carries every delta of this router's requests there.
+        self.channels = WorkerChannels(self.router_id, config.max_buffered_deltas)
+        self.liveness = WorkerLiveness(
+            config,
+            index,
+            self.workers,
+            self.router_id,
+            self.counters,
+            on_polled=self._after_poll,
+            on_dropped=self.view.drop_worker,
+            on_hung=self.channels.worker_hung,
+        )
+        # LoRA adapters served (name -> key, path) and each worker's as last noted (epoch,
+        # name -> key): what a worker that joins later is given (`RouterLoras.follow_loras`).
+        self.lora_known: dict[str, tuple[str, str]] = {}
+        self.lora_seen: dict[str, tuple[str, dict[str, str]]] = {}
+        self.membership = None
+        if pool is not None:
+            self.membership = PoolFollower(
+                pool,
+                config,
+                config_revision,
+                self.router_id,
+                self.workers,
+                self.liveness,
+                self.view,
+            )
+            self.liveness.sync = self.membership.sync
+
+    # ------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Wait for every worker to be ready and the prefix view to sync once, then keep loads
+        and the view fresh. Idempotent."""
+        if self._started is None:  # every loop it starts outlives the request that started it
+            self._started = detached_task(self._start())
+        await asyncio.shield(self._started)
+        self._following = _running_on_this_loop(self._following, self.feed.run)
+        if self.index is not None:
+            self._reporting = _running_on_this_loop(self._reporting, self._report_loop)
+
+    def report(self) -> RouterReport:
+        """This replica's counters and in-flight requests, as the index actor keeps them for
+        every replica's GetStats (`cluster/router/reports.py`)."""
+        return RouterReport(
+            self.router_id,
+            copy.deepcopy(self.counters),
+            {w.worker_id: w.inflight for w in self.workers.values() if w.inflight},
+            expires_after_s=self.config.lease_timeout_s,
+        )
+
+    async def _send_report(self) -> None:
+        try:
+            await within(self.index.report_router.remote(self.report()), self.config.rpc_timeout_s)
+        except (*WORKER_LOST_ERRORS, TimeoutError):  # the next round sends a newer one
+            logger.debug("the prefix index did not take this router's counters")
+
+    async def _report_loop(self) -> None:
+        while True:
+            await self._send_report()
+            await asyncio.sleep(self.config.stats_interval_s)
+
+    def _count_index_unavailable(self) -> None:
+        self.counters.index_unavailable += 1
+
+    async def _start(self) -> None:
+        try:
+            alive = await self.liveness.start()
+        except NoWorkerAvailable:
+            self._started = None  # let the next request try again
+            raise
+        self.model_name = alive[0].info.model
+        self.block_size = alive[0].info.block_size
+        await self.feed.read_once(wait_s=0)  # the dump: serve with what the index knows
+
+    async def close(self) -> None:
+        self.liveness.close()
+        self.channels.close()
+        for task in (self._started, self._following, self._reporting):
+            if task is not None:
+                task.cancel()
+        if self.index is not None:  # the last counts, so cluster totals keep them
+            self.index.report_router.remote(self.report())
+
+    async def _after_poll(self, worker: WorkerState) -> None:
+        """After each poll of a live worker: give a new one the run-time LoRA adapters it
+        lacks, then push its hot prefixes to peers if it is under pressure."""
+        await self.follow_loras(worker)
+        await self.migrations.push_if_under_pressure(worker)
+
+    # -------------------------------------------------------------- routing
+    async def _tokenize(self, request: GenerateRequest) -> list[int]:
+        """The prompt's token ids; text is measured first, then tokenized off the event loop."""
+        if request.prompt_token_ids is not None:
+            if request.prompt is not None:
+                raise RequestRejected("give prompt or prompt_token_ids, not both")
+            check_prompt_size(len(request.prompt_token_ids), self.config.max_prompt_chars)
+            return list(request.prompt_token_ids)
+        if not request.prompt:
+            raise RequestRejected("prompt is empty")
+        if self.tokenizer is None:
+            raise RequestRejected("the model has no tokenizer; send prompt_token_ids")
+        check_prompt_size(len(request.prompt), self.config.max_prompt_chars)
+        return await asyncio.to_thread(self.tokenizer.encode, request.prompt)
+
+    async def prompt_length(self, prompt: str | list[int]) -> int:
+        """Tokens in a prompt, checked for size first and tokenized off the event loop."""
+        if isinstance(prompt, str):
+            request = GenerateRequest(params=SamplingParams(), prompt=prompt)
+        else:
+            request = GenerateRequest(params=SamplingParams(), prompt_token_ids=prompt)
+        return len(await self._tokenize(request))
+
+    async def route(
+        self,
+        token_ids: list[int],
+        cache_salt: str | None,
+        span: Any = None,
+        exclude: frozenset[str] = frozenset(),
+        lora_key: str | None = None,
+    ) -> tuple[WorkerState, int]:
+        """Pick a worker for a prompt; pull its prefix from a peer when that beats prefill.
+
+        `span`: the `route` span, given the decision (and parent of a pull), if traced.
+        `exclude`: workers not to pick (they refused this request already).
+        `lora_key`: the request's LoRA adapter key (its blocks hash with it).
+        """
+        ranking = self.routable.current()  # loads kept current per worker change
+        if self.config.disaggregated:  # P/D: a fresh prompt goes to a worker that prefills
+            exclude |= self._unfit(PREFILL_PHASE, exclude)
+        others = None  # a retry after refusals (rare) scores the workers not excluded in full
+        if exclude:
+            others = [w for w in self.workers.values() if w.routable and w.worker_id not in exclude]
+        if not (ranking if others is None else others):
+            raise NoWorkerAvailable("no worker is alive and admitting")
+        key = cache_key(self.model_name, cache_salt, lora_key)
+        hashes = hash_full_blocks(token_ids, self.block_size, key)
+        matches = self.view.match(hashes)  # local: no remote call on the request path
+        tier_hits = self.view.tier_hits(hashes, matches)
+        tier_load = self.tier_costs.per_worker(tier_hits)
+        if lora_key is not None:  # only workers with the adapter; a load where not resident
+            others, tier_load = self.lora_candidates(lora_key, others, exclude, tier_load)
+        if others is None:
+            decision = self.policy.choose_ranked(len(hashes), matches, ranking, tier_load)
+        else:
+            loads = [w.load() for w in others]
+            decision = self.policy.choose(len(hashes), matches, loads, tier_load)
+        chosen = self.workers[decision.worker_id]
+        matched = matches.get(chosen.worker_id, 0)
+        self.counters.count_routed(decision.policy)
+        outcome = "prefix_hit" if matched else "prefix_miss"
+        if matched:
+            self.counters.prefix_hits += 1
+        else:
+            self.counters.prefix_misses += 1
+        self.metrics.on_routed(decision.policy, outcome)
+        if span is not None:
+            record_decision(span, decision, len(hashes), matched)
+        if self.config.enable_pull:
+            exportable = {w: hits.device_prefix for w, hits in tier_hits.items()}
+            peers = {**matches, **exportable}  # a peer exports only what is on its device
+            matched = await self.migrations.maybe_pull(chosen, hashes, peers, matched, span)
+        return chosen, matched
+
+    def _unfit(self, phase: RoleFilter, exclude: frozenset[str]) -> frozenset[str]:
+        """The workers (not in `exclude`) of a role `phase` should not go to; none when no
+        worker of a fitting role is routable (counted as a P/D fallback)."""
+        candidates = (w for w in self.workers.values() if w.worker_id not in exclude)
+        unfit, fell_back = phase.unfit(candidates)
+        self.counters.pd_fallbacks += fell_back
+        return unfit
+
+    # ---------------------------------------------------------------- state
+    def inflight(self) -> RouterInflight:
+        """The requests this router holds open now and what it counts on each worker."""
+        return RouterInflight(
+            request_ids=tuple(sorted(self._inflight_ids)),
+            num_requests=self.num_inflight,
+            workers={
+                w.worker_id: (w.inflight, w.inflight_tokens)
+                for w in self.workers.values()
+                if w.inflight or w.inflight_tokens
+            },
+        )
+
+    async def cluster_routers(self) -> ClusterRouters | None:
+        """Every replica's counters summed, this one's reported first (None: the index did not
+        answer); kept as `last_cluster` for `/metrics`."""
+        await self._send_report()
+        try:
+            routers = self.index.routers.remote()
+            self.last_cluster = await within(routers, self.config.rpc_timeout_s)
+        except (*WORKER_LOST_ERRORS, TimeoutError):
+            self.last_cluster = None
+        return self.last_cluster
+
+    async def cluster_stats(self) -> ClusterStats:
+        await self.start()
+        await self.liveness.poll_all()
+        workers = {
+            w.worker_id: WorkerView(w.worker_id, w.alive, w.inflight, w.info, w.stats)
+            for w in self.workers.values()
+        }
+        try:
+            index = await within(self.index.stats.remote(), self.config.rpc_timeout_s)
+        except (*WORKER_LOST_ERRORS, TimeoutError):
+            index = None
+        return ClusterStats(
+            cluster=await self.cluster_routers(),
+            workers=workers,
+            router=copy.deepcopy(self.counters),
+            limits=self.config.limits,
+            index=index,
+            policy=self.config.routing_policy,
+            view=self.view.stats(),
+        )
+
+
+def _running_on_this_loop(task: asyncio.Task | None, run: Any) -> asyncio.Task:
+    """`task`, or `run()` started anew on the running event loop when `task` is done or ran on
+    another loop (a caller may drive a core from one `asyncio.run` after another)."""
+    loop = asyncio.get_running_loop()
+    if task is None or task.done() or task.get_loop() is not loop:
+        return detached_task(run())
+    return task
+
+
+def check_prompt_size(size: int, limit: int) -> None:
+    """Refuse a prompt longer than `limit` characters (or token ids) before any work on it."""
+    if size > limit:
+        raise RequestRejected(
+            f"prompt is {size:,} characters or tokens long; the limit is {limit:,} "
+            "(max_prompt_chars)"
+        )

@@ -1,0 +1,4 @@
+"""Which worker serves a request: the routing policies (`policies`), the routable workers
+ranked by a policy and kept current (`routable`, `load_ranking`), what a prefix hit below the
+device costs (`tier_costs`) and where each P/D phase may run (`worker_roles`).
+"""

@@ -1,0 +1,202 @@
+"""Routing policies: KV-aware cost, the imbalance guard, router-side load and the registry."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from pagedserve.cluster.routing.policies import (
+    DEFAULT_POLICY,
+    Candidate,
+    KvAwarePolicy,
+    RoutingPolicy,
+    WorkerLoad,
+    make_policy,
+)
+
+
+def idle(worker_id: str, total: int = 100, **changes) -> WorkerLoad:
+    load = WorkerLoad(worker_id, 0, 0, used_blocks=0, total_blocks=total, free_blocks=total)
+    return replace(load, **changes)
+
+
+def sent(load: WorkerLoad, tokens: int) -> WorkerLoad:
+    """What the caller does after routing a request to `load.worker_id`."""
+    return replace(
+        load,
+        inflight=load.inflight + 1,
+        inflight_tokens=load.inflight_tokens + tokens,
+        unreported=load.unreported + 1,  # no report has seen it yet
+    )
+
+
+# ----------------------------------------------------------------- registry
+def test_registry_and_default():
+    assert {"kv_aware", "least_loaded", "round_robin"} <= set(RoutingPolicy.registry)
+    assert DEFAULT_POLICY == "kv_aware"
+    assert make_policy("kv_aware").name == "kv_aware"
+
+
+def test_unknown_policy_lists_the_known_ones():
+    with pytest.raises(ValueError, match=r"unknown routing policy 'fastest'.*least_loaded"):
+        make_policy("fastest")
+
+
+def test_bad_options_are_value_errors():
+    with pytest.raises(ValueError, match="bad options"):
+        make_policy("round_robin", prefill_weight=2.0)
+    with pytest.raises(ValueError, match="imbalance_factor"):
+        make_policy("kv_aware", imbalance_factor=0.5)
+    with pytest.raises(ValueError, match="block_size"):
+        make_policy("kv_aware", block_size=0)
+
+
+@pytest.mark.parametrize("name", ["kv_aware", "least_loaded", "round_robin"])
+def test_every_policy_refuses_no_workers_and_duplicates(name):
+    policy = make_policy(name)
+    with pytest.raises(ValueError, match="no alive workers"):
+        policy.choose(4, {}, [])
+    with pytest.raises(ValueError, match="twice"):
+        policy.choose(4, {}, [idle("a"), idle("a")])
+
+
+# ----------------------------------------------------------------- kv_aware
+def test_kv_aware_prefers_the_worker_holding_the_prefix():
+    policy = make_policy("kv_aware", prefill_weight=1.0)
+    decision = policy.choose(10, {"b": 8}, [idle("a"), idle("b"), idle("c")])
+    assert decision.worker_id == "b"
+    assert decision.policy == "kv_aware" and decision.matched_blocks == 8
+    assert decision.candidates == (
+        Candidate("a", 0, 10, 0.0, 10.0),
+        Candidate("b", 8, 2, 0.0, 2.0),
+        Candidate("c", 0, 10, 0.0, 10.0),
+    )
+
+
+def test_kv_aware_cost_trades_prefill_against_load():
+    policy = KvAwarePolicy(prefill_weight=1.0, imbalance_slack=1000)
+    loads = [idle("a", used_blocks=5), idle("b", used_blocks=30)]
+    # b saves 8 blocks of prefill but carries 25 more blocks of load.
+    assert policy.choose(10, {"b": 8}, loads).worker_id == "a"
+    # With prefill weighed 4x, the 8 blocks saved are worth 32.
+    heavy_prefill = KvAwarePolicy(prefill_weight=4.0, imbalance_slack=1000)
+    assert heavy_prefill.choose(10, {"b": 8}, loads).worker_id == "b"
+
+
+def test_default_weight_keeps_a_busy_holder_over_a_cold_idle_worker():
+    """The routing bench's case: the holder serves one long request whose 64 blocks include
+    the very prefix the new request shares; weight 1 sent the request to a cold worker."""
+    loads = [idle("holder", total=8192, used_blocks=67), idle("cold", total=8192)]
+    assert make_policy("kv_aware").choose(66, {"holder": 64}, loads).worker_id == "holder"
+    # On a small pool the same load is a real share of it: the guard may step in.
+    small = [idle("holder", total=100, used_blocks=67), idle("cold", total=100)]
+    assert make_policy("kv_aware").choose(66, {"holder": 64}, small).worker_id == "cold"
+    weight_one = make_policy("kv_aware", prefill_weight=1.0, imbalance_slack=1000)
+    assert weight_one.choose(66, {"holder": 64}, loads).worker_id == "cold"
+
+
+def test_kv_aware_load_definition():
+    policy = KvAwarePolicy(block_size=16, waiting_weight=2.0)
+    # Reported use wins when larger...
+    assert policy.load_of(idle("a", used_blocks=10, inflight_tokens=33)) == 10
+    # ...the router's estimate (ceil(33 / 16) = 3 blocks) when the report lags; plus waiting.
+    assert policy.load_of(idle("a", used_blocks=1, inflight_tokens=33, num_waiting=2)) == 3 + 4
+
+
+def test_hot_prefix_moves_off_an_overloaded_holder():
+    policy = KvAwarePolicy(imbalance_factor=1.5, imbalance_slack=8)
+    holder = idle("a", used_blocks=60)
+    loads = [holder, idle("b", used_blocks=10), idle("c", used_blocks=20)]
+    # mean 30 -> bound 1.5 * 30 + 8 = 53: a (60) is out even though it saves all 40 blocks.
+    assert policy.guard_bound(60 + 10 + 20, 0, 3) == 53
+    decision = policy.choose(40, {"a": 40}, loads)
+    assert decision.worker_id == "b" and decision.matched_blocks == 0
+    assert [c.excluded for c in decision.candidates] == ["overloaded", None, None]
+    loads[0] = replace(holder, used_blocks=50)  # mean 26.67 -> bound 48: still over
+    assert policy.choose(40, {"a": 40}, loads).worker_id == "b"
+    # Under the bound the holder keeps the hot prefix.
+    loads[0] = replace(holder, used_blocks=45)  # mean 25 -> bound 45.5: allowed
+    assert policy.choose(40, {"a": 40}, loads).worker_id == "a"
+
+
+def test_hot_prefix_requests_spread_once_the_holder_fills_up():
+    """Route a stream of requests sharing a 20-block prefix; the caller counts each one."""
+    policy = KvAwarePolicy(imbalance_factor=1.5, imbalance_slack=8, block_size=16)
+    loads = {w: idle(w) for w in "abc"}
+    matches = {"a": 20}
+    chosen = []
+    for _ in range(12):
+        decision = policy.choose(21, matches, list(loads.values()))
+        chosen.append(decision.worker_id)
+        loads[decision.worker_id] = sent(loads[decision.worker_id], tokens=21 * 16)
+        matches.setdefault(decision.worker_id, 20)  # it now caches the prefix too
+    assert chosen[0] == "a"
+    assert set(chosen) == {"a", "b", "c"}
+    counts = [chosen.count(w) for w in "abc"]
+    assert max(counts) - min(counts) <= 1
+
+
+def test_router_inflight_keeps_back_to_back_requests_apart():
+    policy = make_policy("kv_aware")
+    loads = [idle("a"), idle("b")]
+    first = policy.choose(4, {}, loads)
+    assert first.worker_id == "a"  # equal: lowest id
+    # No report from the workers yet; only the router's own count changed.
+    loads = [sent(loads[0], tokens=64), loads[1]]
+    assert policy.choose(4, {}, loads).worker_id == "b"
+
+
+def test_inflight_count_breaks_ties_even_without_token_estimates():
+    loads = [idle("a", inflight=1), idle("b")]
+    assert make_policy("kv_aware").choose(4, {}, loads).worker_id == "b"
+
+
+def test_kv_aware_ignores_matches_of_workers_not_alive_and_clamps():
+    decision = make_policy("kv_aware").choose(3, {"dead": 3, "a": 9}, [idle("a"), idle("b")])
+    assert decision.worker_id == "a" and decision.matched_blocks == 3
+    assert decision.candidates[0].prefill_blocks == 0
+
+
+def test_kv_aware_ties_break_on_load_then_worker_id():
+    policy = KvAwarePolicy(prefill_weight=1.0, imbalance_slack=1000)
+    # Equal cost 10: a by prefill (10 + 0), b by load (0 + 10) -> lower load wins.
+    loads = [idle("a"), idle("b", used_blocks=10)]
+    assert policy.choose(10, {"b": 10}, loads).worker_id == "a"
+    assert policy.choose(10, {}, [idle("z"), idle("y")]).worker_id == "y"
+
+
+# ----------------------------------------------------------------- least_loaded
+def test_least_loaded_counts_reports_and_unreported_router_requests():
+    policy = make_policy("least_loaded")
+    loads = [
+        idle("a", num_running=2),
+        idle("b", inflight=1, unreported=1, num_waiting=1),
+        idle("c", num_running=1),
+        # Its one request is the one the worker reports running: counted once, not twice.
+        idle("d", inflight=1, unreported=0, num_running=1, total=16),
+    ]
+    decision = policy.choose(5, {"a": 5}, loads)
+    assert decision.worker_id == "c"
+    assert [c.cost for c in decision.candidates] == [2, 2, 1, 1]
+    assert decision.matched_blocks == 0
+    assert policy.choose(5, {}, [idle("b"), idle("a")]).worker_id == "a"
+
+
+# ----------------------------------------------------------------- round_robin
+def test_round_robin_cycles_in_id_order():
+    policy = make_policy("round_robin")
+    loads = [idle("c"), idle("a"), idle("b")]
+    assert [policy.choose(1, {}, loads).worker_id for _ in range(4)] == ["a", "b", "c", "a"]
+
+
+def test_round_robin_survives_workers_joining_and_leaving():
+    policy = make_policy("round_robin")
+    assert policy.choose(1, {}, [idle("a"), idle("c")]).worker_id == "a"
+    # b joined: it is next after a, nobody is skipped.
+    assert policy.choose(1, {}, [idle("a"), idle("b"), idle("c")]).worker_id == "b"
+    # b died: c follows.
+    decision = policy.choose(1, {}, [idle("a"), idle("c")])
+    assert decision.worker_id == "c"
+    assert [c.cost for c in decision.candidates] == [1.0, 0.0]
+    assert policy.choose(1, {}, [idle("a"), idle("c")]).worker_id == "a"

@@ -1,0 +1,97 @@
+"""What `pagedserve serve` sizes from the machine (cluster/serve/node_layout.py): read from a fake
+/sys and /proc, then planned."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pagedserve.cluster.serve.node_layout import (
+    CPU_KV_MAX_BYTES,
+    CPU_KV_MEMORY_FRACTION,
+    NodeResources,
+    plan,
+)
+
+GIB = 1 << 30
+
+
+def _machine(root: Path, nodes: list[str], available_kib: int | None) -> Path:
+    for i, cpulist in enumerate(nodes):
+        node = root / f"sys/devices/system/node/node{i}"
+        node.mkdir(parents=True)
+        (node / "cpulist").write_text(cpulist + "\n")
+    (root / "proc").mkdir()
+    lines = ["MemTotal:       32000000 kB"]
+    if available_kib is not None:
+        lines.append(f"MemAvailable:   {available_kib} kB")
+    (root / "proc/meminfo").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def test_cores_are_grouped_by_numa_node_and_only_usable_ones_count(tmp_path, monkeypatch):
+    root = _machine(tmp_path, ["0-3", "4-7", ""], available_kib=16 * 1024 * 1024)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {1, 2, 5})
+    node = NodeResources.of_this_machine(num_gpus=0, sys_root=root)
+    assert node.numa_cores == ((1, 2), (5,))
+    assert node.available_bytes == 16 * GIB and node.num_cores == 3
+
+
+def test_a_machine_that_does_not_say_is_one_node_and_keeps_the_engine_s_pool(tmp_path, monkeypatch):
+    root = _machine(tmp_path, [], available_kib=None)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    node = NodeResources.of_this_machine(num_gpus=0, sys_root=root)
+    assert node.numa_cores == ((0, 1),) and node.available_bytes == 0
+    layout = plan({"engine": {}}, node)
+    assert layout.settings == {"num_workers": 1, "worker_threads": 2}
+    assert layout.engine == {}  # no memory figure: the engine's own default
+
+
+def test_one_worker_per_numa_node_with_its_cores_and_a_capped_share_of_memory():
+    node = NodeResources(numa_cores=((0, 1, 2), (3, 4, 5)), available_bytes=10 * GIB, num_gpus=0)
+    layout = plan({"engine": {}}, node)
+    assert layout.settings == {"num_workers": 2, "worker_threads": 3}
+    assert layout.engine == {"kv_cache_bytes": int(10 * GIB * CPU_KV_MEMORY_FRACTION) // 2}
+    big = NodeResources(numa_cores=((0, 1),), available_bytes=500 * GIB, num_gpus=0)
+    assert plan({"engine": {}}, big).engine == {"kv_cache_bytes": CPU_KV_MAX_BYTES}
+    assert "1 worker(s)" in plan({"engine": {}}, big).describe()
+
+
+def test_what_the_user_set_is_kept_and_shapes_the_rest():
+    node = NodeResources(numa_cores=((0, 1, 2, 3),), available_bytes=8 * GIB, num_gpus=0)
+    layout = plan({"num_workers": 2, "engine": {"num_kv_blocks": 100}}, node)
+    assert layout.settings == {"worker_threads": 2}  # the cores split between two workers
+    assert layout.engine == {}  # a block count wins over a byte budget
+    assert (
+        layout.describe()
+        == "2 torch thread(s) per worker (its share of 4 core(s) among 2 worker(s))"
+    )
+    layout = plan({"worker_threads": 1, "engine": {"kv_cache_bytes": 123}}, node)
+    assert layout.settings == {"num_workers": 1} and layout.engine == {}
+    assert layout.describe() == "4 core(s) on 1 NUMA node(s): 1 worker(s)"  # only what it chose
+    layout = plan({"worker_cpus": "1", "engine": {}}, node)  # pinned: a thread per its core
+    assert "worker_threads" not in layout.settings
+
+
+def test_pd_roles_count_as_workers():
+    node = NodeResources(numa_cores=((0, 1),), available_bytes=8 * GIB, num_gpus=0)
+    layout = plan({"prefill_workers": 1, "decode_workers": 2, "engine": {}}, node)
+    assert layout.settings["num_workers"] == 3 and layout.settings["worker_threads"] == 1
+
+
+def test_gpus_get_a_worker_each_and_the_device_s_own_pool():
+    node = NodeResources(numa_cores=((0, 1),), available_bytes=8 * GIB, num_gpus=4)
+    layout = plan({"engine": {}}, node)
+    assert layout.settings == {"num_workers": 4, "worker_num_gpus": 1.0}
+    assert layout.engine == {"device": "cuda"}
+
+
+def test_tensor_parallel_workers_span_k_gpus_and_split_the_cpu_kv_share():
+    gpus = NodeResources(numa_cores=((0, 1),), available_bytes=8 * GIB, num_gpus=4)
+    layout = plan({"engine": {"tensor_parallel_size": 2}}, gpus)
+    assert layout.settings == {"num_workers": 2, "worker_num_gpus": 1.0}
+    assert "one worker per GPU group of 2" in layout.describe()
+    cpus = NodeResources(numa_cores=((0, 1),), available_bytes=8 * GIB, num_gpus=0)
+    layout = plan({"engine": {"tensor_parallel_size": 2}}, cpus)
+    # `kv_cache_bytes` is per rank: the worker's share of memory split over its 2 ranks.
+    assert layout.engine == {"kv_cache_bytes": int(8 * GIB * CPU_KV_MEMORY_FRACTION) // 2}
+    assert layout.settings == {"num_workers": 1, "worker_threads": 2}  # 1 per rank
