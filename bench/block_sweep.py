@@ -3,7 +3,7 @@
 For each B (default 8, 16, 32, 64, 128), on one seeded workload (`serve_workload`; the seed's
 five lengths by default, constructed):
 
-analytic  `kv_memory.paged_usage` over the final lengths n = prompt + output of every request
+analytic  `kv.memory.paged_usage` over the final lengths n = prompt + output of every request
           (all resident at once): useful Σn, allocated Σ B·ceil(n/B), tail waste, block-table
           bytes; `reserve_max_usage` at `--max-model-len` beside it.
 measured  an offline `Engine` (tiny-llama, this process, torch attention) runs the same requests

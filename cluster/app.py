@@ -65,7 +65,7 @@ def served_model_name(config: ClusterConfig, api: ApiConfig) -> str:
 
 
 async def _answer(route: Awaitable[Response]) -> Response:
-    """A route's response, or its failure as the API's error (`api_errors`)."""
+    """A route's response, or its failure as the API's error (`api.errors`)."""
     try:
         return await route
     except Exception as error:
@@ -241,7 +241,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     Args:
         args: the config as the user wrote it (YAML, flags or serveConfigV2 `args`):
             `ClusterConfig` data plus the API's keys (`auth`, `served_model_name`,
-            `telemetry`; see `api_config`).
+            `telemetry`; see `api.config`).
 
     Raises:
         ValueError: a key or value is wrong (named), or the auth tokens file is unreadable.
@@ -281,5 +281,5 @@ def max_ongoing_requests(config: ClusterConfig) -> int:
     room for the calls it refuses at once and for control calls. Serve must never be the
     one that queues a request the router would refuse: a refusal is due at once, not after
     the wait for a slot (past this, Serve refuses too: RESOURCE_EXHAUSTED, with a retry
-    trailer from `grpc_status`)."""
+    trailer from `api.grpc.status`)."""
     return (config.max_inflight or DEFAULT_INFLIGHT) + REFUSAL_HEADROOM

@@ -125,7 +125,7 @@ class ClusterConfig:
         max_pending_grpc_calls: gRPC calls Serve's proxy holds before its event loop takes
             them up; past it gRPC itself drops a new call (CANCELLED, no details, no retry
             hint), so it must exceed the largest burst (gRPC's default drops from 1,000 on:
-            see `grpc_backlog`). A held call costs the proxy its stream and headers.
+            see `api.grpc.backlog`). A held call costs the proxy its stream and headers.
         max_waiting_per_worker: new requests a worker's engine queues at most; past it the
             worker refuses at once with `Overloaded` (RESOURCE_EXHAUSTED, HTTP 429). None:
             unbounded.

@@ -5,27 +5,27 @@ through a function here, and each has a test (`tests/unit/workers/test_ray_inter
 fails when an upgrade moves or reshapes what it touches:
 
 - `setup_hook_env_var`: `ray._private.ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR`, a
-  setup hook for the processes Serve and the pool start (`grpc_backlog`, `drain_signal`);
+  setup hook for the processes Serve and the pool start (`api.grpc.backlog`, `drain_signal`);
 - `serve_grpc_server_options`: `ray.serve._private.constants.DEFAULT_GRPC_SERVER_OPTIONS`,
-  room for a gRPC burst (`grpc_backlog`);
+  room for a gRPC burst (`api.grpc.backlog`);
 - `wrap_grpc_handlers`: the `service_handler_factory` of Serve's gRPC proxy server, for cancels
-  that reach the replica and statuses without internals (`grpc_streams`, `grpc_status`);
+  that reach the replica and statuses without internals (`api.grpc.streams`, `api.grpc.status`);
 - `replica_wrapper_class`: `ActorReplicaWrapper.send_request_python`
   (`ray.serve._private.request_router.replica_wrapper`), backpressure from the proxy to the
-  replica (`grpc_streams`);
+  replica (`api.grpc.streams`);
 - `wrap_get_node`: `ray._private.services.get_node`, a node start-up that waits longer than
   Ray's fixed 30 s (`ray_startup`);
 - `route_sigterm_handlers`: `ray._private.utils.set_sigterm_handler`, a worker's drain on
   SIGTERM (`drain_signal`);
 - `bound_http_responses` and `room_in_http_response`: `MessageQueue`
   (`ray.serve._private.http_util`), the replica's queue of a response's ASGI messages, which
-  Serve fills without bound, for HTTP streams that pause when unread (`openai_api`);
+  Serve fills without bound, for HTTP streams that pause when unread (`api.openai.api`);
 - `detached_context` and `detached_task`: `ray._raylet.async_task_id`, the context variable by
   which Ray files each call an async actor makes under the request it serves, so that a call
   meant to outlive that request is not cancelled with it (`router`, `worker_channel`).
 
 Serve also reads settings from the environment that its docs do not list (set in
-`serve_options`, `ray_startup` and `grpc_status`): `RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD`,
+`serve_options`, `ray_startup` and `api.grpc.status`): `RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD`,
 `RAY_SERVE_CONTROL_LOOP_INTERVAL_S`, `RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S`,
 `RAY_SERVE_GRPC_MAX_MESSAGE_SIZE`; the test checks Serve still reads each one.
 
@@ -143,7 +143,7 @@ def bound_http_responses() -> None:
 
     Serve's replica puts each ASGI message of a response into a `MessageQueue` without bound
     (its `send` never waits) and yields what the queue holds to the proxy, that yield waiting
-    while the proxy has `REPLICA_STREAM_BACKPRESSURE_OBJECTS` unread (`grpc_streams`). This
+    while the proxy has `REPLICA_STREAM_BACKPRESSURE_OBJECTS` unread (`api.grpc.streams`). This
     makes every new queue known to the task that fills it and tells it when it was emptied,
     for `room_in_http_response`. Idempotent.
     """

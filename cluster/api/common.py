@@ -63,7 +63,7 @@ def chat_prompt(
     `messages`) when the model has none or a message is malformed.
 
     A template that takes tools renders `tools` and the turns' calls and results itself; for
-    any other they are written into the turns (`openai_tools.tool_chat_turns`).
+    any other they are written into the turns (`api.openai.tools.tool_chat_turns`).
     """
     try:
         if getattr(tokenizer, "template_takes_tools", False):

@@ -11,7 +11,7 @@ if TYPE_CHECKING:  # imported where called: importing this module must not impor
 from pagedserve.workers.ray_internals import setup_hook_env_var
 
 # Import paths of the functions Serve's gRPC proxy registers services with: our Generation
-# service (with lenient request parsing, see `grpc_wire`) and the standard health service.
+# service (with lenient request parsing, see `api.grpc.wire`) and the standard health service.
 GRPC_SERVICER_FUNCTIONS: list[str] = [
     "pagedserve.cluster.api.grpc.wire.add_generation_servicer",
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
@@ -23,7 +23,7 @@ GRPC_SERVICER_FUNCTIONS: list[str] = [
 # would take its request's deltas from its buffer as fast as the worker sends them whatever the
 # client reads (and the buffer would never fill to pause the request); on Serve's own loop the
 # replica pulls the Router's generator only as its (backpressured) Ray stream drains.
-# The proxies' setup hook (`grpc_backlog`), which the replica would inherit from the controller
+# The proxies' setup hook (`api.grpc.backlog`), which the replica would inherit from the controller
 # and pass on to the workers, is turned off: none of them builds a gRPC server, and the hook
 # would import Serve into every worker.
 # Apply with `@serve.deployment(ray_actor_options={"runtime_env": {"env_vars": ...}})`.
@@ -47,7 +47,7 @@ def controller_env_vars(
     host: str, max_request_bytes: int, max_pending_calls: int
 ) -> dict[str, str]:
     """Environment of Serve's controller (`serve.start(controller_options=...)`), which its
-    proxies inherit: the proxies' (`grpc_status.proxy_env_vars`) and the control loop's
+    proxies inherit: the proxies' (`api.grpc.status.proxy_env_vars`) and the control loop's
     interval. A value already in this process's environment wins."""
     from pagedserve.cluster.api.grpc.status import proxy_env_vars
 

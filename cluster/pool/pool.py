@@ -49,7 +49,7 @@ on the restarting pool and waits for its next round), so a restarted pool follow
 config and never rolls the workers back to its creation config.
 
 Stop: `freeze` (the app is stopping) ends every decision; the pool goes on answering the
-routers' membership polls until the app's stop kills it after them (`worker_group`), so that
+routers' membership polls until the app's stop kills it after them (`pool.group`), so that
 no router sees its pool vanish while it still serves.
 """
 

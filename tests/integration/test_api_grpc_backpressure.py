@@ -2,7 +2,7 @@
 requests on the workers (blocks stop growing), and read to the end later they give exactly
 what the same requests give unpaused; nothing leaks. gRPC and HTTP (SSE) alike.
 
-The hops that carry it: gRPC flow control → `grpc_streams` (bounded buffer, Ray generator
+The hops that carry it: gRPC flow control → `api.grpc.streams` (bounded buffer, Ray generator
 backpressure on the replica call) → the Router replica (user code on Serve's own loop, see
 `serve_options.ROUTER_ENV_VARS`) → the router's bounded buffer of the request, read from its
 worker's channel (`cluster/router/worker_channel.py`) → `Worker.set_paused` → the engine pauses the

@@ -3,7 +3,7 @@ a named function, `auto`; streamed and not) parse into OpenAI's `tool_calls`, an
 `response_format` json_schema answer validates.
 
 SmolLM2's chat template has no tools: they reach the model in the system turn
-(`openai_tools.tool_chat_turns`), and the grammar holds each call to its function's schema.
+(`api.openai.tools.tool_chat_turns`), and the grammar holds each call to its function's schema.
 Under `auto` a 135M model calls only when the chat shows it how: the chat holds two earlier
 calls, as the client sent them back.
 """

@@ -3,7 +3,7 @@
 What "clean" means:
 
 - an engine built in the test process: no request in flight, every block free or cached, the
-  pool's invariants hold (`kv_checks.assert_no_leaks`), and so for a speculative draft model's
+  pool's invariants hold (`kv.checks.assert_no_leaks`), and so for a speculative draft model's
   own pool;
 - a cluster: every router that served it holds nothing open (`RouterCore.inflight`: no request
   id reserved, no request or token counted on any worker); every worker that is still there is

@@ -4,9 +4,9 @@ and dtype exist here, the KV budget holds a block, and the lengths fit the model
 
 `pagedserve serve` runs `check_engine` before it starts Ray (`cluster/serve/preflight.py`): each of
 these mistakes would otherwise surface minutes later, inside a worker, once per worker it
-retried. The checks read what the worker would read (`model_registry.resolve_model`, HF's
+retried. The checks read what the worker would read (`model.registry.resolve_model`, HF's
 config and tokenizer files) and use the KV equations the worker sizes its pool by
-(`kv_memory`, as `pagedserve kv-calc`), so they pass exactly when the worker's start would.
+(`kv.memory`, as `pagedserve kv-calc`), so they pass exactly when the worker's start would.
 
     config.json, tokenizer ──► ModelShape ──► KV block bytes vs the budget
                                          └──► context vs max_model_len, block_size
@@ -54,10 +54,10 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     dtype: str  # the KV's dtype: the engine's, or the checkpoint's own for `auto`
-    context: int  # longest sequence the model serves (`model_loader.context_length`)
+    context: int  # longest sequence the model serves (`model.loader.context_length`)
 
     def block_bytes(self, block_size: int) -> int:
-        """Bytes of one KV block: `block_size` × M_KV (equation (1) of `kv_memory`)."""
+        """Bytes of one KV block: `block_size` × M_KV (equation (1) of `kv.memory`)."""
         return block_size * kv_bytes_per_token(
             self.num_layers, self.num_kv_heads, self.head_dim, self.dtype
         )
@@ -184,7 +184,7 @@ def _shape(hf_config: Any, dtype: str, checkpoint_dtype: str) -> ModelShape:
 
 
 def check_kv_budget(config: EngineConfig, shape: ModelShape) -> None:
-    """The pool holds at least one block (`engine_sizing.num_kv_blocks`'s arithmetic). A
+    """The pool holds at least one block (`engine.sizing.num_kv_blocks`'s arithmetic). A
     CUDA pool's default budget is a share of the device's free memory, known only there."""
     if config.num_kv_blocks is not None:
         return

@@ -47,7 +47,7 @@ class EngineConfig:
 
     Attributes:
         model: a built-in name (`smollm2-135m`, the default, or `tiny-llama`), a local HF
-            checkpoint directory or a `.gguf` file (see `model_registry`); None: the default.
+            checkpoint directory or a `.gguf` file (see `model.registry`); None: the default.
         dtype: weights and KV dtype: `float32`, `float16`, `bfloat16` (or `fp32`/`fp16`/
             `bf16`/`half`), or `auto` for the checkpoint's own.
         device: `cpu` or `cuda` (a worker on a GPU machine gets `cuda`).

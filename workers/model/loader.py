@@ -1,6 +1,6 @@
 """Load the model a worker serves: a built-in model, a local HF checkpoint or a GGUF file.
 
-``model_registry.resolve_model`` says what a name means (and converts GGUF files once into a
+``model.registry.resolve_model`` says what a name means (and converts GGUF files once into a
 cached checkpoint). Nothing here ever downloads: checkpoints are read with
 ``local_files_only=True``. The result is a
 ``LoadedModel`` that carries the model, its tokenizer (if any) and the few architecture numbers
@@ -37,7 +37,7 @@ class LoadedModel:
 
     ``device`` is where the model's weights are: the device a one-process engine serves on,
     the host for a tensor-parallel engine's rank 0 (which serves on its own device,
-    `engine_sizing.serving_device`), ``meta`` once `release_weights` dropped them.
+    `engine.sizing.serving_device`), ``meta`` once `release_weights` dropped them.
     """
 
     model: PreTrainedModel

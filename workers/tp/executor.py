@@ -292,7 +292,7 @@ def build_tp_executor(
     engine loaded it), layer by layer, as copies that share no storage with it: rank 0's go
     to ``device``, the others' through the CPU to their ranks. With ``release_model`` each
     layer's weights are dropped once sliced (`slice_shards`), so the host holds about the
-    model once, not twice; the caller then marks it released (`model_loader.release_weights`).
+    model once, not twice; the caller then marks it released (`model.loader.release_weights`).
     On the CPU each rank (this process included) runs this process's torch threads // k.
     """
     check_tp_config(config, loaded, device)

@@ -220,7 +220,7 @@ class GrpcFrontend:
 
         A bug becomes INTERNAL with an incident id (the log has its traceback). A refusal's
         retry hint goes into the trailer here (unary: Serve copies it along with the empty
-        response) and into the details, from which `grpc_status` makes the trailer of a
+        response) and into the details, from which `api.grpc.status` makes the trailer of a
         stream, whose context Serve never copies on failure.
         """
         api_error = to_api_error(error)

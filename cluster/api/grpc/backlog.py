@@ -10,7 +10,7 @@ access log line. 1,500 unary calls sent at once lost 44-60 calls this way, each 
 after it was sent (2 CPUs); with a limit of 100 the same burst lost ~1,370.
 
 Serve builds its gRPC server (channel args fixed at construction) before it imports our
-servicer functions, so `grpc_wire` comes too late. `raise_pending_limit` runs earlier: it is a
+servicer functions, so `api.grpc.wire` comes too late. `raise_pending_limit` runs earlier: it is a
 Ray worker-process setup hook (`backlog_env_vars`), run when the proxy's process starts, and it
 adds our limit to the options Serve builds every gRPC server with. The hook is inherited by the
 processes the controller starts (proxies, Router replicas); `ROUTER_ENV_VARS` turns it off for

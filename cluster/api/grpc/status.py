@@ -19,7 +19,7 @@ Two things can only be done here, after Serve's handler has set the call's final
   `GRPC_HOST_ENV`, see `proxy_env_vars`). A non-loopback host cannot be told apart from the
   call alone, so there every address is served: firewall the port.
 
-`finish_statuses` wraps the handler factory of Serve's proxy the way `grpc_streams` does; it
+`finish_statuses` wraps the handler factory of Serve's proxy the way `api.grpc.streams` does; it
 runs inside the proxy actor, so it imports only grpc.
 """
 
@@ -52,7 +52,7 @@ _REPLICA_LOST = re.compile(
     r"|actor is dead",
     re.IGNORECASE,
 )
-# Details our replica writes itself for INTERNAL (see `api_errors.internal_error`).
+# Details our replica writes itself for INTERNAL (see `api.errors.internal_error`).
 _OWN_INTERNAL = ("internal error (incident ", "the engine step serving this request failed")
 REPLICA_LOST_DETAILS = "the router replica serving this request was lost; retry the request"
 
@@ -65,7 +65,7 @@ def with_retry_hint(message: str, retry_after: str) -> str:
 def proxy_env_vars(host: str, max_request_bytes: int, max_pending_calls: int) -> dict[str, str]:
     """Environment of Serve's proxies (`serve.start(controller_options=...)`: proxies inherit
     the controller's): the gRPC message limit, enforced by gRPC before any parsing, the host
-    this module restricts calls to, and the room for calls not yet taken up (`grpc_backlog`)."""
+    this module restricts calls to, and the room for calls not yet taken up (`api.grpc.backlog`)."""
     return {
         SERVE_MAX_MESSAGE_ENV: str(max_request_bytes),
         GRPC_HOST_ENV: host,

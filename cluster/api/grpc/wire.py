@@ -8,9 +8,9 @@ request which does not parse is not a bare INTERNAL error from the proxy: it rea
 as a `MalformedRequest` naming the field (a string that is not UTF-8, or a field number this
 server does not know), which the replica answers with INVALID_ARGUMENT.
 
-Registering it also installs `grpc_streams.cancel_streams_in_flight` on the proxy, so that a
+Registering it also installs `api.grpc.streams.cancel_streams_in_flight` on the proxy, so that a
 stream that ends early always cancels its request on the replica, and
-`grpc_status.finish_statuses`, so that a refusal carries its `retry-after` trailer and no status
+`api.grpc.status.finish_statuses`, so that a refusal carries its `retry-after` trailer and no status
 carries a traceback or other internals; and, for the HTTP proxy of the same process,
 `sse_response.limit_send_buffers`, so that an unread HTTP stream pauses too, and
 `http_connections.guard_connections`, so that connections not serving a request are bounded.

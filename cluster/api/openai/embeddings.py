@@ -15,7 +15,7 @@ deployment's `embedding_pooling`), L2-normalised, as vLLM does for decoder model
 (the official openai client's default: it asks for base64 and decodes it). `dimensions` is
 refused (400): the vectors are the model's hidden size and are not truncated.
 
-`Embedder` runs a batch of inputs through the router; gRPC's `Embed` (`grpc_api`) uses it too.
+`Embedder` runs a batch of inputs through the router; gRPC's `Embed` (`api.grpc.api`) uses it too.
 """
 
 from __future__ import annotations

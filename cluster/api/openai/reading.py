@@ -1,5 +1,5 @@
 """How the newer OpenAI-style routes (`/tokenize`, `/v1/embeddings`, `/v1/responses`) read a
-request, the same way `openai_api.OpenAIFrontend` reads completions: the bearer token first,
+request, the same way `api.openai.api.OpenAIFrontend` reads completions: the bearer token first,
 then a body of bounded size, JSON of bounded depth with valid text and only known fields, then
 the served model (404 naming `model` when another is named); and the default output budget."""
 

@@ -1,6 +1,6 @@
-"""Response bodies of the OpenAI-compatible HTTP API: what `openai_api` sends.
+"""Response bodies of the OpenAI-compatible HTTP API: what `api.openai.api` sends.
 
-The request bodies are in `openai_models`; these are their answers, field for field what the
+The request bodies are in `api.openai.models`; these are their answers, field for field what the
 OpenAI clients read (vLLM's `entrypoints/openai/protocol.py` declares the same shapes):
 
     POST /v1/completions       → Completion       (stream: CompletionChunk events)
@@ -131,7 +131,7 @@ class ToolCall(_Response):
 
 
 class AssistantMessage(_Response):
-    """The answer of a chat completion (the request's messages are `openai_models.ChatMessage`):
+    """The answer of a chat completion (the request's messages are `api.openai.models.ChatMessage`):
     `content` is null when the answer is only tool calls; `tool_calls` is left out when there
     are none."""
 
@@ -230,7 +230,7 @@ class ErrorInfo(_Response):
     message: str
     type: str  # OpenAI's error type: invalid_request_error, rate_limit_error, ...
     param: str | None  # the request field at fault
-    code: str  # the gRPC status name in lower case (see `api_errors`)
+    code: str  # the gRPC status name in lower case (see `api.errors`)
 
 
 class ErrorResponse(_Response):

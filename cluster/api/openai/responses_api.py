@@ -2,7 +2,7 @@
 
     {"model", "input": TEXT | [messages], "instructions"?, "max_output_tokens"?, "temperature"?,
      "top_p"?, "stream"?, "store"?: false}
-      → a Response (`openai_responses_objects`): `output[0]` the assistant message, its
+      → a Response (`api.openai.responses_objects`): `output[0]` the assistant message, its
         `content[0].text` the answer, `usage` {input_tokens, output_tokens, total_tokens, ...}
 
 `input` is a text (one user turn) or a list of messages (`role` user, assistant, system or
@@ -16,7 +16,7 @@ Stateless: nothing is stored, so `store` is false. It may be left out (the respo
 `"store": false`; OpenAI's own default is true, but a client leaving it out does not rely on
 a stored response), and `store: true` is a 400 naming `store`, as is `previous_response_id`
 (it needs stored responses). Function `tools` are served as on chat completions
-(`openai_responses_tools`): calls come out as `function_call` items; `text` takes only the
+(`api.openai.responses_tools`): calls come out as `function_call` items; `text` takes only the
 plain text format. vLLM's extra sampling fields (`top_k`, `seed`, `stop`, ...)
 and the cluster's (`priority`, `cache_salt`, `request_id`) are accepted as in completions.
 

@@ -1,4 +1,4 @@
-"""The Responses API's objects, as `/v1/responses` sends them (`openai_responses_api`): the
+"""The Responses API's objects, as `/v1/responses` sends them (`api.openai.responses_api`): the
 `Response` (whole, and as each lifecycle event carries it) and the stream's events, field for
 field what the official openai client reads (`openai.types.responses`).
 

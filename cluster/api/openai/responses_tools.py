@@ -1,4 +1,4 @@
-"""Function tools on `/v1/responses`: the Responses API's shapes for what `openai_tools` does on
+"""Function tools on `/v1/responses`: the Responses API's shapes for what `api.openai.tools` does on
 chat completions (the same prompt, grammar and parser).
 
     tools: [{"type": "function", "name", "description"?, "parameters"?, "strict"?}]

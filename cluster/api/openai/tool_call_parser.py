@@ -1,6 +1,6 @@
 """`ToolCallParser`: one choice's text, as it streams, split into content and tool calls.
 
-The text is in the call format of `openai_tools` (the grammar writes it exactly):
+The text is in the call format of `api.openai.tools` (the grammar writes it exactly):
 
     Some content<tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}

@@ -210,7 +210,7 @@ def tool_chat_turns(
     `<tool_response>` user turns.
 
     Args:
-        turns: the chat, as `openai_models.ChatCompletionBody.turns` gives it.
+        turns: the chat, as `api.openai.models.ChatCompletionBody.turns` gives it.
         calling: the request's tools (None: the chat only carries earlier calls or results).
     """
     rendered = [_plain_turn(turn) for turn in turns]

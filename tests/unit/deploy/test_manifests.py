@@ -294,7 +294,7 @@ def test_ray_pods_send_traces_to_the_collector(rendered, name):
         # Serve's gRPC proxies (on every node) refuse messages past the app's request limit.
         assert env["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"] == str(8 * 1024 * 1024)
         assert env["RAY_worker_niceness"] == str(ClusterConfig().worker_nice)  # actors at 0
-        # ... and hold a burst their loop has not taken up yet (`grpc_backlog`).
+        # ... and hold a burst their loop has not taken up yet (`api.grpc.backlog`).
         assert backlog_env_vars(ClusterConfig().max_pending_grpc_calls).items() <= env.items()
         endpoint = urlparse(env["OTEL_EXPORTER_OTLP_ENDPOINT"])
         assert endpoint.hostname == "otel-collector" and endpoint.port in collector_ports

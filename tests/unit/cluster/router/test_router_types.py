@@ -1,4 +1,4 @@
-"""The router's request and failure types come from `router_types`, so that light modules
+"""The router's request and failure types come from `router.types`, so that light modules
 (API errors, gRPC conversion, benches) never import `RouterCore` and Ray with it."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The bytes on the wire of the OpenAI front end, pinned: the response models
-(`openai_responses`) must send exactly what the dict-built bodies before them sent (the
+(`api.openai.responses`) must send exactly what the dict-built bodies before them sent (the
 whole-body JSON compact, server-sent events with `", "` separators, explicit nulls, a stream's
 `"usage": null` only with `include_usage`)."""
 
