@@ -3,7 +3,7 @@ tokens on the real model (float32, so rounding cannot flip a near tie), under pr
 preemption and ngram speculation; and a move-shaped export/import round trip is exact. The
 group loads its own model on the host: cuda:0 gains only rank 0's shard and pool, never the
 whole model.
-Skipped without two CUDA GPUs (bench/gpu_check.sh runs it where the lent machine has them)."""
+Skipped without two CUDA GPUs (scripts/gpu_check.sh runs it where the lent machine has them)."""
 
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ OWN_RAY = (
 # test-seconds in all; the first took 467 s there, ~90 s on a quiet machine). Those that ran last
 # in collection order before (tests/unit/workers/...) left the other process idle at the end.
 LONGEST_FIRST = (
-    "unit/bench/test_gpu_check_dry_run.py",
+    "unit/scripts/test_gpu_check_dry_run.py",
     "unit/bench/test_offline_bench.py",
     "unit/workers/engine/test_real_model.py",
     "unit/bench/test_compare.py",

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One prepared run on a bare lent GPU machine: install, CUDA sanity, GPU tests, benchmarks.
 #
-#   OUT=/some/dir bash bench/gpu_check.sh             # on the GPU machine (no network needed)
-#   GPU_CHECK_DRY_RUN=1 OUT=/tmp/x bash bench/gpu_check.sh   # CPU rehearsal (CI runs this)
+#   OUT=/some/dir bash scripts/gpu_check.sh             # on the GPU machine (no network needed)
+#   GPU_CHECK_DRY_RUN=1 OUT=/tmp/x bash scripts/gpu_check.sh   # CPU rehearsal (CI runs this)
 #
 # Steps, each under its own time cap and all under one overall guard (GPU_CHECK_BUDGET_S,
 # default 480 s), so the files under $OUT can still be read back when a step overruns:
@@ -13,7 +13,7 @@
 #   3 tests     tests/gpu + tests/unit/kernels on the compiled kernels, pytest -n (xdist)
 #               when present, serially otherwise; a failure does not stop the run
 #   4 kernels   python -m pagedserve.bench.kernels: rows appended as measured
-#   5 e2e       python -m pagedserve.bench.gpu_e2e: engine tokens/s vs HF generate
+#   5 e2e       python scripts/gpu_e2e.py: engine tokens/s vs HF generate
 #   5b tp       with more than one GPU: `bench offline --tensor-parallel-size 2` on SmolLM2
 #               (its figures in gpu_check.log); step 3 runs tests/gpu/test_tp_gpu.py, k = 2
 #               over NCCL against k = 1, which skips itself on one GPU
@@ -74,7 +74,7 @@ run_step() {
 }
 
 report() {
-    "$py" -m pagedserve.bench.gpu_report --out-dir "$out_dir" --steps "$steps" \
+    "$py" scripts/gpu_report.py --out-dir "$out_dir" --steps "$steps" \
         --dry-run "$dry" --elapsed $((SECONDS - start)) || echo "report failed"
     rm -rf "$work"
 }
@@ -178,7 +178,7 @@ bench_flags=()
 kernels_cap=${GPU_CHECK_KERNELS_S:-160}
 run_step kernels "$kernels_cap" "$py" -m pagedserve.bench.kernels "${bench_flags[@]}" \
     --out-dir "$out_dir" --budget-s $((kernels_cap - 25))
-run_step e2e "${GPU_CHECK_E2E_S:-110}" "$py" -m pagedserve.bench.gpu_e2e "${bench_flags[@]}" \
+run_step e2e "${GPU_CHECK_E2E_S:-110}" "$py" scripts/gpu_e2e.py "${bench_flags[@]}" \
     --out-dir "$out_dir"
 
 if [ "$dry" != 1 ] && [ "$gpus" -gt 1 ]; then

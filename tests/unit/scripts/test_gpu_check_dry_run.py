@@ -1,4 +1,4 @@
-"""The CPU rehearsal of bench/gpu_check.sh: the script a lent GPU runs, tested where CI runs.
+"""The CPU rehearsal of scripts/gpu_check.sh: the script a lent GPU runs, tested where CI runs.
 
 `GPU_CHECK_DRY_RUN=1` takes every step of the real run (install through a symlinked tree,
 tests, kernel benchmark, end-to-end engine figure, report) at tiny shapes under the Triton
@@ -19,7 +19,7 @@ import sys
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
-SCRIPT = REPO / "bench" / "gpu_check.sh"
+SCRIPT = REPO / "scripts" / "gpu_check.sh"
 # The script's own time plan (an 8-minute budget, each step capped) is the plan for an idle GPU.
 # The rehearsal checks every step's flow, not that plan: it takes ~90 s on a quiet 2-core machine
 # and more than 300 s beside the other test process of a CI run, so it gets a budget and step caps

@@ -1,6 +1,6 @@
-"""`summary.md` of a `bench/gpu_check.sh` run: the steps, then every benchmark table.
+"""`summary.md` of a `scripts/gpu_check.sh` run: the steps, then every benchmark table.
 
-    python -m pagedserve.bench.gpu_report --out-dir DIR --steps STEPS.tsv [--dry-run 0|1]
+    python scripts/gpu_report.py --out-dir DIR --steps STEPS.tsv [--dry-run 0|1]
 
 Rendered from `DIR/bench_rows.jsonl` alone, so a run cut short still gets a summary of
 whatever was measured before the cut.

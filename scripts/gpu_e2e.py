@@ -1,6 +1,6 @@
 """End-to-end engine figure: `LLM` with Triton vs torch attention vs HF `generate`.
 
-    python -m pagedserve.bench.gpu_e2e [--out-dir DIR] [--dry-run]
+    python scripts/gpu_e2e.py [--out-dir DIR] [--dry-run]
 
 A random-weight Llama built from a config on the GPU (default ~1.0B parameters: Llama-3.2-1B's
 shape with a 32k vocabulary; bf16), because no checkpoint can travel to a lent GPU. The same
