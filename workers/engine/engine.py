@@ -425,8 +425,7 @@ class Engine(EngineHandoffs, EngineBeamMoves, EngineStats, EngineLoras):
 
     def _pool(self, batch: Batch, hidden: torch.Tensor, touched) -> None:
         """Embedding requests add this step's hidden rows; one whose prompt is done ends here
-        with its embedding (finish reason `stop`), freeing its blocks
-        (`workers/engine/pooling.py`)."""
+        with its embedding (finish reason `stop`), freeing its blocks (`engine/pooling.py`)."""
         row = 0
         for request, positions in batch.pooled:
             rows = hidden[row : row + len(positions)]
