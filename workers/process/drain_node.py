@@ -4,11 +4,10 @@ Run it where the workers run, before the machine goes away: on KubeRay it is the
 preStop hook, so a pod being removed (a RayService upgrade deleting the old cluster, a
 scale-down) drains its workers before Kubernetes stops Ray. It sends SIGTERM to each worker
 process that `workers/process/pid_files.py` lists, which drains that worker
-(`workers/process/drain_signal.py`:
-new requests refused as `Draining`, open streams given the worker's `drain_grace_s`, the rest
-handed back to the router, which replays them on a peer), and waits until every one has exited
-or `timeout_s` has passed. It needs no connection to Ray: a pod's preStop runs beside Ray's
-own processes and may find the head already gone.
+(`workers/process/drain_signal.py`: new requests refused as `Draining`, open streams given the
+worker's `drain_grace_s`, the rest handed back to the router, which replays them on a peer),
+and waits until every one has exited or `timeout_s` has passed. It needs no connection to Ray:
+a pod's preStop runs beside Ray's own processes and may find the head already gone.
 """
 
 from __future__ import annotations

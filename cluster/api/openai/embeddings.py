@@ -5,11 +5,10 @@
          "model", "usage": {"prompt_tokens", "total_tokens"}}
 
 Each input is one prefill-only request (`SamplingParams.pooling`, `workers/engine/pooling.py`)
-through
-the router as any generation: admission, tokenizing off the event loop, prefix-aware routing,
-the worker's scheduler and prefix cache, tracing and metrics. The vector is the final hidden
-state (after the final norm) of the prompt's last token, or the mean over its positions (the
-deployment's `embedding_pooling`), L2-normalised, as vLLM does for decoder models.
+through the router as any generation: admission, tokenizing off the event loop, prefix-aware
+routing, the worker's scheduler and prefix cache, tracing and metrics. The vector is the final
+hidden state (after the final norm) of the prompt's last token, or the mean over its positions
+(the deployment's `embedding_pooling`), L2-normalised, as vLLM does for decoder models.
 
 `encoding_format`: `float` (a list of numbers), or `base64` of the little-endian float32 bytes
 (the official openai client's default: it asks for base64 and decodes it). `dimensions` is
