@@ -45,7 +45,7 @@ from pagedserve.bench.extras import require_bench_extra
 from pagedserve.bench.serve_metrics import Delta, kv_sample_from_cluster, record_dict, summarize
 from pagedserve.bench.serve_runner import RunResult, run_workload
 from pagedserve.bench.serve_workload import PlannedRequest
-from pagedserve.workers.worker.types import WorkerRequest
+from pagedserve.workers.protocol.requests import WorkerRequest
 
 BASELINE: dict[str, Any] = {
     "kv_allocation": "paged",
@@ -221,8 +221,8 @@ def core_error_reason(error: BaseException) -> str:
 
 def _core_sender(core):
     async def send(planned: PlannedRequest):
-        from pagedserve.cluster.router.types import GenerateRequest
-        from pagedserve.workers.sampling.params import SamplingParams
+        from pagedserve.workers.protocol.requests import GenerateRequest
+        from pagedserve.workers.protocol.sampling import SamplingParams
 
         params = SamplingParams(max_tokens=planned.max_tokens, temperature=0.0, ignore_eos=True)
         request = GenerateRequest(
@@ -249,7 +249,7 @@ def _core_sender(core):
 
 async def _warm_up(worker_id: str, handle: Any) -> None:
     """One short request straight to the worker: its first forward is slow, keep it out."""
-    from pagedserve.workers.sampling.params import SamplingParams
+    from pagedserve.workers.protocol.sampling import SamplingParams
 
     rng = random.Random(f"warm-up {worker_id}")
     tokens = [rng.randrange(256) for _ in range(24)]

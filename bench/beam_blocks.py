@@ -58,7 +58,7 @@ def count_blocks(llm, prompts: Sequence[list[int]], width: int, max_tokens: int)
         max_tokens: tokens per beam (`ignore_eos`, so every request runs to it).
     """
     from pagedserve.workers.kv.checks import assert_no_leaks
-    from pagedserve.workers.sampling.params import SamplingParams
+    from pagedserve.workers.protocol.sampling import SamplingParams
 
     engine = llm.engine
     params = SamplingParams(

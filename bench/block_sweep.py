@@ -56,7 +56,7 @@ def measure(
     """
     from pagedserve.workers.engine.config import EngineConfig
     from pagedserve.workers.engine.engine import Engine
-    from pagedserve.workers.sampling.params import SamplingParams
+    from pagedserve.workers.protocol.sampling import SamplingParams
 
     config = EngineConfig(
         model="tiny-llama",

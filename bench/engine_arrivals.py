@@ -61,7 +61,7 @@ def run_requests(
         Per-request records (times in s after the start) and every step's seconds.
     """
     from pagedserve.bench.openai_load import RequestRecord
-    from pagedserve.workers.sampling.params import SamplingParams
+    from pagedserve.workers.protocol.sampling import SamplingParams
 
     step = step or engine.step
     pending = sorted(requests, key=lambda r: r["arrival_s"])

@@ -119,7 +119,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
 
     from pagedserve.workers.model.loader import load_model
     from pagedserve.workers.offline.llm import LLM
-    from pagedserve.workers.sampling.params import SamplingParams
+    from pagedserve.workers.protocol.sampling import SamplingParams
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)

@@ -61,7 +61,7 @@ if TYPE_CHECKING:
     from pagedserve.workers.engine.engine import Engine
     from pagedserve.workers.model.loader import LoadedModel
     from pagedserve.workers.offline.llm import LLM
-    from pagedserve.workers.sampling.params import SamplingParams
+    from pagedserve.workers.protocol.sampling import SamplingParams
 
 _WARMUP_PROMPT_LEN = 8
 _WARMUP_TOKENS = 2

@@ -33,7 +33,7 @@ from typing import Any
 from pagedserve.bench.bench_io import ensure_ray
 from pagedserve.bench.routing import HelpFormatter
 from pagedserve.cluster.config import ClusterConfig
-from pagedserve.workers.worker.types import WorkerRequest
+from pagedserve.workers.protocol.requests import WorkerRequest
 
 DEFAULT_LENGTHS = (1, 2, 4, 8, 16, 32, 64)
 _WARMUP_PROMPT_LEN = 40
@@ -109,7 +109,7 @@ def start_workers(config: PullBenchConfig) -> tuple[Any, Any]:
 
 async def ttft(handle: Any, request_id: str, token_ids: list[int]) -> tuple[float, int]:
     """(call → first token, in seconds; cached tokens) of a max_tokens=1 request."""
-    from pagedserve.workers.sampling.params import SamplingParams
+    from pagedserve.workers.protocol.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     started = time.perf_counter()

@@ -67,7 +67,7 @@ from pagedserve.bench.routing_workload import (
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.router.types import ClusterStats
 from pagedserve.workers.engine.config import EngineConfig
-from pagedserve.workers.worker.types import WorkerRequest
+from pagedserve.workers.protocol.requests import WorkerRequest
 
 _WARMUP_PROMPT_LEN = 40
 _WARMUP_TOKENS = 2
@@ -136,7 +136,7 @@ async def _measure(config, cluster, index, workers, workload) -> PolicyResult:
 
 async def _warm_up(worker_id: str, handle: Any) -> None:
     """One short request straight to the worker: its first forward is slow, keep it out."""
-    from pagedserve.workers.sampling.params import SamplingParams
+    from pagedserve.workers.protocol.sampling import SamplingParams
 
     rng = random.Random(f"warm-up {worker_id}")
     tokens = [rng.randrange(256) for _ in range(_WARMUP_PROMPT_LEN)]
@@ -151,8 +151,8 @@ async def _send(
     core, planned: PlannedRequest, t0: float, ideal: int, max_tokens: int
 ) -> RequestRecord:
     """Send one request at its arrival time and time its stream."""
-    from pagedserve.cluster.router.types import GenerateRequest
-    from pagedserve.workers.sampling.params import SamplingParams
+    from pagedserve.workers.protocol.requests import GenerateRequest
+    from pagedserve.workers.protocol.sampling import SamplingParams
 
     loop = asyncio.get_running_loop()
     arrived = t0 + planned.arrival_s

@@ -26,8 +26,8 @@ from pagedserve.bench.scale_worker import SIM_MODEL, SimWorkerConfig, SimWorkerC
 from pagedserve.cluster.index.state import PrefixIndexState
 from pagedserve.cluster.router.router import RouterCore
 from pagedserve.workers.kv.block_hash import hash_full_blocks
-from pagedserve.workers.sampling.params import SamplingParams
-from pagedserve.workers.worker.types import WorkerRequest
+from pagedserve.workers.protocol.requests import WorkerRequest
+from pagedserve.workers.protocol.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from typing import Any
 from pagedserve.bench.scale_report import RequestResult, RouterRun
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.router.router import RouterCore
-from pagedserve.cluster.router.types import GenerateRequest
-from pagedserve.workers.sampling.params import SamplingParams
+from pagedserve.workers.protocol.requests import GenerateRequest
+from pagedserve.workers.protocol.sampling import SamplingParams
 
 
 def process_cpu_s() -> float:

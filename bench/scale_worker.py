@@ -40,13 +40,14 @@ from typing import Any
 import ray
 
 from pagedserve.workers.deadline import within
-from pagedserve.workers.engine.outputs import Usage
 from pagedserve.workers.kv.block_hash import cache_key
 from pagedserve.workers.kv.checks import KVInvariantError, assert_no_leaks
-from pagedserve.workers.kv.events import KVEvent, KVSnapshot
 from pagedserve.workers.kv.manager import KVCacheManager
-from pagedserve.workers.worker.stream import OwnerChannel, StepBatch, StreamDelta
-from pagedserve.workers.worker.types import PoolCheck, WorkerInfo, WorkerRequest, WorkerStats
+from pagedserve.workers.protocol.events import KVEvent, KVSnapshot
+from pagedserve.workers.protocol.requests import WorkerRequest
+from pagedserve.workers.protocol.stats import PoolCheck, WorkerInfo, WorkerStats
+from pagedserve.workers.protocol.stream import StepBatch, StreamDelta, Usage
+from pagedserve.workers.worker.stream import OwnerChannel
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from pagedserve.bench.soak_driver import Outcome, SoakReport, SoakRequest
 from pagedserve.cluster.router.router import RouterCore
 from pagedserve.workers.deadline import within
 from pagedserve.workers.engine.config import EngineConfig
-from pagedserve.workers.kv.events import TIER_NAMES
-from pagedserve.workers.worker.types import PoolCheck
+from pagedserve.workers.protocol.events import TIER_NAMES
+from pagedserve.workers.protocol.stats import PoolCheck
 
 # What each kind of request may end as; anything else is a problem.
 ALLOWED = {

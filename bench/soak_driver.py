@@ -28,10 +28,15 @@ from typing import Any
 import ray
 
 from pagedserve.cluster.router.router import RouterCore
-from pagedserve.cluster.router.types import GenerateRequest, NoWorkerAvailable, WorkerLost
 from pagedserve.workers.deadline import within
-from pagedserve.workers.errors import Overloaded, RequestRejected
-from pagedserve.workers.sampling.params import SamplingParams
+from pagedserve.workers.protocol.errors import (
+    NoWorkerAvailable,
+    Overloaded,
+    RequestRejected,
+    WorkerLost,
+)
+from pagedserve.workers.protocol.requests import GenerateRequest
+from pagedserve.workers.protocol.sampling import SamplingParams
 
 KINDS = ("ok", "cancel", "deadline", "bad", "slow", "burst")
 BAD_INPUTS = ("out_of_vocab", "empty", "too_long", "both_prompts")

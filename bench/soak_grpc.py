@@ -44,7 +44,7 @@ from pagedserve.bench.soak_grpc_faults import (
 )
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.workers.engine.config import EngineConfig
-from pagedserve.workers.sampling.params import SamplingParams
+from pagedserve.workers.protocol.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from pagedserve.bench.soak_driver import SoakRequest
 from pagedserve.bench.soak_grpc_app import SERVE_NAMESPACE, SoakApp
 from pagedserve.bench.soak_grpc_calls import GrpcOutcome, call_stream
 from pagedserve.cluster.client import AsyncClient
-from pagedserve.workers.worker.types import WorkerStats
+from pagedserve.workers.protocol.stats import WorkerStats
 
 POLL_S = 0.2  # how often a bounded wait looks again
 

@@ -110,7 +110,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     from pagedserve.workers.model.loader import load_model
     from pagedserve.workers.model.tiny_llama import save_truncated_tiny_llama
     from pagedserve.workers.offline.llm import LLM
-    from pagedserve.workers.sampling.params import SamplingParams
+    from pagedserve.workers.protocol.sampling import SamplingParams
 
     loaded = load_model(args.model)
     tmp = tempfile.TemporaryDirectory(prefix="pagedserve-spec-draft-")

@@ -96,7 +96,7 @@ def _is_json(text: str) -> bool:
 
 def compile_times(llm: Any) -> dict[str, float]:
     """Milliseconds to compile a schema never seen, and the same schema again (cached)."""
-    from pagedserve.workers.structured import GuidedSpec
+    from pagedserve.workers.protocol.guided import GuidedSpec
 
     compiler = llm.engine.guided.compiler
     # A property name never used before: a new grammar (a new description would not be).
@@ -113,7 +113,7 @@ def compile_times(llm: Any) -> dict[str, float]:
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     from pagedserve import LLM, SamplingParams
-    from pagedserve.workers.structured import GuidedSpec
+    from pagedserve.workers.protocol.guided import GuidedSpec
 
     llm = LLM(args.model, max_num_seqs=max(args.batch, 1))
     prompts = prompts_for(llm, args.batch)

@@ -42,12 +42,13 @@ from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.pool.group import start_pool
 from pagedserve.cluster.router.metrics import CONTENT_TYPE
 from pagedserve.cluster.router.router import RouterCore
-from pagedserve.cluster.router.types import ClusterStats, GenerateRequest, RouterInflight
+from pagedserve.cluster.router.types import ClusterStats, RouterInflight
 from pagedserve.workers.model.registry import DEFAULT_MODEL
 from pagedserve.workers.process.cpu_placement import pin_process, set_niceness
+from pagedserve.workers.protocol.requests import GenerateRequest
+from pagedserve.workers.protocol.stream import StreamDelta
 from pagedserve.workers.ray_internals import bound_http_responses
 from pagedserve.workers.telemetry.telemetry import ROUTER_SERVICE, get_tracing
-from pagedserve.workers.worker.stream import StreamDelta
 
 DEFAULT_INFLIGHT = 1024  # Serve's slots for a router without `max_inflight`
 REFUSAL_HEADROOM = 1024

@@ -17,7 +17,7 @@ import sys
 from typing import Any, TypedDict
 
 from pagedserve.workers.offline import cli as offline_cli
-from pagedserve.workers.sampling.params import SamplingKwargs
+from pagedserve.workers.protocol.sampling import SamplingKwargs
 
 TOKEN_ENV = "PAGEDSERVE_TOKEN"
 

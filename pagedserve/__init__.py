@@ -11,8 +11,8 @@ __version__ = "0.1.0"
 
 _PUBLIC_NAMES: dict[str, str] = {
     "LLM": "pagedserve.workers.offline.llm",
-    "SamplingParams": "pagedserve.workers.sampling.params",
-    "GuidedSpec": "pagedserve.workers.structured.spec",
+    "SamplingParams": "pagedserve.workers.protocol.sampling",
+    "GuidedSpec": "pagedserve.workers.protocol.guided",
     "RequestOutput": "pagedserve.workers.engine.outputs",
     "CompletionOutput": "pagedserve.workers.engine.outputs",
     "Client": "pagedserve.cluster.client",
@@ -25,8 +25,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports
     from pagedserve.cluster.client import AsyncClient, Client  # noqa: F401
     from pagedserve.workers.engine.outputs import CompletionOutput, RequestOutput  # noqa: F401
     from pagedserve.workers.offline.llm import LLM  # noqa: F401
-    from pagedserve.workers.sampling.params import SamplingParams  # noqa: F401
-    from pagedserve.workers.structured.spec import GuidedSpec  # noqa: F401
+    from pagedserve.workers.protocol.guided import GuidedSpec  # noqa: F401
+    from pagedserve.workers.protocol.sampling import SamplingParams  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

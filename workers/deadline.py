@@ -12,20 +12,10 @@ poll) can then outlive the cancel meant to stop it: on a loaded machine a test's
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Awaitable
 from typing import TypeVar
 
-from pagedserve.workers.errors import RequestRejected
-
 T = TypeVar("T")
-
-
-def check_timeout_s(timeout_s: float | None) -> None:
-    """A request's `timeout_s`, the one check every way in uses (the router's request, the
-    message to a worker, the engine's `add_request`): None, or a finite number > 0."""
-    if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
-        raise RequestRejected(f"timeout_s must be a finite number > 0, got {timeout_s}")
 
 
 async def within(awaitable: Awaitable[T], timeout: float | None) -> T:

@@ -22,13 +22,11 @@ from typing import TYPE_CHECKING, Any
 from pagedserve.cluster.api.errors import ApiError, field_of
 from pagedserve.cluster.api.openai.tools import ToolCalling, tool_chat_turns
 from pagedserve.cluster.router.router import RouterCore
-from pagedserve.cluster.router.types import GenerateRequest
-from pagedserve.workers.engine.outputs import RequestMetrics, Usage
-from pagedserve.workers.errors import RequestRejected
 from pagedserve.workers.model.tokenizer import render_chat
-from pagedserve.workers.sampling.logprobs import TokenLogprob
-from pagedserve.workers.sampling.params import SamplingKwargs, SamplingParams
-from pagedserve.workers.worker.stream import StreamDelta
+from pagedserve.workers.protocol.errors import RequestRejected
+from pagedserve.workers.protocol.requests import GenerateRequest
+from pagedserve.workers.protocol.sampling import SamplingKwargs, SamplingParams
+from pagedserve.workers.protocol.stream import RequestMetrics, StreamDelta, TokenLogprob, Usage
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack from Python 3.12

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from pagedserve.workers.sampling.params import Pooling
+from pagedserve.workers.protocol.sampling import Pooling
 from pagedserve.workers.telemetry.telemetry import TelemetryConfig
 
 _HEADER = re.compile(r"[A-Za-z0-9-]{1,64}")

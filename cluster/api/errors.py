@@ -34,12 +34,13 @@ from enum import StrEnum
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from pagedserve.cluster.router.types import NoWorkerAvailable, WorkerLost
-from pagedserve.workers.errors import (
+from pagedserve.workers.protocol.errors import (
+    NoWorkerAvailable,
     Overloaded,
     RequestRejected,
     RequestTooLarge,
     UnknownLora,
+    WorkerLost,
 )
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ import re
 from typing import Any
 
 from pagedserve.cluster.api.errors import ApiError
-from pagedserve.workers.structured.spec import GuidedKind, GuidedSpec
+from pagedserve.workers.protocol.guided import GuidedKind, GuidedSpec
 
 _SPEC_FIELD = re.compile(r"^(guided_[a-z_]+|response_format)")
 

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from pagedserve.workers.kv.block import BlockHash
-from pagedserve.workers.kv.events import TIER_NAMES
+from pagedserve.workers.protocol.events import TIER_NAMES
 
 DEFAULT_FEED_CAPACITY = 65_536
 

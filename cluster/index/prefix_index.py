@@ -64,10 +64,10 @@ from pagedserve.cluster.pool.types import MemberState
 from pagedserve.cluster.router.reports import ClusterRouters, RouterReport, RouterReports
 from pagedserve.workers.deadline import within
 from pagedserve.workers.kv.block import BlockHash
-from pagedserve.workers.kv.events import KVEvent, KVSnapshot
 from pagedserve.workers.process.cpu_placement import pin_process, set_niceness
+from pagedserve.workers.protocol.events import KVEvent, KVSnapshot
 
-__all__ = ["KVSnapshot", "PrefixIndexActor", "PrefixIndexState", "PublishResult"]
+__all__ = ["PrefixIndexActor", "PrefixIndexState", "PublishResult"]
 
 logger = logging.getLogger(__name__)
 

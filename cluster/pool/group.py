@@ -16,8 +16,8 @@ from pagedserve.cluster.index.prefix_index import get_or_create_prefix_index
 from pagedserve.cluster.pool.pool import existing_workers, get_or_create_worker_pool
 from pagedserve.cluster.pool.spec import WORKER_MAX_CONCURRENCY
 from pagedserve.cluster.pool.types import MemberState
+from pagedserve.workers.protocol.stats import DrainResult
 from pagedserve.workers.telemetry.telemetry import TelemetryConfig
-from pagedserve.workers.worker.types import DrainResult
 
 __all__ = [
     "WORKER_MAX_CONCURRENCY",

@@ -43,13 +43,14 @@ from typing import Any
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.router.metrics import RouterMetrics
 from pagedserve.cluster.router.tracing import migration_span, pd_transfer_span
-from pagedserve.cluster.router.types import NoWorkerAvailable, RouterCounters
+from pagedserve.cluster.router.types import RouterCounters
 from pagedserve.cluster.router.worker_liveness import WORKER_LOST_ERRORS
 from pagedserve.cluster.router.worker_state import WorkerState
 from pagedserve.cluster.routing.worker_roles import DECODE_PHASE, RoleFilter
 from pagedserve.workers.deadline import within
+from pagedserve.workers.protocol.errors import NoWorkerAvailable
+from pagedserve.workers.protocol.handoff import HandoffReason, RequestHandoff
 from pagedserve.workers.telemetry.telemetry import Tracing
-from pagedserve.workers.transfer.handoff import HandoffReason, RequestHandoff
 
 logger = logging.getLogger(__name__)
 

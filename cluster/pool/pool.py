@@ -91,7 +91,7 @@ from pagedserve.cluster.router.types import RouterCounters
 from pagedserve.cluster.router.worker_liveness import WORKER_LOST_ERRORS
 from pagedserve.cluster.router.worker_state import WorkerState
 from pagedserve.workers.deadline import within
-from pagedserve.workers.engine.role import WorkerRole
+from pagedserve.workers.protocol.role import WorkerRole
 from pagedserve.workers.telemetry.telemetry import NOOP, TelemetryConfig, otel_env
 
 logger = logging.getLogger(__name__)

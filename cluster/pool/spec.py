@@ -21,8 +21,8 @@ from ray.actor import ActorHandle
 
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.workers.engine.config import EngineConfig
-from pagedserve.workers.engine.role import WorkerRole
 from pagedserve.workers.process import drain_signal
+from pagedserve.workers.protocol.role import WorkerRole
 from pagedserve.workers.ray_internals import setup_hook_env_var
 from pagedserve.workers.telemetry.telemetry import TelemetryConfig, otel_env
 from pagedserve.workers.worker.actor import Worker

@@ -33,8 +33,8 @@ import logging
 from pagedserve.cluster.router.worker_liveness import WORKER_LOST_ERRORS
 from pagedserve.cluster.router.worker_state import WorkerState
 from pagedserve.workers.deadline import within
-from pagedserve.workers.errors import LoraLoadError, UnknownLora
-from pagedserve.workers.worker.types import LoraLoadResult
+from pagedserve.workers.protocol.errors import LoraLoadError, UnknownLora
+from pagedserve.workers.protocol.stats import LoraLoadResult
 
 logger = logging.getLogger(__name__)
 # Reading and checking an adapter's files takes a worker well under a second at the ranks

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pagedserve.cluster.router.reports import ClusterRouters
-    from pagedserve.workers.worker.types import WorkerStats
+    from pagedserve.workers.protocol.stats import WorkerStats
 
 logger = logging.getLogger(__name__)
 # worker id → (alive, its last stats or None): what the router's poll last saw.

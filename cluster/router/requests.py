@@ -31,23 +31,26 @@ from pagedserve.cluster.pool.migration import Migrations
 from pagedserve.cluster.router.metrics import RouterMetrics
 from pagedserve.cluster.router.tenant_quotas import TenantAdmission, TenantQuotaExceeded
 from pagedserve.cluster.router.tracing import RouterTrace
-from pagedserve.cluster.router.types import (
-    GenerateRequest,
-    NoWorkerAvailable,
-    RouterCounters,
-    WorkerLost,
-)
+from pagedserve.cluster.router.types import RouterCounters
 from pagedserve.cluster.router.worker_channel import WorkerChannels
 from pagedserve.cluster.router.worker_liveness import WORKER_LOST_ERRORS, WorkerLiveness
 from pagedserve.cluster.router.worker_state import WorkerState
 from pagedserve.workers.deadline import within
-from pagedserve.workers.errors import Draining, HandedOff, Overloaded, RequestRejected
 from pagedserve.workers.kv.block_hash import cache_key
-from pagedserve.workers.sampling.params import SamplingParams
+from pagedserve.workers.protocol.errors import (
+    Draining,
+    HandedOff,
+    NoWorkerAvailable,
+    Overloaded,
+    RequestRejected,
+    WorkerLost,
+)
+from pagedserve.workers.protocol.handoff import RequestHandoff
+from pagedserve.workers.protocol.requests import GenerateRequest, WorkerRequest
+from pagedserve.workers.protocol.sampling import SamplingParams
+from pagedserve.workers.protocol.stats import DrainResult
+from pagedserve.workers.protocol.stream import RequestMoved, StreamDelta
 from pagedserve.workers.telemetry.telemetry import Tracing
-from pagedserve.workers.transfer.handoff import RequestHandoff
-from pagedserve.workers.worker.stream import StreamDelta
-from pagedserve.workers.worker.types import DrainResult, RequestMoved, WorkerRequest
 
 logger = logging.getLogger(__name__)
 

@@ -62,14 +62,7 @@ from pagedserve.cluster.router.reports import ClusterRouters, RouterReport
 from pagedserve.cluster.router.requests import RouterRequests
 from pagedserve.cluster.router.tenant_quotas import TenantAdmission
 from pagedserve.cluster.router.tracing import record_decision
-from pagedserve.cluster.router.types import (
-    ClusterStats,
-    GenerateRequest,
-    NoWorkerAvailable,
-    RouterCounters,
-    RouterInflight,
-    WorkerView,
-)
+from pagedserve.cluster.router.types import ClusterStats, RouterCounters, RouterInflight, WorkerView
 from pagedserve.cluster.router.worker_channel import WorkerChannels
 from pagedserve.cluster.router.worker_liveness import WORKER_LOST_ERRORS, WorkerLiveness
 from pagedserve.cluster.router.worker_state import WorkerState
@@ -78,12 +71,13 @@ from pagedserve.cluster.routing.routable import RoutableWorkers
 from pagedserve.cluster.routing.tier_costs import TierCosts
 from pagedserve.cluster.routing.worker_roles import PREFILL_PHASE, RoleFilter
 from pagedserve.workers.deadline import within
-from pagedserve.workers.errors import RequestRejected
 from pagedserve.workers.kv.block_hash import cache_key, hash_full_blocks
 from pagedserve.workers.model.registry import DEFAULT_MODEL
 from pagedserve.workers.model.tokenizer import load_tokenizer
+from pagedserve.workers.protocol.errors import NoWorkerAvailable, RequestRejected
+from pagedserve.workers.protocol.requests import GenerateRequest
+from pagedserve.workers.protocol.sampling import SamplingParams
 from pagedserve.workers.ray_internals import detached_task
-from pagedserve.workers.sampling.params import SamplingParams
 from pagedserve.workers.telemetry.telemetry import NOOP, Tracing
 
 logger = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.workers.errors import Overloaded, RequestRejected
+from pagedserve.workers.protocol.errors import Overloaded, RequestRejected
 from pagedserve.workers.scheduler.fair_share import check_weight
 
 EVERY_TENANT = "*"

@@ -17,9 +17,9 @@ from typing import Any
 
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
+from pagedserve.workers.protocol.stream import StreamDelta
 from pagedserve.workers.telemetry.request_trace import request_attributes
 from pagedserve.workers.telemetry.telemetry import AttributeValue, SpanAttributes, Tracing
-from pagedserve.workers.worker.stream import StreamDelta
 
 
 class RouterTrace:

@@ -1,59 +1,21 @@
-"""What the router takes, reports and raises, apart from `RouterCore` so that light modules (API
-errors, clients, benches) can name them. Import them from here, never from
-`cluster/router/router.py` (which only uses them)."""
+"""What the router reports (its counters, its in-flight requests, the cluster's stats), apart
+from `RouterCore` so that light modules (gRPC conversion, clients, benches) can name them.
+Import them from here, never from `cluster/router/router.py` (which only uses them). What it
+takes and raises (`GenerateRequest`, `NoWorkerAvailable`, `WorkerLost`) is in
+`workers/protocol/`."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagedserve.cluster.index.stats import IndexStats
 from pagedserve.cluster.index.view import ViewStats
 from pagedserve.cluster.router.tenant_quotas import TenantCounts
-from pagedserve.workers.deadline import check_timeout_s
-from pagedserve.workers.sampling.params import SamplingParams
-from pagedserve.workers.worker.types import WorkerInfo, WorkerStats
+from pagedserve.workers.protocol.stats import WorkerInfo, WorkerStats
 
 if TYPE_CHECKING:  # it imports `RouterCounters` from here
     from pagedserve.cluster.router.reports import ClusterRouters
-
-
-class NoWorkerAvailable(RuntimeError):
-    """No alive worker can take the request (maps to UNAVAILABLE)."""
-
-
-class WorkerLost(RuntimeError):
-    """The worker serving a stream died mid-request."""
-
-
-@dataclasses.dataclass
-class GenerateRequest:
-    """One request as the router takes it from any front end."""
-
-    params: SamplingParams
-    prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
-    request_id: str | None = None
-    priority: int = 0
-    cache_salt: str | None = None
-    timeout_s: float | None = None
-    trace_context: dict[str, str] | None = None  # the client's W3C traceparent, if any
-    ingress: str = "python"  # grpc, http or python: names the front end on the trace
-    tenant: str = ""  # who sent it (with auth on): request ids are unique per tenant
-    # Whose prefix cache it may share (with auth on: its tenant's, or its tokens' cache group).
-    cache_scope: str = ""
-    lora: str | None = None  # the LoRA adapter it runs on (by name; None: the base model)
-
-    def __post_init__(self) -> None:
-        check_timeout_s(self.timeout_s)
-
-    @property
-    def prefix_salt(self) -> str | None:
-        """What its prefix blocks are hashed with: the cache scope, then the client's own
-        `cache_salt`. A client can narrow sharing within its scope, never reach past it."""
-        parts = [part for part in (self.cache_scope, self.cache_salt) if part]
-        return "/".join(parts) or None
 
 
 @dataclass

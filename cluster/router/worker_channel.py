@@ -31,13 +31,18 @@ from dataclasses import dataclass
 
 import ray
 
-from pagedserve.cluster.router.types import NoWorkerAvailable, WorkerLost
 from pagedserve.cluster.router.worker_liveness import WORKER_LOST_ERRORS
 from pagedserve.cluster.router.worker_state import WorkerState
-from pagedserve.workers.errors import RequestRejected
+from pagedserve.workers.protocol.errors import NoWorkerAvailable, RequestRejected, WorkerLost
+from pagedserve.workers.protocol.requests import WorkerRequest
+from pagedserve.workers.protocol.stream import (
+    RequestFailed,
+    RequestMoved,
+    StreamDelta,
+    StreamMessage,
+)
 from pagedserve.workers.ray_internals import detached_context, detached_task
-from pagedserve.workers.worker.stream import DeltaBuffer, StreamDelta, StreamMessage
-from pagedserve.workers.worker.types import RequestFailed, RequestMoved, WorkerRequest
+from pagedserve.workers.worker.stream import DeltaBuffer
 
 logger = logging.getLogger(__name__)
 

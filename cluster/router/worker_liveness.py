@@ -23,11 +23,12 @@ from typing import Any
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from pagedserve.cluster.config import ClusterConfig
-from pagedserve.cluster.router.types import NoWorkerAvailable, RouterCounters
+from pagedserve.cluster.router.types import RouterCounters
 from pagedserve.cluster.router.worker_state import WorkerState
 from pagedserve.workers.deadline import within
+from pagedserve.workers.protocol.errors import NoWorkerAvailable
+from pagedserve.workers.protocol.stats import WorkerStats
 from pagedserve.workers.ray_internals import detached_task
-from pagedserve.workers.worker.types import WorkerStats
 
 logger = logging.getLogger(__name__)
 WORKER_LOST_ERRORS = (RayActorError, ActorDiedError, ActorUnavailableError)

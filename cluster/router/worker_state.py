@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.cluster.routing.policies import WorkerLoad
-from pagedserve.workers.worker.types import WorkerInfo, WorkerStats
+from pagedserve.workers.protocol.stats import WorkerInfo, WorkerStats
 
 
 @dataclass

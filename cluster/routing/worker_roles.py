@@ -1,6 +1,6 @@
 """Where each phase of a request may run under prefill/decode disaggregation (P/D).
 
-A worker's role (`workers/engine/role.py`: `prefill`, `decode`, `mixed`) comes with its
+A worker's role (`workers/protocol/role.py`: `prefill`, `decode`, `mixed`) comes with its
 `WorkerInfo`. Each phase has a `RoleFilter`: the router routes a fresh request (and a replay)
 with `PREFILL_PHASE` among the workers that prefill, and continues a handed-off or moved
 request with `DECODE_PHASE` among those that decode (`Migrations.move_target`). With no
@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pagedserve.cluster.router.worker_state import WorkerState
-from pagedserve.workers.engine.role import WorkerRole
+from pagedserve.workers.protocol.role import WorkerRole
 
 
 def role_of(worker: WorkerState) -> WorkerRole:

@@ -30,7 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from pagedserve.cluster.config import ClusterConfig
     from pagedserve.workers.config_flags import add_config_flags
     from pagedserve.workers.engine.config import EngineConfig
-    from pagedserve.workers.sampling.params import Pooling
+    from pagedserve.workers.protocol.sampling import Pooling
     from pagedserve.workers.spec.config import SPEC_METHODS
     from pagedserve.workers.telemetry.telemetry import EXPORTERS
 

@@ -12,9 +12,9 @@ from support.wait import until
 
 from pagedserve.cluster.api.errors import as_api_error
 from pagedserve.cluster.pool.group import stop_worker_group
-from pagedserve.cluster.router.types import GenerateRequest
 from pagedserve.workers.deadline import within
-from pagedserve.workers.errors import Overloaded
+from pagedserve.workers.protocol.errors import Overloaded
+from pagedserve.workers.protocol.requests import GenerateRequest
 
 HOLD_TOKENS = 1000  # 1000 steps: the holder is aborted as soon as the burst is answered
 

@@ -16,7 +16,7 @@ from support.cluster import PIN, cluster_config, greedy, run_request, start_rout
 from support.wait import until
 
 from pagedserve.cluster.pool.group import stop_worker_group
-from pagedserve.cluster.router.types import GenerateRequest
+from pagedserve.workers.protocol.requests import GenerateRequest
 
 MAX_TOKENS = 40  # more than a held stream's buffers take: it pauses before its end
 GRACE_S = 10.0  # ample for a resumed stream's last ~30 tokens; the held one never ends in it

@@ -27,7 +27,8 @@ from support.cluster import (
 from support.wait import RESTART_DEADLINE_S
 
 from pagedserve.cluster.pool.group import stop_worker_group
-from pagedserve.cluster.router.types import GenerateRequest, NoWorkerAvailable
+from pagedserve.workers.protocol.errors import NoWorkerAvailable
+from pagedserve.workers.protocol.requests import GenerateRequest
 
 
 def prompt(seed: int, length: int) -> list[int]:

@@ -19,7 +19,7 @@ from support.wait import until
 from pagedserve.cluster.pool.group import stop_worker_group
 from pagedserve.workers.kv.block_hash import hash_full_blocks
 from pagedserve.workers.kv.memory import kv_bytes_per_token
-from pagedserve.workers.worker.types import WorkerRequest
+from pagedserve.workers.protocol.requests import WorkerRequest
 
 BLOCK = 8
 PROMPT_A = [(7 * i + 3) % 200 + 1 for i in range(44)]  # 5 full blocks, then 4 tokens

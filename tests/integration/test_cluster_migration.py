@@ -24,10 +24,11 @@ from support.cluster import (
 from support.wait import until
 
 from pagedserve.cluster.pool.group import stop_worker_group
-from pagedserve.workers.sampling.params import SamplingParams
+from pagedserve.workers.protocol.handoff import RequestHandoff
+from pagedserve.workers.protocol.sampling import SamplingParams
+from pagedserve.workers.protocol.stats import WorkerStats
+from pagedserve.workers.protocol.stream import RequestMoved
 from pagedserve.workers.transfer import handoff_ref
-from pagedserve.workers.transfer.handoff import RequestHandoff
-from pagedserve.workers.worker.types import RequestMoved, WorkerStats
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 

@@ -30,8 +30,8 @@ from support.wait import RESTART_DEADLINE_S, until
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.cluster.pool.group import stop_worker_group
-from pagedserve.cluster.router.types import GenerateRequest
-from pagedserve.workers.engine.role import WorkerRole
+from pagedserve.workers.protocol.requests import GenerateRequest
+from pagedserve.workers.protocol.role import WorkerRole
 
 # A small step budget: a 40-token prompt takes 3 prefill steps, so a fault can strike inside
 # a prefill (the engine stopped after its first chunk).

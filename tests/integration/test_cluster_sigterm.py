@@ -21,8 +21,8 @@ from support.cluster import cluster_config, greedy, run_request, start_router
 from support.wait import until
 
 from pagedserve.cluster.pool.group import drain_worker_group, stop_worker_group
-from pagedserve.cluster.router.types import GenerateRequest
 from pagedserve.workers.process.pid_files import process_start_time
+from pagedserve.workers.protocol.requests import GenerateRequest
 
 PIN = 10_000_000  # router-side demand that makes a worker look full, to steer routing
 MAX_TOKENS = 40  # more than a held stream's buffers take: it pauses before its end

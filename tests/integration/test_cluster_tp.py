@@ -24,7 +24,7 @@ from support.cluster import (
 from support.wait import RESTART_DEADLINE_S, until
 
 from pagedserve.cluster.pool.group import stop_worker_group
-from pagedserve.cluster.router.types import GenerateRequest
+from pagedserve.workers.protocol.requests import GenerateRequest
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 

@@ -13,7 +13,7 @@ from support.wait import until
 
 from pagedserve.cluster.pool.group import stop_worker_group
 from pagedserve.cluster.pool.types import MemberState
-from pagedserve.workers.errors import UnknownLora
+from pagedserve.workers.protocol.errors import UnknownLora
 
 PROMPT = list(range(30, 45))
 MAX_TOKENS = 8

@@ -22,7 +22,7 @@ from support.real_model import SMOLLM2, prompt_ids
 from support.wait import until
 
 from pagedserve.cluster.pool.group import stop_worker_group
-from pagedserve.cluster.router.types import GenerateRequest
+from pagedserve.workers.protocol.requests import GenerateRequest
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 MAX_TOKENS = 12

@@ -24,7 +24,7 @@ from support.wait import until
 
 from pagedserve.cluster.api.grpc.convert import stats_to_proto
 from pagedserve.cluster.pool.group import stop_worker_group
-from pagedserve.cluster.router.types import GenerateRequest
+from pagedserve.workers.protocol.requests import GenerateRequest
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 LONG = 1_000  # decode steps (within the test model's context): it only ends when aborted

@@ -13,9 +13,9 @@ import ray
 
 from pagedserve.workers.deadline import within
 from pagedserve.workers.engine.config import EngineConfig
-from pagedserve.workers.sampling.params import SamplingParams
+from pagedserve.workers.protocol.requests import WorkerRequest
+from pagedserve.workers.protocol.sampling import SamplingParams
 from pagedserve.workers.worker.actor import Worker
-from pagedserve.workers.worker.types import WorkerRequest
 
 LEASE_S = 10.0  # generous: renewals on a loaded machine must never lapse it
 DEADLINE_S = 120.0

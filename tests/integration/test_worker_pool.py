@@ -20,7 +20,7 @@ from support.wait import until
 from pagedserve.cluster.pool.group import stop_worker_group
 from pagedserve.cluster.pool.spec import WorkerSpec
 from pagedserve.cluster.pool.types import MemberState
-from pagedserve.cluster.router.types import GenerateRequest
+from pagedserve.workers.protocol.requests import GenerateRequest
 
 MAX_TOKENS = 32  # more than a held stream's buffers take: it pauses before its end
 NEVER_S = 3600.0

@@ -12,9 +12,9 @@ import time
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.pool.group import start_pool
 from pagedserve.cluster.router.router import RouterCore
-from pagedserve.cluster.router.types import GenerateRequest
 from pagedserve.workers.engine.config import EngineConfig
-from pagedserve.workers.sampling.params import SamplingParams
+from pagedserve.workers.protocol.requests import GenerateRequest
+from pagedserve.workers.protocol.sampling import SamplingParams
 from pagedserve.workers.telemetry.telemetry import NOOP, TelemetryConfig, Tracing
 from support.leaks import DEADLINE_S, cluster_problems, in_process_router
 from support.wait import until

@@ -55,8 +55,8 @@ from pagedserve.cluster.router.router import RouterCore
 from pagedserve.cluster.router.types import RouterInflight
 from pagedserve.workers.engine.engine import Engine
 from pagedserve.workers.kv.checks import KVInvariantError, assert_no_leaks
-from pagedserve.workers.kv.events import TIER_NAMES
 from pagedserve.workers.kv.manager import KVCacheManager
+from pagedserve.workers.protocol.events import TIER_NAMES
 from support.wait import RESTART_DEADLINE_S
 
 # A failsafe: the check returns as soon as everything is clean. A worker a test killed is

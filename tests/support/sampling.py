@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagedserve.workers.sampling.params import SamplingParams
+from pagedserve.workers.protocol.sampling import SamplingParams
 
 
 def reference_penalties(

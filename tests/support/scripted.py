@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pagedserve.workers.engine.request import Request
-from pagedserve.workers.sampling.params import SamplingParams
+from pagedserve.workers.protocol.sampling import SamplingParams
 
 
 def scripted_request(

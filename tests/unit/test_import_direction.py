@@ -11,6 +11,11 @@ the KV cache manager, the router and the routing policies), with two exceptions 
 the front ends (`api/`) nor the `serve` process (`serve/`) that sit above it, and nothing of the
 engine's side imports the worker actor (`worker/`) or the offline front door (`offline/`) built
 on top of it (only `telemetry/`, which names the worker's stream types, may).
+
+The protocol (`workers/protocol/`: what crosses a process boundary) may be imported from
+everywhere, so it imports nothing of the project but its own modules and the torch-free helpers
+in `PROTOCOL_HELPERS` (each named with what it lends and importing nothing of the project
+itself): no cycle can run through it, and no process pays for more than the messages.
 """
 
 from __future__ import annotations
@@ -49,6 +54,14 @@ INNER_RULES = [
         ["pagedserve.workers.worker", "pagedserve.workers.offline"],
     ),
 ]
+
+
+PROTOCOL = "pagedserve.workers.protocol"
+# Modules outside the protocol that it may import → what it takes from each.
+PROTOCOL_HELPERS = {
+    "pagedserve.workers.kv.memory": "`blocks_needed`, to check a handoff's KV shape",
+    "pagedserve.workers.beam.checks": "`check_beam_search`, SamplingParams' beam field checks",
+}
 
 
 def python_files(paths: list[Path]) -> list[Path]:
@@ -129,6 +142,46 @@ def test_no_subpackage_imports_one_above_it(paths, forbidden):
 
 def test_the_inner_check_sees_an_import_of_the_actor(tmp_path):
     module = tmp_path / "scheduler.py"
-    module.write_text("from pagedserve.workers.worker.types import WorkerStats\n")
+    module.write_text("from pagedserve.workers.worker.stream import DeltaBuffer\n")
     (_, _, forbidden) = INNER_RULES[1]
     assert len(forbidden_imports([module], forbidden)) == 1
+
+
+def project_imports(files: list[Path]) -> list[tuple[str, str]]:
+    """(where, module) of every import of a project module (`pagedserve.*`) in the files."""
+    found = []
+    for path in files:
+        for line, module in imported_modules(path):
+            if module == "pagedserve" or module.startswith("pagedserve."):
+                where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+                found.append((f"{where}:{line}", module))
+    return found
+
+
+def outside_the_protocol(files: list[Path]) -> list[str]:
+    return [
+        f"{where} imports {module}"
+        for where, module in project_imports(files)
+        if not module.startswith(PROTOCOL + ".") and module not in PROTOCOL_HELPERS
+    ]
+
+
+def test_the_protocol_imports_only_itself_and_its_helpers():
+    files = python_files([ROOT / "workers" / "protocol"])
+    assert files
+    assert outside_the_protocol(files) == []
+
+
+def test_the_protocol_helpers_import_nothing_of_the_project():
+    helpers = [
+        ROOT / "workers" / (name.removeprefix("pagedserve.workers.").replace(".", "/") + ".py")
+        for name in PROTOCOL_HELPERS
+    ]
+    assert all(path.exists() for path in helpers)
+    assert project_imports(helpers) == []
+
+
+def test_the_protocol_check_sees_an_import_of_the_engine(tmp_path):
+    module = tmp_path / "stream.py"
+    module.write_text("from pagedserve.workers.engine.outputs import RequestDelta\n")
+    assert len(outside_the_protocol([module])) == 1

@@ -37,12 +37,12 @@ import torch
 
 from pagedserve.workers.beam.search import BeamScorer, Hypothesis
 from pagedserve.workers.engine.detokenizer import IncrementalDetokenizer
-from pagedserve.workers.engine.outputs import CompletionDelta, RequestDelta, Usage
+from pagedserve.workers.engine.outputs import CompletionDelta, RequestDelta
 from pagedserve.workers.engine.request import Request, RequestGroup, RequestStatus
-from pagedserve.workers.engine.stop_checker import FinishReason
-from pagedserve.workers.errors import RequestRejected
 from pagedserve.workers.kv.manager import KVCacheManager
-from pagedserve.workers.sampling.params import SamplingParams
+from pagedserve.workers.protocol.errors import RequestRejected
+from pagedserve.workers.protocol.sampling import SamplingParams
+from pagedserve.workers.protocol.stream import FinishReason, Usage
 from pagedserve.workers.scheduler.scheduler import Scheduler
 
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pagedserve.workers.beam.groups import check_beam_request
 from pagedserve.workers.beam.search import Hypothesis
 from pagedserve.workers.engine.request import RequestGroup
-from pagedserve.workers.errors import RequestRejected
 from pagedserve.workers.kv.block_hash import cache_key
-from pagedserve.workers.sampling.params import SamplingParams
+from pagedserve.workers.protocol.errors import RequestRejected
+from pagedserve.workers.protocol.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

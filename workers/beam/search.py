@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.workers.beam.checks import EarlyStopping
-from pagedserve.workers.engine.stop_checker import FinishReason
+from pagedserve.workers.protocol.stream import FinishReason
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,26 +27,27 @@ import torch
 from pagedserve.kernels import get_kernel_ops
 from pagedserve.workers.beam.groups import BeamSearch, check_beam_request, decoder_for
 from pagedserve.workers.beam.moves import EngineBeamMoves
-from pagedserve.workers.deadline import check_timeout_s
 from pagedserve.workers.engine.config import EngineConfig
 from pagedserve.workers.engine.executor import build_model_executor
 from pagedserve.workers.engine.handoffs import EngineHandoffs
 from pagedserve.workers.engine.intake import RequestIntake
 from pagedserve.workers.engine.outputs import RequestDelta
 from pagedserve.workers.engine.request import Request, RequestGroup, RequestStatus
-from pagedserve.workers.engine.role import WorkerRole
 from pagedserve.workers.engine.sizing import kv_layout, load_device, num_kv_blocks, serving_device
 from pagedserve.workers.engine.stats import EngineStats
-from pagedserve.workers.engine.stop_checker import FinishReason, check_stop
-from pagedserve.workers.errors import Overloaded, RequestRejected, RequestTooLarge
+from pagedserve.workers.engine.stop_checker import check_stop
 from pagedserve.workers.kv.manager import KVCacheManager
 from pagedserve.workers.kv.tier_load import build_tier_store, load_waiting_prefixes
 from pagedserve.workers.kv.tiers import StepTierLoad
 from pagedserve.workers.lora.engine_loras import EngineLoras
 from pagedserve.workers.model.batch import Batch, build_batch
 from pagedserve.workers.model.loader import LoadedModel, load_model, release_weights
+from pagedserve.workers.protocol.errors import Overloaded, RequestRejected, RequestTooLarge
+from pagedserve.workers.protocol.requests import check_timeout_s
+from pagedserve.workers.protocol.role import WorkerRole
+from pagedserve.workers.protocol.sampling import SamplingParams
+from pagedserve.workers.protocol.stream import FinishReason
 from pagedserve.workers.sampling.logprobs import take_prompt_logprobs
-from pagedserve.workers.sampling.params import SamplingParams
 from pagedserve.workers.sampling.sampler import Sampler, sample_rows
 from pagedserve.workers.scheduler.policy import PreemptionMode
 from pagedserve.workers.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -67,7 +68,7 @@ class Engine(EngineHandoffs, EngineBeamMoves, EngineStats, EngineLoras):
             loaded from `config` when None. Under tensor parallelism the engine loads it on
             the host, slices every rank's shard from it, then releases its weights: rank 0
             keeps its config, tokenizer and numbers (`docs/tensor-parallel.md`).
-        role: its worker's role (`workers/engine/role.py`): a `prefill` engine hands each
+        role: its worker's role (`workers/protocol/role.py`): a `prefill` engine hands each
             fresh request off once its first token went out.
     """
 

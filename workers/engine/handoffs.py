@@ -12,14 +12,10 @@ import logging
 import time
 
 from pagedserve.workers.engine.request import Request, RequestGroup
-from pagedserve.workers.engine.stop_checker import FinishReason
-from pagedserve.workers.errors import RequestRejected
-from pagedserve.workers.transfer.handoff import (
-    HandoffReason,
-    RequestHandoff,
-    adopt_kv,
-    pack_handoff,
-)
+from pagedserve.workers.protocol.errors import RequestRejected
+from pagedserve.workers.protocol.handoff import HandoffReason, RequestHandoff
+from pagedserve.workers.protocol.stream import FinishReason
+from pagedserve.workers.transfer.handoff import adopt_kv, pack_handoff
 
 _log = logging.getLogger(__name__)
 

@@ -12,13 +12,13 @@ import torch
 
 from pagedserve.workers.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.workers.engine.request import Request
-from pagedserve.workers.errors import RequestRejected, RequestTooLarge
 from pagedserve.workers.kv.manager import KVCacheManager
 from pagedserve.workers.model.loader import LoadedModel
-from pagedserve.workers.sampling.params import SamplingParams
+from pagedserve.workers.protocol.errors import RequestRejected, RequestTooLarge
+from pagedserve.workers.protocol.handoff import RequestHandoff
+from pagedserve.workers.protocol.sampling import SamplingParams
 from pagedserve.workers.sampling.sampler import make_generator
 from pagedserve.workers.structured.masking import bad_word_token_ids
-from pagedserve.workers.transfer.handoff import RequestHandoff
 
 
 class RequestIntake:

@@ -10,66 +10,20 @@ them up::
 - `CompletionDelta` / `RequestDelta`: one step's news. A branch's last delta carries its finish
   reason, stop reason, usage and metrics; no delta repeats a token or a character.
 - `CompletionOutput` / `RequestOutput`: a whole request, as `LLM.generate` returns it.
-- `Usage`: the token counts of one branch, and (`Usage.of_request`, `Usage.total`) of a request
-  and of several — the one place that says how usage adds up.
+- `Usage` and `RequestMetrics` (in `workers/protocol/stream.py`: they cross to the router in
+  every last `StreamDelta`): the token counts and timings of one branch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagedserve.workers.protocol.stream import RequestMetrics, Usage
+
 if TYPE_CHECKING:
-    from pagedserve.workers.sampling.logprobs import TokenLogprob
-    from pagedserve.workers.transfer.handoff import RequestHandoff
-
-
-@dataclass
-class RequestMetrics:
-    """Per-request timings in seconds, measured on the worker's monotonic clock."""
-
-    queue_time: float | None = None
-    ttft: float | None = None
-    tpot: float | None = None
-    e2e: float | None = None
-    inter_token_latencies: list[float] = field(default_factory=list)
-    num_preemptions: int = 0
-    # Speculative decoding (0 when off): verify steps, drafts they checked, drafts accepted.
-    num_verify_steps: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class Usage:
-    """Token counts: of one branch (prompt and cached tokens are the request's, completion
-    tokens the branch's own), or added up with `of_request` / `total`."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-    @staticmethod
-    def of_request(branches: Iterable[Usage]) -> Usage:
-        """One request's usage from its branches': prompt and cached tokens once (the branches
-        share the prompt), completion tokens summed."""
-        branches = list(branches)
-        if not branches:
-            return Usage(0, 0, 0)
-        first = branches[0]
-        completion = sum(u.completion_tokens for u in branches)
-        return Usage(first.prompt_tokens, completion, first.cached_tokens)
-
-    @staticmethod
-    def total(requests: Iterable[Usage]) -> Usage:
-        """Several requests' usage (e.g. a batch of prompts): every count summed."""
-        requests = list(requests)
-        return Usage(
-            sum(u.prompt_tokens for u in requests),
-            sum(u.completion_tokens for u in requests),
-            sum(u.cached_tokens for u in requests),
-        )
+    from pagedserve.workers.protocol.handoff import RequestHandoff
+    from pagedserve.workers.protocol.stream import TokenLogprob
 
 
 @dataclass(frozen=True)

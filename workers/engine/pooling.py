@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pagedserve.workers.sampling.params import Pooling
+from pagedserve.workers.protocol.sampling import Pooling
 
 if TYPE_CHECKING:
     from torch import Tensor

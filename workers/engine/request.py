@@ -14,12 +14,12 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from pagedserve.workers.engine.detokenizer import IncrementalDetokenizer
-from pagedserve.workers.engine.outputs import CompletionDelta, RequestDelta, RequestMetrics, Usage
+from pagedserve.workers.engine.outputs import CompletionDelta, RequestDelta
 from pagedserve.workers.engine.pooling import PoolingState
-from pagedserve.workers.engine.stop_checker import FinishReason
 from pagedserve.workers.kv.block_hash import lora_key_of
-from pagedserve.workers.sampling.logprobs import TokenLogprob, branch_logprobs, prompt_logprobs_of
-from pagedserve.workers.sampling.params import Pooling, SamplingParams
+from pagedserve.workers.protocol.sampling import Pooling, SamplingParams
+from pagedserve.workers.protocol.stream import FinishReason, RequestMetrics, TokenLogprob, Usage
+from pagedserve.workers.sampling.logprobs import branch_logprobs, prompt_logprobs_of
 
 if TYPE_CHECKING:
     import torch

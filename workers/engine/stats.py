@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pagedserve.workers.kv.tiers import TierStats
+from pagedserve.workers.protocol.stats import TierStats
 
 if TYPE_CHECKING:
-    from pagedserve.workers.kv.manager import KVUsage
-    from pagedserve.workers.spec.stats import SpecStats
+    from pagedserve.workers.protocol.stats import KVUsage, SpecStats
 
 
 class EngineStats:

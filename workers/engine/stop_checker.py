@@ -3,20 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Collection
-from enum import StrEnum
 
-from pagedserve.workers.sampling.params import SamplingParams
-
-
-class FinishReason(StrEnum):
-    """Why a sequence ended; the values (also `str()`) are what the API reports."""
-
-    STOP = "stop"  # EOS, a stop token id or a stop string
-    LENGTH = "length"  # max_tokens or the model's context limit
-    ABORT = "abort"  # the client cancelled
-    TIMEOUT = "timeout"  # the request's deadline passed
-    ERROR = "error"  # the engine failed the request
-    MOVED = "moved"  # handed to a peer worker with its KV; the stream continues there
+from pagedserve.workers.protocol.sampling import SamplingParams
+from pagedserve.workers.protocol.stream import FinishReason
 
 
 def check_stop(

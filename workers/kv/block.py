@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-BlockHash = bytes
+from pagedserve.workers.protocol.events import BlockHash
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from pagedserve.workers.kv.block import Block, BlockHash, BlockKey, FreeBlockQueue
-from pagedserve.workers.kv.events import AllCleared, BlockRemoved, BlockStored, KVEvent
+from pagedserve.workers.protocol.events import AllCleared, BlockRemoved, BlockStored, KVEvent
 
 if TYPE_CHECKING:
     from pagedserve.workers.kv.tiers import TierStore

@@ -34,6 +34,7 @@ from pagedserve.workers.kv.block_hash import block_hash
 from pagedserve.workers.kv.block_pool import BlockPool
 from pagedserve.workers.kv.memory import BLOCK_TABLE_ENTRY_BYTES, blocks_needed
 from pagedserve.workers.kv.swap import KVSwap
+from pagedserve.workers.protocol.stats import KVUsage
 
 AllocationMode = Literal["paged", "reserve-max"]
 ALLOCATION_MODES: tuple[str, ...] = ("paged", "reserve-max")
@@ -75,32 +76,6 @@ class _RequestBlocks:
     swap_slots: list[int] = field(default_factory=list)
     # Positions past `num_tokens` held this step for draft tokens the target verifies.
     num_draft_slots: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class KVUsage:
-    """Where every block and position of the pool is, for stats and leak checks."""
-
-    block_size: int
-    total_blocks: int
-    used_blocks: int
-    cached_free_blocks: int
-    free_blocks: int  # free and holding nothing cached
-    reserve_blocks: int
-    useful_tokens: int
-    allocated_positions: int
-    wasted_positions: int  # allocated but unfilled: tail waste (paged) or reservation (reserve-max)
-    block_table_entries: int
-    block_table_bytes: int
-    swap_blocks_used: int
-    swap_blocks_total: int
-    num_requests: int
-    prefix_queries_tokens: int
-    prefix_hits_tokens: int
-
-    @property
-    def utilization(self) -> float:
-        return self.useful_tokens / self.allocated_positions if self.allocated_positions else 1.0
 
 
 class KVCacheManager(KVSwap):

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from pagedserve.workers.kv.block import BlockHash, BlockKey
+from pagedserve.workers.protocol.stats import TierStats, TierUsage
 
 # torch is imported where a tensor is made: `TierStats` travels in `WorkerStats`, which
 # routers and the control actors read without paying torch's import.
@@ -43,52 +44,6 @@ DEVICE, HOST, DISK = "device", "host", "disk"
 TIERS: tuple[str, ...] = (DEVICE, HOST, DISK)
 
 Announce = Callable[[BlockHash, "BlockHash | None"], None]
-
-
-@dataclass(frozen=True)
-class TierUsage:
-    """One lower tier's occupancy and traffic since the engine started.
-
-    Attributes:
-        tier: `host` or `disk`.
-        blocks: blocks it holds now.
-        bytes: bytes they take (KV bytes in memory; file bytes on disk).
-        capacity_bytes: its bound.
-        stored_blocks: blocks written into it (spilled from the device, or demoted).
-        hit_blocks: blocks loaded from it back into the device pool.
-        evicted_blocks: blocks its LRU bound pushed out (demoted to disk, or dropped).
-        bytes_in: KV bytes written into it.
-        bytes_out: KV bytes loaded from it into the device pool.
-        load_time_s: time spent reading its blocks for loads.
-        dropped_blocks: blocks it refused (disk: the write queue was full).
-        corrupt_skipped: files found corrupt or foreign and skipped (disk).
-    """
-
-    tier: str
-    blocks: int = 0
-    bytes: int = 0
-    capacity_bytes: int = 0
-    stored_blocks: int = 0
-    hit_blocks: int = 0
-    evicted_blocks: int = 0
-    bytes_in: int = 0
-    bytes_out: int = 0
-    load_time_s: float = 0.0
-    dropped_blocks: int = 0
-    corrupt_skipped: int = 0
-
-
-@dataclass(frozen=True)
-class TierStats:
-    """The lower tiers of one engine (empty when none is configured)."""
-
-    tiers: tuple[TierUsage, ...] = ()
-    loads: int = 0  # requests whose prefix was (partly) loaded from a lower tier
-    loaded_blocks: int = 0
-    load_time_s: float = 0.0  # reading plus writing into the device pool
-
-    def of(self, tier: str) -> TierUsage | None:
-        return next((usage for usage in self.tiers if usage.tier == tier), None)
 
 
 class TierLoad(NamedTuple):

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from pagedserve.workers.errors import LoraLoadError
+from pagedserve.workers.protocol.errors import LoraLoadError
 
 # The Llama-family projections an adapter may target (the fused decoder's linears).
 LORA_TARGETS: tuple[str, ...] = (

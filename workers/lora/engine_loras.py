@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from pagedserve.workers.engine.request import Request
-from pagedserve.workers.errors import RequestRejected, UnknownLora
 from pagedserve.workers.kv.block_hash import cache_key, lora_key_of
-from pagedserve.workers.lora.adapter import LoraAdapter, LoraLoadError, model_shapes
+from pagedserve.workers.lora.adapter import LoraAdapter, model_shapes
 from pagedserve.workers.lora.batch import LoraBatch, build_lora_batch
 from pagedserve.workers.lora.config import LoraConfig, parse_lora_modules
 from pagedserve.workers.lora.registry import LoraRegistry
+from pagedserve.workers.protocol.errors import LoraLoadError, RequestRejected, UnknownLora
 
 
 class EngineLoras:

@@ -19,14 +19,9 @@ from collections import OrderedDict
 
 import torch
 
-from pagedserve.workers.errors import UnknownLora
-from pagedserve.workers.lora.adapter import (
-    LoraAdapter,
-    LoraLoadError,
-    ModuleShape,
-    load_adapter,
-)
+from pagedserve.workers.lora.adapter import LoraAdapter, ModuleShape, load_adapter
 from pagedserve.workers.lora.config import LoraConfig
+from pagedserve.workers.protocol.errors import LoraLoadError, UnknownLora
 
 
 def _not_loaded(name: str) -> UnknownLora:

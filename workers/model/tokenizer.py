@@ -15,7 +15,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from pagedserve.workers.errors import NoChatTemplate
+from pagedserve.workers.protocol.errors import NoChatTemplate
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ def render_chat(
         NoChatTemplate: the model has no tokenizer or its tokenizer no chat template.
         RequestRejected: a message is malformed (named by its index).
     """
-    from pagedserve.workers.errors import RequestRejected
+    from pagedserve.workers.protocol.errors import RequestRejected
 
     if not messages:
         raise RequestRejected("messages is empty: a chat needs at least one message")

@@ -6,13 +6,13 @@ import itertools
 from collections.abc import Sequence
 
 from pagedserve.workers.engine.config import EngineConfig
-from pagedserve.workers.engine.engine import Engine, RequestRejected
+from pagedserve.workers.engine.engine import Engine
 from pagedserve.workers.engine.outputs import OutputBuilder, RequestOutput
-from pagedserve.workers.kv.manager import KVUsage
 from pagedserve.workers.model.loader import LoadedModel
-from pagedserve.workers.sampling.params import SamplingParams
+from pagedserve.workers.protocol.errors import RequestRejected
+from pagedserve.workers.protocol.sampling import SamplingParams
+from pagedserve.workers.protocol.stats import KVUsage, SpecStats
 from pagedserve.workers.scheduler.policy import PreemptionMode
-from pagedserve.workers.spec.stats import SpecStats
 
 Prompt = str | Sequence[int]
 

@@ -1,4 +1,4 @@
-"""From logits to tokens: per-request sampling parameters validated once at the edge
-(`params`), the batched sampler (`sampler`) and log-probabilities as vLLM reports them
-(`logprobs`).
+"""From logits to tokens: the batched sampler (`sampler`) and log-probabilities as vLLM reports
+them (`logprobs`). The per-request sampling parameters it applies (`SamplingParams`, validated
+once at the edge) cross every process boundary, so they are in `workers/protocol/sampling.py`.
 """

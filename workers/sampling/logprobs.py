@@ -21,40 +21,14 @@ Layout of one step's logits rows::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
+
+from pagedserve.workers.protocol.stream import TokenLogprob, TopLogprob
 
 # torch is imported where a tensor is made: routers and the control actors read `TokenLogprob`
-# and must not pay torch's import (seconds of CPU per process).
+# (`workers/protocol/stream.py`) and must not pay torch's import (seconds of CPU per process).
 if TYPE_CHECKING:
     from torch import Tensor
-
-
-class TopLogprob(NamedTuple):
-    """One of the most likely tokens of a position."""
-
-    token_id: int
-    logprob: float
-    token: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    """One position: the token there, its log-probability and rank, and the top alternatives.
-
-    Attributes:
-        token_id: the sampled (or prompt) token.
-        logprob: its log-probability.
-        rank: 1 for the most likely token of the position.
-        token: its text.
-        top: the ``k`` most likely tokens, best first (ties: lower id).
-    """
-
-    token_id: int
-    logprob: float
-    rank: int
-    token: str = ""
-    top: tuple[TopLogprob, ...] = ()
 
 
 def token_logprobs(

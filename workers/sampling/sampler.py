@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from pagedserve.workers.protocol.sampling import SEED_LIMIT, SamplingParams
 from pagedserve.workers.sampling.logprobs import raw_logits, record_sample_logprobs
-from pagedserve.workers.sampling.params import SEED_LIMIT, SamplingParams
 from pagedserve.workers.structured.masking import apply_token_constraints
 
 if TYPE_CHECKING:

@@ -41,6 +41,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagedserve.workers.protocol.stats import TenantService
+
 if TYPE_CHECKING:
     from pagedserve.workers.engine.request import Request
 
@@ -86,23 +88,6 @@ class FairShareConfig:
 
     def weight(self, tenant: str) -> float:
         return self.tenant_weights.get(tenant, self.default_weight)
-
-
-@dataclass
-class TenantService:
-    """One tenant's service on this worker (read through `Worker.stats().tenants`).
-
-    Attributes:
-        prompt_tokens: prompt positions computed for it.
-        output_tokens: positions past the prompt computed for it.
-        counter: its virtual token counter (weighted service / its weight, lifts included).
-        sequences: its sequences queued or running here now.
-    """
-
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    counter: float = 0.0
-    sequences: int = 0
 
 
 class VirtualTokenCounters:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from pagedserve.workers.engine.request import Request, RequestStatus
 from pagedserve.workers.kv.manager import KVCacheManager
+from pagedserve.workers.protocol.stats import SchedulerCounters
 from pagedserve.workers.scheduler.fair_share import (
     FairShareConfig,
     VirtualTokenCounters,
@@ -64,32 +65,6 @@ class SchedulerConfig:
         if self.policy not in SchedulingPolicy.registry:
             raise ValueError(f"policy must be one of {sorted(SchedulingPolicy.registry)}")
         object.__setattr__(self, "preemption_mode", PreemptionMode.of(self.preemption_mode))
-
-
-@dataclass
-class SchedulerCounters:
-    """What one scheduler did since it started (read through `Worker.stats().scheduler`).
-
-    Attributes:
-        prefill_tokens: tokens scheduled for sequences that had more than their newest token
-            to compute: prompt chunks, and a recomputed victim's whole sequence. A decode's one
-            token is not counted, nor is any token whose KV a cache hit, a pull or a moved
-            request's handoff brought.
-        swapped_out: victims whose KV went to the swap area.
-        swapped_in: swapped-out sequences brought back.
-        recomputed: victims whose KV was dropped, to be computed again (in swap mode: the swap
-            area had no room for them; in move mode: they could not move).
-        moved: victims handed to a peer with their KV.
-        prefill_handoffs: P/D, on a prefill worker: sequences handed to a decode worker once
-            their first token went out.
-    """
-
-    prefill_tokens: int = 0
-    swapped_out: int = 0
-    swapped_in: int = 0
-    recomputed: int = 0
-    moved: int = 0
-    prefill_handoffs: int = 0
 
 
 @dataclass
@@ -457,7 +432,6 @@ class Scheduler:
 __all__ = [
     "Scheduler",
     "SchedulerConfig",
-    "SchedulerCounters",
     "SchedulerOutput",
     "SchedulingPolicy",
 ]

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
-from pagedserve.workers.structured.spec import GuidedSpec
+from pagedserve.workers.protocol.guided import GuidedSpec
 
 
 class Matcher(Protocol):

@@ -16,8 +16,8 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from pagedserve.workers.protocol.guided import GuidedSpec
 from pagedserve.workers.structured.backend import GrammarBackend, Matcher
-from pagedserve.workers.structured.spec import GuidedSpec
 
 DEFAULT_COMPILE_THREADS = 2
 DEFAULT_COMPILE_TIMEOUT_S = 30.0

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.workers.engine.request import Request
-from pagedserve.workers.engine.stop_checker import FinishReason
 from pagedserve.workers.model.loader import LoadedModel
+from pagedserve.workers.protocol.guided import GuidedSpec
+from pagedserve.workers.protocol.stream import FinishReason
 from pagedserve.workers.structured.backend import GrammarBackend
 from pagedserve.workers.structured.compiler import DEFAULT_COMPILE_TIMEOUT_S, GrammarCompiler
-from pagedserve.workers.structured.spec import GuidedSpec
 
 # The longest an idle engine sleeps in one step waiting for a compile (it returns at once when
 # one finishes): long enough not to spin, short enough that a new request is not held back.

@@ -23,7 +23,7 @@ from pagedserve.workers.structured.backend import GrammarBackend
 
 if TYPE_CHECKING:
     from pagedserve.workers.engine.request import Request
-    from pagedserve.workers.sampling.params import SamplingParams
+    from pagedserve.workers.protocol.sampling import SamplingParams
 
 
 def bad_word_token_ids(tokenizer, words: Sequence[str]) -> list[list[int]]:

@@ -17,7 +17,7 @@ import xgrammar as xgr
 from torch import Tensor
 
 from pagedserve.workers.model.tokenizer import ByteTokenizer
-from pagedserve.workers.structured.spec import GuidedKind, GuidedSpec
+from pagedserve.workers.protocol.guided import GuidedKind, GuidedSpec
 
 
 def build_grammar(spec: GuidedSpec) -> xgr.Grammar:

@@ -26,10 +26,9 @@ from typing import Any
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from pagedserve.workers.kv.tiers import StepTierLoad, TierLoad
-from pagedserve.workers.sampling.params import SamplingParams
+from pagedserve.workers.protocol.sampling import SamplingParams
+from pagedserve.workers.protocol.stream import RequestMoved, StreamDelta
 from pagedserve.workers.telemetry.telemetry import NOOP, SpanAttributes, Tracing
-from pagedserve.workers.worker.stream import StreamDelta
-from pagedserve.workers.worker.types import RequestMoved
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from collections.abc import Callable
 import ray
 
 from pagedserve.workers.deadline import within
-from pagedserve.workers.transfer.handoff import RequestHandoff
+from pagedserve.workers.protocol.handoff import RequestHandoff
 
 logger = logging.getLogger(__name__)
 

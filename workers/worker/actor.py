@@ -22,9 +22,7 @@ import ray
 
 from pagedserve.workers.deadline import within
 from pagedserve.workers.engine.config import EngineConfig
-from pagedserve.workers.engine.role import WorkerRole
 from pagedserve.workers.kv.block import BlockKey
-from pagedserve.workers.kv.events import KVEvent, KVSnapshot
 from pagedserve.workers.process import drain_signal
 from pagedserve.workers.process.cpu_placement import (
     niceness,
@@ -33,27 +31,23 @@ from pagedserve.workers.process.cpu_placement import (
     set_niceness,
 )
 from pagedserve.workers.process.pid_files import DEFAULT_PID_DIR, register_pid
-from pagedserve.workers.telemetry.request_trace import migration_span
-from pagedserve.workers.telemetry.telemetry import TelemetryConfig, worker_tracing
-from pagedserve.workers.transfer import handoff_ref
-from pagedserve.workers.transfer.handoff import RequestHandoff
-from pagedserve.workers.worker.lease import DEFAULT_LEASE_TIMEOUT_S
-from pagedserve.workers.worker.stream import (
-    DEFAULT_MAX_BUFFERED_DELTAS,
-    RUN_AHEAD_MESSAGES,
-    StepBatch,
-    StreamDelta,
-    StreamMessage,
-)
-from pagedserve.workers.worker.types import (
+from pagedserve.workers.protocol.events import KVEvent, KVSnapshot
+from pagedserve.workers.protocol.handoff import RequestHandoff
+from pagedserve.workers.protocol.requests import WorkerRequest
+from pagedserve.workers.protocol.role import WorkerRole
+from pagedserve.workers.protocol.stats import (
     DrainResult,
     LoraLoadResult,
     PoolCheck,
-    RequestMoved,
     WorkerInfo,
-    WorkerRequest,
     WorkerStats,
 )
+from pagedserve.workers.protocol.stream import RequestMoved, StepBatch, StreamDelta, StreamMessage
+from pagedserve.workers.telemetry.request_trace import migration_span
+from pagedserve.workers.telemetry.telemetry import TelemetryConfig, worker_tracing
+from pagedserve.workers.transfer import handoff_ref
+from pagedserve.workers.worker.lease import DEFAULT_LEASE_TIMEOUT_S
+from pagedserve.workers.worker.stream import DEFAULT_MAX_BUFFERED_DELTAS, RUN_AHEAD_MESSAGES
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +99,7 @@ class Worker:
             handed back (see `workers/process/drain_signal.py`); then the process exits.
         pid_dir: where this worker writes its pid file for `pagedserve drain-node` (None:
             none).
-        role: its role in prefill/decode disaggregation (`workers/engine/role.py`).
+        role: its role in prefill/decode disaggregation (`workers/protocol/role.py`).
     """
 
     def __init__(

@@ -42,10 +42,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pagedserve.workers.engine.engine import Engine
 from pagedserve.workers.engine.outputs import RequestDelta
-from pagedserve.workers.engine.stop_checker import FinishReason
-from pagedserve.workers.errors import RequestRejected
-from pagedserve.workers.kv.events import KVEvent
-from pagedserve.workers.lora.adapter import LoraLoadError
+from pagedserve.workers.protocol.errors import LoraLoadError, RequestRejected
+from pagedserve.workers.protocol.events import KVEvent
+from pagedserve.workers.protocol.stats import LoraLoadResult, WorkerStats
+from pagedserve.workers.protocol.stream import FinishReason
 from pagedserve.workers.telemetry.request_trace import RequestTraces
 from pagedserve.workers.telemetry.telemetry import NOOP, Tracing
 from pagedserve.workers.transfer.prefix_transfer import PrefixTransfer
@@ -54,7 +54,6 @@ from pagedserve.workers.worker.lease import DEFAULT_LEASE_TIMEOUT_S, LeaseTable
 from pagedserve.workers.worker.request_endpoints import WorkerRequests
 from pagedserve.workers.worker.stream import DEFAULT_MAX_BUFFERED_DELTAS
 from pagedserve.workers.worker.streams import StreamTable
-from pagedserve.workers.worker.types import LoraLoadResult, WorkerStats
 
 if TYPE_CHECKING:
     from pagedserve.workers.worker.fault_injection import StepFaults

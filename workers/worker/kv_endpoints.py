@@ -15,9 +15,9 @@ from typing import Any
 
 from pagedserve.workers.kv.block import BlockKey
 from pagedserve.workers.kv.checks import KVInvariantError, assert_no_leaks, check_invariants
-from pagedserve.workers.kv.events import KVSnapshot
+from pagedserve.workers.protocol.events import KVSnapshot
+from pagedserve.workers.protocol.stats import PoolCheck
 from pagedserve.workers.transfer.hot_chains import eviction_chains, hot_chains
-from pagedserve.workers.worker.types import PoolCheck
 
 
 class WorkerKV:

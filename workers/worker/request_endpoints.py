@@ -23,18 +23,15 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from pagedserve.workers.errors import Draining, HandedOff, Overloaded, RequestRejected
-from pagedserve.workers.sampling.params import SamplingParams
+from pagedserve.workers.protocol.errors import Draining, HandedOff, Overloaded, RequestRejected
+from pagedserve.workers.protocol.handoff import RequestHandoff
+from pagedserve.workers.protocol.requests import WorkerRequest
+from pagedserve.workers.protocol.sampling import SamplingParams
+from pagedserve.workers.protocol.stats import DrainResult
+from pagedserve.workers.protocol.stream import RequestFailed, RequestMoved, StepBatch, StreamDelta
 from pagedserve.workers.telemetry.request_trace import RequestTrace, RequestTraces
-from pagedserve.workers.transfer.handoff import RequestHandoff
-from pagedserve.workers.worker.stream import DeltaBuffer, StepBatch, StreamDelta, ends_branch
+from pagedserve.workers.worker.stream import DeltaBuffer, ends_branch
 from pagedserve.workers.worker.streams import StreamTable
-from pagedserve.workers.worker.types import (
-    DrainResult,
-    RequestFailed,
-    RequestMoved,
-    WorkerRequest,
-)
 
 if TYPE_CHECKING:
     from pagedserve.workers.worker.fault_injection import StepFaults

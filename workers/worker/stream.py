@@ -1,6 +1,7 @@
-"""What a worker streams back per step: token deltas, the final usage and timings; the batch
-that carries one step's messages of one owner's requests, and the channel that collects it; and
-the bounded buffer a stream's messages wait in until its reader takes them.
+"""How a worker streams back per step: an engine delta made into stream messages (the
+messages themselves, `StreamDelta`, `RequestMoved`, `RequestFailed` and the `StepBatch` that
+carries them, are in `workers/protocol/stream.py`), the channel that collects one owner's
+messages, and the bounded buffer a stream's messages wait in until its reader takes them.
 
     engine step ─► RequestDelta ─► stream_deltas ─► StreamDelta | RequestMoved (per branch)
         ├─► OwnerChannel (its owner's requests) ─► StepBatch, one per step ─► the router
@@ -15,36 +16,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import deque
-from dataclasses import dataclass
 
-from pagedserve.workers.engine.outputs import RequestDelta, RequestMetrics, Usage
-from pagedserve.workers.engine.stop_checker import FinishReason
-from pagedserve.workers.sampling.logprobs import TokenLogprob
-from pagedserve.workers.worker.types import RequestFailed, RequestMoved
-
-
-@dataclass
-class StreamDelta:
-    """New tokens of one branch since the last delta; the last one carries finish and usage."""
-
-    request_id: str
-    index: int
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    usage: Usage | None = None
-    metrics: RequestMetrics | None = None
-    worker_id: str | None = None
-    error: str | None = None
-    # With SamplingParams.logprobs: one per token of `token_ids`. With prompt_logprobs: one per
-    # prompt token (the first None), on the branch's first delta.
-    logprobs: list[TokenLogprob | None] | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-    # An embedding request's vector (`SamplingParams.pooling`), on its last delta.
-    embedding: list[float] | None = None
-    # A beam search's hypothesis: the sum of its tokens' log-probabilities.
-    cumulative_logprob: float | None = None
+from pagedserve.workers.engine.outputs import RequestDelta
+from pagedserve.workers.protocol.stream import (
+    FinishReason,
+    RequestMoved,
+    StepBatch,
+    StreamDelta,
+    StreamMessage,
+)
 
 
 def stream_deltas(
@@ -103,37 +83,11 @@ def merge_deltas(first: StreamDelta, then: StreamDelta) -> StreamDelta:
     )
 
 
-StreamMessage = StreamDelta | RequestMoved | RequestFailed
-_MESSAGE_TYPES = (StreamDelta, RequestMoved, RequestFailed)
-
-
 def ends_branch(message: StreamMessage) -> bool:
     """Whether a message is the last of its branch on this worker (finished, or moved on)."""
     return isinstance(message, RequestMoved) or (
         isinstance(message, StreamDelta) and message.finish_reason is not None
     )
-
-
-@dataclass(frozen=True)
-class StepBatch:
-    """Every stream message of one owner's requests on one worker since its last batch: one
-    engine step's, or a few steps' when the reader lagged. Empty: a heartbeat (so Ray finds
-    out, at the `yield`, that the reader is gone).
-
-    Attributes:
-        worker_id: the worker that sent it.
-        messages: in the order the engine made them (a branch's deltas stay in order).
-    """
-
-    worker_id: str
-    messages: tuple[StreamMessage, ...] = ()
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.messages, tuple):
-            raise TypeError(f"StepBatch.messages is a tuple, not {type(self.messages).__name__}")
-        for message in self.messages:
-            if not isinstance(message, _MESSAGE_TYPES):
-                raise TypeError(f"not a stream message: {message!r}")
 
 
 class OwnerChannel:

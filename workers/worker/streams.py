@@ -24,17 +24,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from pagedserve.workers.engine.outputs import RequestDelta
-from pagedserve.workers.errors import RequestRejected
+from pagedserve.workers.protocol.errors import RequestRejected
+from pagedserve.workers.protocol.stream import RequestFailed, StreamMessage
 from pagedserve.workers.telemetry.request_trace import RequestTrace, RequestTraces
 from pagedserve.workers.worker.lease import LeaseTable
-from pagedserve.workers.worker.stream import (
-    DeltaBuffer,
-    OwnerChannel,
-    StreamMessage,
-    ends_branch,
-    stream_deltas,
-)
-from pagedserve.workers.worker.types import RequestFailed
+from pagedserve.workers.worker.stream import DeltaBuffer, OwnerChannel, ends_branch, stream_deltas
 
 
 @dataclass(eq=False)

@@ -38,11 +38,12 @@ from pagedserve.cluster.api.openai.embeddings import Embedder, check_inputs, inp
 from pagedserve.cluster.router.requests import scoped_request_id
 from pagedserve.cluster.router.router import RouterCore
 from pagedserve.cluster.router.tracing import tag_ingress
-from pagedserve.cluster.router.types import GenerateRequest, NoWorkerAvailable
 from pagedserve.cluster.router.worker_liveness import WORKER_LOST_ERRORS
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
 from pagedserve.workers.deadline import within
-from pagedserve.workers.sampling.params import Pooling
+from pagedserve.workers.protocol.errors import NoWorkerAvailable
+from pagedserve.workers.protocol.requests import GenerateRequest
+from pagedserve.workers.protocol.sampling import Pooling
 
 logger = logging.getLogger(__name__)
 

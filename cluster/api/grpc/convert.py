@@ -10,16 +10,15 @@ from pagedserve.cluster.api.auth import ANONYMOUS, Caller
 from pagedserve.cluster.api.common import CompletionCollector, chat_prompt, sampling_params
 from pagedserve.cluster.api.errors import ApiError
 from pagedserve.cluster.api.guided import guided_spec
-from pagedserve.cluster.router.types import ClusterStats, GenerateRequest, WorkerView
+from pagedserve.cluster.router.types import ClusterStats, WorkerView
 from pagedserve.cluster.router.worker_state import WorkerState
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
-from pagedserve.workers.engine.outputs import RequestMetrics
-from pagedserve.workers.errors import RequestRejected
 from pagedserve.workers.model.tokenizer import Tokenizer
-from pagedserve.workers.sampling.logprobs import TokenLogprob
-from pagedserve.workers.sampling.params import SamplingKwargs, SamplingParams
-from pagedserve.workers.structured.spec import GuidedKind
-from pagedserve.workers.worker.stream import StreamDelta, Usage
+from pagedserve.workers.protocol.errors import RequestRejected
+from pagedserve.workers.protocol.guided import GuidedKind
+from pagedserve.workers.protocol.requests import GenerateRequest
+from pagedserve.workers.protocol.sampling import SamplingKwargs, SamplingParams
+from pagedserve.workers.protocol.stream import RequestMetrics, StreamDelta, TokenLogprob, Usage
 
 # Sampling fields declared `optional`: unset means the SamplingParams default, not zero.
 _OptionalSampling = Literal[

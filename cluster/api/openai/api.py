@@ -62,9 +62,8 @@ from pagedserve.cluster.api.openai.tool_call_parser import ToolAnswers
 from pagedserve.cluster.api.sse_response import PacedStreamingResponse
 from pagedserve.cluster.router.router import RouterCore
 from pagedserve.cluster.router.tracing import tag_ingress
-from pagedserve.cluster.router.types import GenerateRequest
-from pagedserve.workers.engine.outputs import Usage
-from pagedserve.workers.worker.stream import StreamDelta
+from pagedserve.workers.protocol.requests import GenerateRequest
+from pagedserve.workers.protocol.stream import StreamDelta, Usage
 
 logger = logging.getLogger(__name__)
 OWNER = "pagedserve"

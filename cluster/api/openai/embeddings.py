@@ -36,8 +36,8 @@ from pagedserve.cluster.api.openai.api import error_response
 from pagedserve.cluster.api.openai.reading import read_request
 from pagedserve.cluster.router.router import RouterCore
 from pagedserve.cluster.router.tracing import tag_ingress
-from pagedserve.cluster.router.types import GenerateRequest
-from pagedserve.workers.sampling.params import Pooling, SamplingParams
+from pagedserve.workers.protocol.requests import GenerateRequest
+from pagedserve.workers.protocol.sampling import Pooling, SamplingParams
 
 MAX_INPUTS = 2048  # OpenAI's limit on one call's inputs
 

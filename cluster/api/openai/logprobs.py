@@ -28,7 +28,7 @@ from pagedserve.cluster.api.openai.responses import (
     ChatLogprobs,
     CompletionLogprobs,
 )
-from pagedserve.workers.sampling.logprobs import TokenLogprob
+from pagedserve.workers.protocol.stream import TokenLogprob
 
 
 @dataclass(frozen=True)

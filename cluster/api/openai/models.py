@@ -21,8 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pagedserve.cluster.api.errors import ApiError
 from pagedserve.cluster.api.guided import guided_spec
 from pagedserve.cluster.api.openai.tools import ToolCalling, checked_tool_calling
-from pagedserve.workers.sampling.params import SamplingKwargs
-from pagedserve.workers.structured.spec import GuidedKind
+from pagedserve.workers.protocol.guided import GuidedKind
+from pagedserve.workers.protocol.sampling import SamplingKwargs
 
 
 class _Body(BaseModel):

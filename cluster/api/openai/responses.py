@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, SerializerFunctionWrapHandler, model_serializer
 
-from pagedserve.workers.engine.outputs import Usage
+from pagedserve.workers.protocol.stream import Usage
 
 
 class _Response(BaseModel):

@@ -67,9 +67,9 @@ from pagedserve.cluster.api.openai.tools import ToolCalling
 from pagedserve.cluster.api.sse_response import PacedStreamingResponse
 from pagedserve.cluster.router.router import RouterCore, check_prompt_size
 from pagedserve.cluster.router.tracing import tag_ingress
-from pagedserve.cluster.router.types import GenerateRequest
-from pagedserve.workers.sampling.params import SamplingKwargs
-from pagedserve.workers.worker.stream import StreamDelta
+from pagedserve.workers.protocol.requests import GenerateRequest
+from pagedserve.workers.protocol.sampling import SamplingKwargs
+from pagedserve.workers.protocol.stream import StreamDelta
 
 
 class _Body(BaseModel):

@@ -31,7 +31,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from pagedserve.cluster.api.openai.tool_call_parser import CallDelta
-from pagedserve.workers.engine.outputs import Usage
+from pagedserve.workers.protocol.stream import Usage
 
 Status = Literal["in_progress", "completed", "incomplete", "failed"]
 

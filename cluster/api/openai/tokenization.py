@@ -33,7 +33,7 @@ from pagedserve.cluster.api.openai.api import error_response
 from pagedserve.cluster.api.openai.models import ChatMessage
 from pagedserve.cluster.api.openai.reading import read_request
 from pagedserve.cluster.router.router import RouterCore, check_prompt_size
-from pagedserve.workers.errors import RequestRejected
+from pagedserve.workers.protocol.errors import RequestRejected
 
 
 class _Body(BaseModel):

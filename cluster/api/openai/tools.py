@@ -29,7 +29,7 @@ from typing import Any, Literal, cast
 
 from pagedserve.cluster.api.errors import ApiError
 from pagedserve.cluster.api.guided import guided_spec
-from pagedserve.workers.structured.spec import GuidedKind, GuidedSpec
+from pagedserve.workers.protocol.guided import GuidedKind, GuidedSpec
 
 CALL_TRIGGER = "<tool_call>"
 CALL_BEGIN = '<tool_call>\n{"name": '

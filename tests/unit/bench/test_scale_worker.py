@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from pagedserve.bench.scale_worker import SIM_MODEL, SimWorkerConfig, SimWorkerCore, fake_token
 from pagedserve.cluster.index.state import PrefixIndexState
 from pagedserve.workers.kv.checks import assert_no_leaks
-from pagedserve.workers.kv.events import KVSnapshot
 from pagedserve.workers.kv.manager import KVCacheManager
-from pagedserve.workers.sampling.params import SamplingParams
-from pagedserve.workers.worker.types import WorkerRequest
+from pagedserve.workers.protocol.events import KVSnapshot
+from pagedserve.workers.protocol.requests import WorkerRequest
+from pagedserve.workers.protocol.sampling import SamplingParams
 
 CONFIG = SimWorkerConfig(num_blocks=16, block_size=4, max_model_len=64, step_s=0.0)
 SHARED = [1, 2, 3, 4, 5, 6, 7, 8]  # two full blocks both prompts start with

@@ -7,8 +7,8 @@ import asyncio
 from dataclasses import dataclass
 
 from pagedserve.bench.soak_driver import SoakRequest, run_one
-from pagedserve.workers.errors import Overloaded
-from pagedserve.workers.sampling.params import SamplingParams
+from pagedserve.workers.protocol.errors import Overloaded
+from pagedserve.workers.protocol.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

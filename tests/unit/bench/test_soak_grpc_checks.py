@@ -3,7 +3,7 @@
 from pagedserve.bench.soak_driver import KINDS, SoakRequest
 from pagedserve.bench.soak_grpc_calls import WIRE_BAD_INPUTS, GrpcOutcome, to_message
 from pagedserve.bench.soak_grpc_checks import ALLOWED, check_codes, check_details, check_tokens
-from pagedserve.workers.sampling.params import SamplingParams
+from pagedserve.workers.protocol.sampling import SamplingParams
 
 
 def outcome(kind: str = "ok", code: str = "OK", n: int = 1, **fields) -> GrpcOutcome:

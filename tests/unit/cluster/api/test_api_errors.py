@@ -18,9 +18,14 @@ from pagedserve.cluster.api.errors import (
     field_of,
 )
 from pagedserve.cluster.app import build_app
-from pagedserve.cluster.router.types import GenerateRequest, NoWorkerAvailable
-from pagedserve.workers.errors import Overloaded, RequestRejected, RequestTooLarge
-from pagedserve.workers.sampling.params import SamplingParams
+from pagedserve.workers.protocol.errors import (
+    NoWorkerAvailable,
+    Overloaded,
+    RequestRejected,
+    RequestTooLarge,
+)
+from pagedserve.workers.protocol.requests import GenerateRequest
+from pagedserve.workers.protocol.sampling import SamplingParams
 
 
 # ------------------------------------------------------------------ mapping

@@ -12,7 +12,7 @@ from pagedserve.cluster.api.errors import ApiError, ErrorCode
 from pagedserve.cluster.api.grpc.convert import params_from_proto
 from pagedserve.cluster.api.openai.models import ChatCompletionBody, CompletionBody, parse_body
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
-from pagedserve.workers.structured import GuidedKind, GuidedSpec
+from pagedserve.workers.protocol.guided import GuidedKind, GuidedSpec
 
 SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
 

@@ -40,12 +40,15 @@ from pagedserve.cluster.router.types import (
     WorkerView,
 )
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
-from pagedserve.workers.engine.outputs import RequestMetrics
-from pagedserve.workers.kv.manager import KVUsage
 from pagedserve.workers.model.tokenizer import ByteTokenizer
-from pagedserve.workers.sampling.logprobs import TokenLogprob, TopLogprob
-from pagedserve.workers.worker.stream import StreamDelta, Usage
-from pagedserve.workers.worker.types import WorkerStats
+from pagedserve.workers.protocol.stats import KVUsage, WorkerStats
+from pagedserve.workers.protocol.stream import (
+    RequestMetrics,
+    StreamDelta,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 
 
 # ----------------------------------------------------------------- gRPC in
@@ -546,7 +549,7 @@ def test_grpc_carries_logprobs_and_prompt_logprobs():
 
 
 def test_stats_carry_each_worker_s_pd_role_and_the_handoff_counters():
-    from pagedserve.workers.engine.role import WorkerRole
+    from pagedserve.workers.protocol.role import WorkerRole
 
     stats = ClusterStats(
         workers={

@@ -23,10 +23,10 @@ from pagedserve.cluster.api.grpc.convert import request_from_proto
 from pagedserve.cluster.api.grpc.wire import MalformedRequest, request_parser
 from pagedserve.cluster.api.openai.models import ChatCompletionBody, CompletionBody
 from pagedserve.cluster.api.openai.reading import parse_request
-from pagedserve.cluster.router.types import GenerateRequest
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
 from pagedserve.workers.model.tokenizer import ByteTokenizer
-from pagedserve.workers.sampling.params import SamplingParams
+from pagedserve.workers.protocol.requests import GenerateRequest
+from pagedserve.workers.protocol.sampling import SamplingParams
 
 FUZZ = settings(
     max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True

@@ -17,9 +17,15 @@ from pagedserve.cluster.index.feed import (
     WorkerCleared,
     WorkerReplaced,
 )
-from pagedserve.cluster.index.prefix_index import KVSnapshot, PrefixIndexState
+from pagedserve.cluster.index.prefix_index import PrefixIndexState
 from pagedserve.cluster.index.view import FeedFollower, PrefixView
-from pagedserve.workers.kv.events import TIER_NAMES, AllCleared, BlockRemoved, BlockStored
+from pagedserve.workers.protocol.events import (
+    TIER_NAMES,
+    AllCleared,
+    BlockRemoved,
+    BlockStored,
+    KVSnapshot,
+)
 
 
 def h(i: int) -> bytes:

@@ -9,12 +9,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedserve.cluster.index.prefix_index import KVSnapshot, PrefixIndexState, PublishResult
+from pagedserve.cluster.index.prefix_index import PrefixIndexState, PublishResult
 from pagedserve.cluster.index.stats import IndexStats
 from pagedserve.workers.kv.block import BlockKey
 from pagedserve.workers.kv.block_hash import block_hash
 from pagedserve.workers.kv.block_pool import BlockPool
-from pagedserve.workers.kv.events import AllCleared, BlockRemoved, BlockStored, KVEvent
+from pagedserve.workers.protocol.events import (
+    AllCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVSnapshot,
+)
 
 
 def h(i: int) -> bytes:

@@ -10,7 +10,7 @@ import pytest
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.router.router import RouterCore
 from pagedserve.cluster.router.types import RouterInflight
-from pagedserve.workers.errors import RequestRejected
+from pagedserve.workers.protocol.errors import RequestRejected
 
 
 def test_an_idle_router_holds_nothing_and_a_counted_request_shows():

@@ -19,11 +19,11 @@ from pagedserve.cluster.router.metrics import _WorkerCollector
 from pagedserve.cluster.router.router import RouterCore
 from pagedserve.cluster.router.worker_state import WorkerState
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
-from pagedserve.workers.errors import UnknownLora
 from pagedserve.workers.kv.block_hash import cache_key, hash_full_blocks
-from pagedserve.workers.kv.manager import KVCacheManager, KVUsage
-from pagedserve.workers.transfer.handoff import RequestHandoff
-from pagedserve.workers.worker.types import LoraLoadResult, WorkerStats
+from pagedserve.workers.kv.manager import KVCacheManager
+from pagedserve.workers.protocol.errors import UnknownLora
+from pagedserve.workers.protocol.handoff import RequestHandoff
+from pagedserve.workers.protocol.stats import KVUsage, LoraLoadResult, WorkerStats
 
 BLOCK_SIZE = 4
 PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)

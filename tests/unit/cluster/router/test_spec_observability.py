@@ -16,9 +16,7 @@ from pagedserve.cluster.router.types import (
     WorkerView,
 )
 from pagedserve.cluster.serve import cli
-from pagedserve.workers.kv.manager import KVUsage
-from pagedserve.workers.spec.stats import SpecStats
-from pagedserve.workers.worker.types import WorkerStats
+from pagedserve.workers.protocol.stats import KVUsage, SpecStats, WorkerStats
 
 
 def worker(worker_id: str, spec: SpecStats) -> WorkerStats:

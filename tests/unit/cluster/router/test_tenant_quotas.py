@@ -13,7 +13,7 @@ from pagedserve.cluster.router.tenant_quotas import (
     TenantQuotaExceeded,
     tenant_policies,
 )
-from pagedserve.workers.errors import Overloaded, RequestRejected
+from pagedserve.workers.protocol.errors import Overloaded, RequestRejected
 
 
 class Clock:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pagedserve.cluster.router.metrics import _WorkerCollector
 from pagedserve.workers.kv.manager import KVCacheManager
-from pagedserve.workers.kv.tiers import TierStats, TierUsage
-from pagedserve.workers.worker.types import WorkerStats
+from pagedserve.workers.protocol.stats import TierStats, TierUsage, WorkerStats
 
 
 def test_tier_occupancy_hits_and_bytes_are_exported():

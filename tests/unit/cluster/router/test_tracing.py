@@ -18,15 +18,13 @@ from pagedserve.cli import main as cli_main
 from pagedserve.cluster.api.config import split_app_args
 from pagedserve.cluster.router.metrics import RouterMetrics
 from pagedserve.cluster.router.tracing import RouterTrace, carrier_from_headers
-from pagedserve.cluster.router.types import GenerateRequest
 from pagedserve.cluster.trace_view import find_trace, render
-from pagedserve.workers.engine.outputs import RequestMetrics
-from pagedserve.workers.kv.manager import KVUsage
+from pagedserve.workers.protocol.requests import GenerateRequest
+from pagedserve.workers.protocol.stats import KVUsage, WorkerStats
+from pagedserve.workers.protocol.stream import RequestMetrics, StreamDelta, Usage
 from pagedserve.workers.telemetry.telemetry import NOOP, TelemetryConfig, Tracing, get_tracing
 from pagedserve.workers.telemetry.trace_file import read_spans
 from pagedserve.workers.worker.core import WorkerCore
-from pagedserve.workers.worker.stream import StreamDelta, Usage
-from pagedserve.workers.worker.types import WorkerStats
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -12,13 +12,12 @@ from typing import Any
 import pytest
 from ray.exceptions import ActorDiedError
 
-from pagedserve.cluster.router.types import WorkerLost
 from pagedserve.cluster.router.worker_channel import WorkerChannels
 from pagedserve.cluster.router.worker_state import WorkerState
-from pagedserve.workers.errors import HandedOff, Overloaded
-from pagedserve.workers.sampling.params import SamplingParams
-from pagedserve.workers.worker.stream import StepBatch, StreamDelta
-from pagedserve.workers.worker.types import RequestFailed, WorkerRequest
+from pagedserve.workers.protocol.errors import HandedOff, Overloaded, WorkerLost
+from pagedserve.workers.protocol.requests import WorkerRequest
+from pagedserve.workers.protocol.sampling import SamplingParams
+from pagedserve.workers.protocol.stream import RequestFailed, StepBatch, StreamDelta
 
 
 def _method(fn) -> Any:

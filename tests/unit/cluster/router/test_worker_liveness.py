@@ -12,8 +12,7 @@ from pagedserve.cluster.router.types import RouterCounters
 from pagedserve.cluster.router.worker_liveness import WorkerLiveness
 from pagedserve.cluster.router.worker_state import WorkerState
 from pagedserve.workers.deadline import within
-from pagedserve.workers.kv.manager import KVUsage
-from pagedserve.workers.worker.types import WorkerInfo, WorkerStats
+from pagedserve.workers.protocol.stats import KVUsage, WorkerInfo, WorkerStats
 
 
 class SlowIndex:

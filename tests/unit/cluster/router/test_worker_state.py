@@ -9,8 +9,7 @@ import pytest
 
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.router.worker_state import WorkerState
-from pagedserve.workers.kv.manager import KVUsage
-from pagedserve.workers.worker.types import WorkerStats
+from pagedserve.workers.protocol.stats import KVUsage, WorkerStats
 
 STALL_S = 5.0
 

@@ -9,11 +9,11 @@ import pytest
 
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.index.feed import Stored
-from pagedserve.cluster.index.prefix_index import KVSnapshot, PrefixIndexState
+from pagedserve.cluster.index.prefix_index import PrefixIndexState
 from pagedserve.cluster.index.view import PrefixView
 from pagedserve.cluster.routing.policies import KvAwarePolicy, WorkerLoad
 from pagedserve.cluster.routing.tier_costs import TierCosts, TierHits
-from pagedserve.workers.kv.events import BlockStored
+from pagedserve.workers.protocol.events import BlockStored, KVSnapshot
 
 COSTS = TierCosts(host_block_cost=0.25, disk_block_cost=0.5)
 

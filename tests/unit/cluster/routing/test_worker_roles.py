@@ -13,13 +13,13 @@ from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.pool.migration import Migrations
 from pagedserve.cluster.pool.spec import WorkerSpec
 from pagedserve.cluster.router.metrics import RouterMetrics
-from pagedserve.cluster.router.types import NoWorkerAvailable, RouterCounters
+from pagedserve.cluster.router.types import RouterCounters
 from pagedserve.cluster.router.worker_state import WorkerState
 from pagedserve.cluster.routing.worker_roles import DECODE_PHASE, PREFILL_PHASE
-from pagedserve.workers.engine.role import WorkerRole
-from pagedserve.workers.kv.manager import KVUsage
+from pagedserve.workers.protocol.errors import NoWorkerAvailable
+from pagedserve.workers.protocol.role import WorkerRole
+from pagedserve.workers.protocol.stats import KVUsage, WorkerInfo, WorkerStats
 from pagedserve.workers.telemetry.telemetry import NOOP
-from pagedserve.workers.worker.types import WorkerInfo, WorkerStats
 
 P, D, M = WorkerRole.PREFILL, WorkerRole.DECODE, WorkerRole.MIXED
 
@@ -132,9 +132,9 @@ def test_a_handoff_after_prefill_is_traced_and_counted_as_a_pd_transfer():
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from pagedserve.workers.sampling.params import SamplingParams
+    from pagedserve.workers.protocol.handoff import HandoffReason, RequestHandoff
+    from pagedserve.workers.protocol.sampling import SamplingParams
     from pagedserve.workers.telemetry.telemetry import Tracing
-    from pagedserve.workers.transfer.handoff import HandoffReason, RequestHandoff
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()

@@ -11,9 +11,9 @@ import pytest
 from support.beam import assert_equals_hf
 from support.engine import Stepper, finish_clean
 
-from pagedserve.workers.errors import RequestRejected
 from pagedserve.workers.offline.llm import LLM
-from pagedserve.workers.sampling.params import SamplingParams
+from pagedserve.workers.protocol.errors import RequestRejected
+from pagedserve.workers.protocol.sampling import SamplingParams
 
 PROMPTS = [list(range(1, 21)), list(range(40, 75))]
 MAX_TOKENS = 12

@@ -9,7 +9,7 @@ from support.beam import assert_equals_hf
 from support.engine import Stepper, finish_clean
 
 from pagedserve.workers.offline.llm import LLM
-from pagedserve.workers.sampling.params import SamplingParams
+from pagedserve.workers.protocol.sampling import SamplingParams
 
 TEXTS = ["The capital of France is", "def fibonacci(n):"]
 MAX_TOKENS = 10

@@ -9,8 +9,8 @@ from support.engine import finish_clean
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.workers.kv.checks import check_tiers
-from pagedserve.workers.kv.events import BlockRemoved, BlockStored
 from pagedserve.workers.kv.tier_disk import DiskTierError
+from pagedserve.workers.protocol.events import BlockRemoved, BlockStored
 
 BLOCK = 8
 PROMPT_A = [(7 * i + 3) % 200 + 1 for i in range(36)]  # a hit covers 4 blocks, 4 tokens left

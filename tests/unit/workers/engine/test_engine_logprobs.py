@@ -10,8 +10,9 @@ from support.engine import finish_clean
 
 from pagedserve.workers.model.tokenizer import ByteTokenizer
 from pagedserve.workers.offline.llm import LLM
-from pagedserve.workers.sampling.logprobs import TokenLogprob, prompt_logprob_positions
-from pagedserve.workers.sampling.params import SamplingParams
+from pagedserve.workers.protocol.sampling import SamplingParams
+from pagedserve.workers.protocol.stream import TokenLogprob
+from pagedserve.workers.sampling.logprobs import prompt_logprob_positions
 from pagedserve.workers.worker.stream import stream_deltas
 
 PROMPT = list(b"Log-probabilities score every token of a text, prompt included.")

@@ -13,10 +13,10 @@ from support.engine import finish_clean
 from pagedserve import LLM, SamplingParams
 from pagedserve.workers.engine.config import EngineConfig
 from pagedserve.workers.engine.engine import Engine
-from pagedserve.workers.engine.role import WorkerRole
-from pagedserve.workers.engine.stop_checker import FinishReason
 from pagedserve.workers.kv.checks import assert_no_leaks
-from pagedserve.workers.transfer.handoff import HandoffReason
+from pagedserve.workers.protocol.handoff import HandoffReason
+from pagedserve.workers.protocol.role import WorkerRole
+from pagedserve.workers.protocol.stream import FinishReason
 from pagedserve.workers.transfer.handoff_ref import without_kv
 
 BLOCK = 8
@@ -159,7 +159,7 @@ def test_the_source_holds_handed_off_kv_until_fetched_or_its_deadline():
     before a late target fetched them) until the target releases it, or `hold_s` passed."""
     import ray
 
-    from pagedserve.workers.transfer.handoff import RequestHandoff
+    from pagedserve.workers.protocol.handoff import RequestHandoff
     from pagedserve.workers.transfer.handoff_ref import HeldKV
 
     now = [0.0]

@@ -8,7 +8,7 @@ from support.engine import finish_clean
 from support.sampling import reference_penalties
 
 from pagedserve.workers.offline.llm import LLM
-from pagedserve.workers.sampling.params import SamplingParams
+from pagedserve.workers.protocol.sampling import SamplingParams
 
 PROMPT = list(b"Penalties keep a model from repeating itself")
 

@@ -12,7 +12,7 @@ from support.real_model import prompt_ids
 
 from pagedserve.workers.engine.outputs import RequestOutput
 from pagedserve.workers.offline.llm import LLM
-from pagedserve.workers.sampling.params import Pooling, SamplingParams
+from pagedserve.workers.protocol.sampling import Pooling, SamplingParams
 
 PROMPTS = [
     list(b"Embeddings pool the final hidden state of a prompt."),

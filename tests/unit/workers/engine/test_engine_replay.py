@@ -10,8 +10,8 @@ import pytest
 from support.engine import finish_clean
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.workers.errors import RequestRejected
-from pagedserve.workers.transfer.handoff import RequestHandoff
+from pagedserve.workers.protocol.errors import RequestRejected
+from pagedserve.workers.protocol.handoff import RequestHandoff
 
 PROMPT = list("Réplique: «naïve café» → 日本語テキスト".encode())
 MAX_TOKENS = 24

@@ -6,8 +6,7 @@ import pytest
 from support.engine import Stepper, finish_clean
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.workers.engine.engine import RequestRejected
-from pagedserve.workers.errors import Overloaded
+from pagedserve.workers.protocol.errors import Overloaded, RequestRejected
 from pagedserve.workers.scheduler.scheduler import SchedulerConfig
 
 LONG = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)

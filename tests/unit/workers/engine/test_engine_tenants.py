@@ -10,7 +10,8 @@ import pytest
 from support.engine import finish_clean
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.workers.transfer.handoff import HandoffReason, RequestHandoff, pack_handoff
+from pagedserve.workers.protocol.handoff import HandoffReason, RequestHandoff
+from pagedserve.workers.transfer.handoff import pack_handoff
 
 PROMPT = list(range(1, 13))
 

@@ -16,7 +16,7 @@ from support.real_model import hf_logprobs, prompt_ids
 
 from pagedserve.workers.model.tokenizer import render_chat
 from pagedserve.workers.offline.llm import LLM
-from pagedserve.workers.sampling.params import SamplingParams
+from pagedserve.workers.protocol.sampling import SamplingParams
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.workers.engine.stop_checker import FinishReason, check_stop
-from pagedserve.workers.sampling.params import SamplingParams
+from pagedserve.workers.engine.stop_checker import check_stop
+from pagedserve.workers.protocol.sampling import SamplingParams
+from pagedserve.workers.protocol.stream import FinishReason
 
 EOS = {258}
 

@@ -9,7 +9,7 @@ import pytest
 from pagedserve.workers.kv.block import Block, BlockKey, FreeBlockQueue
 from pagedserve.workers.kv.block_hash import block_hash, hash_full_blocks
 from pagedserve.workers.kv.block_pool import BlockPool
-from pagedserve.workers.kv.events import AllCleared, BlockRemoved, BlockStored
+from pagedserve.workers.protocol.events import AllCleared, BlockRemoved, BlockStored
 
 
 def test_free_queue_order_and_middle_removal():

@@ -4,7 +4,7 @@ import pytest
 from support.kv import FakeRequest, make_manager
 
 from pagedserve.workers.kv.checks import KVInvariantError, assert_no_leaks, check_invariants
-from pagedserve.workers.kv.events import BlockStored
+from pagedserve.workers.protocol.events import BlockStored
 
 
 def refs(manager):

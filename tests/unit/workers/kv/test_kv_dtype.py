@@ -17,7 +17,6 @@ from pagedserve.kernels.kv_quant import quantise_rows
 from pagedserve.workers.config_flags import add_config_flags
 from pagedserve.workers.engine.config import EngineConfig
 from pagedserve.workers.engine.engine import Engine
-from pagedserve.workers.engine.role import WorkerRole
 from pagedserve.workers.engine.sizing import kv_layout
 from pagedserve.workers.kv.block import BlockKey
 from pagedserve.workers.kv.block_hash import hash_full_blocks
@@ -29,8 +28,10 @@ from pagedserve.workers.kv.tier_file import (
     read_block,
     read_header,
 )
+from pagedserve.workers.protocol.role import WorkerRole
+from pagedserve.workers.protocol.stats import PoolCheck
+from pagedserve.workers.protocol.stream import RequestMoved
 from pagedserve.workers.worker.core import WorkerCore
-from pagedserve.workers.worker.types import PoolCheck, RequestMoved
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 BASE = {"block_size": 8, "attention_backend": "torch"}

@@ -10,9 +10,10 @@ import pytest
 from support.engine import finish_clean
 
 from pagedserve.workers.kv.block_hash import cache_key, hash_full_blocks, lora_key_of
-from pagedserve.workers.lora.adapter import LoraLoadError, load_adapter, model_shapes
+from pagedserve.workers.lora.adapter import load_adapter, model_shapes
 from pagedserve.workers.lora.config import parse_lora_modules
 from pagedserve.workers.model.tiny_llama import build_tiny_llama
+from pagedserve.workers.protocol.errors import LoraLoadError
 
 
 @pytest.fixture(scope="module")

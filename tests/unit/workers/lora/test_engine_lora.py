@@ -11,8 +11,9 @@ import pytest
 from support.engine import Stepper, finish_clean
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.workers.errors import UnknownLora
-from pagedserve.workers.transfer.handoff import HandoffReason, pack_handoff
+from pagedserve.workers.protocol.errors import UnknownLora
+from pagedserve.workers.protocol.handoff import HandoffReason
+from pagedserve.workers.transfer.handoff import pack_handoff
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)

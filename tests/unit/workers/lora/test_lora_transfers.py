@@ -8,9 +8,9 @@ from support.engine import Stepper, finish_clean
 from pagedserve import LLM, SamplingParams
 from pagedserve.workers.engine.config import EngineConfig
 from pagedserve.workers.engine.engine import Engine
-from pagedserve.workers.engine.role import WorkerRole
 from pagedserve.workers.kv.block_hash import cache_key, hash_full_blocks
 from pagedserve.workers.kv.checks import assert_no_leaks
+from pagedserve.workers.protocol.role import WorkerRole
 from pagedserve.workers.transfer.prefix_transfer import PrefixTransfer
 
 BLOCK = 4

@@ -9,11 +9,11 @@ import shutil
 import pytest
 import torch
 
-from pagedserve.workers.errors import LoraLoadError
 from pagedserve.workers.lora.adapter import model_shapes
 from pagedserve.workers.lora.config import LoraConfig
 from pagedserve.workers.lora.registry import LoraRegistry
 from pagedserve.workers.model.tiny_llama import build_tiny_llama
+from pagedserve.workers.protocol.errors import LoraLoadError
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.workers.errors import NoChatTemplate, RequestRejected
 from pagedserve.workers.model.tiny_llama import TINY_LLAMA_NAME, save_tiny_llama
 from pagedserve.workers.model.tokenizer import (
     ByteTokenizer,
@@ -13,6 +12,7 @@ from pagedserve.workers.model.tokenizer import (
     load_tokenizer,
     render_chat,
 )
+from pagedserve.workers.protocol.errors import NoChatTemplate, RequestRejected
 
 
 @pytest.mark.parametrize("text", ["", "hello, world", "héllo wörld", "日本語", "a😀b", "\x00\n\t"])

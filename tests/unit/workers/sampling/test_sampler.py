@@ -8,7 +8,7 @@ import pytest
 import torch
 from support.sampling import reference_penalties
 
-from pagedserve.workers.sampling.params import SamplingParams
+from pagedserve.workers.protocol.sampling import SamplingParams
 from pagedserve.workers.sampling.sampler import (
     Sampler,
     apply_penalties,

@@ -27,8 +27,9 @@ from pagedserve.workers.engine.config import EngineConfig
 from pagedserve.workers.engine.request import Request, RequestStatus
 from pagedserve.workers.kv.checks import assert_no_leaks
 from pagedserve.workers.kv.manager import KVCacheManager
+from pagedserve.workers.protocol.stats import SchedulerCounters
 from pagedserve.workers.scheduler.policy import PreemptionMode
-from pagedserve.workers.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerCounters
+from pagedserve.workers.scheduler.scheduler import Scheduler, SchedulerConfig
 
 B = 4  # tokens per block
 

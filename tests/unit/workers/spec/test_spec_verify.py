@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.workers.sampling.params import SamplingParams
+from pagedserve.workers.protocol.sampling import SamplingParams
 from pagedserve.workers.sampling.sampler import Sampler, sampling_probs
 from pagedserve.workers.spec.verify import verify_greedy, verify_sampled
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from pagedserve.workers.model.tokenizer import ByteTokenizer
+from pagedserve.workers.protocol.guided import MAX_SPEC_CHARS, GuidedKind, GuidedSpec
 from pagedserve.workers.structured.compiler import GrammarCompiler
 from pagedserve.workers.structured.masking import constrain_drafts
-from pagedserve.workers.structured.spec import MAX_SPEC_CHARS, GuidedKind, GuidedSpec
 from pagedserve.workers.structured.xgrammar_backend import XGrammarBackend, check_syntax
 
 EOS = ByteTokenizer.eos_token_id
@@ -125,7 +125,7 @@ class _Drafting:
     """What `constrain_drafts` reads of a sequence."""
 
     def __init__(self, matcher) -> None:
-        from pagedserve.workers.sampling.params import SamplingParams
+        from pagedserve.workers.protocol.sampling import SamplingParams
 
         self.params = SamplingParams(guided=GuidedSpec(GuidedKind.REGEX, "x"))
         self.matcher = matcher

@@ -16,12 +16,12 @@ from support.engine import finish_clean
 from pagedserve import LLM, SamplingParams
 from pagedserve.workers.engine.config import EngineConfig
 from pagedserve.workers.engine.engine import Engine
-from pagedserve.workers.engine.role import WorkerRole
-from pagedserve.workers.errors import Overloaded, RequestRejected
+from pagedserve.workers.protocol.errors import Overloaded, RequestRejected
+from pagedserve.workers.protocol.guided import GuidedKind, GuidedSpec
+from pagedserve.workers.protocol.handoff import RequestHandoff
+from pagedserve.workers.protocol.role import WorkerRole
 from pagedserve.workers.spec import decoding as spec_decoding
-from pagedserve.workers.structured import GuidedKind, GuidedSpec
 from pagedserve.workers.structured.compiler import GrammarCompiler
-from pagedserve.workers.transfer.handoff import RequestHandoff
 
 SCHEMA = {
     "type": "object",

@@ -13,7 +13,7 @@ from support.real_model import prompt_ids
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.workers.model.tokenizer import render_chat
-from pagedserve.workers.structured import GuidedKind, GuidedSpec
+from pagedserve.workers.protocol.guided import GuidedKind, GuidedSpec
 
 
 def engine(loaded) -> LLM:

@@ -12,7 +12,7 @@ import pytest
 from support.engine import finish_clean
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.workers.structured import GuidedSpec
+from pagedserve.workers.protocol.guided import GuidedSpec
 
 SCHEMAS = {
     "flat": {

@@ -15,7 +15,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.workers.engine import engine as engine_module
 from pagedserve.workers.engine.checks import EngineConfigError
 from pagedserve.workers.engine.config import EngineConfig
-from pagedserve.workers.lora.adapter import LoraLoadError
+from pagedserve.workers.protocol.errors import LoraLoadError
 from pagedserve.workers.tp.group import TPGroupFailed
 from pagedserve.workers.tp.shard_bytes import model_shards, shard_weight_bytes
 

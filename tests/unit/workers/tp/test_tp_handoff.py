@@ -9,8 +9,8 @@ from support.engine import finish_clean
 from pagedserve import LLM, SamplingParams
 from pagedserve.workers.engine.config import EngineConfig
 from pagedserve.workers.engine.engine import Engine
-from pagedserve.workers.engine.role import WorkerRole
 from pagedserve.workers.kv.checks import assert_no_leaks
+from pagedserve.workers.protocol.role import WorkerRole
 
 PROMPT = list(range(40, 60))  # 20 tokens: 2 full blocks of 8 and a partial one
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -10,16 +10,9 @@ from support.engine import finish_clean
 from support.wait import until
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.workers.engine.outputs import Usage
-from pagedserve.workers.sampling.logprobs import TokenLogprob
+from pagedserve.workers.protocol.stream import RequestMoved, StreamDelta, TokenLogprob, Usage
 from pagedserve.workers.worker.core import WorkerCore
-from pagedserve.workers.worker.stream import (
-    RUN_AHEAD_MESSAGES,
-    DeltaBuffer,
-    StreamDelta,
-    merge_deltas,
-)
-from pagedserve.workers.worker.types import RequestMoved
+from pagedserve.workers.worker.stream import RUN_AHEAD_MESSAGES, DeltaBuffer, merge_deltas
 
 DEADLINE_S = 60.0
 

@@ -14,10 +14,11 @@ from support.engine import finish_clean
 from support.wait import until
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.workers.errors import Draining, HandedOff, RequestRejected
+from pagedserve.workers.protocol.errors import Draining, HandedOff, RequestRejected
+from pagedserve.workers.protocol.requests import WorkerRequest
+from pagedserve.workers.protocol.stats import DrainResult, PoolCheck
+from pagedserve.workers.protocol.stream import RequestFailed, StepBatch, StreamDelta
 from pagedserve.workers.worker.core import WorkerCore
-from pagedserve.workers.worker.stream import StepBatch, StreamDelta
-from pagedserve.workers.worker.types import DrainResult, PoolCheck, RequestFailed, WorkerRequest
 
 LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
 

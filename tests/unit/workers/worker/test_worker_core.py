@@ -7,12 +7,12 @@ from support.engine import finish_clean
 from support.wait import until
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.workers.engine.engine import RequestRejected
-from pagedserve.workers.errors import Draining
 from pagedserve.workers.kv.block_hash import hash_full_blocks
+from pagedserve.workers.protocol.errors import Draining, RequestRejected
+from pagedserve.workers.protocol.stats import DrainResult, PoolCheck
+from pagedserve.workers.protocol.stream import RequestMoved
 from pagedserve.workers.worker.core import WorkerCore
 from pagedserve.workers.worker.fault_injection import StepFaults
-from pagedserve.workers.worker.types import DrainResult, PoolCheck, RequestMoved
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 GRACE_S = 3.0  # ample for a resumed 8-token request; an unread one never ends within it

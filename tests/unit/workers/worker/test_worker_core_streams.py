@@ -11,9 +11,9 @@ from support.engine import finish_clean
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.workers.deadline import within
+from pagedserve.workers.protocol.stats import PoolCheck
 from pagedserve.workers.worker.core import WorkerCore
 from pagedserve.workers.worker.lease import LeaseTable
-from pagedserve.workers.worker.types import PoolCheck
 
 LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
 # Long enough that the housekeeping task never runs a check of its own during a test.

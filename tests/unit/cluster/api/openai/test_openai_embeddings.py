@@ -12,7 +12,7 @@ from pagedserve.cluster.api.config import split_app_args
 from pagedserve.cluster.api.errors import ApiError
 from pagedserve.cluster.api.openai.embeddings import MAX_INPUTS, EmbeddingBody, encode
 from pagedserve.cluster.api.openai.models import parse_body
-from pagedserve.workers.sampling.params import Pooling
+from pagedserve.workers.protocol.sampling import Pooling
 
 
 def inputs(value) -> list:

@@ -12,7 +12,7 @@ from pagedserve.cluster.api.errors import ApiError
 from pagedserve.cluster.api.openai.models import parse_body
 from pagedserve.cluster.api.openai.responses_api import AnswerReader, ResponsesBody
 from pagedserve.cluster.api.openai.responses_objects import ResponseEvents, ResponseObject
-from pagedserve.workers.engine.outputs import Usage
+from pagedserve.workers.protocol.stream import Usage
 
 
 def body(**fields) -> ResponsesBody:

@@ -13,8 +13,7 @@ from pagedserve.cluster.api.errors import ApiError
 from pagedserve.cluster.api.openai.api import ChatChunks, CompletionChunks, OpenAIFrontend
 from pagedserve.cluster.api.openai.logprobs import CompletionExtras, echoed_prompts
 from pagedserve.workers.model.tokenizer import ByteTokenizer
-from pagedserve.workers.sampling.logprobs import TokenLogprob, TopLogprob
-from pagedserve.workers.worker.stream import StreamDelta, Usage
+from pagedserve.workers.protocol.stream import StreamDelta, TokenLogprob, TopLogprob, Usage
 
 
 def lp(token_id: int, logprob: float, *top: tuple[int, float]) -> TokenLogprob:

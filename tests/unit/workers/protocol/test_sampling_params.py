@@ -8,7 +8,7 @@ import typing
 
 import pytest
 
-from pagedserve.workers.sampling.params import SamplingKwargs, SamplingParams
+from pagedserve.workers.protocol.sampling import SamplingKwargs, SamplingParams
 
 
 def test_defaults_are_valid() -> None:

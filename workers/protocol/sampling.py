@@ -14,7 +14,7 @@ from enum import StrEnum
 from typing import Any, TypedDict
 
 from pagedserve.workers.beam.checks import check_beam_search
-from pagedserve.workers.structured.spec import GuidedSpec
+from pagedserve.workers.protocol.guided import GuidedSpec
 
 MAX_N = 64
 

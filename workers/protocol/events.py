@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedserve.workers.kv.block import BlockHash
-
+BlockHash = bytes  # a full block's chained hash (`workers/kv/block_hash.py`)
 TIER_NAMES: tuple[str, ...] = ("device", "host", "disk")  # fastest first
 
 

@@ -1,4 +1,6 @@
-"""Why a worker refuses a request: kept light (no torch) so the router and API import it too."""
+"""Why a request is refused or ends in error, as every process sees it: a worker's refusals
+(`RequestRejected` and its kinds, which the front ends map to gRPC and HTTP statuses) and the
+router's (`NoWorkerAvailable`, `WorkerLost`)."""
 
 from __future__ import annotations
 
@@ -50,13 +52,9 @@ class HandedOff(Draining):
     (as opposed to a new request it refused): the router counts these as drain handoffs."""
 
 
-__all__ = [
-    "Draining",
-    "HandedOff",
-    "LoraLoadError",
-    "NoChatTemplate",
-    "Overloaded",
-    "RequestRejected",
-    "RequestTooLarge",
-    "UnknownLora",
-]
+class NoWorkerAvailable(RuntimeError):
+    """No alive worker can take the request (maps to UNAVAILABLE)."""
+
+
+class WorkerLost(RuntimeError):
+    """The worker serving a stream died mid-request."""
