@@ -1,11 +1,18 @@
 """The router: validate, tokenize, hash, match its prefix view, pick a worker, stream back.
 
 `RouterCore` holds the logic and runs wherever an event loop does (tests drive it directly);
-`Router` in `cluster/app.py` is the Ray Serve deployment around it. It keeps routing, the
-workers' views and its lifecycle; a request's path (generate, replay, abort, drain) is
-`RouterRequests` (`cluster/router/requests.py`), which it inherits; the watch over workers
-(ready, polled, leased, dropped) is `cluster/router/worker_liveness.py`, and KV migration (pull,
-push, move) is `cluster/pool/migration.py`.
+`Router` in `cluster/app.py` is the Ray Serve deployment around it. Here it is built from its
+parts and kept running (its lifecycle: workers ready, the prefix view synced and followed, its
+counters reported, all of it closed); each job is a part of its own, which it inherits or holds:
+
+    requests.py         RouterRequests: a request's path (admit, route each leg, stream back,
+                        replay, abort, drain)
+    route.py            RouterRouting: where a prompt goes (tokenize, hash, match, pick, pull)
+    stats.py            RouterStats: what it reports (to the index, `inflight`, cluster stats)
+    loras.py            RouterLoras: the cluster's LoRA adapters
+    worker_liveness.py  the watch over workers (ready, polled, leased, dropped)
+    worker_channel.py   each worker's step channel
+    cluster/pool/migration.py   KV migration (pull, push, move)
 
 Routing makes no remote call: each `RouterCore` keeps its own copy of the prefix index
 (`PrefixView`, `cluster/index/view.py`), and a background task (`FeedFollower`, started by
@@ -45,7 +52,6 @@ period comes back as `Draining` and replays on a peer like a lost worker's reque
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import uuid
 from typing import Any
@@ -58,32 +64,28 @@ from pagedserve.cluster.pool.follower import PoolFollower
 from pagedserve.cluster.pool.migration import Migrations
 from pagedserve.cluster.router.loras import RouterLoras
 from pagedserve.cluster.router.metrics import RouterMetrics
-from pagedserve.cluster.router.reports import ClusterRouters, RouterReport
+from pagedserve.cluster.router.reports import ClusterRouters
 from pagedserve.cluster.router.requests import RouterRequests
+from pagedserve.cluster.router.route import RouterRouting
+from pagedserve.cluster.router.stats import RouterStats
 from pagedserve.cluster.router.tenant_quotas import TenantAdmission
-from pagedserve.cluster.router.tracing import record_decision
-from pagedserve.cluster.router.types import ClusterStats, RouterCounters, RouterInflight, WorkerView
+from pagedserve.cluster.router.types import RouterCounters
 from pagedserve.cluster.router.worker_channel import WorkerChannels
 from pagedserve.cluster.router.worker_liveness import WORKER_LOST_ERRORS, WorkerLiveness
 from pagedserve.cluster.router.worker_state import WorkerState
 from pagedserve.cluster.routing.policies import make_policy
 from pagedserve.cluster.routing.routable import RoutableWorkers
 from pagedserve.cluster.routing.tier_costs import TierCosts
-from pagedserve.cluster.routing.worker_roles import PREFILL_PHASE, RoleFilter
-from pagedserve.workers.deadline import within
-from pagedserve.workers.kv.block_hash import cache_key, hash_full_blocks
 from pagedserve.workers.model.registry import DEFAULT_MODEL
 from pagedserve.workers.model.tokenizer import load_tokenizer
-from pagedserve.workers.protocol.errors import NoWorkerAvailable, RequestRejected
-from pagedserve.workers.protocol.requests import GenerateRequest
-from pagedserve.workers.protocol.sampling import SamplingParams
+from pagedserve.workers.protocol.errors import NoWorkerAvailable
 from pagedserve.workers.ray_internals import detached_task
 from pagedserve.workers.telemetry.telemetry import NOOP, Tracing
 
 logger = logging.getLogger(__name__)
 
 
-class RouterCore(RouterRequests, RouterLoras):
+class RouterCore(RouterRequests, RouterRouting, RouterStats, RouterLoras):
     """Owns the routing policy, the view of every worker, its prefix view and the requests in
     flight.
 
@@ -189,27 +191,6 @@ class RouterCore(RouterRequests, RouterLoras):
         if self.index is not None:
             self._reporting = _running_on_this_loop(self._reporting, self._report_loop)
 
-    def report(self) -> RouterReport:
-        """This replica's counters and in-flight requests, as the index actor keeps them for
-        every replica's GetStats (`cluster/router/reports.py`)."""
-        return RouterReport(
-            self.router_id,
-            copy.deepcopy(self.counters),
-            {w.worker_id: w.inflight for w in self.workers.values() if w.inflight},
-            expires_after_s=self.config.lease_timeout_s,
-        )
-
-    async def _send_report(self) -> None:
-        try:
-            await within(self.index.report_router.remote(self.report()), self.config.rpc_timeout_s)
-        except (*WORKER_LOST_ERRORS, TimeoutError):  # the next round sends a newer one
-            logger.debug("the prefix index did not take this router's counters")
-
-    async def _report_loop(self) -> None:
-        while True:
-            await self._send_report()
-            await asyncio.sleep(self.config.stats_interval_s)
-
     def _count_index_unavailable(self) -> None:
         self.counters.index_unavailable += 1
 
@@ -238,133 +219,6 @@ class RouterCore(RouterRequests, RouterLoras):
         await self.follow_loras(worker)
         await self.migrations.push_if_under_pressure(worker)
 
-    # -------------------------------------------------------------- routing
-    async def _tokenize(self, request: GenerateRequest) -> list[int]:
-        """The prompt's token ids; text is measured first, then tokenized off the event loop."""
-        if request.prompt_token_ids is not None:
-            if request.prompt is not None:
-                raise RequestRejected("give prompt or prompt_token_ids, not both")
-            check_prompt_size(len(request.prompt_token_ids), self.config.max_prompt_chars)
-            return list(request.prompt_token_ids)
-        if not request.prompt:
-            raise RequestRejected("prompt is empty")
-        if self.tokenizer is None:
-            raise RequestRejected("the model has no tokenizer; send prompt_token_ids")
-        check_prompt_size(len(request.prompt), self.config.max_prompt_chars)
-        return await asyncio.to_thread(self.tokenizer.encode, request.prompt)
-
-    async def prompt_length(self, prompt: str | list[int]) -> int:
-        """Tokens in a prompt, checked for size first and tokenized off the event loop."""
-        if isinstance(prompt, str):
-            request = GenerateRequest(params=SamplingParams(), prompt=prompt)
-        else:
-            request = GenerateRequest(params=SamplingParams(), prompt_token_ids=prompt)
-        return len(await self._tokenize(request))
-
-    async def route(
-        self,
-        token_ids: list[int],
-        cache_salt: str | None,
-        span: Any = None,
-        exclude: frozenset[str] = frozenset(),
-        lora_key: str | None = None,
-    ) -> tuple[WorkerState, int]:
-        """Pick a worker for a prompt; pull its prefix from a peer when that beats prefill.
-
-        `span`: the `route` span, given the decision (and parent of a pull), if traced.
-        `exclude`: workers not to pick (they refused this request already).
-        `lora_key`: the request's LoRA adapter key (its blocks hash with it).
-        """
-        ranking = self.routable.current()  # loads kept current per worker change
-        if self.config.disaggregated:  # P/D: a fresh prompt goes to a worker that prefills
-            exclude |= self._unfit(PREFILL_PHASE, exclude)
-        others = None  # a retry after refusals (rare) scores the workers not excluded in full
-        if exclude:
-            others = [w for w in self.workers.values() if w.routable and w.worker_id not in exclude]
-        if not (ranking if others is None else others):
-            raise NoWorkerAvailable("no worker is alive and admitting")
-        key = cache_key(self.model_name, cache_salt, lora_key)
-        hashes = hash_full_blocks(token_ids, self.block_size, key)
-        matches = self.view.match(hashes)  # local: no remote call on the request path
-        tier_hits = self.view.tier_hits(hashes, matches)
-        tier_load = self.tier_costs.per_worker(tier_hits)
-        if lora_key is not None:  # only workers with the adapter; a load where not resident
-            others, tier_load = self.lora_candidates(lora_key, others, exclude, tier_load)
-        if others is None:
-            decision = self.policy.choose_ranked(len(hashes), matches, ranking, tier_load)
-        else:
-            loads = [w.load() for w in others]
-            decision = self.policy.choose(len(hashes), matches, loads, tier_load)
-        chosen = self.workers[decision.worker_id]
-        matched = matches.get(chosen.worker_id, 0)
-        self.counters.count_routed(decision.policy)
-        outcome = "prefix_hit" if matched else "prefix_miss"
-        if matched:
-            self.counters.prefix_hits += 1
-        else:
-            self.counters.prefix_misses += 1
-        self.metrics.on_routed(decision.policy, outcome)
-        if span is not None:
-            record_decision(span, decision, len(hashes), matched)
-        if self.config.enable_pull:
-            exportable = {w: hits.device_prefix for w, hits in tier_hits.items()}
-            peers = {**matches, **exportable}  # a peer exports only what is on its device
-            matched = await self.migrations.maybe_pull(chosen, hashes, peers, matched, span)
-        return chosen, matched
-
-    def _unfit(self, phase: RoleFilter, exclude: frozenset[str]) -> frozenset[str]:
-        """The workers (not in `exclude`) of a role `phase` should not go to; none when no
-        worker of a fitting role is routable (counted as a P/D fallback)."""
-        candidates = (w for w in self.workers.values() if w.worker_id not in exclude)
-        unfit, fell_back = phase.unfit(candidates)
-        self.counters.pd_fallbacks += fell_back
-        return unfit
-
-    # ---------------------------------------------------------------- state
-    def inflight(self) -> RouterInflight:
-        """The requests this router holds open now and what it counts on each worker."""
-        return RouterInflight(
-            request_ids=tuple(sorted(self._inflight_ids)),
-            num_requests=self.num_inflight,
-            workers={
-                w.worker_id: (w.inflight, w.inflight_tokens)
-                for w in self.workers.values()
-                if w.inflight or w.inflight_tokens
-            },
-        )
-
-    async def cluster_routers(self) -> ClusterRouters | None:
-        """Every replica's counters summed, this one's reported first (None: the index did not
-        answer); kept as `last_cluster` for `/metrics`."""
-        await self._send_report()
-        try:
-            routers = self.index.routers.remote()
-            self.last_cluster = await within(routers, self.config.rpc_timeout_s)
-        except (*WORKER_LOST_ERRORS, TimeoutError):
-            self.last_cluster = None
-        return self.last_cluster
-
-    async def cluster_stats(self) -> ClusterStats:
-        await self.start()
-        await self.liveness.poll_all()
-        workers = {
-            w.worker_id: WorkerView(w.worker_id, w.alive, w.inflight, w.info, w.stats)
-            for w in self.workers.values()
-        }
-        try:
-            index = await within(self.index.stats.remote(), self.config.rpc_timeout_s)
-        except (*WORKER_LOST_ERRORS, TimeoutError):
-            index = None
-        return ClusterStats(
-            cluster=await self.cluster_routers(),
-            workers=workers,
-            router=copy.deepcopy(self.counters),
-            limits=self.config.limits,
-            index=index,
-            policy=self.config.routing_policy,
-            view=self.view.stats(),
-        )
-
 
 def _running_on_this_loop(task: asyncio.Task | None, run: Any) -> asyncio.Task:
     """`task`, or `run()` started anew on the running event loop when `task` is done or ran on
@@ -373,12 +227,3 @@ def _running_on_this_loop(task: asyncio.Task | None, run: Any) -> asyncio.Task:
     if task is None or task.done() or task.get_loop() is not loop:
         return detached_task(run())
     return task
-
-
-def check_prompt_size(size: int, limit: int) -> None:
-    """Refuse a prompt longer than `limit` characters (or token ids) before any work on it."""
-    if size > limit:
-        raise RequestRejected(
-            f"prompt is {size:,} characters or tokens long; the limit is {limit:,} "
-            "(max_prompt_chars)"
-        )

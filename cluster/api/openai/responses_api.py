@@ -65,7 +65,8 @@ from pagedserve.cluster.api.openai.responses_tools import (
 from pagedserve.cluster.api.openai.tool_call_parser import ToolCallParser
 from pagedserve.cluster.api.openai.tools import ToolCalling
 from pagedserve.cluster.api.sse_response import PacedStreamingResponse
-from pagedserve.cluster.router.router import RouterCore, check_prompt_size
+from pagedserve.cluster.router.route import check_prompt_size
+from pagedserve.cluster.router.router import RouterCore
 from pagedserve.cluster.router.tracing import tag_ingress
 from pagedserve.workers.protocol.requests import GenerateRequest
 from pagedserve.workers.protocol.sampling import SamplingKwargs

@@ -32,7 +32,8 @@ from pagedserve.cluster.api.errors import ApiError, to_api_error
 from pagedserve.cluster.api.openai.api import error_response
 from pagedserve.cluster.api.openai.models import ChatMessage
 from pagedserve.cluster.api.openai.reading import read_request
-from pagedserve.cluster.router.router import RouterCore, check_prompt_size
+from pagedserve.cluster.router.route import check_prompt_size
+from pagedserve.cluster.router.router import RouterCore
 from pagedserve.workers.protocol.errors import RequestRejected
 
 
