@@ -13,9 +13,9 @@ from support.wait import until
 
 from pagedserve.cluster.index.prefix_index import PublishResult, get_or_create_prefix_index
 from pagedserve.cluster.pool.types import Member, Membership, MembershipVersion, MemberState
-from pagedserve.workers.kv.block import BlockKey
 from pagedserve.workers.kv.block_hash import block_hash
 from pagedserve.workers.kv.block_pool import BlockPool
+from pagedserve.workers.protocol.blocks import BlockKey
 from pagedserve.workers.protocol.events import KVSnapshot
 
 # The deadline of one snapshot pull. A stand-in answers at once on a quiet machine, but a

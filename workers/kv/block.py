@@ -12,16 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from pagedserve.workers.protocol.events import BlockHash
-
-
-@dataclass(frozen=True, slots=True)
-class BlockKey:
-    """Everything a block's hash covers, kept to verify a cache hit exactly."""
-
-    parent_hash: BlockHash | None
-    token_ids: tuple[int, ...]
-    extra_keys: tuple[str, ...]
+from pagedserve.workers.protocol.blocks import BlockHash, BlockKey
 
 
 @dataclass(eq=False, slots=True)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from torch import Tensor
 
-from pagedserve.workers.kv.block import BlockHash, BlockKey
+from pagedserve.workers.kv.block import BlockHash
 from pagedserve.workers.kv.tier_file import (
     SUFFIX,
     BlockHeader,
@@ -42,6 +42,7 @@ from pagedserve.workers.kv.tier_file import (
     read_block,
     read_header,
 )
+from pagedserve.workers.protocol.blocks import BlockKey
 
 logger = logging.getLogger(__name__)
 LOCK_FILE = "pagedserve-kv-tier.lock"

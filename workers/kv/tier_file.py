@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from pagedserve.workers.kv.block import BlockHash, BlockKey
+from pagedserve.workers.kv.block import BlockHash
 from pagedserve.workers.kv.block_hash import block_hash
+from pagedserve.workers.protocol.blocks import BlockKey
 
 MAGIC = b"PSKVBLK1"
 SUFFIX = ".kvb"

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from pagedserve.workers.kv.block import BlockHash, BlockKey
+from pagedserve.workers.kv.block import BlockHash
+from pagedserve.workers.protocol.blocks import BlockKey
 
 
 @dataclass(slots=True)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-BlockHash = bytes  # a full block's chained hash (`workers/kv/block_hash.py`)
+from pagedserve.workers.protocol.blocks import BlockHash
+
 TIER_NAMES: tuple[str, ...] = ("device", "host", "disk")  # fastest first
 
 

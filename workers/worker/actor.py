@@ -22,7 +22,6 @@ import ray
 
 from pagedserve.workers.deadline import within
 from pagedserve.workers.engine.config import EngineConfig
-from pagedserve.workers.kv.block import BlockKey
 from pagedserve.workers.process import drain_signal
 from pagedserve.workers.process.cpu_placement import (
     niceness,
@@ -31,6 +30,7 @@ from pagedserve.workers.process.cpu_placement import (
     set_niceness,
 )
 from pagedserve.workers.process.pid_files import DEFAULT_PID_DIR, register_pid
+from pagedserve.workers.protocol.blocks import BlockKey
 from pagedserve.workers.protocol.events import KVEvent, KVSnapshot
 from pagedserve.workers.protocol.handoff import RequestHandoff
 from pagedserve.workers.protocol.requests import WorkerRequest

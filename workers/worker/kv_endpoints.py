@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pagedserve.workers.kv.block import BlockKey
 from pagedserve.workers.kv.checks import KVInvariantError, assert_no_leaks, check_invariants
+from pagedserve.workers.protocol.blocks import BlockKey
 from pagedserve.workers.protocol.events import KVSnapshot
 from pagedserve.workers.protocol.stats import PoolCheck
 from pagedserve.workers.transfer.hot_chains import eviction_chains, hot_chains

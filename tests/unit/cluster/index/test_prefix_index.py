@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from pagedserve.cluster.index.prefix_index import PrefixIndexState, PublishResult
 from pagedserve.cluster.index.stats import IndexStats
-from pagedserve.workers.kv.block import BlockKey
 from pagedserve.workers.kv.block_hash import block_hash
 from pagedserve.workers.kv.block_pool import BlockPool
+from pagedserve.workers.protocol.blocks import BlockKey
 from pagedserve.workers.protocol.events import (
     AllCleared,
     BlockRemoved,

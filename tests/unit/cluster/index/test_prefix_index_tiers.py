@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 
 from pagedserve.cluster.index.prefix_index import PrefixIndexState
-from pagedserve.workers.kv.block import BlockKey
 from pagedserve.workers.kv.block_hash import block_hash
 from pagedserve.workers.kv.block_pool import BlockPool
 from pagedserve.workers.kv.tier_host import HostTier
 from pagedserve.workers.kv.tiers import TierStore
+from pagedserve.workers.protocol.blocks import BlockKey
 from pagedserve.workers.protocol.events import BlockRemoved, BlockStored, KVSnapshot
 
 KV_SHAPE = (1, 2, 4, 1, 2)  # [L, 2, B, Hkv, D] of a toy pool

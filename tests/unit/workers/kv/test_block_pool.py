@@ -6,9 +6,10 @@ import struct
 
 import pytest
 
-from pagedserve.workers.kv.block import Block, BlockKey, FreeBlockQueue
+from pagedserve.workers.kv.block import Block, FreeBlockQueue
 from pagedserve.workers.kv.block_hash import block_hash, hash_full_blocks
 from pagedserve.workers.kv.block_pool import BlockPool
+from pagedserve.workers.protocol.blocks import BlockKey
 from pagedserve.workers.protocol.events import AllCleared, BlockRemoved, BlockStored
 
 

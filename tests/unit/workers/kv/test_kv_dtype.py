@@ -18,7 +18,6 @@ from pagedserve.workers.config_flags import add_config_flags
 from pagedserve.workers.engine.config import EngineConfig
 from pagedserve.workers.engine.engine import Engine
 from pagedserve.workers.engine.sizing import kv_layout
-from pagedserve.workers.kv.block import BlockKey
 from pagedserve.workers.kv.block_hash import hash_full_blocks
 from pagedserve.workers.kv.cache import KVCache
 from pagedserve.workers.kv.checks import assert_no_leaks
@@ -28,6 +27,7 @@ from pagedserve.workers.kv.tier_file import (
     read_block,
     read_header,
 )
+from pagedserve.workers.protocol.blocks import BlockKey
 from pagedserve.workers.protocol.role import WorkerRole
 from pagedserve.workers.protocol.stats import PoolCheck
 from pagedserve.workers.protocol.stream import RequestMoved

@@ -10,13 +10,13 @@ import threading
 import pytest
 import torch
 
-from pagedserve.workers.kv.block import BlockKey
 from pagedserve.workers.kv.block_hash import block_hash
 from pagedserve.workers.kv.checks import check_tiers
 from pagedserve.workers.kv.tier_disk import DiskTier
 from pagedserve.workers.kv.tier_file import KVLayout, encode_block, file_name
 from pagedserve.workers.kv.tier_host import HostTier
 from pagedserve.workers.kv.tiers import TierStore
+from pagedserve.workers.protocol.blocks import BlockKey
 
 LAYOUT = KVLayout("toy", num_layers=1, block_size=2, num_kv_heads=1, head_dim=4, dtype="float32")
 KV_BYTES = 1 * 2 * 2 * 1 * 4 * 4  # bytes of one block's KV

@@ -2,9 +2,9 @@
 once against the block budget, chains with an evicted ancestor left out. `eviction_chains`: the
 chains ending in the free cached blocks, next evicted first."""
 
-from pagedserve.workers.kv.block import BlockKey
 from pagedserve.workers.kv.block_hash import block_hash
 from pagedserve.workers.kv.block_pool import BlockPool
+from pagedserve.workers.protocol.blocks import BlockKey
 from pagedserve.workers.transfer.hot_chains import eviction_chains, hot_chains
 
 
