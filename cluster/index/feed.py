@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from pagedserve.workers.kv.block import BlockHash
+from pagedserve.workers.protocol.blocks import BlockHash
 from pagedserve.workers.protocol.events import TIER_NAMES
 
 DEFAULT_FEED_CAPACITY = 65_536

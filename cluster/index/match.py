@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from pagedserve.workers.kv.block import BlockHash
+from pagedserve.workers.protocol.blocks import BlockHash
 
 
 def leading_matches(

@@ -63,8 +63,8 @@ from pagedserve.cluster.index.stats import IndexStats
 from pagedserve.cluster.pool.types import MemberState
 from pagedserve.cluster.router.reports import ClusterRouters, RouterReport, RouterReports
 from pagedserve.workers.deadline import within
-from pagedserve.workers.kv.block import BlockHash
 from pagedserve.workers.process.cpu_placement import pin_process, set_niceness
+from pagedserve.workers.protocol.blocks import BlockHash
 from pagedserve.workers.protocol.events import KVEvent, KVSnapshot
 
 __all__ = ["PrefixIndexActor", "PrefixIndexState", "PublishResult"]

@@ -29,7 +29,7 @@ from pagedserve.cluster.index.feed import (
 )
 from pagedserve.cluster.index.match import leading_matches
 from pagedserve.cluster.index.stats import IndexStats
-from pagedserve.workers.kv.block import BlockHash
+from pagedserve.workers.protocol.blocks import BlockHash
 from pagedserve.workers.protocol.events import (
     TIER_NAMES,
     AllCleared,

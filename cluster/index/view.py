@@ -40,7 +40,7 @@ from pagedserve.cluster.index.feed import (
 from pagedserve.cluster.index.match import leading_matches
 from pagedserve.cluster.routing.tier_costs import TierHits
 from pagedserve.workers.deadline import within
-from pagedserve.workers.kv.block import BlockHash
+from pagedserve.workers.protocol.blocks import BlockHash
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import sys
 from array import array
 from collections.abc import Sequence
 
-from pagedserve.workers.kv.block import BlockHash
+from pagedserve.workers.protocol.blocks import BlockHash
 
 _DOMAIN = b"pagedserve.block.v1"
 _NO_PARENT = b"\x00" * 32

@@ -17,8 +17,8 @@ import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from pagedserve.workers.kv.block import Block, BlockHash, FreeBlockQueue
-from pagedserve.workers.protocol.blocks import BlockKey
+from pagedserve.workers.kv.block import Block, FreeBlockQueue
+from pagedserve.workers.protocol.blocks import BlockHash, BlockKey
 from pagedserve.workers.protocol.events import AllCleared, BlockRemoved, BlockStored, KVEvent
 
 if TYPE_CHECKING:

@@ -29,12 +29,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from pagedserve.workers.kv.block import Block, BlockHash
+from pagedserve.workers.kv.block import Block
 from pagedserve.workers.kv.block_hash import block_hash
 from pagedserve.workers.kv.block_pool import BlockPool
 from pagedserve.workers.kv.memory import BLOCK_TABLE_ENTRY_BYTES, blocks_needed
 from pagedserve.workers.kv.swap import KVSwap
-from pagedserve.workers.protocol.blocks import BlockKey
+from pagedserve.workers.protocol.blocks import BlockHash, BlockKey
 from pagedserve.workers.protocol.stats import KVUsage
 
 AllocationMode = Literal["paged", "reserve-max"]

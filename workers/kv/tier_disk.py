@@ -31,7 +31,6 @@ from pathlib import Path
 
 from torch import Tensor
 
-from pagedserve.workers.kv.block import BlockHash
 from pagedserve.workers.kv.tier_file import (
     SUFFIX,
     BlockHeader,
@@ -42,7 +41,7 @@ from pagedserve.workers.kv.tier_file import (
     read_block,
     read_header,
 )
-from pagedserve.workers.protocol.blocks import BlockKey
+from pagedserve.workers.protocol.blocks import BlockHash, BlockKey
 
 logger = logging.getLogger(__name__)
 LOCK_FILE = "pagedserve-kv-tier.lock"

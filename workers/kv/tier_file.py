@@ -23,9 +23,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from pagedserve.workers.kv.block import BlockHash
 from pagedserve.workers.kv.block_hash import block_hash
-from pagedserve.workers.protocol.blocks import BlockKey
+from pagedserve.workers.protocol.blocks import BlockHash, BlockKey
 
 MAGIC = b"PSKVBLK1"
 SUFFIX = ".kvb"

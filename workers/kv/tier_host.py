@@ -15,8 +15,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from pagedserve.workers.kv.block import BlockHash
-from pagedserve.workers.protocol.blocks import BlockKey
+from pagedserve.workers.protocol.blocks import BlockHash, BlockKey
 
 
 @dataclass(slots=True)

@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from pagedserve.workers.kv.block import Block, BlockHash
+from pagedserve.workers.kv.block import Block
 from pagedserve.workers.kv.cache import KVCache
 from pagedserve.workers.kv.manager import KVCacheManager, KVRequest
 from pagedserve.workers.kv.memory import blocks_needed
@@ -29,7 +29,7 @@ from pagedserve.workers.kv.tier_disk import DiskTier
 from pagedserve.workers.kv.tier_file import KVLayout
 from pagedserve.workers.kv.tier_host import HostTier
 from pagedserve.workers.kv.tiers import StepTierLoad, TierLoad, TierStore
-from pagedserve.workers.protocol.blocks import BlockKey
+from pagedserve.workers.protocol.blocks import BlockHash, BlockKey
 
 if TYPE_CHECKING:
     from pagedserve.workers.engine.request import Request

@@ -29,8 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-from pagedserve.workers.kv.block import BlockHash
-from pagedserve.workers.protocol.blocks import BlockKey
+from pagedserve.workers.protocol.blocks import BlockHash, BlockKey
 from pagedserve.workers.protocol.stats import TierStats, TierUsage
 
 # torch is imported where a tensor is made: `TierStats` travels in `WorkerStats`, which

@@ -14,8 +14,9 @@ that holds it, and a chain whose new blocks do not fit is skipped for a shorter 
 
 from __future__ import annotations
 
-from pagedserve.workers.kv.block import Block, BlockHash
+from pagedserve.workers.kv.block import Block
 from pagedserve.workers.kv.block_pool import BlockPool
+from pagedserve.workers.protocol.blocks import BlockHash
 
 
 def hot_chains(pool: BlockPool, max_blocks: int) -> list[list[BlockHash]]:

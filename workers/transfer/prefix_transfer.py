@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pagedserve.workers.kv.block import Block, BlockHash
+from pagedserve.workers.kv.block import Block
 from pagedserve.workers.kv.block_hash import block_hash
 from pagedserve.workers.kv.manager import KVCacheManager
-from pagedserve.workers.protocol.blocks import BlockKey
+from pagedserve.workers.protocol.blocks import BlockHash, BlockKey
 
 
 class PrefixTransfer:
