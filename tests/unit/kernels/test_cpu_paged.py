@@ -222,3 +222,18 @@ def test_rejects_what_would_read_out_of_bounds(bad: dict, match: str) -> None:
     """The op reads raw pointers: every table entry and query row it would read is checked."""
     with pytest.raises(ValueError, match=match):
         paged_attention_cpu(**_prefill_args(**bad))
+
+
+@pytest.mark.parametrize("q_lens", [[1] * 7, [1, 7, 16, 17, 30, 1, 1]], ids=["decode", "mixed"])
+def test_a_bfloat16_pool_is_attended_to_within_one_bfloat16_step(q_lens, gen) -> None:
+    """Bfloat16 keys and values are widened to float in registers and every sum is float: each
+    output is the exact attention of its bfloat16 inputs, rounded once to bfloat16 (one unit of
+    its last place at most, far inside the shared 2e-2 bfloat16 tolerance)."""
+    lens = [1, 7, 16, 17, 100, 200, 333]
+    kv = make_paged_kv(lens, 3, 64, 16, torch.bfloat16, generator=gen)
+    query, starts = _packed_queries(q_lens, 9, 64, torch.bfloat16, gen)
+    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, starts, kv.seq_lens, 0.125)
+    out = paged_attention_cpu(*args)
+    for seq, (lo, hi) in enumerate(itertools.pairwise(starts.tolist())):
+        exact = naive_attention(query[lo:hi], kv.keys[seq], kv.values[seq], 0.125)
+        torch.testing.assert_close(out[lo:hi].double(), exact, atol=1e-6, rtol=2**-7)
