@@ -34,6 +34,10 @@ The build needs only the C++ compiler torch's own extension machinery uses (`c++
 run time); without one, `cpu_paged_available()` is False and `auto` keeps the torch reference.
 KV writes and block copies are the reference's (`index_copy_`), already in place.
 
+A bfloat16 pool is read as it is: the op loads each vector of keys or values and widens it to
+float in registers (decode: the two-pass path above; short prefill chunks: the value sums), so
+the context is never copied to float32 and all its arithmetic is float32.
+
 An 8-bit pool (`kv_quant`: fp8 or int8) goes to the op as its bytes with its format code; the
 op dequantises one block of one head at a time into scratch (codes through a 256-entry table,
 times the row's scale), so no full-precision copy of the context is made.

@@ -69,7 +69,8 @@ class EngineConfig:
         attention_backend: `auto` (Triton on CUDA; on the CPU the C++ `cpu` kernel, or `torch`
             where it cannot be built), `triton`, `cpu` or `torch` (the plain-torch reference).
         linear_backend: the fused decoder's projections on the CPU: `auto` (`onednn` for
-            float32 weights where this torch has oneDNN, else `torch`), `onednn` (weights
+            float32 weights where this torch has oneDNN, and for bfloat16 where the CPU also
+            has native bfloat16 arithmetic, else `torch`), `onednn` (weights
             packed once at load into oneDNN's blocked layout: a second copy of the projection
             weights, beside the model's own) or `torch` (`nn.functional.linear`). Elsewhere,
             and for a model run through HF's modules, `torch`.

@@ -64,8 +64,15 @@ def onednn_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """`auto` is `onednn` for float32 on a CPU whose torch has oneDNN (bfloat16 was not
-    measured), else `torch`; an explicit `onednn` that cannot run here is refused by name.
+    """`auto` is `onednn` for float32 on a CPU whose torch has oneDNN, and for bfloat16 where
+    the CPU also has native bfloat16 arithmetic (oneDNN's check: AVX512-BF16 or AMX; elsewhere
+    oneDNN emulates it, unmeasured), else `torch`; an explicit `onednn` that cannot run here is
+    refused by name.
+
+    Bfloat16, SmolLM2-135M's projections (30 layers + LM head), one thread, best of 20 per
+    shape, on the 2-core AMD EPYC (avx512_bf16) test machine: 1 row 5.0 ms against 9.9 ms for
+    torch's bfloat16 linear, 8 rows 7.7 against 12.7 ms, a prefill of 800 rows (no LM head)
+    325 against 340 ms.
 
     Besides speed, oneDNN's packed GEMM gives each row the same bits whatever the row count
     (1 to 4,096 rows, 1 or 2 threads: `test_cpu_linear.py`), where torch's linear computes a
@@ -75,11 +82,15 @@ def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) 
     if name not in LINEAR_BACKENDS:
         raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {name!r}")
     if name == "auto":
-        supported = onednn_supported(device, dtype)
-        return "onednn" if supported and dtype == torch.float32 else "torch"
+        return "onednn" if onednn_supported(device, dtype) and _native(dtype) else "torch"
     if name == "onednn" and not onednn_supported(device, dtype):
         raise ValueError(
             "linear_backend 'onednn' needs the CPU, float32 or bfloat16 weights and a torch "
             f"built with oneDNN; here: device {device}, dtype {dtype}"
         )
     return name
+
+
+def _native(dtype: torch.dtype) -> bool:
+    """Whether oneDNN computes ``dtype`` in hardware here (float32 always)."""
+    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

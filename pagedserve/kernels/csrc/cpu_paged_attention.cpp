@@ -21,10 +21,13 @@
 // inner loop runs over keys and each transposed key is reused by every row. Nothing larger
 // than one block of one head is ever copied.
 //
-// Float32 decode items (one new token) whose head_dim fills whole vectors skip the online
-// softmax: `attend_decode_float` scores the whole context first (a row of floats per head),
-// takes one vectorised max/exp/sum per row, then sums the values; every key and value row of
-// the context is read once per item.
+// Float32 and bfloat16 decode items (one new token) whose head_dim fills whole vectors skip
+// the online softmax: `attend_decode_float` scores the whole context first (a row of floats
+// per head), takes one vectorised max/exp/sum per row, then sums the values; every key and
+// value row of the context is read once per item. A bfloat16 pool is read as it is, each
+// vector widened to float in registers (`load_float`): all arithmetic is float, and no float
+// copy of the context is made. Its prefill tiles likewise sum values from the pool in
+// registers (`accumulate_values`).
 //
 // An 8-bit pool (kv_format 1: fp8 e4m3, 2: fp8 e5m2, 3: int8) stores each (token, kv head) row
 // as head_dim 8-bit codes followed by its float32 scale (`kv_quant.py`): row = head_dim + 4 bytes. Its
@@ -40,6 +43,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
@@ -56,6 +60,33 @@
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
+
+// Whether a pool of this element type takes the vector loops: float, or bfloat16 widened to
+// float in registers as it is loaded (no float copy of the context is made).
+template <typename T>
+constexpr bool kVectorPool = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+
+// Vec::size() elements from p as floats: a plain load, or bfloat16 widened in registers.
+template <typename T>
+inline Vec load_float(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec::loadu(p);
+  } else {
+    Vec out;
+    at::vec::load_to_float<T>(p, out);
+    return out;
+  }
+}
+
+// v into Vec::size() elements at p: a plain store, or rounded to bfloat16 (nearest even).
+template <typename T>
+inline void store_float(const Vec& v, T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    v.store(p);
+  } else {
+    at::vec::convert_from_float<T>(v, v).store(p, Vec::size());
+  }
+}
 
 // Query tokens per prefill item: G * 16 rows of scores and accumulators stay in L1.
 constexpr int64_t kQueryTile = 16;
@@ -234,16 +265,16 @@ template <typename scalar_t, int64_t kD>
 void accumulate_values(
     float* acc, float alpha, const float* p, const scalar_t* vb, int64_t visible, int64_t D,
     int64_t token_stride) {
-  if constexpr (std::is_same_v<scalar_t, float> && kD > 0 && kD % Vec::size() == 0) {
+  if constexpr (kVectorPool<scalar_t> && kD > 0 && kD % Vec::size() == 0) {
     // The whole accumulator row in registers, one FMA chain per vector of it.
     constexpr int64_t kChunks = kD / Vec::size();
     Vec a[kChunks];
     for (int64_t k = 0; k < kChunks; ++k) a[k] = Vec::loadu(acc + k * Vec::size()) * Vec(alpha);
     for (int64_t j = 0; j < visible; ++j) {
       const Vec pj(p[j]);
-      const float* vrow = vb + j * token_stride;
+      const scalar_t* vrow = vb + j * token_stride;
       for (int64_t k = 0; k < kChunks; ++k) {
-        a[k] = at::vec::fmadd(pj, Vec::loadu(vrow + k * Vec::size()), a[k]);
+        a[k] = at::vec::fmadd(pj, load_float(vrow + k * Vec::size()), a[k]);
       }
     }
     for (int64_t k = 0; k < kChunks; ++k) a[k].store(acc + k * Vec::size());
@@ -261,14 +292,14 @@ void accumulate_values(
   }
 }
 
-// A decode item (one query token, its G heads) of a float pool, in two passes over the context
-// instead of an online softmax per block: every score first (each key row read once, for all
-// G rows), then one max, exp and sum per row, vectorised, then every value row read once into
-// each row's register accumulator. No rescaling per block, no scalar exp.
-template <int64_t kD>
+// A decode item (one query token, its G heads) of a float32 or bfloat16 pool, in two passes
+// over the context instead of an online softmax per block: every score first (each key row
+// read once, for all G rows), then one max, exp and sum per row, vectorised, then every value
+// row read once into each row's register accumulator. No rescaling per block, no scalar exp.
+template <typename scalar_t, int64_t kD>
 void attend_decode_float(
-    const Item& item, const float* query, float* out, const float* key_cache,
-    const float* value_cache, const int32_t* block_tables, const int32_t* query_start_loc,
+    const Item& item, const scalar_t* query, scalar_t* out, const scalar_t* key_cache,
+    const scalar_t* value_cache, const int32_t* block_tables, const int32_t* query_start_loc,
     const int32_t* seq_lens, const Dims& d, float scale, Scratch& s) {
   constexpr int64_t kChunks = kD / Vec::size();
   const int64_t BS = d.block_size, G = d.num_heads / d.num_kv_heads;
@@ -276,15 +307,15 @@ void attend_decode_float(
   const int64_t token = query_start_loc[item.seq];
   const int64_t num_keys = seq_lens[item.seq];
   const int32_t* table = block_tables + item.seq * d.max_blocks;
-  float* dst = out + (token * d.num_heads + item.kv_head * G) * kD;
+  scalar_t* dst = out + (token * d.num_heads + item.kv_head * G) * kD;
   if (num_keys <= 0) {  // an empty context: zeros, as in the torch reference
-    std::fill(dst, dst + G * kD, 0.0f);
+    std::fill(dst, dst + G * kD, static_cast<scalar_t>(0.0f));
     return;
   }
   for (int64_t r = 0; r < G; ++r) {
-    const float* src = query + (token * d.num_heads + item.kv_head * G + r) * kD;
+    const scalar_t* src = query + (token * d.num_heads + item.kv_head * G + r) * kD;
     for (int64_t k = 0; k < kChunks; ++k) {
-      (Vec::loadu(src + k * Vec::size()) * Vec(scale)).store(s.q.data() + r * kD + k * Vec::size());
+      (load_float(src + k * Vec::size()) * Vec(scale)).store(s.q.data() + r * kD + k * Vec::size());
     }
   }
   if (static_cast<int64_t>(s.logits.size()) < G * num_keys) s.logits.resize(G * num_keys);
@@ -293,12 +324,12 @@ void attend_decode_float(
   const int64_t num_blocks = (num_keys + BS - 1) / BS;
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t key0 = b * BS, n = std::min(BS, num_keys - key0);
-    const float* kb = key_cache + static_cast<int64_t>(table[b]) * BS * token_stride +
+    const scalar_t* kb = key_cache + static_cast<int64_t>(table[b]) * BS * token_stride +
                       item.kv_head * kD;
     for (int64_t j = 0; j < n; ++j) {
       Vec key[kChunks];
-      const float* krow = kb + j * token_stride;
-      for (int64_t k = 0; k < kChunks; ++k) key[k] = Vec::loadu(krow + k * Vec::size());
+      const scalar_t* krow = kb + j * token_stride;
+      for (int64_t k = 0; k < kChunks; ++k) key[k] = load_float(krow + k * Vec::size());
       for (int64_t r = 0; r < G; ++r) {
         const float* qr = s.q.data() + r * kD;
         Vec dot = Vec::loadu(qr) * key[0];
@@ -340,17 +371,17 @@ void attend_decode_float(
     for (int64_t k = 0; k < kChunks; ++k) acc[k] = Vec(0.0f);
     for (int64_t b = 0; b < num_blocks; ++b) {
       const int64_t key0 = b * BS, n = std::min(BS, num_keys - key0);
-      const float* vb = value_cache + static_cast<int64_t>(table[b]) * BS * token_stride +
+      const scalar_t* vb = value_cache + static_cast<int64_t>(table[b]) * BS * token_stride +
                         item.kv_head * kD;
       for (int64_t j = 0; j < n; ++j) {
         const Vec pj(pr[key0 + j]);
         for (int64_t k = 0; k < kChunks; ++k) {
-          acc[k] = at::vec::fmadd(pj, Vec::loadu(vb + j * token_stride + k * Vec::size()), acc[k]);
+          acc[k] = at::vec::fmadd(pj, load_float(vb + j * token_stride + k * Vec::size()), acc[k]);
         }
       }
     }
     const Vec inv(1.0f / s.row_sum[r]);
-    for (int64_t k = 0; k < kChunks; ++k) (acc[k] * inv).store(dst + r * kD + k * Vec::size());
+    for (int64_t k = 0; k < kChunks; ++k) store_float(acc[k] * inv, dst + r * kD + k * Vec::size());
   }
 }
 
@@ -511,12 +542,11 @@ void run_bins(
     Scratch scratch(max_rows, d);
     for (int64_t bin = begin; bin < end; ++bin) {
       for (const Item& item : bins[bin]) {
-        if constexpr (
-            std::is_same_v<scalar_t, float> && kFmt == 0 && kD > 0 && kD % Vec::size() == 0) {
+        if constexpr (kVectorPool<scalar_t> && kFmt == 0 && kD > 0 && kD % Vec::size() == 0) {
           if (item.q_len == 1) {
-            attend_decode_float<kD>(
-                item, query.data_ptr<float>(), out.data_ptr<float>(),
-                key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
+            attend_decode_float<scalar_t, kD>(
+                item, query.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(),
                 block_tables.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(),
                 seq_lens.data_ptr<int32_t>(), d, scale, scratch);
             continue;

@@ -43,11 +43,12 @@ ALL_CASES = [
 ]
 # tiny-llama's head size (32: unrolled, two vectors per row on AVX512), one the kernel has no
 # unrolled loop for (24: the generic loops) and the SmolLM2-135M grouping of 9 query heads
-# over 3 KV heads. Float32 decodes of 32, 64 and 128 take the two-pass decode path.
+# over 3 KV heads. Float32 and bfloat16 decodes of 32, 64 and 128 take the two-pass decode
+# path (bfloat16 widened to float in registers).
 ODD_CASES = [
-    AttnCase(torch.float32, 32, 8, 4, 2),
-    AttnCase(torch.float32, 24, 16, 3, 3),
-    AttnCase(torch.float32, 64, 16, 3, 3),
+    AttnCase(dtype, head_dim, block_size, group, num_kv_heads)
+    for dtype in (torch.float32, torch.bfloat16)
+    for head_dim, block_size, group, num_kv_heads in ((32, 8, 4, 2), (24, 16, 3, 3), (64, 16, 3, 3))
 ]
 
 
@@ -147,7 +148,10 @@ def test_threads_and_work_split_do_not_change_the_result(gen: torch.Generator) -
     torch.testing.assert_close(alone, paged_prefill_attention_ref(*args))
 
 
-def test_a_decode_row_is_the_same_bits_whatever_its_batch(gen: torch.Generator) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_decode_row_is_the_same_bits_whatever_its_batch(
+    dtype: torch.dtype, gen: torch.Generator
+) -> None:
     """A decode row's attention depends on its own sequence only: alone, beside longer
     contexts, or in a mixed step beside a short chunk (in the op) and a long one (gather +
     SDPA), its output is bit for bit the same. So a request's tokens do not depend on what the
@@ -155,13 +159,13 @@ def test_a_decode_row_is_the_same_bits_whatever_its_batch(gen: torch.Generator) 
     torch reference lacks this: it pads each decode group to its longest context, and a decode row
     beside a longer one comes out a rounding apart."""
     lens = [300, 900, 40, 20]
-    kv = make_paged_kv(lens, 3, 64, 16, generator=gen)
-    query = torch.randn(4, 9, 64, generator=gen)
+    kv = make_paged_kv(lens, 3, 64, 16, dtype, generator=gen)
+    query = torch.randn(4, 9, 64, generator=gen).to(dtype)
     caches = (kv.key_cache, kv.value_cache)
     tables, seq_lens = kv.block_tables, kv.seq_lens
     alone = paged_decode_attention_cpu(query[:1], *caches, tables[:1], seq_lens[:1], 0.125)
     beside = paged_decode_attention_cpu(query[:3], *caches, tables[:3], seq_lens[:3], 0.125)
-    chunks, starts = _packed_queries([1, 1, 40, 20], 9, 64, torch.float32, gen)
+    chunks, starts = _packed_queries([1, 1, 40, 20], 9, 64, dtype, gen)
     chunks[:1] = query[:1]
     mixed = paged_attention_cpu(chunks, *caches, tables, starts, seq_lens, 0.125)
     assert torch.equal(beside[:1], alone)
@@ -218,3 +222,18 @@ def test_rejects_what_would_read_out_of_bounds(bad: dict, match: str) -> None:
     """The op reads raw pointers: every table entry and query row it would read is checked."""
     with pytest.raises(ValueError, match=match):
         paged_attention_cpu(**_prefill_args(**bad))
+
+
+@pytest.mark.parametrize("q_lens", [[1] * 7, [1, 7, 16, 17, 30, 1, 1]], ids=["decode", "mixed"])
+def test_a_bfloat16_pool_is_attended_to_within_one_bfloat16_step(q_lens, gen) -> None:
+    """Bfloat16 keys and values are widened to float in registers and every sum is float: each
+    output is the exact attention of its bfloat16 inputs, rounded once to bfloat16 (one unit of
+    its last place at most, far inside the shared 2e-2 bfloat16 tolerance)."""
+    lens = [1, 7, 16, 17, 100, 200, 333]
+    kv = make_paged_kv(lens, 3, 64, 16, torch.bfloat16, generator=gen)
+    query, starts = _packed_queries(q_lens, 9, 64, torch.bfloat16, gen)
+    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, starts, kv.seq_lens, 0.125)
+    out = paged_attention_cpu(*args)
+    for seq, (lo, hi) in enumerate(itertools.pairwise(starts.tolist())):
+        exact = naive_attention(query[lo:hi], kv.keys[seq], kv.values[seq], 0.125)
+        torch.testing.assert_close(out[lo:hi].double(), exact, atol=1e-6, rtol=2**-7)

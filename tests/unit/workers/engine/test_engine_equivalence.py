@@ -196,3 +196,34 @@ def test_triton_backend_under_interpreter(tiny_llama):
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     assert_matches_reference(llm.generate(prompts, params), prompts, reference, max_tokens=4)
     finish_clean(llm)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_bf16():
+    from pagedserve.workers.model.loader import load_model
+
+    return load_model("tiny-llama", dtype="bfloat16")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_output_is_the_same_alone_or_batched(request, tiny_llama, dtype):
+    """On the CPU's serving path (the C++ attention op, oneDNN-packed projections), a request's
+    greedy tokens do not depend on what shares its steps: alone, or batched with 7 others of
+    other lengths, with prefills and decodes mixed, the same tokens, in float32 and bfloat16."""
+    from pagedserve.workers.model.cpu_linear import onednn_supported
+
+    loaded = tiny_llama[0] if dtype == "float32" else request.getfixturevalue("tiny_llama_bf16")
+    if not onednn_supported(loaded.device, loaded.dtype):
+        pytest.skip(f"this torch's oneDNN does not pack {dtype}")
+    prompts = make_prompts(loaded.vocab_size, 8, seed=21)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    # No prefix caching: each run alone computes its own KV rather than the batch's.
+    config = dict(block_size=8, num_kv_blocks=256, enable_prefix_caching=False)
+    llm = LLM(
+        loaded_model=loaded, dtype=dtype, attention_backend="cpu", linear_backend="onednn", **config
+    )
+    batched = llm.generate(prompts, params)
+    for index, prompt in enumerate(prompts):
+        (alone,) = llm.generate([prompt], params)
+        assert alone.outputs[0].token_ids == batched[index].outputs[0].token_ids, index
+    finish_clean(llm)

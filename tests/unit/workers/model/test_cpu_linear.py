@@ -31,13 +31,32 @@ def test_a_packed_projection_equals_f_linear(rows: int, with_bias: bool):
 
 
 @needs_onednn
+@pytest.mark.parametrize("rows", [1, 8, 300])
+def test_a_packed_bfloat16_projection_equals_f_linear_to_bfloat16_rounding(rows: int):
+    if not onednn_supported(CPU, torch.bfloat16):
+        pytest.skip("this torch's oneDNN does not pack bfloat16")
+    generator = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(96, 48, generator=generator) / 8).to(torch.bfloat16)
+    x = torch.randn(rows, 48, generator=generator).to(torch.bfloat16)
+    out = Projection.of(weight, None, "onednn")(x)
+    assert out.dtype == torch.bfloat16
+    expected = F.linear(x.float(), weight.float())
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=1e-2)
+
+
+@needs_onednn
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_packed_projection_gives_each_row_the_same_bits_whatever_the_row_count(threads: int):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_packed_projection_gives_each_row_the_same_bits_whatever_the_row_count(
+    threads: int, dtype: torch.dtype
+):
     """What makes a sequence's logits independent of how many others share its step: every
     row computed in a batch equals the same row computed alone, bit for bit."""
+    if not onednn_supported(CPU, dtype):
+        pytest.skip(f"this torch's oneDNN does not pack {dtype}")
     generator = torch.Generator().manual_seed(7)
-    weight = torch.randn(384, 256, generator=generator) / 16  # tiny-llama's q/k/v shape
-    x = torch.randn(2048, 256, generator=generator)
+    weight = (torch.randn(384, 256, generator=generator) / 16).to(dtype)  # tiny-llama's q/k/v
+    x = torch.randn(2048, 256, generator=generator).to(dtype)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -62,9 +81,13 @@ def test_an_unresolved_backend_is_refused():
 
 
 @needs_onednn
-def test_auto_takes_onednn_for_float32_on_the_cpu_only():
+def test_auto_takes_onednn_for_float32_and_bfloat16_on_the_cpu_only():
     assert resolve_linear_backend("auto", CPU, torch.float32) == "onednn"
+    native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    bf16 = resolve_linear_backend("auto", CPU, torch.bfloat16)
+    assert bf16 == ("onednn" if native_bf16 else "torch")
     assert resolve_linear_backend("auto", CPU, torch.float16) == "torch"
+    assert resolve_linear_backend("auto", torch.device("cuda"), torch.bfloat16) == "torch"
     assert resolve_linear_backend("auto", torch.device("cuda"), torch.float32) == "torch"
     assert resolve_linear_backend("torch", CPU, torch.float32) == "torch"
 
