@@ -32,6 +32,7 @@ from pagedserve.workers.engine.executor import build_model_executor
 from pagedserve.workers.engine.handoffs import EngineHandoffs
 from pagedserve.workers.engine.intake import RequestIntake
 from pagedserve.workers.engine.outputs import RequestDelta
+from pagedserve.workers.engine.pausing import EnginePausing
 from pagedserve.workers.engine.request import Request, RequestGroup, RequestStatus
 from pagedserve.workers.engine.sizing import kv_layout, load_device, num_kv_blocks, serving_device
 from pagedserve.workers.engine.stats import EngineStats
@@ -59,7 +60,7 @@ from pagedserve.workers.structured.guided_requests import GuidedRequests, guided
 _log = logging.getLogger(__name__)
 
 
-class Engine(EngineHandoffs, EngineBeamMoves, EngineStats, EngineLoras):
+class Engine(EngineHandoffs, EngineBeamMoves, EngineStats, EngineLoras, EnginePausing):
     """One worker's engine: model, KV pool, scheduler and sampler behind three calls.
 
     Args:
@@ -263,35 +264,6 @@ class Engine(EngineHandoffs, EngineBeamMoves, EngineStats, EngineLoras):
             return None
         self._end_group(group, reason)
         return self._delta_for(group)
-
-    def pause(self, request_id: str) -> bool:
-        """Stop scheduling a request (its reader fell behind). It keeps its blocks and stays
-        preemptible; deadlines still apply. False when it is unknown or already done."""
-        return self._set_paused(request_id, True)
-
-    def resume(self, request_id: str) -> bool:
-        """Schedule a paused request again. False when it is unknown or already done."""
-        return self._set_paused(request_id, False)
-
-    def _set_paused(self, request_id: str, paused: bool) -> bool:
-        group = self._groups.get(request_id)
-        if group is None:
-            return False
-        for branch in group.branches:
-            branch.paused = paused
-        (self._paused.add if paused else self._paused.discard)(request_id)
-        return True
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self._groups)
-
-    def has_runnable_requests(self) -> bool:
-        """Whether a step could do anything: a request not paused, or a deadline that passed."""
-        if len(self._groups) > len(self._paused) or self.guided.num_parked:
-            return True
-        now = time.monotonic()
-        deadlines = (self._groups[r].deadline for r in self._paused)
-        return any(d is not None and now >= d for d in deadlines)
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestDelta]:
