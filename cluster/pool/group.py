@@ -13,6 +13,7 @@ from ray.actor import ActorHandle
 
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.index.prefix_index import get_or_create_prefix_index
+from pagedserve.cluster.pool.followed import FollowedRevision
 from pagedserve.cluster.pool.pool import existing_workers, get_or_create_worker_pool
 from pagedserve.cluster.pool.spec import WORKER_MAX_CONCURRENCY
 from pagedserve.cluster.pool.types import MemberState
@@ -98,6 +99,7 @@ def stop_worker_group(config: ClusterConfig, drain_grace_s: float | None = None)
         _kill(name, config.namespace)
     _kill(config.pool_name, config.namespace)
     _kill(config.index_name, config.namespace)
+    FollowedRevision(config.pool_name, config.namespace).forget()
 
 
 def stop_pool(config: ClusterConfig) -> None:
