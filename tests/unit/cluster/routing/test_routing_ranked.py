@@ -18,12 +18,9 @@ import pytest
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.router.router import RouterCore
 from pagedserve.cluster.router.worker_state import WorkerState
-from pagedserve.cluster.routing.policies import (
-    RANKED_LISTED,
-    KvAwarePolicy,
-    WorkerLoad,
-    make_policy,
-)
+from pagedserve.cluster.routing.kv_aware import RANKED_LISTED, KvAwarePolicy
+from pagedserve.cluster.routing.policies import make_policy
+from pagedserve.cluster.routing.policy import WorkerLoad
 from pagedserve.cluster.routing.routable import RoutableWorkers
 from pagedserve.workers.kv.block_hash import hash_full_blocks
 
