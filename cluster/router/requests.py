@@ -156,7 +156,8 @@ class RouterRequests:
             generate = self._generate(request, request_id, trace, taken)
             async with aclosing(generate) as deltas:
                 async for delta in deltas:
-                    delta.request_id = client_id  # the worker knows the tenant-scoped id
+                    if delta.request_id != client_id:  # the worker knows the tenant-scoped id
+                        delta = dataclasses.replace(delta, request_id=client_id)
                     counts.output_tokens += len(delta.token_ids)
                     taken[0] -= len(delta.token_ids)
                     yield delta
@@ -302,10 +303,9 @@ class RouterRequests:
         try:
             async with aclosing(self._stream(worker, worker_request, demand)) as messages:
                 async for delta in messages:
-                    # A leg serving one branch runs as the worker's branch 0: name the client's.
-                    if attempt.branch is not None and isinstance(delta, StreamDelta):
-                        delta.index = attempt.branch
-                    elif attempt.branch is not None:  # moved on: its next leg serves that one
+                    # A leg serving one branch runs as the worker's branch 0: name the client's
+                    # (a moved message too: its next leg serves that one).
+                    if attempt.branch is not None and delta.index != attempt.branch:
                         delta = dataclasses.replace(delta, index=attempt.branch)
                     streamed = True
                     yield delta

@@ -178,6 +178,8 @@ class Engine(EngineHandoffs, EngineBeamMoves, EngineStats, EngineLoras, EnginePa
         self.num_adopted_with_kv = 0
         self.num_adopted_recomputed = 0
         self.step_tier_loads: list[StepTierLoad] = []  # the last step's loads (for spans)
+        # The name its deltas carry (set by the worker that runs it; None offline).
+        self.worker_id: str | None = None
 
     def close(self) -> None:
         """Finish the disk tier's queued writes and release its directory."""
@@ -460,7 +462,7 @@ class Engine(EngineHandoffs, EngineBeamMoves, EngineStats, EngineLoras, EnginePa
         if group.finished:
             self._groups.pop(group.request_id, None)
             self._paused.discard(group.request_id)
-        return group.take_delta()
+        return group.take_delta(self.worker_id)
 
 
 __all__ = [

@@ -94,6 +94,7 @@ class WorkerCore(WorkerRequests, WorkerKV):
         self.engine = engine
         self.traces = RequestTraces(tracing, worker_id)
         self.worker_id = worker_id
+        engine.worker_id = worker_id or None  # named in every delta it builds
         self.epoch = uuid.uuid4().hex
         self.event_sink = event_sink
         self.transfer = PrefixTransfer(engine.kv)

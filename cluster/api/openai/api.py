@@ -27,8 +27,6 @@ from starlette.responses import JSONResponse, Response
 
 from pagedserve.cluster.api.auth import Caller, TokenAuth
 from pagedserve.cluster.api.common import (
-    CompletionCollector,
-    CompletionResult,
     chat_prompt,
     merge_streams,
     new_request_id,
@@ -62,8 +60,9 @@ from pagedserve.cluster.api.openai.tool_call_parser import ToolAnswers
 from pagedserve.cluster.api.sse_response import PacedStreamingResponse
 from pagedserve.cluster.router.router import RouterCore
 from pagedserve.cluster.router.tracing import tag_ingress
+from pagedserve.workers.engine.outputs import CompletionCollector, CompletionOutput
 from pagedserve.workers.protocol.requests import GenerateRequest
-from pagedserve.workers.protocol.stream import StreamDelta, Usage
+from pagedserve.workers.protocol.stream import FinishReason, StreamDelta, Usage
 
 logger = logging.getLogger(__name__)
 OWNER = "pagedserve"
@@ -114,7 +113,7 @@ class OpenAIFrontend:
             ]
         except Exception as error:
             return _error_or_raise(error)
-        tag_ingress(requests, request.headers.items(), "http")
+        requests = tag_ingress(requests, request.headers.items(), "http")
         chunks = CompletionChunks(base_id, self.created, body.model or self.model_name, body.n)
         try:
             echo = echoed_prompts(prompts, self.core.tokenizer) if body.echo else None
@@ -134,7 +133,7 @@ class OpenAIFrontend:
             requests = [await self._request(body, prompt, max_tokens, base_id, caller)]
         except Exception as error:
             return _error_or_raise(error)
-        tag_ingress(requests, request.headers.items(), "http")
+        requests = tag_ingress(requests, request.headers.items(), "http")
         chunks = ChatChunks(base_id, self.created, body.model or self.model_name, body.n)
         if tools is not None and tools.parses_calls:
             chunks.tools = ToolAnswers()
@@ -211,7 +210,7 @@ class _ChoiceBuilder:
 
     def results(
         self, collectors: list[CompletionCollector]
-    ) -> Iterator[tuple[int, CompletionResult]]:
+    ) -> Iterator[tuple[int, CompletionOutput]]:
         """Every finished branch of every prompt, with its choice index, in choice order."""
         for i, collector in enumerate(collectors):
             for result in collector.completions:
@@ -233,7 +232,7 @@ class CompletionChunks(_ChoiceBuilder):
         """The chunk of one delta; None when it has nothing to send yet."""
         if _is_empty(delta):
             return None
-        return self._chunk([self._choice(index, delta, delta.finish_reason)])
+        return self._chunk([self._choice(index, delta, spelled(delta.finish_reason))])
 
     def whole(self, collectors: list[CompletionCollector]) -> Completion:
         if self.keep_best is not None:
@@ -243,7 +242,9 @@ class CompletionChunks(_ChoiceBuilder):
             id=self.request_id,
             created=self.created,
             model=self.model,
-            choices=[self._choice(i, c, c.finish_reason) for i, c in self.results(collectors)],
+            choices=[
+                self._choice(i, c, spelled(c.finish_reason)) for i, c in self.results(collectors)
+            ],
             usage=UsageInfo.of(Usage.total(c.usage() for c in collectors)),
         )
 
@@ -251,7 +252,7 @@ class CompletionChunks(_ChoiceBuilder):
         return self._chunk([], UsageInfo.of(usage))
 
     def _choice(
-        self, index: int, part: StreamDelta | CompletionResult, finish_reason: str | None
+        self, index: int, part: StreamDelta | CompletionOutput, finish_reason: str | None
     ) -> CompletionChoice:
         """A delta's (or a whole completion's) choice, with `echo` and `logprobs` applied."""
         text, logprobs = self.extras.piece(
@@ -291,7 +292,7 @@ class ChatChunks(_ChoiceBuilder):
 
     def chunk(self, index: int, delta: StreamDelta) -> ChatCompletionChunk | None:
         """The chunk of one delta; None when it has nothing to send yet."""
-        content, calls, finish_reason = delta.text or None, None, delta.finish_reason
+        content, calls, finish_reason = delta.text or None, None, spelled(delta.finish_reason)
         if self.tools is not None:
             content, calls, finish_reason = self.tools.delta(index, delta.text, finish_reason)
         if not content and not calls and finish_reason is None and not delta.logprobs:
@@ -317,8 +318,9 @@ class ChatChunks(_ChoiceBuilder):
     def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
         return self._chunk([], UsageInfo.of(usage))
 
-    def _choice(self, index: int, result: CompletionResult) -> ChatChoice:
-        message, finish_reason = AssistantMessage(content=result.text), result.finish_reason
+    def _choice(self, index: int, result: CompletionOutput) -> ChatChoice:
+        message = AssistantMessage(content=result.text)
+        finish_reason = spelled(result.finish_reason)
         if self.tools is not None:
             message, finish_reason = self.tools.message(result.text, finish_reason)
         return ChatChoice(
@@ -400,6 +402,11 @@ def error_response(error: ApiError) -> JSONResponse:
 def _error_or_raise(error: Exception) -> JSONResponse:
     """The error response for any failure: a bug too becomes INTERNAL with an incident id."""
     return error_response(to_api_error(error))
+
+
+def spelled(reason: FinishReason | None) -> str | None:
+    """A finish reason as OpenAI's JSON spells it (its value)."""
+    return None if reason is None else str(reason)
 
 
 def _is_empty(delta: StreamDelta) -> bool:
