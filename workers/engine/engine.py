@@ -35,7 +35,7 @@ from pagedserve.workers.engine.outputs import RequestDelta
 from pagedserve.workers.engine.pausing import EnginePausing
 from pagedserve.workers.engine.request import Request, RequestGroup, RequestStatus
 from pagedserve.workers.engine.sizing import kv_layout, load_device, num_kv_blocks, serving_device
-from pagedserve.workers.engine.stats import EngineStats
+from pagedserve.workers.engine.stats import EngineReporting
 from pagedserve.workers.engine.stop_checker import check_stop
 from pagedserve.workers.kv.manager import KVCacheManager
 from pagedserve.workers.kv.tier_load import build_tier_store, load_waiting_prefixes
@@ -60,7 +60,7 @@ from pagedserve.workers.structured.guided_requests import GuidedRequests, guided
 _log = logging.getLogger(__name__)
 
 
-class Engine(EngineHandoffs, EngineBeamMoves, EngineStats, EngineLoras, EnginePausing):
+class Engine(EngineHandoffs, EngineBeamMoves, EngineReporting, EngineLoras, EnginePausing):
     """One worker's engine: model, KV pool, scheduler and sampler behind three calls.
 
     Args:

@@ -23,7 +23,7 @@ def check_timeout_s(timeout_s: float | None) -> None:
         raise RequestRejected(f"timeout_s must be a finite number > 0, got {timeout_s}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class GenerateRequest:
     """One request as the router takes it from any front end."""
 
