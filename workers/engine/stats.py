@@ -6,6 +6,7 @@ sends (`workers/worker/core.py`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 from pagedserve.workers.protocol.role import WorkerRole
 from pagedserve.workers.protocol.stats import KVUsage, SpecStats, TierStats
 
