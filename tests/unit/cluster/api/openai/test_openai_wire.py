@@ -10,7 +10,8 @@ import asyncio
 from pagedserve.cluster.api.auth import TokenAuth
 from pagedserve.cluster.api.config import AuthConfig
 from pagedserve.cluster.api.errors import ApiError
-from pagedserve.cluster.api.openai.api import ChatChunks, CompletionChunks, OpenAIFrontend
+from pagedserve.cluster.api.openai.api import OpenAIFrontend
+from pagedserve.cluster.api.openai.chunks import ChatChunks, CompletionChunks
 from pagedserve.cluster.api.openai.logprobs import CompletionExtras, echoed_prompts
 from pagedserve.workers.model.tokenizer import ByteTokenizer
 from pagedserve.workers.protocol.stream import (
