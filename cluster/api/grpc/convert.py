@@ -57,8 +57,6 @@ def request_from_proto(
 
     A chat (`messages`) becomes its prompt text by the chat template of `tokenizer`.
     """
-    if message.prompt and message.prompt_token_ids:
-        raise ApiError.invalid("prompt: set prompt or prompt_token_ids, not both", "prompt")
     if message.messages and (message.prompt or message.prompt_token_ids):
         raise ApiError.invalid("messages: set messages or a prompt, not both", "messages")
     if not message.prompt and not message.prompt_token_ids and not message.messages:
@@ -80,7 +78,7 @@ def request_from_proto(
             cache_scope=caller.cache_scope,
             lora=message.model or None,
         )
-    except RequestRejected as error:  # a field the request checks itself (`timeout_s`)
+    except RequestRejected as error:  # a field the request checks itself (prompt, timeout_s)
         raise ApiError.invalid(str(error)) from None
 
 
