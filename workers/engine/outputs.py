@@ -231,12 +231,13 @@ class OutputBuilder:
         last = self._last
         assert last is not None, "no delta was added"
         collector = self._collector
-        ends = [c.usage for c in collector.completions if c.usage is not None]
+        outputs = collector.completions
+        ends = [c.usage for c in outputs if c.usage is not None]
         return RequestOutput(
             request_id=last.request_id,
             prompt=last.prompt,
             prompt_token_ids=last.prompt_token_ids,
-            outputs=collector.completions,
+            outputs=outputs,
             finished=last.finished,
             num_cached_tokens=ends[0].cached_tokens if ends else 0,
             metrics=collector.metrics or RequestMetrics(),
