@@ -34,7 +34,7 @@ from pagedserve.workers.kv.manager import KVCacheManager
 from pagedserve.workers.protocol.events import KVEvent, KVSnapshot
 from pagedserve.workers.protocol.requests import WorkerRequest
 from pagedserve.workers.protocol.stats import PoolCheck, WorkerInfo, WorkerStats
-from pagedserve.workers.protocol.stream import StepBatch, StreamDelta, Usage
+from pagedserve.workers.protocol.stream import FinishReason, StepBatch, StreamDelta, Usage
 from pagedserve.workers.worker.stream import OwnerChannel
 
 SIM_MODEL = "tiny-llama"  # what the workers report: the router hashes with it (ByteTokenizer)
@@ -141,14 +141,19 @@ class SimWorkerCore:
         token = fake_token(len(request.all_token_ids))
         request.all_token_ids.append(token)
         done = request.num_output_tokens >= request.max_tokens
-        delta = StreamDelta(request.request_id, 0, [token], "", worker_id=self.worker_id)
-        if done:
-            delta.finish_reason = "length"
-            delta.usage = Usage(
-                request.num_prompt_tokens, request.num_output_tokens, request.cached_tokens
-            )
-            self._finish(request)
-        return delta
+        if not done:
+            return StreamDelta(request.request_id, 0, [token], "", worker_id=self.worker_id)
+        usage = Usage(request.num_prompt_tokens, request.num_output_tokens, request.cached_tokens)
+        self._finish(request)
+        return StreamDelta(
+            request.request_id,
+            0,
+            [token],
+            "",
+            finish_reason=FinishReason.LENGTH,
+            usage=usage,
+            worker_id=self.worker_id,
+        )
 
     def _finish(self, request: SimRequest) -> None:
         """The one place a request's blocks are freed (finished, aborted or cancelled)."""
@@ -249,7 +254,9 @@ class SimWorkerCore:
             return False
         self._finish(request)
         request.send(
-            StreamDelta(request_id, 0, [], "", finish_reason="abort", worker_id=self.worker_id)
+            StreamDelta(
+                request_id, 0, [], "", finish_reason=FinishReason.ABORT, worker_id=self.worker_id
+            )
         )
         self.publish_events()
         return True
