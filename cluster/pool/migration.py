@@ -40,7 +40,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.config import RoutingConfig
 from pagedserve.cluster.router.metrics import RouterMetrics
 from pagedserve.cluster.router.tracing import migration_span, pd_transfer_span
 from pagedserve.cluster.router.types import RouterCounters
@@ -59,7 +59,9 @@ class Migrations:
     """Decides and runs the router's side of pull, push and move.
 
     Args:
-        config: the cluster config (thresholds and deadlines).
+        config: the pull and push settings (thresholds, the pull's deadline).
+        rpc_timeout_s: the deadline of a control call (`FailureConfig`).
+        disaggregated: whether P/D is on (a move that falls back is then counted).
         index: the prefix index actor (who else holds a chain).
         workers: the router's `WorkerState`s, by id (shared with the router).
         tracing: where migration spans go.
@@ -69,7 +71,9 @@ class Migrations:
 
     def __init__(
         self,
-        config: ClusterConfig,
+        config: RoutingConfig,
+        rpc_timeout_s: float,
+        disaggregated: bool,
         index: Any,
         workers: dict[str, WorkerState],
         tracing: Tracing,
@@ -77,13 +81,15 @@ class Migrations:
         metrics: RouterMetrics,
     ) -> None:
         self.config = config
+        self.rpc_timeout_s = rpc_timeout_s
+        self.disaggregated = disaggregated
         self.index = index
         self.workers = workers
         self.tracing = tracing
         self.counters = counters
         self.metrics = metrics
         # A transfer has its own deadline inside the target; this one covers a stuck target.
-        self.deadline_s = config.pull_timeout_s + config.rpc_timeout_s
+        self.deadline_s = config.pull_timeout_s + rpc_timeout_s
 
     async def transfer(
         self,
@@ -162,7 +168,7 @@ class Migrations:
         if not targets:
             return
         target = max(targets, key=lambda w: (w.load().free_blocks, w.worker_id))
-        timeout = self.config.rpc_timeout_s
+        timeout = self.rpc_timeout_s
         try:
             chains = await within(
                 source.handle.push_candidates.remote(self.config.push_max_chains), timeout
@@ -192,7 +198,7 @@ class Migrations:
         alive, fell_back = phase.split(candidates)
         if not alive:
             raise NoWorkerAvailable("no worker is alive to continue a moved request")
-        self.counters.pd_fallbacks += fell_back and self.config.disaggregated
+        self.counters.pd_fallbacks += fell_back and self.disaggregated
         others = [w for w in alive if w.worker_id != source_id] or alive
         return min(others, key=_move_order)
 

@@ -110,6 +110,8 @@ class RoutingPolicy(abc.ABC):
     registry: ClassVar[dict[str, type[RoutingPolicy]]] = {}
     name: ClassVar[str]
     ranked: ClassVar[bool] = False  # it orders loads by `rank_key` and reads them in order
+    # It takes the engine's `block_size` (to turn router token counts into blocks).
+    takes_block_size: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -167,8 +169,11 @@ class RoutingPolicy(abc.ABC):
         return self.choose(num_prompt_blocks, matches, ranking.loads(), tier_load_blocks)
 
 
-def make_policy(name: str, **options: Any) -> RoutingPolicy:
-    """Build the routing policy registered as `name` with its options.
+def make_policy(
+    name: str, *, engine_block_size: int | None = None, **options: Any
+) -> RoutingPolicy:
+    """Build the routing policy registered as `name` with its options; a policy that
+    `takes_block_size` gets `engine_block_size` unless its options set one.
 
     Raises:
         ValueError: on an unknown name (listing the known ones) or an unknown option.
@@ -178,6 +183,8 @@ def make_policy(name: str, **options: Any) -> RoutingPolicy:
         raise ValueError(
             f"unknown routing policy {name!r}; known: {sorted(RoutingPolicy.registry)}"
         )
+    if policy_class.takes_block_size and engine_block_size is not None:
+        options.setdefault("block_size", engine_block_size)
     try:
         return policy_class(**options)
     except TypeError as error:
@@ -217,6 +224,7 @@ class KvAwarePolicy(RoutingPolicy):
 
     name = "kv_aware"
     ranked = True
+    takes_block_size = True
 
     def __init__(
         self,

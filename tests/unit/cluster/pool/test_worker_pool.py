@@ -1,5 +1,5 @@
 """The worker pool's pure parts: the planner's decisions, the membership and its router acks,
-the pool bounds of `ClusterConfig`, the worker spec's fingerprint, and a router's follower
+the pool bounds of `ScalingConfig`, the worker spec's fingerprint, and a router's follower
 applying joins and leaves (fake handles, no Ray)."""
 
 from __future__ import annotations
@@ -9,8 +9,14 @@ import dataclasses
 
 import pytest
 
-from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.config import (
+    ClusterConfig,
+    PlacementConfig,
+    RoutingConfig,
+    ScalingConfig,
+)
 from pagedserve.cluster.index.view import PrefixView
+from pagedserve.cluster.pool.config import PoolConfig
 from pagedserve.cluster.pool.follower import PoolFollower
 from pagedserve.cluster.pool.members import PoolMembers
 from pagedserve.cluster.pool.planner import (
@@ -168,21 +174,25 @@ def test_membership_versions_names_and_router_acks():
 )
 def test_pool_bounds_and_signal_settings_are_checked(fields, message):
     with pytest.raises(ValueError, match=message):
-        ClusterConfig(**fields)
+        ScalingConfig(**fields)
 
 
 def test_the_pool_is_fixed_unless_its_bounds_say_otherwise():
-    assert ClusterConfig(num_workers=3).worker_bounds == (3, 3)
-    assert ClusterConfig(num_workers=2, min_workers=1, max_workers=4).worker_bounds == (1, 4)
-    config = ClusterConfig.from_dict({"num_workers": 2, "max_workers": 5})
-    assert config.worker_bounds == (2, 5)
+    assert ScalingConfig(num_workers=3).worker_bounds == (3, 3)
+    assert ScalingConfig(num_workers=2, min_workers=1, max_workers=4).worker_bounds == (1, 4)
+    config = ClusterConfig.from_dict({"scaling": {"num_workers": 2, "max_workers": 5}})
+    assert config.scaling.worker_bounds == (2, 5)
 
 
 def test_the_spec_fingerprint_follows_what_shapes_a_worker_only():
     base = ClusterConfig(engine=EngineConfig(max_num_seqs=8))
-    same = dataclasses.replace(base, routing_policy="round_robin", min_workers=1)
+    same = dataclasses.replace(
+        base,
+        routing=RoutingConfig(routing_policy="round_robin"),
+        scaling=ScalingConfig(min_workers=1),
+    )
     engine = dataclasses.replace(base, engine=EngineConfig(max_num_seqs=9))
-    placed = dataclasses.replace(base, worker_num_cpus=2.0)
+    placed = dataclasses.replace(base, placement=PlacementConfig(worker_num_cpus=2.0))
     fingerprint = WorkerSpec.of(base).fingerprint
     assert WorkerSpec.of(same).fingerprint == fingerprint
     assert WorkerSpec.of(engine).fingerprint != fingerprint
@@ -211,7 +221,8 @@ def test_the_follower_adds_serving_marks_leaving_and_drops_unlisted_workers():
     members.set_state("w1", SERVING, "fp")
     workers = {"w0": WorkerState("w0", "h0", alive=True), "gone": WorkerState("gone", None)}
     view, liveness = PrefixView(), FakeLiveness()
-    follower = PoolFollower(None, ClusterConfig(), 0.0, "r", workers, liveness, view)
+    pool_config = PoolConfig.of(ClusterConfig())
+    follower = PoolFollower(None, pool_config, 10.0, 0.0, "r", workers, liveness, view)
 
     asyncio.run(follower.apply(members.membership()))
     assert sorted(workers) == ["w0", "w1"]  # w2 is starting: not yet routed to
