@@ -133,7 +133,7 @@ async def _measure(config, cluster, index, workers, workload) -> PolicyResult:
         stats = await _settled_stats(core)
     finally:
         await core.close()
-    summary = summarize(cluster.routing_policy, records, stats)
+    summary = summarize(cluster.routing.routing_policy, records, stats)
     return PolicyResult(summary, list(records), stats)
 
 

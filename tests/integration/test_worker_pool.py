@@ -17,6 +17,7 @@ import ray
 from support.cluster import assert_cluster_clean, cluster_config, greedy, run_request, start_router
 from support.wait import until
 
+from pagedserve.cluster.pool.config import PoolConfig
 from pagedserve.cluster.pool.group import stop_worker_group
 from pagedserve.cluster.pool.spec import WorkerSpec
 from pagedserve.cluster.pool.types import MemberState
@@ -62,7 +63,7 @@ def test_scale_up_under_a_burst_then_scale_down_hands_the_cache_over(ray_cluster
         enable_pull=False,  # a hit after the scale-down can only come from the handover
         max_buffered_deltas=4,
     )
-    first, second = config.worker_name(0), config.worker_name(1)
+    first, second = config.actors.worker_name(0), config.actors.worker_name(1)
     burst = [prompt(i, 40) for i in range(5)]
     warm = prompt(99, 48)
 
@@ -81,8 +82,9 @@ def test_scale_up_under_a_burst_then_scale_down_hands_the_cache_over(ray_cluster
         added = await pool_stats(core)
 
         # Scale-down on: the newest idle worker (the second) leaves, its cache first.
-        idle_soon = dataclasses.replace(config, scale_down_idle_s=0.2)
-        await core.membership.pool.configure.remote(idle_soon)
+        idle_soon = dataclasses.replace(config.scaling, scale_down_idle_s=0.2)
+        idle_soon = dataclasses.replace(config, scaling=idle_soon)
+        await core.membership.pool.configure.remote(PoolConfig.of(idle_soon))
 
         async def second_gone():
             stats = await pool_stats(core)
@@ -149,7 +151,7 @@ def test_a_config_change_replaces_the_workers_one_at_a_time_without_a_dropped_re
         "t-roll", num_workers=1, scale_interval_s=0.1, max_buffered_deltas=4, scale_down_grace_s=2.0
     )
     changed = dataclasses.replace(config, engine=dataclasses.replace(config.engine, max_num_seqs=7))
-    old, new = config.worker_name(0), config.worker_name(1)
+    old, new = config.actors.worker_name(0), config.actors.worker_name(1)
     prompts = [prompt(i, 24) for i in range(3)]
 
     async def main():
@@ -213,7 +215,7 @@ def test_a_config_change_replaces_the_workers_one_at_a_time_without_a_dropped_re
 
 def test_a_worker_killed_for_good_is_replaced_and_its_requests_replay_on_a_peer(ray_cluster):
     config = cluster_config("t-lost", num_workers=2, scale_interval_s=0.1, max_buffered_deltas=4)
-    replacement = config.worker_name(2)
+    replacement = config.actors.worker_name(2)
     prompts = [prompt(i, 24) for i in range(4)]
 
     async def main():
