@@ -43,7 +43,7 @@ from typing import Any
 from pagedserve.cluster.config import RoutingConfig
 from pagedserve.cluster.router.metrics import RouterMetrics
 from pagedserve.cluster.router.tracing import migration_span, pd_transfer_span
-from pagedserve.cluster.router.types import RouterCounters
+from pagedserve.cluster.router.types import MigrationKind, RouterCounters
 from pagedserve.cluster.router.worker_liveness import WORKER_LOST_ERRORS
 from pagedserve.cluster.router.worker_state import WorkerState
 from pagedserve.cluster.routing.worker_roles import DECODE_PHASE, RoleFilter
@@ -93,7 +93,7 @@ class Migrations:
 
     async def transfer(
         self,
-        kind: str,
+        kind: MigrationKind,
         source: WorkerState,
         target: WorkerState,
         block_hashes: Sequence[bytes],
@@ -147,7 +147,9 @@ class Migrations:
         if best - matched < self.config.pull_min_blocks:
             return matched
         holder = self.workers[holder_id]
-        pulled = await self.transfer("pull", holder, chosen, block_hashes[:best], parent)
+        pulled = await self.transfer(
+            MigrationKind.PULL, holder, chosen, block_hashes[:best], parent
+        )
         return max(matched, best) if pulled else matched
 
     # ------------------------------------------------------------------ push
@@ -177,7 +179,7 @@ class Migrations:
                 matches = await within(self.index.match.remote(chain), timeout)
                 if any(n == len(chain) for wid, n in matches.items() if wid != source.worker_id):
                     continue  # someone else holds it already
-                if not await self.transfer("push", source, target, chain):
+                if not await self.transfer(MigrationKind.PUSH, source, target, chain):
                     break  # the target took nothing: no more chains to it this round
         except (*WORKER_LOST_ERRORS, TimeoutError):
             logger.warning("push from %s failed", source.worker_id, exc_info=True)
@@ -208,7 +210,7 @@ class Migrations:
         tokens = len(handoff.all_token_ids)
         if handoff.reason is HandoffReason.PREFILLED:
             return pd_transfer_span(self.tracing, parent, handoff, source, target)
-        return migration_span(self.tracing, parent, "move", source, target, tokens)
+        return migration_span(self.tracing, parent, MigrationKind.MOVE, source, target, tokens)
 
     def on_moved(self, handoff: RequestHandoff) -> None:
         """The router follows a `RequestMoved`: count it as a P/D handoff or a move."""
@@ -218,12 +220,12 @@ class Migrations:
             self.metrics.on_pd_handoff(handoff.num_computed_tokens)
             return
         self.counters.moves += 1
-        self.metrics.on_migration("move")
+        self.metrics.on_migration(MigrationKind.MOVE)
 
-    def _count(self, kind: str, blocks: int) -> None:
+    def _count(self, kind: MigrationKind, blocks: int) -> None:
         if not blocks:
             return
-        if kind == "pull":
+        if kind is MigrationKind.PULL:
             self.counters.pulls += 1
             self.counters.pull_blocks += blocks
         else:

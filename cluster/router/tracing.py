@@ -13,13 +13,16 @@ Context crosses into a worker as a W3C `traceparent` carrier: a plain dict given
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from pagedserve.workers.protocol.stream import StreamDelta
 from pagedserve.workers.telemetry.request_trace import request_attributes
 from pagedserve.workers.telemetry.telemetry import AttributeValue, SpanAttributes, Tracing
+
+if TYPE_CHECKING:
+    from pagedserve.cluster.router.types import MigrationKind
 
 
 class RouterTrace:
@@ -75,7 +78,12 @@ class RouterTrace:
 
 
 def migration_span(
-    tracing: Tracing, parent: Any, kind: str, source: str | None, target: Any, tokens: int = 0
+    tracing: Tracing,
+    parent: Any,
+    kind: MigrationKind,
+    source: str | None,
+    target: Any,
+    tokens: int = 0,
 ) -> Span:
     """A router-side `migration.<kind>` span from `source` (an id) to `target` (a WorkerState)."""
     attrs: SpanAttributes = {

@@ -27,7 +27,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from enum import StrEnum
+from typing import Protocol
 
 from pagedserve.workers.kv.block import Block
 from pagedserve.workers.kv.block_hash import block_hash
@@ -37,8 +38,16 @@ from pagedserve.workers.kv.swap import KVSwap
 from pagedserve.workers.protocol.blocks import BlockHash, BlockKey
 from pagedserve.workers.protocol.stats import KVUsage
 
-AllocationMode = Literal["paged", "reserve-max"]
-ALLOCATION_MODES: tuple[str, ...] = ("paged", "reserve-max")
+
+class AllocationMode(StrEnum):
+    """How a request's block table grows: `PAGED` as its tokens arrive, `RESERVE_MAX` a whole
+    context (`max_model_len`) at admission, as a contiguous server would."""
+
+    PAGED = "paged"
+    RESERVE_MAX = "reserve-max"
+
+
+ALLOCATION_MODES: tuple[str, ...] = tuple(mode.value for mode in AllocationMode)
 
 
 class KVRequest(Protocol):
@@ -101,7 +110,7 @@ class KVCacheManager(KVSwap):
         max_model_len: int,
         *,
         enable_prefix_caching: bool = True,
-        allocation_mode: AllocationMode = "paged",
+        allocation_mode: AllocationMode | str = AllocationMode.PAGED,
         watermark: float = 0.01,
         num_swap_blocks: int = 0,
     ) -> None:
@@ -115,7 +124,7 @@ class KVCacheManager(KVSwap):
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.allocation_mode = allocation_mode
+        self.allocation_mode = AllocationMode(allocation_mode)
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.reserve_blocks = int(watermark * num_blocks)
         self.num_swap_blocks = num_swap_blocks
@@ -172,7 +181,7 @@ class KVCacheManager(KVSwap):
     def can_fit_ever(self, num_tokens: int) -> bool:
         """Whether a request reaching `num_tokens` could be admitted alone into an empty pool."""
         needed = blocks_needed(num_tokens, self.block_size)
-        if self.allocation_mode == "reserve-max":
+        if self.allocation_mode is AllocationMode.RESERVE_MAX:
             needed = max(needed, blocks_needed(self.max_model_len, self.block_size))
         return needed <= self.pool.num_blocks - self.reserve_blocks
 
@@ -224,7 +233,7 @@ class KVCacheManager(KVSwap):
             )
         end = total + num_draft_tokens
         num_target = blocks_needed(end, self.block_size)
-        if admitting and self.allocation_mode == "reserve-max":
+        if admitting and self.allocation_mode is AllocationMode.RESERVE_MAX:
             num_target = max(num_target, blocks_needed(self.max_model_len, self.block_size))
         num_grow = max(0, num_target - len(blocks))
         shared_in_write_range = self._shared_blocks_to_write(blocks, num_computed, end)
@@ -319,7 +328,7 @@ class KVCacheManager(KVSwap):
         """Free the blocks no position below `num_positions` uses (in `reserve-max`, the
         reservation stays). None of them is hashed: each holds only unaccepted slots."""
         keep = blocks_needed(num_positions, self.block_size)
-        if self.allocation_mode == "reserve-max":
+        if self.allocation_mode is AllocationMode.RESERVE_MAX:
             keep = max(keep, blocks_needed(self.max_model_len, self.block_size))
         if len(state.blocks) <= keep:
             return
