@@ -144,7 +144,10 @@ def check_config(data: dict[str, Any], settings: Settings) -> ClusterConfig:
 
 
 def _named(error: Exception, settings: Settings) -> StartError:
-    path = settings.named_in(str(error))
+    # An unknown key is the file's (flags are known by construction), wherever it says the
+    # field lives: name the file, not the flag of the field it mentions.
+    unknown = str(error).startswith("unknown ")
+    path = None if unknown else settings.named_in(str(error))
     where = settings.name(path) if path else (settings.config_file or "the config")
     return StartError(where, str(error))
 

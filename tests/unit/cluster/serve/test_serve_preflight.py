@@ -139,6 +139,19 @@ def test_a_setting_from_the_config_file_is_named_as_written_there(capsys, tmp_pa
     assert f"--config {path}: " in serve_refuses(capsys, "--config", str(path))
 
 
+def test_a_section_s_field_is_named_in_its_section_and_a_misplaced_one_says_where(capsys, tmp_path):
+    path = tmp_path / "cluster.yaml"
+    path.write_text("scaling:\n  num_workers: 0\nengine: {model: tiny-llama}\n", encoding="utf-8")
+    line = serve_refuses(capsys, "--config", str(path))
+    assert f"{path}: scaling.num_workers 0: num_workers must be >= 1" in line
+    path.write_text("scaling:\n  enable_pull: false\n", encoding="utf-8")
+    line = serve_refuses(capsys, "--config", str(path), "--model", "tiny-llama")
+    assert f"{path}: unknown scaling keys: enable_pull (enable_pull is routing.enable_pull)" in line
+    path.write_text("num_workers: 2\nscaling:\n  num_workers: 3\n", encoding="utf-8")
+    line = serve_refuses(capsys, "--config", str(path), "--model", "tiny-llama")
+    assert "num_workers is given twice: at the top level and as scaling.num_workers" in line
+
+
 def test_settings_are_named_by_where_they_came_from():
     data = {
         "scaling": {"num_workers": 3},
