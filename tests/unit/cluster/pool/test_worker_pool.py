@@ -29,6 +29,7 @@ from pagedserve.cluster.pool.planner import (
 )
 from pagedserve.cluster.pool.spec import WorkerSpec
 from pagedserve.cluster.pool.types import MemberState
+from pagedserve.cluster.router.config import RouterConfig
 from pagedserve.cluster.router.worker_state import WorkerState
 from pagedserve.workers.engine.config import EngineConfig
 
@@ -234,3 +235,48 @@ def test_the_follower_adds_serving_marks_leaving_and_drops_unlisted_workers():
     members.remove("w1")
     asyncio.run(follower.apply(members.membership()))
     assert sorted(workers) == ["w0"] and liveness.forgotten == ["gone", "w1"]
+
+
+def test_a_router_s_first_workers_are_the_pool_s_answer_to_its_config():
+    """A Router replica starts nothing: at its start it hands the pool its config (with its
+    revision) and takes the starting and serving members as its workers."""
+    members = PoolMembers(lambda i: f"w{i}")
+    for i in range(3):
+        members.add(members.new_name()[0], handle=f"h{i}")
+    members.set_state("w0", SERVING, "fp")
+    members.set_state("w2", LEAVING)
+    configured = []
+
+    class Pool:
+        class configure:  # noqa: N801 (a Ray actor method's shape)
+            @staticmethod
+            async def remote(config, revision):
+                configured.append((config, revision))
+                return members.membership()
+
+    workers: dict[str, WorkerState] = {}
+    pool_config = PoolConfig.of(ClusterConfig())
+    follower = PoolFollower(Pool, pool_config, 10.0, 3.0, "r", workers, FakeLiveness(), None)
+    asyncio.run(follower.first(timeout_s=5.0))
+    assert configured == [(pool_config, 3.0)]
+    assert sorted(workers) == ["w0", "w1"] and workers["w1"].handle == "h1"  # w2 is leaving
+
+
+def test_the_router_and_the_pool_get_only_their_sections():
+    config = ClusterConfig.from_dict(
+        {"scaling": {"num_workers": 3, "prefill_workers": 1}, "limits": {"max_inflight": 5}}
+    )
+    router = RouterConfig.of(config)
+    assert (router.limits, router.routing, router.failure) == (
+        config.limits,
+        config.routing,
+        config.failure,
+    )
+    assert router.disaggregated and not hasattr(router, "scaling")
+    pool = PoolConfig.of(config)
+    assert (pool.scaling, pool.actors, pool.spec) == (
+        config.scaling,
+        config.actors,
+        WorkerSpec.of(config),
+    )
+    assert not hasattr(pool, "limits") and pool.spec.engine.max_waiting == 256
