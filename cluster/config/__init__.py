@@ -11,7 +11,8 @@ per concern, each its own frozen dataclass that checks its own fields.
     checks.py     the field checks the sections share
 
 Each part of the app is handed only the sections it reads (the worker pool its
-`PoolConfig`, `cluster/pool/settings.py`; the router its routing, failure and limits).
+`PoolConfig`, `cluster/pool/config.py`; the router its `RouterConfig`,
+`cluster/router/config.py`).
 """
 
 from pagedserve.cluster.config.cluster import SECTION_OF, SECTIONS, ClusterConfig, nest
