@@ -1,4 +1,5 @@
-"""What the GPU benchmarks share: a row log written as rows are measured, timers, ceilings.
+"""What the GPU benchmarks share: a row log written as rows are measured, timers, ceilings,
+and a run's time budget (`out_of_time`).
 
 A lent GPU may be taken back, or a step may hit its time limit, at any moment, so every
 measurement is appended to a JSON-lines file and flushed at once; the Markdown tables and the
@@ -146,3 +147,15 @@ def _cell(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
     return str(value).replace("|", "/")
+
+
+# -------------------------------------------------------------- a run's budget
+def out_of_time(args) -> bool:
+    """Whether the run's `--budget-s` (its `deadline`) has passed: what is left is skipped."""
+    return args.deadline is not None and time.monotonic() > args.deadline
+
+
+def free_cache(device: torch.device) -> None:
+    """Give the caching allocator's free blocks back between configurations."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

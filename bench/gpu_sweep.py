@@ -17,7 +17,8 @@ import pathlib
 
 import torch
 
-from pagedserve.bench.gpu_rows import RowLog, time_ms, timer_name
+from pagedserve.bench.gpu_rows import RowLog, free_cache, out_of_time, time_ms, timer_name
+from pagedserve.bench.kernel_inputs import make_paged
 from pagedserve.kernels import copy_blocks, gather_blocks, paged_decode_attention, write_kv
 from pagedserve.kernels.launch import DECODE_CANDIDATES, PREFILL_CANDIDATES
 from pagedserve.kernels.prefill import paged_prefill_attention
@@ -34,9 +35,7 @@ NUM_LAYERS = 32
 
 def bench_movers(args, s, log: RowLog, copy_gbps: float) -> None:
     """write_kv, copy_blocks and gather_blocks bandwidth (bytes read + written)."""
-    from pagedserve.bench.kernels import _out_of_time
-
-    if _out_of_time(args):
+    if out_of_time(args):
         return
     dry = s.device.type != "cuda"
     tokens, pool_blocks, pairs = (64, 32, 8) if dry else (16384, 2048, 512)
@@ -77,8 +76,6 @@ def _mover(log: RowLog, s, name: str, fn, nbytes: int, copy_gbps: float) -> None
 
 
 def run_sweeps(args, s, rows_path: pathlib.Path | None, gen: torch.Generator) -> None:
-    from pagedserve.bench.kernels import make_paged
-
     dry = s.device.type != "cuda"
     log = RowLog(rows_path, "sweep")
     winners = RowLog(rows_path, "sweep_winner")
@@ -110,16 +107,14 @@ def run_sweeps(args, s, rows_path: pathlib.Path | None, gen: torch.Generator) ->
 
 def _sweep_kernel(args, s, log, kernel, points, cands, build) -> dict[int, list[float]]:
     """Time every candidate at every point; return each candidate's latency ratios."""
-    from pagedserve.bench.kernels import _free, _out_of_time
-
     ratios: dict[int, list[float]] = {i: [] for i in range(len(cands))}
     for batch, length in points:
-        if _out_of_time(args):
+        if out_of_time(args):
             break
         run = build(batch, length)
         default_ms = None
         for i, cand in enumerate(cands):
-            if _out_of_time(args):
+            if out_of_time(args):
                 break
             try:
                 ms = time_ms(lambda run=run, cand=cand: run(cand), s.device, args.rep_ms)
@@ -134,7 +129,7 @@ def _sweep_kernel(args, s, log, kernel, points, cands, build) -> dict[int, list[
             log.add(kernel=kernel, point=f"{batch}x{length}", config=repr(cand),
                     latency_us=ms * 1e3, vs_default=ratio, timer=timer_name(s.device))  # fmt: skip
         del run
-        _free(s.device)
+        free_cache(s.device)
     return ratios
 
 

@@ -23,6 +23,9 @@ Every row is appended to `DIR/bench_rows.jsonl` as it is measured; `DIR/kernels.
 `DIR/kernels.md` are written at the end. `--dry-run` runs tiny shapes on the CPU under the
 Triton interpreter (TRITON_INTERPRET=1 must be set before start): a rehearsal of the code
 path whose timings mean nothing. Without CUDA and without `--dry-run` it says so and exits 0.
+
+The KV each section measures on and the torch references are in `bench/kernel_inputs.py`; the
+movers and the sweep in `bench/gpu_sweep.py`; the row log and timers in `bench/gpu_rows.py`.
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ import pathlib
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -43,11 +45,20 @@ from pagedserve.bench.gpu_rows import (
     RowLog,
     copy_bandwidth_gbps,
     device_refusal,
+    free_cache,
     graph_time_ms,
+    out_of_time,
     read_rows,
     render_markdown,
     time_ms,
     timer_name,
+)
+from pagedserve.bench.kernel_inputs import (
+    Shapes,
+    make_paged,
+    sdpa_backend,
+    sdpa_decode,
+    varlen_batch,
 )
 from pagedserve.kernels import (
     DecodeLaunch,
@@ -69,76 +80,6 @@ TABLE_COLUMNS = {
     **gpu_sweep.TABLE_COLUMNS,
     "jit": ["kernel", "compiled_variants"],
 }  # fmt: skip
-
-
-@dataclass
-class Shapes:
-    heads: int
-    kv_heads: int
-    head_dim: int
-    block: int
-    dtype: torch.dtype
-    device: torch.device
-
-    @property
-    def scale(self) -> float:
-        return self.head_dim**-0.5
-
-
-@dataclass
-class PagedData:
-    """Random KV in a shuffled paged pool, plus the same KV contiguous `[B, Hkv, ctx, D]`."""
-
-    key_cache: torch.Tensor
-    value_cache: torch.Tensor
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
-    keys: torch.Tensor
-    values: torch.Tensor
-
-
-def make_paged(s: Shapes, batch: int, context: int, gen: torch.Generator) -> PagedData:
-    blocks_per_seq = -(-context // s.block)
-    num_blocks = batch * blocks_per_seq
-    shape = (num_blocks, s.block, s.kv_heads, s.head_dim)
-    key_cache = torch.randn(shape, device=s.device, dtype=s.dtype)
-    value_cache = torch.randn(shape, device=s.device, dtype=s.dtype)
-    order = torch.randperm(num_blocks, generator=gen).to(s.device)
-    tables = order.view(batch, blocks_per_seq)
-
-    def contiguous(cache: torch.Tensor) -> torch.Tensor:
-        flat = cache[tables].view(batch, blocks_per_seq * s.block, *shape[2:])
-        return flat[:, :context].transpose(1, 2).contiguous()
-
-    return PagedData(
-        key_cache=key_cache,
-        value_cache=value_cache,
-        block_tables=tables.to(torch.int32),
-        seq_lens=torch.full((batch,), context, dtype=torch.int32, device=s.device),
-        keys=contiguous(key_cache),
-        values=contiguous(value_cache),
-    )
-
-
-def sdpa_decode(q: torch.Tensor, d: PagedData, scale: float, flash: bool) -> torch.Tensor:
-    """SDPA over contiguous KV; the query heads of a KV head become its query rows, so no
-    K/V expansion is needed and flash attention applies (one token: nothing to mask)."""
-    batch, heads, dim = q.shape
-    kv_heads = d.keys.shape[1]
-    q4 = q.view(batch, kv_heads, heads // kv_heads, dim)
-    with _sdpa_backend(flash):
-        out = F.scaled_dot_product_attention(q4, d.keys, d.values, scale=scale)
-    return out.reshape(batch, heads, dim)
-
-
-def _sdpa_backend(flash: bool):
-    from contextlib import nullcontext
-
-    if not flash:
-        return nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
 
 
 def _measure(
@@ -171,9 +112,9 @@ def _measure(
 def bench_decode(args, s: Shapes, log: RowLog, copy_gbps: float, gen) -> None:
     for batch in args.batches:
         for context in args.contexts:
-            if batch * context <= args.max_tokens and not _out_of_time(args):
+            if batch * context <= args.max_tokens and not out_of_time(args):
                 _decode_config(args, s, log, copy_gbps, gen, batch, context)
-                _free(s.device)
+                free_cache(s.device)
 
 
 def _decode_config(args, s: Shapes, log: RowLog, copy_gbps, gen, batch, context) -> None:
@@ -198,9 +139,9 @@ def _decode_config(args, s: Shapes, log: RowLog, copy_gbps, gen, batch, context)
 
 def bench_prefill(args, s: Shapes, log: RowLog, gen) -> None:
     for batch, prompt in args.prefills:
-        if not _out_of_time(args):
+        if not out_of_time(args):
             _prefill_config(args, s, log, gen, batch, prompt)
-            _free(s.device)
+            free_cache(s.device)
 
 
 def _prefill_config(args, s: Shapes, log: RowLog, gen, batch: int, prompt: int) -> None:
@@ -215,7 +156,7 @@ def _prefill_config(args, s: Shapes, log: RowLog, gen, batch: int, prompt: int) 
     v_full = d.values.repeat_interleave(group, dim=1)
 
     def sdpa(flash: bool) -> torch.Tensor:
-        with _sdpa_backend(flash):
+        with sdpa_backend(flash):
             out = F.scaled_dot_product_attention(q4, k_full, v_full, is_causal=True, scale=s.scale)
         return out.transpose(1, 2).reshape(tokens, s.heads, s.head_dim)
 
@@ -230,26 +171,14 @@ def _prefill_config(args, s: Shapes, log: RowLog, gen, batch: int, prompt: int) 
                  impl=name)  # fmt: skip
 
 
-def _varlen_batch(s: Shapes, ctx_lens: list[int], q_lens: list[int], gen):
-    """A packed batch over one shuffled pool: (query, cache, tables, starts, seq_lens)."""
-    from pagedserve.kernels.testing import make_paged_kv
-
-    kv = make_paged_kv(ctx_lens, s.kv_heads, s.head_dim, s.block, s.dtype, s.device,
-                       generator=gen, spare_blocks=0)  # fmt: skip
-    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    q = torch.randn(int(starts[-1]), s.heads, s.head_dim, generator=gen).to(s.dtype)
-    return (q.to(s.device), kv.key_cache, kv.value_cache, kv.block_tables,
-            starts.to(s.device), kv.seq_lens, s.scale)  # fmt: skip
-
-
 def bench_mixed(args, s: Shapes, log: RowLog, gen) -> None:
     """One long decode among prefill chunks and short decodes: one launch or two."""
-    if _out_of_time(args):
+    if out_of_time(args):
         return
     long_ctx, chunk, short_ctx, n_chunks, n_short = args.mixed
     ctx_lens = [long_ctx] + [2 * chunk] * n_chunks + [short_ctx] * n_short
     q_lens = [1] + [chunk] * n_chunks + [1] * n_short
-    paged = _varlen_batch(s, ctx_lens, q_lens, gen)
+    paged = varlen_batch(s, ctx_lens, q_lens, gen)
     expected = paged_prefill_attention_ref(*paged).float()
     note = f"1 decode @{long_ctx} + {n_chunks} chunks of {chunk} + {n_short} decodes @{short_ctx}"
     for name, fn in (
@@ -257,12 +186,12 @@ def bench_mixed(args, s: Shapes, log: RowLog, gen) -> None:
         ("triton_split_decodes", lambda: paged_prefill_attention(*paged, split_decodes=True)),
     ):
         _measure(log, s, fn, expected, args.rep_ms, impl=name, note=note)
-    _free(s.device)
+    free_cache(s.device)
 
 
 def bench_uneven(args, s: Shapes, log: RowLog, copy_gbps: float, gen) -> None:
     """A decode batch of very uneven lengths (fixed seed), per split policy."""
-    if _out_of_time(args):
+    if out_of_time(args):
         return
     batch, lo, hi = args.uneven
     lens = torch.exp(
@@ -270,7 +199,7 @@ def bench_uneven(args, s: Shapes, log: RowLog, copy_gbps: float, gen) -> None:
     )
     ctx_lens = [max(lo, min(hi, int(lo * x))) for x in lens.tolist()]
     ctx_lens[0] = hi  # always one sequence at the longest context
-    paged = _varlen_batch(s, ctx_lens, [1] * batch, gen)
+    paged = varlen_batch(s, ctx_lens, [1] * batch, gen)
     q, kc, vc, tables, _, seq_lens, scale = paged
     decode_args = (q, kc, vc, tables, seq_lens, scale)
     expected = paged_prefill_attention_ref(*paged).float()
@@ -280,13 +209,13 @@ def bench_uneven(args, s: Shapes, log: RowLog, copy_gbps: float, gen) -> None:
         _measure(log, s, lambda launch=launch: paged_decode_attention(*decode_args, launch=launch),
                  expected, args.rep_ms, nbytes=kv_bytes, copy_gbps=copy_gbps,
                  impl=f"triton min_split_tokens={min_tokens}")  # fmt: skip
-    _free(s.device)
+    free_cache(s.device)
 
 
 def bench_cuda_graph(args, s: Shapes, log: RowLog, gen) -> None:
     """Small decodes are launch-bound: stream launch vs CUDA-graph replay of the same call."""
     for batch, context in args.graph_configs:
-        if not _out_of_time(args):
+        if not out_of_time(args):
             _graph_config(args, s, log, gen, batch, context)
 
 
@@ -314,15 +243,6 @@ def log_jit(log: RowLog) -> None:
     for kernel in (decode.decode_split_kernel, decode.decode_reduce_kernel, prefill.prefill_kernel,
                    kv_write.write_kv_kernel, block_ops.copy_blocks_kernel):  # fmt: skip
         log.add(kernel=kernel.fn.__name__, compiled_variants=compiled_variants(kernel))
-
-
-def _free(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def _out_of_time(args) -> bool:
-    return args.deadline is not None and time.monotonic() > args.deadline
 
 
 def _pairs(text: str) -> list[tuple[int, int]]:

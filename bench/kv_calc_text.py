@@ -9,7 +9,7 @@ from pagedserve.bench import kv_calc_dtype
 from pagedserve.workers.kv.memory import LayoutUsage, dtype_bytes
 
 if TYPE_CHECKING:
-    from pagedserve.bench.kv_calc import KvCalcInputs
+    from pagedserve.bench.kv_calc_inputs import KvCalcInputs
 
 
 def _human_bytes(num_bytes: int) -> str:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedserve.bench.kv_calc import PLOT_SWEEP, KvCalcInputs, lengths_note
+from pagedserve.bench.kv_calc import PLOT_SWEEP, lengths_note
+from pagedserve.bench.kv_calc_inputs import KvCalcInputs
 from pagedserve.bench.kv_calc_text import percent
 from pagedserve.workers.kv.memory import paged_usage, reserve_max_usage
 

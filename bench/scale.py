@@ -108,7 +108,8 @@ def run_scale_bench(config: ScaleBenchConfig) -> tuple[list[ScaleSummary], int]:
     simulated workers were not clean (busy or leaking) at the end."""
     import ray
 
-    from pagedserve.bench.scale_worker import SimWorkerConfig, start_sim_workers
+    from pagedserve.bench.scale_worker import SimWorkerConfig
+    from pagedserve.bench.scale_worker_host import start_sim_workers
     from pagedserve.cluster.index.prefix_index import PrefixIndexActor
 
     index = PrefixIndexActor.options(num_cpus=0, name=f"scale-index-{uuid.uuid4().hex}").remote()

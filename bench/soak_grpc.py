@@ -10,7 +10,8 @@ metadata entry is seen as a client sees it. Faults at fixed points of the steady
                     alongside the steady load: every refusal RESOURCE_EXHAUSTED + retry-after
     dup_at          duplicate-id pairs                      } each on a quiet cluster: the
     router_kill_at  Router replica killed mid-stream        } steady requests started so far
-    index_kill_at   prefix index killed and restarted       } end first (`soak_grpc_faults`)
+    index_kill_at   prefix index killed and restarted       } end first (`soak_grpc_faults`,
+                                                              `soak_grpc_router_kill`)
 
 Then the checks: codes and details of every request (`soak_grpc_checks`), outputs against
 the request run alone, and every pool clean with the index equal to it (`soak_checks`).
@@ -36,12 +37,11 @@ from pagedserve.bench.soak_grpc_calls import WIRE_BAD_INPUTS, GrpcOutcome, call_
 from pagedserve.bench.soak_grpc_checks import REFUSED, check_outcomes
 from pagedserve.bench.soak_grpc_faults import (
     FaultRecord,
-    RouterKillSpec,
     duplicate_pair,
     index_kill,
     router_counters,
-    router_kill,
 )
+from pagedserve.bench.soak_grpc_router_kill import RouterKillSpec, router_kill
 from pagedserve.cluster.config import (
     ClusterConfig,
     FailureConfig,

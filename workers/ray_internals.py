@@ -1,8 +1,9 @@
 """Every part of Ray's private API pagedserve touches, in one place, for one Ray version.
 
-Ray and Serve offer no public way to do seven things pagedserve needs. Each is reached only
-through a function here, and each has a test (`tests/unit/workers/test_ray_internals.py`) that
-fails when an upgrade moves or reshapes what it touches:
+Ray and Serve offer no public way to do the things below, which pagedserve needs. Each is
+reached only through a function here, and each has a test
+(`tests/unit/workers/test_ray_internals.py`) that fails when an upgrade moves or reshapes
+what it touches:
 
 - `setup_hook_env_var`: `ray._private.ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR`, a
   setup hook for the processes Serve and the pool start (`api.grpc.backlog`, `drain_signal`);
@@ -22,7 +23,10 @@ fails when an upgrade moves or reshapes what it touches:
   Serve fills without bound, for HTTP streams that pause when unread (`api.openai.api`);
 - `detached_context` and `detached_task`: `ray._raylet.async_task_id`, the context variable by
   which Ray files each call an async actor makes under the request it serves, so that a call
-  meant to outlive that request is not cancelled with it (`router`, `worker_channel`).
+  meant to outlive that request is not cancelled with it (`router`, `worker_channel`);
+- `kv_put`, `kv_get` and `kv_del`: `ray.experimental.internal_kv`, the GCS's key-value store
+  (where Serve keeps its own checkpoints), for what an actor must find again after Ray
+  restarts it with its first arguments (`pool.pool`: the newest config revision followed).
 
 Serve also reads settings from the environment that its docs do not list (set in
 `serve_options`, `ray_startup` and `api.grpc.status`): `RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD`,
@@ -202,3 +206,25 @@ def detached_context() -> contextvars.Context:
 def detached_task(coroutine: Coroutine[Any, Any, Any]) -> asyncio.Task:
     """`coroutine` in a task of the running loop, in a `detached_context`."""
     return asyncio.get_running_loop().create_task(coroutine, context=detached_context())
+
+
+def kv_put(key: str, value: bytes, namespace: str) -> None:
+    """Store `value` under `key` in the GCS's key-value store, replacing what was there: it
+    outlives every actor of the app (and their restarts) until `kv_del`."""
+    from ray.experimental.internal_kv import _internal_kv_put
+
+    _internal_kv_put(key, value, overwrite=True, namespace=namespace)
+
+
+def kv_get(key: str, namespace: str) -> bytes | None:
+    """What `kv_put` stored under `key`; None if nothing is."""
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    return _internal_kv_get(key, namespace=namespace)
+
+
+def kv_del(key: str, namespace: str) -> None:
+    """Forget `key` (nothing happens if it holds nothing)."""
+    from ray.experimental.internal_kv import _internal_kv_del
+
+    _internal_kv_del(key, namespace=namespace)

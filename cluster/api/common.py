@@ -1,8 +1,8 @@
 """What both front ends do the same way: build sampling params, check text, collect completions.
 
-`CompletionCollector` is the one collector of a request's stream, for gRPC and HTTP alike: it
-puts whole completions together (when a response needs them) and, through `Usage.of_request`,
-owns the request's usage; `Usage.total` adds up several prompts'.
+A request's stream is added up by the one accumulator, `CompletionCollector`
+(`workers/engine/outputs.py`, shared with the offline `LLM`): whole completions when a response
+needs them, and the request's usage; `Usage.total` adds up several prompts'.
 
 Validation is the router's and the worker's (`SamplingParams`, `RouterCore`, `Engine` raise with
 messages that name the field); this module only turns their errors into `ApiError`s and checks
@@ -12,21 +12,20 @@ what they cannot see on the wire (malformed UTF-8).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pagedserve.cluster.api.errors import ApiError, field_of
 from pagedserve.cluster.api.openai.tools import ToolCalling, tool_chat_turns
 from pagedserve.cluster.router.router import RouterCore
+from pagedserve.workers.engine.outputs import CompletionCollector
 from pagedserve.workers.model.tokenizer import render_chat
 from pagedserve.workers.protocol.errors import RequestRejected
 from pagedserve.workers.protocol.requests import GenerateRequest
 from pagedserve.workers.protocol.sampling import SamplingKwargs, SamplingParams
-from pagedserve.workers.protocol.stream import RequestMetrics, StreamDelta, TokenLogprob, Usage
+from pagedserve.workers.protocol.stream import StreamDelta
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack from Python 3.12
@@ -110,91 +109,6 @@ def _is_unicode(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
-
-
-@dataclass
-class CompletionResult:
-    """One completion (branch) put together from its deltas; its text is kept as pieces and
-    joined when read, so adding a delta never copies the text so far."""
-
-    index: int
-    text_pieces: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    usage: Usage | None = None
-    metrics: RequestMetrics | None = None
-    error: str | None = None
-    logprobs: list[TokenLogprob | None] | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-    beam_logprob: float | None = None  # a beam search's hypothesis: the engine's sum
-
-    @property
-    def text(self) -> str:
-        return "".join(self.text_pieces)
-
-    @property
-    def cumulative_logprob(self) -> float:
-        """The sum of its tokens' log-probabilities (0 without them)."""
-        if self.beam_logprob is not None:
-            return self.beam_logprob
-        return sum(item.logprob for item in self.logprobs or () if item is not None)
-
-
-@dataclass
-class CompletionCollector:
-    """Collects one request's stream: each branch's end (finish, usage, metrics, error), and its
-    text and token ids unless `keep_output` is off (a stream that only needs the totals).
-
-    Args:
-        keep_output: put whole completions together (a unary response needs them).
-    """
-
-    request_id: str = ""
-    worker_id: str = ""
-    results: dict[int, CompletionResult] = field(default_factory=dict)
-    keep_output: bool = True
-    best: list[CompletionResult] | None = None  # `keep_best`'s pick
-
-    def add(self, delta: StreamDelta) -> None:
-        self.request_id = delta.request_id or self.request_id
-        self.worker_id = delta.worker_id or self.worker_id
-        result = self.results.setdefault(delta.index, CompletionResult(delta.index))
-        if self.keep_output:
-            result.text_pieces.append(delta.text)
-            result.token_ids.extend(delta.token_ids)
-            if delta.logprobs is not None:
-                result.logprobs = result.logprobs or []
-                result.logprobs.extend(delta.logprobs)
-            if delta.prompt_logprobs is not None and result.prompt_logprobs is None:
-                result.prompt_logprobs = list(delta.prompt_logprobs)
-        if delta.finish_reason is not None:
-            result.finish_reason = delta.finish_reason
-            result.stop_reason = delta.stop_reason
-            result.usage = delta.usage
-            result.metrics = delta.metrics
-            result.error = delta.error
-            result.beam_logprob = delta.cumulative_logprob
-
-    @property
-    def completions(self) -> list[CompletionResult]:
-        """The branches, in order (after `keep_best`: the ones it kept, best first)."""
-        if self.best is not None:
-            return self.best
-        return [self.results[i] for i in sorted(self.results)]
-
-    def keep_best(self, n: int) -> None:
-        """Keep the `n` branches of highest cumulative log-probability of their tokens (ties:
-        the lower branch), renumbered 0..n-1 best first: `best_of`. `usage` still counts every
-        branch, since every one was generated."""
-        ranked = sorted(self.results.values(), key=lambda r: (-r.cumulative_logprob, r.index))
-        self.best = [dataclasses.replace(r, index=i) for i, r in enumerate(ranked[:n])]
-
-    def usage(self) -> Usage:
-        """The request's usage: prompt and cached tokens once, completion tokens summed over
-        the branches that finished."""
-        finished = (self.results[i].usage for i in sorted(self.results))
-        return Usage.of_request(usage for usage in finished if usage is not None)
 
 
 async def collect(core: RouterCore, request: GenerateRequest) -> CompletionCollector:

@@ -18,6 +18,7 @@ from ray.actor import ActorHandle
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.index.prefix_index import get_or_create_prefix_index
 from pagedserve.cluster.pool.config import PoolConfig
+from pagedserve.cluster.pool.followed import FollowedRevision
 from pagedserve.cluster.pool.pool import existing_workers, get_or_create_worker_pool
 from pagedserve.cluster.pool.spec import WORKER_MAX_CONCURRENCY
 from pagedserve.cluster.pool.types import MemberState
@@ -122,6 +123,7 @@ def stop_worker_group(config: ClusterConfig, drain_grace_s: float | None = None)
         _kill(name, actors.namespace)
     _kill(actors.pool_name, actors.namespace)
     _kill(actors.index_name, actors.namespace)
+    FollowedRevision(actors.pool_name, actors.namespace).forget()
 
 
 def stop_pool(config: ClusterConfig) -> None:

@@ -40,8 +40,11 @@ exist under the app's name pattern (counting past their numbers) and decides not
 router configures it again (routers do on their next poll when the pool says it is not
 configured, or follows an older revision than theirs) and two stats intervals and a control
 call's deadline have passed (every live router has polled by then, even one whose poll timed out
-on the restarting pool and waits for its next round), so a restarted pool follows the newest
-config and never rolls the workers back to its creation config.
+on the restarting pool and waits for its next round). A router's poll can be later than that
+on a loaded machine, so the newest revision the pool followed is also kept in the GCS
+(`cluster/pool/followed.py`) and a restarted pool decides nothing until it is configured with
+that revision or a newer one: it follows the newest config and never rolls the workers back to
+its creation config, or to an older router's.
 
 Stop: `freeze` (the app is stopping) ends every decision; the pool goes on answering the
 routers' membership polls until the app's stop kills it after them (`pool.group`), so that
@@ -61,6 +64,7 @@ from ray.actor import ActorHandle
 
 from pagedserve.cluster.config import ActorNames
 from pagedserve.cluster.pool.config import PoolConfig
+from pagedserve.cluster.pool.followed import FollowedRevision
 from pagedserve.cluster.pool.leaving import CALL_ERRORS, PoolLeaving
 from pagedserve.cluster.pool.members import PoolMembers
 from pagedserve.cluster.pool.planner import (
@@ -109,6 +113,8 @@ class WorkerPoolActor(PoolLeaving):
         self._configured = False  # decides nothing until a router (re)configures it
         self._configured_at = 0.0
         self._adopted = False  # it found workers at its start: a restart
+        self._followed = FollowedRevision(config.actors.pool_name, config.actors.namespace)
+        self._follow_at_least = 0.0  # after a restart: the newest revision it had followed
         self._slots: dict[str, int] = {}
         self._roles: dict[str, WorkerRole] = {}  # each member's P/D role
         self._ready: dict[str, asyncio.Task] = {}
@@ -131,6 +137,8 @@ class WorkerPoolActor(PoolLeaving):
         )
         existing = await asyncio.to_thread(existing_workers, actors)
         self._adopted = bool(existing)
+        if self._adopted:
+            self._follow_at_least = await self._followed.load()
         for worker_id, slot in sorted(existing.items(), key=lambda item: item[1]):
             handle = await asyncio.to_thread(ray.get_actor, worker_id, actors.namespace)
             self.members.adopt_slot(slot)
@@ -229,6 +237,14 @@ class WorkerPoolActor(PoolLeaving):
         target = self.planner.target if same_size else num_workers
         self.planner.configure(ScalingSettings.of(config.scaling), self._spec.fingerprint, target)
         self.members.config_revision = revision
+        await self._followed.record(revision)
+        if revision < self._follow_at_least:
+            logger.warning(
+                "pool: configured with revision %s after its restart; it followed %s before, "
+                "so it decides nothing until a router of that revision configures it",
+                revision,
+                self._follow_at_least,
+            )
         if not self._configured:
             self._configured, self._configured_at = True, time.monotonic()
         return self._published()
@@ -279,12 +295,19 @@ class WorkerPoolActor(PoolLeaving):
     def _settled(self) -> bool:
         """Configured, two stats intervals ago at least: by then every live router has polled
         and sent its config if it was newer, so a restarted pool acts on the newest config
-        and not on whichever router (of an older deployment, maybe) reached it first."""
+        and not on whichever router (of an older deployment, maybe) reached it first; and,
+        after a restart, configured with the newest revision it had followed at least (a
+        router's late poll brings it; `followed.py`)."""
         failure = self._config.failure
         wait_s = 2 * failure.stats_interval_s
         if self._adopted:  # a router whose poll timed out on the restart polls again by then
             wait_s += failure.rpc_timeout_s
-        return self._configured and time.monotonic() - self._configured_at >= wait_s
+        if not self._configured or time.monotonic() - self._configured_at < wait_s:
+            return False
+        if self.members.config_revision < self._follow_at_least:  # `followed.py`
+            self.counters.rounds_held += 1
+            return False
+        return True
 
     async def _observe(self) -> list[Observation]:
         async def observe(member) -> Observation:

@@ -67,6 +67,7 @@ class PoolCounters:
     handover_blocks: int = 0  # blocks peers took from leaving workers
     drain_finished: int = 0
     drain_handed_off: int = 0  # streams a drain ended for their routers to replay
+    rounds_held: int = 0  # decision rounds skipped after a restart: a newer config is due
 
 
 @dataclass(frozen=True)

@@ -133,7 +133,7 @@ class RouterMetrics:
         if not self.enabled or delta.finish_reason is None:
             return
         worker = delta.worker_id or "unknown"
-        self.requests.labels(worker, delta.finish_reason).inc()
+        self.requests.labels(worker, str(delta.finish_reason)).inc()
         if delta.usage is not None:
             self.tokens.labels(worker, "prompt").inc(delta.usage.prompt_tokens)
             self.tokens.labels(worker, "generation").inc(delta.usage.completion_tokens)

@@ -6,7 +6,7 @@ the routing itself (`route`), the worker views and the lifecycle stay there:
 
     generate ─► _generate: one plan of legs; a moved leg continues on its target, a lost
                 worker's branches replay on a peer (`_replay_plan`), a refused continuing leg
-                tries the next worker
+                tries the next worker (what a leg is, and the replay plan: `legs.py`)
         _attempt ─► route (a fresh leg or a replay), or the move's target
             _stream ─► the worker's channel (`cluster/router/worker_channel.py`): submit, read the
                        leg's messages, abort it there when it is left early
@@ -29,6 +29,7 @@ from typing import Any
 from pagedserve.cluster.config import FailureMode
 from pagedserve.cluster.pool.migration import Migrations
 from pagedserve.cluster.router.config import RouterConfig
+from pagedserve.cluster.router.legs import Attempt, Emitted, LegRefused, params_left, replay_plan
 from pagedserve.cluster.router.metrics import RouterMetrics
 from pagedserve.cluster.router.tenant_quotas import TenantAdmission, TenantQuotaExceeded
 from pagedserve.cluster.router.tracing import RouterTrace
@@ -46,60 +47,12 @@ from pagedserve.workers.protocol.errors import (
     RequestRejected,
     WorkerLost,
 )
-from pagedserve.workers.protocol.handoff import RequestHandoff
 from pagedserve.workers.protocol.requests import GenerateRequest, WorkerRequest
-from pagedserve.workers.protocol.sampling import SamplingParams
 from pagedserve.workers.protocol.stats import DrainResult
 from pagedserve.workers.protocol.stream import RequestMoved, StreamDelta
 from pagedserve.workers.telemetry.telemetry import Tracing
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class _Attempt:
-    """One leg of a request: a fresh start, a replay of one branch, or a moved continuation."""
-
-    branch: int | None  # the client's branch index this leg serves (None: all of them)
-    prompt: list[int] | None = None
-    params: SamplingParams | None = None
-    handoff: RequestHandoff | None = None
-    source: str | None = None
-    refused_by: frozenset[str] = frozenset()  # workers that refused this leg (Overloaded)
-    # A replay: `handoff` (no KV) goes to the worker routed for `prompt`, which continues the
-    # branch's output and its text exactly where the client's stream stopped.
-    replay: bool = False
-
-    @property
-    def continues(self) -> bool:
-        """A replay or a moved continuation: the client already has part of the answer, so a
-        refusal tries the next worker instead of ending the request."""
-        return self.branch is not None or self.handoff is not None
-
-
-@dataclasses.dataclass
-class _Emitted:
-    """What the client has of one branch: its token ids and how much of its text."""
-
-    token_ids: list[int] = dataclasses.field(default_factory=list)
-    num_chars: int = 0
-
-    def add(self, delta: StreamDelta) -> None:
-        self.token_ids.extend(delta.token_ids)
-        self.num_chars += len(delta.text)
-
-
-class _LegRefused(Exception):
-    """A worker refused a continuing leg before streaming anything (`Overloaded`)."""
-
-    def __init__(self, worker_id: str, error: Overloaded) -> None:
-        super().__init__(str(error))
-        self.worker_id = worker_id
-        self.error = error
-
-
-def params_left(handoff) -> int:
-    return handoff.params.max_tokens - len(handoff.output_token_ids)
 
 
 def scoped_request_id(tenant: str, client_id: str) -> str:
@@ -157,7 +110,8 @@ class RouterRequests:
             generate = self._generate(request, request_id, trace, taken)
             async with aclosing(generate) as deltas:
                 async for delta in deltas:
-                    delta.request_id = client_id  # the worker knows the tenant-scoped id
+                    if delta.request_id != client_id:  # the worker knows the tenant-scoped id
+                        delta = dataclasses.replace(delta, request_id=client_id)
                     counts.output_tokens += len(delta.token_ids)
                     taken[0] -= len(delta.token_ids)
                     yield delta
@@ -222,9 +176,9 @@ class RouterRequests:
         counts = self.counters.tenant(request.tenant)
         counts.admitted += 1
         counts.prompt_tokens += len(token_ids)
-        emitted = {j: _Emitted() for j in range(request.params.n)}
+        emitted = {j: Emitted() for j in range(request.params.n)}
         finished: set[int] = set()
-        plan = [_Attempt(None, token_ids, request.params)]
+        plan = [Attempt(None, token_ids, request.params)]
         while plan:
             attempt = plan.pop(0)
             try:
@@ -232,7 +186,7 @@ class RouterRequests:
                     async for delta in leg:
                         if isinstance(delta, RequestMoved):  # continue on a peer, never shown
                             plan.append(
-                                _Attempt(delta.index, handoff=delta.handoff, source=delta.worker_id)
+                                Attempt(delta.index, handoff=delta.handoff, source=delta.worker_id)
                             )
                             self.migrations.on_moved(delta.handoff)
                             continue
@@ -245,7 +199,7 @@ class RouterRequests:
             except WorkerLost as lost:
                 trace.root.add_event("worker_lost", {"exception.message": str(lost)})
                 plan = self._replay_plan(request, request_id, token_ids, emitted, finished)
-            except _LegRefused as refused:
+            except LegRefused as refused:
                 refused_by = attempt.refused_by | {refused.worker_id}
                 others = [w for w in self.workers.values() if w.worker_id not in refused_by]
                 if not any(w.routable for w in others):
@@ -255,7 +209,7 @@ class RouterRequests:
                 plan.insert(0, dataclasses.replace(attempt, refused_by=refused_by))
 
     async def _attempt(
-        self, attempt: _Attempt, request_id: str, request: GenerateRequest, trace: RouterTrace
+        self, attempt: Attempt, request_id: str, request: GenerateRequest, trace: RouterTrace
     ) -> AsyncIterator[StreamDelta | RequestMoved]:
         params = attempt.params
         if attempt.handoff is not None and not attempt.replay:
@@ -304,17 +258,16 @@ class RouterRequests:
         try:
             async with aclosing(self._stream(worker, worker_request, demand)) as messages:
                 async for delta in messages:
-                    # A leg serving one branch runs as the worker's branch 0: name the client's.
-                    if attempt.branch is not None and isinstance(delta, StreamDelta):
-                        delta.index = attempt.branch
-                    elif attempt.branch is not None:  # moved on: its next leg serves that one
+                    # A leg serving one branch runs as the worker's branch 0: name the client's
+                    # (a moved message too: its next leg serves that one).
+                    if attempt.branch is not None and delta.index != attempt.branch:
                         delta = dataclasses.replace(delta, index=attempt.branch)
                     streamed = True
                     yield delta
         except Overloaded as error:
             if not attempt.continues or streamed:
                 raise
-            raise _LegRefused(worker.worker_id, error) from error
+            raise LegRefused(worker.worker_id, error) from error
         finally:
             span.end()
 
@@ -323,36 +276,18 @@ class RouterRequests:
         request: GenerateRequest,
         request_id: str,
         token_ids: list[int],
-        emitted: dict[int, _Emitted],
+        emitted: dict[int, Emitted],
         finished: set[int],
-    ) -> list[_Attempt]:
-        """One replay leg per unfinished branch: a handoff without KV, so the peer continues
-        from the branch's tokens (recomputing their KV, or hitting its prefix cache) with the
-        detokenizer resumed where the client's text stopped: a character split across the
-        failure point, or a stop string spanning it, comes out exactly as without it."""
+    ) -> list[Attempt]:
+        """One replay leg per unfinished branch (`legs.replay_plan`), unless the config says
+        a lost worker fails its requests."""
         if self.config.failure.on_worker_failure is FailureMode.FAIL:
             raise NoWorkerAvailable("the worker serving this request died")
         self.counters.replays += 1
         extra_keys = cache_key(self.model_name, request.prefix_salt, self.lora_key(request.lora))
-        plan = []
-        for j in sorted(set(emitted) - finished):
-            done = emitted[j]
-            # Prompt log-probabilities went out with the branch's first delta.
-            params = dataclasses.replace(request.params.for_branch(j), prompt_logprobs=None)
-            handoff = RequestHandoff.replay(
-                request_id,
-                token_ids,
-                done.token_ids,
-                done.num_chars,
-                params,
-                priority=request.priority,
-                tenant=request.tenant,
-                cache_extra_keys=extra_keys,
-                block_size=self.block_size,
-                deadline_remaining_s=request.timeout_s,
-            )
-            plan.append(_Attempt(j, token_ids + done.token_ids, handoff=handoff, replay=True))
-        return plan
+        return replay_plan(
+            request, request_id, token_ids, emitted, finished, extra_keys, self.block_size
+        )
 
     async def _stream(
         self, worker: WorkerState, request: WorkerRequest, demand: int

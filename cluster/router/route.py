@@ -32,9 +32,7 @@ class RouterRouting:
 
     async def _tokenize(self, request: GenerateRequest) -> list[int]:
         """The prompt's token ids; text is measured first, then tokenized off the event loop."""
-        if request.prompt_token_ids is not None:
-            if request.prompt is not None:
-                raise RequestRejected("give prompt or prompt_token_ids, not both")
+        if request.prompt_token_ids is not None:  # not both: `GenerateRequest` checked it
             check_prompt_size(len(request.prompt_token_ids), self.config.limits.max_prompt_chars)
             return list(request.prompt_token_ids)
         if not request.prompt:

@@ -13,10 +13,12 @@ Context crosses into a worker as a W3C `traceparent` carrier: a plain dict given
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
+from pagedserve.workers.protocol.requests import GenerateRequest
 from pagedserve.workers.protocol.stream import StreamDelta
 from pagedserve.workers.telemetry.request_trace import request_attributes
 from pagedserve.workers.telemetry.telemetry import AttributeValue, SpanAttributes, Tracing
@@ -66,7 +68,7 @@ class RouterTrace:
         if delta.usage is not None:
             self.output_tokens += delta.usage.completion_tokens
             self.root.set_attribute("pagedserve.cached_tokens", delta.usage.cached_tokens)
-        self.finish_reasons.append(delta.finish_reason)
+        self.finish_reasons.append(str(delta.finish_reason))
 
     def end(self, error: BaseException | None = None) -> None:
         self.root.set_attribute("gen_ai.usage.output_tokens", self.output_tokens)
@@ -150,9 +152,8 @@ def carrier_from_headers(pairs: Any) -> dict[str, str] | None:
     return carrier or None
 
 
-def tag_ingress(requests: list[Any], pairs: Any, ingress: str) -> None:
-    """Mark requests with their front end and the caller's trace context (headers/metadata)."""
+def tag_ingress(requests: list[GenerateRequest], pairs: Any, ingress: str) -> list[GenerateRequest]:
+    """The requests marked with their front end and the caller's trace context (from headers
+    or metadata): copies, once per request (a `GenerateRequest` is frozen)."""
     carrier = carrier_from_headers(pairs)
-    for request in requests:
-        request.trace_context = carrier
-        request.ingress = ingress
+    return [replace(request, trace_context=carrier, ingress=ingress) for request in requests]

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.cluster.routing.policies import WorkerLoad
+from pagedserve.cluster.routing.policy import WorkerLoad
 from pagedserve.workers.protocol.stats import WorkerInfo, WorkerStats
 
 

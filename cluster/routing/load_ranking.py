@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pagedserve.cluster.routing.policies import WorkerLoad
+    from pagedserve.cluster.routing.policy import WorkerLoad
 
 RankKey = tuple[Any, ...]  # ascending = preferred; its last element is the worker id
 

@@ -5,6 +5,7 @@ receiver's scheduler counts the tokens it prefilled (`WorkerStats.scheduler.pref
 
 import asyncio
 import copy
+import dataclasses
 import pickle
 import random
 import threading
@@ -171,7 +172,7 @@ def test_a_moved_kv_whose_source_died_is_recomputed_not_fatal():
         block_size=4,
         deadline_remaining_s=None,
     )
-    handoff.packed_kv, handoff.num_computed_tokens = first, 4
+    handoff = dataclasses.replace(handoff, packed_kv=first, num_computed_tokens=4)
     alive = asyncio.run(handoff_ref.resolved(handoff))
     assert torch.equal(alive.packed_kv, torch.ones(2, 2, 1, 4, 1, 8))
     assert alive.num_computed_tokens == 4
@@ -182,7 +183,7 @@ def test_a_moved_kv_whose_source_died_is_recomputed_not_fatal():
     # The KV the dead source was still to produce: a ref no one can resolve any more, for
     # certain (a `ray.put` object of a dead owner may still be read while Ray has not yet
     # learnt of the death, so the first version of this test failed now and then).
-    handoff.packed_kv = hanging
+    handoff = dataclasses.replace(handoff, packed_kv=hanging)
     lost = asyncio.run(handoff_ref.resolved(handoff))
     assert lost.packed_kv is None and lost.num_computed_tokens == 0
     assert lost.all_token_ids == handoff.all_token_ids

@@ -18,7 +18,9 @@ from support.cluster import assert_cluster_clean, cluster_config, greedy, run_re
 from support.wait import until
 
 from pagedserve.cluster.pool.config import PoolConfig
+from pagedserve.cluster.pool.followed import FollowedRevision
 from pagedserve.cluster.pool.group import stop_worker_group
+from pagedserve.cluster.pool.pool import gone_for_good
 from pagedserve.cluster.pool.spec import WorkerSpec
 from pagedserve.cluster.pool.types import MemberState
 from pagedserve.workers.protocol.requests import GenerateRequest
@@ -163,8 +165,10 @@ def test_a_config_change_replaces_the_workers_one_at_a_time_without_a_dropped_re
 
         async def rolled() -> bool:
             stats = await redeployed.membership.pool.stats.remote()
-            return [m.worker_id for m in stats.membership.members] == [new] and all(
-                list(c.workers) == [new] for c in (core, redeployed)
+            return (
+                [m.worker_id for m in stats.membership.members] == [new]
+                and all(list(c.workers) == [new] for c in (core, redeployed))
+                and gone_for_good(old, config)  # the retire's last step: the actor stopped
             )
 
         # The held streams cannot finish on the old worker while unread: its drain hands
@@ -211,6 +215,64 @@ def test_a_config_change_replaces_the_workers_one_at_a_time_without_a_dropped_re
     assert router_stats.router.replays == len(prompts)
     # After the restart: the adopted worker, current, and no decision since (no roll back).
     assert (stats.counters.workers_added, stats.last_action) == (1, "")
+
+
+def test_a_restarted_pool_holds_its_workers_until_the_newest_config_reaches_it(ray_cluster):
+    # Ray restarts the pool with its first (older) config, and only the older router polls:
+    # the pool must not roll the workers back to it, however long the newest router takes.
+    # (It holds from a control call's deadline after the restart: 10 s in test clusters.)
+    config = cluster_config("t-hold", num_workers=1, scale_interval_s=0.1)
+    changed = dataclasses.replace(config, engine=dataclasses.replace(config.engine, max_num_seqs=7))
+    followed = FollowedRevision(config.pool_name, config.namespace)
+    new = config.worker_name(1)
+
+    async def main():
+        core = await start_router(config, config_revision=1.0)
+        redeployed = await start_router(changed, config_revision=2.0)
+        pool = core.membership.pool
+
+        async def rolled() -> bool:
+            stats = await pool.stats.remote()
+            members = [m.worker_id for m in stats.membership.members]
+            return members == [new] and gone_for_good(config.worker_name(0), config)
+
+        await until(rolled, "the old worker to be replaced")
+        await redeployed.close()  # the newest router is late: only the older one polls
+        before = await pool.stats.remote()
+        recorded = followed.stored()
+        ray.kill(pool, no_restart=False)
+
+        async def holding():
+            try:
+                stats = await pool.stats.remote()
+            except ray.exceptions.RayActorError:
+                return None
+            fresh = stats.membership.version.incarnation != before.membership.version.incarnation
+            return fresh and stats.counters.rounds_held >= 3 and stats
+
+        held = await until(holding, "the restarted pool to hold for the newest config")
+        late = await start_router(changed, config_revision=2.0)  # its poll arrives at last
+        tokens, finals = await run_request(late, prompt(0, 24), greedy(MAX_TOKENS))
+        after = await pool.stats.remote()
+        await assert_cluster_clean(late)
+        await core.close()
+        await late.close()
+        return recorded, held, tokens, finals, after
+
+    try:
+        recorded, held, tokens, finals, after = asyncio.run(main())
+    finally:
+        stop_worker_group(config)
+    assert recorded == 2.0 and followed.stored() == 0.0  # kept in the GCS; gone with the app
+    # Held: configured by the older router only, the adopted worker kept, nothing decided.
+    assert held.membership.config_revision == 1.0
+    assert [(m.worker_id, m.state) for m in held.membership.members] == [(new, MemberState.SERVING)]
+    assert (held.counters.workers_added, held.last_action) == (1, "")
+    # Then the newest config reached it: the same worker serves, nothing was rolled back.
+    assert after.membership.config_revision == 2.0 and finals[0].worker_id == new
+    assert len(tokens[0]) == MAX_TOKENS
+    assert (after.counters.workers_added, after.last_action) == (1, "")
+    assert after.fingerprint == WorkerSpec.of(changed).fingerprint
 
 
 def test_a_worker_killed_for_good_is_replaced_and_its_requests_replay_on_a_peer(ray_cluster):

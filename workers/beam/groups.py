@@ -37,12 +37,12 @@ import torch
 
 from pagedserve.workers.beam.search import BeamScorer, Hypothesis
 from pagedserve.workers.engine.detokenizer import IncrementalDetokenizer
-from pagedserve.workers.engine.outputs import CompletionDelta, RequestDelta
+from pagedserve.workers.engine.outputs import RequestDelta
 from pagedserve.workers.engine.request import Request, RequestGroup, RequestStatus
 from pagedserve.workers.kv.manager import KVCacheManager
 from pagedserve.workers.protocol.errors import RequestRejected
 from pagedserve.workers.protocol.sampling import SamplingParams
-from pagedserve.workers.protocol.stream import FinishReason, Usage
+from pagedserve.workers.protocol.stream import FinishReason, StreamDelta, Usage
 from pagedserve.workers.scheduler.scheduler import Scheduler
 
 
@@ -101,33 +101,37 @@ class BeamGroup:
     def new_beam_id(self) -> str:
         return f"{self.group.request_id}#beam{next(self._ids)}"
 
-    def take_delta(self) -> RequestDelta:
+    def take_delta(self, worker_id: str | None = None) -> RequestDelta:
         """Nothing until the search ends; then its best hypotheses, best first."""
         completions = []
         if self.group.finished and not self.reported:
             self.reported = True
-            completions = self._final_completions()
+            completions = self._final_completions(worker_id)
         group = self.group
         return RequestDelta(
             group.request_id, group.prompt, group.prompt_token_ids, completions, group.finished
         )
 
-    def _final_completions(self) -> list[CompletionDelta]:
+    def _final_completions(self, worker_id: str | None) -> list[StreamDelta]:
         live = [] if self.done else self.live
         unfinished = [(b.all_token_ids, self.cumulative[b], b.finish_reason) for b in live]
         hypotheses = self.scorer.best(unfinished)
-        metrics = self.group.metrics()
-        metrics.num_preemptions = self.live[0].timings.num_preemptions if self.live else 0
+        metrics = dataclasses.replace(
+            self.group.metrics(),
+            num_preemptions=self.live[0].timings.num_preemptions if self.live else 0,
+        )
         prompt_len = len(self.group.prompt_token_ids)
         cached = self.group.branches[0].num_cached_tokens if self.group.branches else 0
         return [
-            CompletionDelta(
+            StreamDelta(
+                self.group.request_id,
                 index,
                 list(h.token_ids),
                 self._text(h),
-                finish_reason=str(h.finish_reason),
+                finish_reason=FinishReason(h.finish_reason),
                 usage=Usage(prompt_len, len(h.token_ids), cached),
                 metrics=metrics,
+                worker_id=worker_id,
                 cumulative_logprob=h.cumulative_logprob,
             )
             for index, h in enumerate(hypotheses)

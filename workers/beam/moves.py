@@ -20,7 +20,6 @@ from pagedserve.workers.beam.groups import check_beam_request
 from pagedserve.workers.beam.search import Hypothesis
 from pagedserve.workers.engine.request import RequestGroup
 from pagedserve.workers.kv.block_hash import cache_key
-from pagedserve.workers.protocol.errors import RequestRejected
 from pagedserve.workers.protocol.sampling import SamplingParams
 
 
@@ -77,8 +76,7 @@ class EngineBeamMoves:
         params, prompt = handoff.params, list(handoff.prompt_token_ids)
         self.intake.check_fits(len(prompt), params)
         check_beam_request(params, self.config.max_beam_width, self.proposer is not None)
-        if handoff.request_id in self._groups:
-            raise RequestRejected(f"request_id {handoff.request_id!r} is already in flight")
+        self._check_not_in_flight(handoff.request_id)
         now = time.monotonic()
         extra_keys = cache_key(self.loaded.name, None)
         beams = []

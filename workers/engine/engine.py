@@ -7,9 +7,10 @@ stopped. Finished, aborted and timed-out sequences free their blocks in the same
 With speculative decoding on (`EngineConfig.speculative`), a step first takes drafts for its
 decoding sequences and verifies them after the forward (`workers/spec/decoding.py`).
 
-A request with a grammar (`SamplingParams.guided`) waits outside the queues until its grammar
-is compiled off the step (`structured/guided_requests.py`); its tokens are masked in the
-sampler and advance its matcher in `_append_token` (`docs/structured_outputs.md`).
+A request comes in through `add_request` (`admission.py`). One with a grammar
+(`SamplingParams.guided`) waits outside the queues until its grammar is compiled off the step
+(`structured/guided_requests.py`); its tokens are masked in the sampler and advance its matcher
+in `_append_token` (`docs/structured_outputs.md`).
 
 A step returns deltas (`RequestDelta`, see `outputs.py`): per request it touched, only the new
 tokens and final text of each branch. Each `Request` keeps what it has not yet reported, so a
@@ -20,13 +21,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 
 import torch
 
 from pagedserve.kernels import get_kernel_ops
-from pagedserve.workers.beam.groups import BeamSearch, check_beam_request, decoder_for
+from pagedserve.workers.beam.groups import BeamSearch, decoder_for
 from pagedserve.workers.beam.moves import EngineBeamMoves
+from pagedserve.workers.engine.admission import EngineAdmission
 from pagedserve.workers.engine.config import EngineConfig
 from pagedserve.workers.engine.executor import build_model_executor
 from pagedserve.workers.engine.handoffs import EngineHandoffs
@@ -35,7 +36,7 @@ from pagedserve.workers.engine.outputs import RequestDelta
 from pagedserve.workers.engine.pausing import EnginePausing
 from pagedserve.workers.engine.request import Request, RequestGroup, RequestStatus
 from pagedserve.workers.engine.sizing import kv_layout, load_device, num_kv_blocks, serving_device
-from pagedserve.workers.engine.stats import EngineStats
+from pagedserve.workers.engine.stats import EngineReporting
 from pagedserve.workers.engine.stop_checker import check_stop
 from pagedserve.workers.kv.manager import KVCacheManager
 from pagedserve.workers.kv.tier_load import build_tier_store, load_waiting_prefixes
@@ -44,9 +45,7 @@ from pagedserve.workers.lora.engine_loras import EngineLoras
 from pagedserve.workers.model.batch import Batch, build_batch
 from pagedserve.workers.model.loader import LoadedModel, load_model, release_weights
 from pagedserve.workers.protocol.errors import Overloaded, RequestRejected, RequestTooLarge
-from pagedserve.workers.protocol.requests import check_timeout_s
 from pagedserve.workers.protocol.role import WorkerRole
-from pagedserve.workers.protocol.sampling import SamplingParams
 from pagedserve.workers.protocol.stream import FinishReason
 from pagedserve.workers.sampling.logprobs import take_prompt_logprobs
 from pagedserve.workers.sampling.sampler import Sampler, sample_rows
@@ -60,7 +59,9 @@ from pagedserve.workers.structured.guided_requests import GuidedRequests, guided
 _log = logging.getLogger(__name__)
 
 
-class Engine(EngineHandoffs, EngineBeamMoves, EngineStats, EngineLoras, EnginePausing):
+class Engine(
+    EngineAdmission, EngineHandoffs, EngineBeamMoves, EngineReporting, EngineLoras, EnginePausing
+):
     """One worker's engine: model, KV pool, scheduler and sampler behind three calls.
 
     Args:
@@ -178,6 +179,8 @@ class Engine(EngineHandoffs, EngineBeamMoves, EngineStats, EngineLoras, EnginePa
         self.num_adopted_with_kv = 0
         self.num_adopted_recomputed = 0
         self.step_tier_loads: list[StepTierLoad] = []  # the last step's loads (for spans)
+        # The name its deltas carry (set by the worker that runs it; None offline).
+        self.worker_id: str | None = None
 
     def close(self) -> None:
         """Finish the disk tier's queued writes and release its directory."""
@@ -187,70 +190,6 @@ class Engine(EngineHandoffs, EngineBeamMoves, EngineStats, EngineLoras, EnginePa
         self.runner.close()
 
     # -------------------------------------------------------------- requests
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | Sequence[int],
-        params: SamplingParams | None = None,
-        *,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        timeout_s: float | None = None,
-        tenant: str = "",
-        lora: str | None = None,
-    ) -> None:
-        """Queue a request (of `tenant`: `workers/scheduler/fair_share.py`; on LoRA adapter `lora`:
-        `workers/lora/`). Raises `RequestRejected` naming the problem if it can never run."""
-        params = params or SamplingParams()
-        check_timeout_s(timeout_s)
-        if request_id in self._groups:
-            raise RequestRejected(f"request_id {request_id!r} is already in flight")
-        if self.scheduler.waiting_full(self.guided.num_parked):
-            raise Overloaded(f"the engine's waiting queue is full ({self.config.max_waiting})")
-        prompt_text, token_ids = self.intake.tokenize(prompt)
-        self.intake.check_fits(len(token_ids), params)
-        self.intake.check_token_ids(params)
-        if params.use_beam_search:
-            check_beam_request(params, self.config.max_beam_width, self.proposer is not None)
-        now = time.monotonic()
-        deadline = None if timeout_s is None else now + timeout_s
-        extra_keys = self._request_keys(cache_salt, lora, params.use_beam_search)
-        # A beam search starts as one sequence (the prompt) with the group's params (its
-        # width is their `n`); its beams fork from it.
-        branch_params = (
-            [params] if params.use_beam_search else map(params.for_branch, range(params.n))
-        )
-        branches = [
-            self.intake.new_branch(
-                request_id, j, token_ids, branch, priority, extra_keys, deadline, now
-            )
-            for j, branch in enumerate(branch_params)
-        ]
-        first, *others = branches
-        first.pending_branches = others
-        # Prompt log-probabilities and a mean's sum so far are this engine's: not moved.
-        first.movable = params.n == 1 and params.prompt_logprobs is None and params.pooling is None
-        for branch in branches:  # each branch leaves once its first token went out
-            branch.hand_off_after_prefill = self.role.hands_off_after_prefill
-            branch.tenant = tenant
-        group = RequestGroup(request_id, prompt_text, list(token_ids), branches, now, deadline)
-        self._groups[request_id] = group
-        if params.use_beam_search:
-            first.hand_off_after_prefill = False
-            max_tokens = min(params.max_tokens, self.max_model_len - len(token_ids))
-            self.beams.start(group, max_tokens, self.loaded.eos_token_ids)
-        if params.guided is None:
-            self.scheduler.add(first)
-            return
-
-        # Queued once its grammar is compiled (`_admit_compiled`): a matcher per branch.
-        def start(compiled) -> None:
-            for branch in branches:
-                self.guided.attach(branch, compiled)
-            self.scheduler.add(first)
-
-        self.guided.park(request_id, params.guided, start)
-
     def abort(
         self, request_id: str, reason: FinishReason = FinishReason.ABORT
     ) -> RequestDelta | None:
@@ -295,20 +234,6 @@ class Engine(EngineHandoffs, EngineBeamMoves, EngineStats, EngineLoras, EnginePa
         deltas = [self._delta_for(group) for group in touched.values()]
         self._drop_unloaded_loras()  # once the groups that finished here left
         return deltas
-
-    def _admit_compiled(self, touched: dict[str, RequestGroup]) -> None:
-        """Queue the requests whose grammar compiled; fail those whose compile failed. An
-        engine with nothing else to do waits here (briefly) for a compile instead of spinning."""
-        if not self.guided.num_parked:
-            return
-        if not self.scheduler.num_active and not self.scheduler.waiting:
-            self.guided.wait_for_compile()
-        for group_id, message in self.guided.admit_ready():
-            group = self._groups.get(group_id)
-            if group is not None:
-                _log.warning("request %s failed: %s", group_id, message)
-                self._end_group(group, FinishReason.ERROR)
-                touched[group_id] = group
 
     def _end_unfittable(self, plan: SchedulerOutput, touched: dict[str, RequestGroup]) -> None:
         """End (finish reason `error`) the groups that need more KV blocks than the pool holds
@@ -460,7 +385,7 @@ class Engine(EngineHandoffs, EngineBeamMoves, EngineStats, EngineLoras, EnginePa
         if group.finished:
             self._groups.pop(group.request_id, None)
             self._paused.discard(group.request_id)
-        return group.take_delta()
+        return group.take_delta(self.worker_id)
 
 
 __all__ = [

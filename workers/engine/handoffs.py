@@ -12,7 +12,6 @@ import logging
 import time
 
 from pagedserve.workers.engine.request import Request, RequestGroup
-from pagedserve.workers.protocol.errors import RequestRejected
 from pagedserve.workers.protocol.handoff import HandoffReason, RequestHandoff
 from pagedserve.workers.protocol.stream import FinishReason
 from pagedserve.workers.transfer.handoff import adopt_kv, pack_handoff
@@ -71,8 +70,7 @@ class EngineHandoffs:
         # A replay may carry a request its lost worker never got to check, and a peer's
         # context or pool may be smaller: one that cannot fit here would wait forever.
         self.intake.check_fits(len(handoff.prompt_token_ids), handoff.params)
-        if handoff.request_id in self._groups:
-            raise RequestRejected(f"request_id {handoff.request_id!r} is already in flight")
+        self._check_not_in_flight(handoff.request_id)
         now = time.monotonic()
         request = self.intake.adopted_branch(handoff, now)
         self._groups[handoff.request_id] = RequestGroup(

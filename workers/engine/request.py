@@ -9,16 +9,22 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from pagedserve.workers.engine.detokenizer import IncrementalDetokenizer
-from pagedserve.workers.engine.outputs import CompletionDelta, RequestDelta
+from pagedserve.workers.engine.outputs import RequestDelta
 from pagedserve.workers.engine.pooling import PoolingState
 from pagedserve.workers.kv.block_hash import lora_key_of
 from pagedserve.workers.protocol.sampling import Pooling, SamplingParams
-from pagedserve.workers.protocol.stream import FinishReason, RequestMetrics, TokenLogprob, Usage
+from pagedserve.workers.protocol.stream import (
+    FinishReason,
+    RequestMetrics,
+    StreamDelta,
+    TokenLogprob,
+    Usage,
+)
 from pagedserve.workers.sampling.logprobs import branch_logprobs, prompt_logprobs_of
 
 if TYPE_CHECKING:
@@ -181,10 +187,12 @@ class Request:
         cached_tokens: int,
         metrics: RequestMetrics | None,
         prompt_logprobs: list[TokenLogprob | None] | None = None,
-    ) -> CompletionDelta | None:
+        worker_id: str | None = None,
+    ) -> StreamDelta | None:
         """The new tokens and text since the last delta (and, once, how the sequence ended),
         now counted as reported; None when there is nothing to report. `prompt_logprobs` (the
-        request's, when asked for) ride on the branch's first delta."""
+        request's, when asked for) ride on the branch's first delta. Built once, here: the
+        worker and the router pass this object on as it is."""
         start = self.num_reported_tokens
         new_ids = self.all_token_ids[self.prompt_len + start :]
         text, ends = self.unreported_text, self.ends_unreported
@@ -194,22 +202,31 @@ class Request:
         self.unreported_text = ""
         first = not self.reported_any
         self.reported_any = True
-        news = CompletionDelta(
+        logprobs = branch_logprobs(self, start, self.num_reported_tokens)
+        prompt_logprobs = prompt_logprobs if first else None
+        if not ends:
+            return StreamDelta(
+                self.group_id,
+                self.branch_index,
+                new_ids,
+                text,
+                worker_id=worker_id,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+            )
+        self.reported_finish = True
+        return StreamDelta(
+            self.group_id,
             self.branch_index,
             new_ids,
             text,
-            logprobs=branch_logprobs(self, start, self.num_reported_tokens),
-            prompt_logprobs=prompt_logprobs if first else None,
-        )
-        if not ends:
-            return news
-        self.reported_finish = True
-        return replace(
-            news,
-            finish_reason=str(self.finish_reason),
+            finish_reason=self.finish_reason,
             stop_reason=self.detokenizer.stopped_by if self.detokenizer else None,
             usage=Usage(prompt_tokens, self.num_output_tokens, cached_tokens),
             metrics=metrics,
+            worker_id=worker_id,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             embedding=None if self.pooling is None else self.pooling.embedding,
         )
 
@@ -234,11 +251,12 @@ class RequestGroup:
     def finished(self) -> bool:
         return all(branch.is_finished for branch in self.branches)
 
-    def take_delta(self) -> RequestDelta:
-        """Every branch's news since the last delta (see `Request.take_delta`); a beam search
-        reports its best hypotheses once it ends (`BeamGroup.take_delta`)."""
+    def take_delta(self, worker_id: str | None = None) -> RequestDelta:
+        """Every branch's news since the last delta (see `Request.take_delta`), its deltas
+        naming `worker_id`; a beam search reports its best hypotheses once it ends
+        (`BeamGroup.take_delta`)."""
         if self.beam is not None:
-            return self.beam.take_delta()
+            return self.beam.take_delta(worker_id)
         # Measured only when a branch ends: never a per-step copy of the latencies.
         ending = any(branch.ends_unreported for branch in self.branches)
         metrics = self.metrics() if ending else None
@@ -250,7 +268,8 @@ class RequestGroup:
         completions = [
             delta
             for branch in self.branches
-            if (delta := branch.take_delta(prompt_tokens, cached, metrics, scored)) is not None
+            if (delta := branch.take_delta(prompt_tokens, cached, metrics, scored, worker_id))
+            is not None
         ]
         return RequestDelta(
             self.request_id,
@@ -264,20 +283,26 @@ class RequestGroup:
     def metrics(self) -> RequestMetrics:
         """The request's latencies so far, from its first branch (e2e once all finished)."""
         first = self.branches[0].timings
-        metrics = RequestMetrics(
+        queue_time = ttft = tpot = e2e = None
+        gaps: tuple[float, ...] = ()
+        if first.first_scheduled is not None:
+            queue_time = first.first_scheduled - self.arrival
+        if first.first_token is not None:
+            ttft = first.first_token - self.arrival
+            gaps = tuple(first.inter_token_latencies)
+            if gaps:
+                tpot = sum(gaps) / len(gaps)
+        finished = [b.timings.finished for b in self.branches if b.timings.finished is not None]
+        if self.finished and finished:
+            e2e = max(finished) - self.arrival
+        return RequestMetrics(
+            queue_time=queue_time,
+            ttft=ttft,
+            tpot=tpot,
+            e2e=e2e,
+            inter_token_latencies=gaps,
             num_preemptions=sum(b.timings.num_preemptions for b in self.branches),
             num_verify_steps=sum(b.timings.num_verify_steps for b in self.branches),
             num_draft_tokens=sum(b.timings.num_draft_tokens for b in self.branches),
             num_accepted_tokens=sum(b.timings.num_accepted_tokens for b in self.branches),
         )
-        if first.first_scheduled is not None:
-            metrics.queue_time = first.first_scheduled - self.arrival
-        if first.first_token is not None:
-            metrics.ttft = first.first_token - self.arrival
-            metrics.inter_token_latencies = list(first.inter_token_latencies)
-            if first.inter_token_latencies:
-                metrics.tpot = sum(first.inter_token_latencies) / len(first.inter_token_latencies)
-        finished = [b.timings.finished for b in self.branches if b.timings.finished is not None]
-        if self.finished and finished:
-            metrics.e2e = max(finished) - self.arrival
-        return metrics

@@ -4,50 +4,34 @@
     block table      [   b7   ,    b2     ,   b9    ]      logical block i → physical block
     slot of token p  block_table[p // B] * B + p % B
 
-`allocate_slots` either succeeds whole or changes nothing. Full blocks are hashed and cached as
-soon as they are allocated for computation, so a later request with the same prefix reuses them;
-when the step that would compute them drops the request (it was preempted after being
-scheduled), `rollback_slots` takes the hashes and positions back.
-
-Speculative decoding allocates slots for draft tokens past a request's known tokens
-(`num_draft_tokens`); they are written by the verify forward but never hashed. Once the target
-has verified them, `accept_draft_slots` keeps the accepted ones and releases the rest:
-
-    before verify   t0 … t6 t7 | d1 d2 d3 ·  |             num_tokens = 8, draft slots = 3
-    accept 1        t0 … t6 t7 | d1 ·  ·  ·  |             num_tokens = 9; the partial block
-                                                           keeps only accepted slots
-    (k = 5: a block holding only d4 d5 goes back to the free queue, unhashed)
-
-A block is hashed only once every token in it is accepted, so no lookup can hit a rejected
-token; drafts write only private blocks (copy-on-write covers their range too).
+`allocate_slots` either succeeds whole or changes nothing; a block another table shares is
+copied before a request writes into it (copy-on-write), and `fork` shares a table's blocks with
+a new request. The manager's other parts each own one concern over the same tables: the prefix
+cache's lookup and registration (`workers/kv/prefix_lookup.py`), taking slots back after a
+dropped step or a draft verification (`workers/kv/slot_rollback.py`), and the swap area
+(`workers/kv/swap.py`).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Protocol
 
 from pagedserve.workers.kv.block import Block
-from pagedserve.workers.kv.block_hash import block_hash
 from pagedserve.workers.kv.block_pool import BlockPool
-from pagedserve.workers.kv.memory import BLOCK_TABLE_ENTRY_BYTES, blocks_needed
+from pagedserve.workers.kv.memory import (
+    ALLOCATION_MODES,
+    BLOCK_TABLE_ENTRY_BYTES,
+    AllocationMode,
+    blocks_needed,
+)
+from pagedserve.workers.kv.prefix_lookup import NO_HIT, ComputedBlocks, KVPrefixLookup
+from pagedserve.workers.kv.slot_rollback import KVSlotRollback
 from pagedserve.workers.kv.swap import KVSwap
-from pagedserve.workers.protocol.blocks import BlockHash, BlockKey
+from pagedserve.workers.protocol.blocks import BlockHash
 from pagedserve.workers.protocol.stats import KVUsage
-
-
-class AllocationMode(StrEnum):
-    """How a request's block table grows: `PAGED` as its tokens arrive, `RESERVE_MAX` a whole
-    context (`max_model_len`) at admission, as a contiguous server would."""
-
-    PAGED = "paged"
-    RESERVE_MAX = "reserve-max"
-
-
-ALLOCATION_MODES: tuple[str, ...] = tuple(mode.value for mode in AllocationMode)
 
 
 class KVRequest(Protocol):
@@ -56,18 +40,6 @@ class KVRequest(Protocol):
     request_id: str
     all_token_ids: Sequence[int]  # prompt + output so far (every token whose KV may be computed)
     cache_extra_keys: tuple[str, ...]  # model id, cache salt: blocks share only when these match
-
-
-@dataclass(frozen=True, slots=True)
-class ComputedBlocks:
-    """A verified prefix-cache hit: blocks whose KV a new request can reuse as is."""
-
-    blocks: tuple[Block, ...]
-    block_hashes: tuple[BlockHash, ...]
-    num_tokens: int
-
-
-NO_HIT = ComputedBlocks((), (), 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +60,7 @@ class _RequestBlocks:
     num_draft_slots: int = 0
 
 
-class KVCacheManager(KVSwap):
+class KVCacheManager(KVPrefixLookup, KVSlotRollback, KVSwap):
     """Owns every request's block table and the swap slots; allocation goes through the pool.
 
     Args:
@@ -134,48 +106,12 @@ class KVCacheManager(KVSwap):
         self.prefix_queries_tokens = 0
         self.prefix_hits_tokens = 0
 
-    # ---------------------------------------------------------------- lookup
-    @property
-    def enable_prefix_caching(self) -> bool:
-        return self.pool.enable_caching
-
+    # ---------------------------------------------------------------- tables
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self._requests[request_id].blocks]
-
-    def get_computed_blocks(self, request: KVRequest) -> ComputedBlocks:
-        """The longest cached prefix of full blocks for a request that holds no blocks yet.
-
-        At least one token is always left to compute, because the step must produce logits for
-        the request's next token. A request that needs the logits of every prompt position
-        (``skip_prefix_cache``: prompt log-probabilities) gets no hit.
-        """
-        blocks: list[Block] = []
-        hashes: list[BlockHash] = []
-        for digest, key in self.iter_prefix_keys(request):
-            block = self.pool.get_cached_block(digest, key)
-            if block is None:
-                break
-            blocks.append(block)
-            hashes.append(digest)
-        return ComputedBlocks(tuple(blocks), tuple(hashes), len(blocks) * self.block_size)
-
-    def iter_prefix_keys(self, request: KVRequest) -> Iterator[tuple[BlockHash, BlockKey]]:
-        """(chained hash, key) of each full block a prefix hit of `request` may cover, in
-        order, computed lazily (a caller stops at its first miss). None when the request
-        takes no hit at all (caching off, or ``skip_prefix_cache``)."""
-        if not self.pool.enable_caching or getattr(request, "skip_prefix_cache", False):
-            return
-        B = self.block_size
-        parent: BlockHash | None = None
-        for start in range(0, len(request.all_token_ids) - 1 - B + 1, B):
-            tokens = tuple(request.all_token_ids[start : start + B])
-            key = BlockKey(parent, tokens, request.cache_extra_keys)
-            digest = block_hash(parent, key.token_ids, key.extra_keys)
-            yield digest, key
-            parent = digest
 
     # ------------------------------------------------------------ allocation
     def can_fit_ever(self, num_tokens: int) -> bool:
@@ -282,106 +218,6 @@ class KVCacheManager(KVSwap):
             state.blocks[index] = private
         return tuple(copies)
 
-    def _cache_full_blocks(self, request: KVRequest, state: _RequestBlocks) -> None:
-        if not self.pool.enable_caching:
-            return
-        B = self.block_size
-        tokens = request.all_token_ids
-        extra = request.cache_extra_keys
-        for index in range(len(state.block_hashes), state.num_tokens // B):
-            parent = state.block_hashes[-1] if state.block_hashes else None
-            key = BlockKey(parent, tuple(tokens[index * B : (index + 1) * B]), extra)
-            digest = block_hash(parent, key.token_ids, extra)
-            state.block_hashes.append(digest)
-            self.pool.cache_full_block(state.blocks[index], digest, key)
-
-    def accept_draft_slots(self, request: KVRequest, num_accepted: int) -> None:
-        """Keep the first `num_accepted` draft slots of this step; release the others.
-
-        The accepted drafts are now tokens of `request` (its `all_token_ids` holds them). Whole
-        blocks past the accepted length go back to the free queue (tail first); the partial
-        last block keeps its accepted slots, and its rejected ones are simply unwritten again.
-        Blocks that became full of accepted tokens are hashed and cached now.
-
-        Args:
-            request: a request that holds draft slots from `allocate_slots`.
-            num_accepted: how many leading draft tokens the target accepted.
-        """
-        state = self._requests[request.request_id]
-        if not 0 <= num_accepted <= state.num_draft_slots:
-            raise ValueError(
-                f"request {request.request_id}: cannot accept {num_accepted} of "
-                f"{state.num_draft_slots} draft slots"
-            )
-        total = state.num_tokens + num_accepted
-        if total > len(request.all_token_ids):
-            raise ValueError(
-                f"request {request.request_id}: {num_accepted} drafts accepted but only "
-                f"{len(request.all_token_ids) - state.num_tokens} new tokens are known"
-            )
-        state.num_tokens = total
-        state.num_draft_slots = 0
-        self._release_blocks_past(state, total)
-        self._cache_full_blocks(request, state)
-
-    def _release_blocks_past(self, state: _RequestBlocks, num_positions: int) -> None:
-        """Free the blocks no position below `num_positions` uses (in `reserve-max`, the
-        reservation stays). None of them is hashed: each holds only unaccepted slots."""
-        keep = blocks_needed(num_positions, self.block_size)
-        if self.allocation_mode is AllocationMode.RESERVE_MAX:
-            keep = max(keep, blocks_needed(self.max_model_len, self.block_size))
-        if len(state.blocks) <= keep:
-            return
-        released = state.blocks[keep:]
-        del state.blocks[keep:]
-        self.pool.free_blocks(reversed(released))
-
-    def rollback_slots(self, request_id: str, num_computed_tokens: int) -> None:
-        """Take a request's table back to its first `num_computed_tokens` tokens.
-
-        For slots allocated but never computed: the scheduler allocates a sequence's slots for
-        a step before it knows that a later allocation in the same step will preempt it, and
-        the preempted sequence is then dropped from the forward. Two things `allocate_slots`
-        did must not outlive that step:
-
-        - `num_tokens` counted the uncomputed positions, so the next allocation after a swap
-          would start past the sequence's real end;
-        - a block that those positions filled was hashed and cached already, although the
-          slot holding its last token is never written: a later prefix hit would read it.
-
-        Blocks stay in the table (in `reserve-max` they are the reservation); their slots
-        past `num_computed_tokens` are simply unwritten again. Draft slots are dropped, and
-        the blocks only they needed go back to the free queue.
-
-        Args:
-            request_id: a request holding device blocks.
-            num_computed_tokens: positions whose KV is in the pool (at most `num_tokens`).
-        """
-        state = self._requests[request_id]
-        if not 0 <= num_computed_tokens <= state.num_tokens or state.swap_slots:
-            raise ValueError(
-                f"request {request_id}: cannot roll back to {num_computed_tokens} of "
-                f"{state.num_tokens} tokens (swapped out: {bool(state.swap_slots)})"
-            )
-        num_full = num_computed_tokens // self.block_size
-        for index in range(num_full, len(state.block_hashes)):
-            block = state.blocks[index]
-            # Only the block this request registered; a block that is another copy of the
-            # same content stayed unhashed (see `BlockPool.cache_full_block`).
-            if block.block_hash == state.block_hashes[index]:
-                self.pool.uncache_block(block)
-        del state.block_hashes[num_full:]
-        if state.num_draft_slots:
-            self._release_blocks_past(state, state.num_tokens)
-            state.num_draft_slots = 0
-        state.num_tokens = num_computed_tokens
-
-    def truncate(self, request_id: str, num_tokens: int) -> None:
-        """Take a request back to its first `num_tokens` positions and free the blocks past
-        them (a draft model's pool, after the target rejected some of its tokens)."""
-        self.rollback_slots(request_id, num_tokens)
-        self._release_blocks_past(self._requests[request_id], num_tokens)
-
     # ------------------------------------------------------------- releasing
     def free(self, request_id: str) -> bool:
         """Return every block of the request (tail first). False when it held none."""
@@ -410,9 +246,6 @@ class KVCacheManager(KVSwap):
             raise ValueError(f"cannot fork {num_tokens} of {parent.num_tokens} tokens")
         self.pool.touch(blocks)
         self._requests[child_id] = _RequestBlocks(list(blocks), list(hashes), num_tokens)
-
-    def reset_prefix_cache(self) -> None:
-        self.pool.reset_prefix_cache()
 
     # ----------------------------------------------------------------- usage
     def usage(self) -> KVUsage:

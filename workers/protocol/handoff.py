@@ -69,7 +69,7 @@ class HandoffTimings:
         timings.inter_token_latencies = list(self.inter_token_latencies)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RequestHandoff:
     """Everything a peer needs to continue one sequence (one branch of a request)."""
 

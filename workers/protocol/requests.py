@@ -1,8 +1,14 @@
 """A request on its way in: as the router takes it from any front end (`GenerateRequest`), and as
 a worker takes it from the router (`WorkerRequest`: a fresh prompt, or a moved request's
-handoff), with the one check of `timeout_s` both use.
+handoff), with the one rule for `timeout_s` (`check_timeout_s`).
 
-    front end ── GenerateRequest ──► router ── WorkerRequest ──► Worker.submit
+    front end ── GenerateRequest ──► router ── WorkerRequest ──► Worker.submit ──► Engine
+
+Each field is checked once, where a caller's input first becomes a request (the table:
+`docs/architecture.md`, "Where each request field is checked"): `GenerateRequest` checks what the
+router relies on before routing; a `WorkerRequest` is built by the router from a checked
+`GenerateRequest` (or from a peer's handoff) and checks only its own shape; the engine's
+`add_request` is the way in of the offline `LLM` and the worker, and checks there.
 """
 
 from __future__ import annotations
@@ -17,13 +23,14 @@ from pagedserve.workers.protocol.sampling import SamplingParams
 
 
 def check_timeout_s(timeout_s: float | None) -> None:
-    """A request's `timeout_s`, the one check every way in uses (the router's request, the
-    message to a worker, the engine's `add_request`): None, or a finite number > 0."""
+    """A request's `timeout_s`, the one rule: None, or a finite number > 0. Run where a request
+    is built from a caller's input: `GenerateRequest` (every front end) and the engine's
+    `add_request` (the offline `LLM`, the worker)."""
     if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
         raise RequestRejected(f"timeout_s must be a finite number > 0, got {timeout_s}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class GenerateRequest:
     """One request as the router takes it from any front end."""
 
@@ -42,6 +49,8 @@ class GenerateRequest:
     lora: str | None = None  # the LoRA adapter it runs on (by name; None: the base model)
 
     def __post_init__(self) -> None:
+        if self.prompt is not None and self.prompt_token_ids is not None:
+            raise RequestRejected("prompt: set prompt or prompt_token_ids, not both")
         check_timeout_s(self.timeout_s)
 
     @property
@@ -89,7 +98,8 @@ class WorkerRequest:
             object.__setattr__(self, "prompt", tuple(self.prompt))
         if (self.handoff is None) == (not self.prompt):
             raise RequestRejected("give a prompt or a handoff, not both or neither")
-        check_timeout_s(self.timeout_s)
+        # `timeout_s` is not checked again: the router copies it from a checked
+        # `GenerateRequest`, and the engine's `add_request` checks what reaches it.
 
     @classmethod
     def fresh(

@@ -7,6 +7,7 @@ hand it back as ``INVALID_ARGUMENT`` unchanged.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -49,7 +50,7 @@ class Pooling(StrEnum):
     MEAN = "mean"  # the mean over every prompt position
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token of one request, and when to stop.
 
@@ -129,12 +130,14 @@ class SamplingParams:
     early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
-        self.stop = _as_list("stop", self.stop)
-        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids)
-        self.bad_words = _as_list("bad_words", self.bad_words)
+        # Normalised once, here, where it is built (frozen: `object.__setattr__`).
+        normalise = functools.partial(object.__setattr__, self)
+        normalise("stop", _as_list("stop", self.stop))
+        normalise("stop_token_ids", _as_list("stop_token_ids", self.stop_token_ids))
+        normalise("bad_words", _as_list("bad_words", self.bad_words))
         if self.allowed_token_ids is not None:
-            self.allowed_token_ids = _as_list("allowed_token_ids", self.allowed_token_ids)
-        self.logit_bias = _as_bias("logit_bias", self.logit_bias)
+            normalise("allowed_token_ids", _as_list("allowed_token_ids", self.allowed_token_ids))
+        normalise("logit_bias", _as_bias("logit_bias", self.logit_bias))
         self._validate_counts()
         self._validate_sampling()
         self._validate_stops()
@@ -146,7 +149,7 @@ class SamplingParams:
         if self.pooling is None:
             return
         try:
-            self.pooling = Pooling(self.pooling)
+            object.__setattr__(self, "pooling", Pooling(self.pooling))
         except ValueError:
             kinds = ", ".join(kind.value for kind in Pooling)
             raise ValueError(f"pooling must be one of {kinds}, got {self.pooling!r}") from None

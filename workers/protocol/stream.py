@@ -3,16 +3,20 @@ one with its finish reason, usage and timings), the control messages that end a 
 otherwise (`RequestMoved`: continue on a peer; `RequestFailed`: raise this error), and the
 batch that carries one engine step's messages of one owner's requests.
 
+    engine ─► StreamDelta (one per branch it touched, in a RequestDelta) ─► worker
     worker ─► StepBatch(StreamDelta | RequestMoved | RequestFailed, ...) ─► router
-    router ─► StreamDelta (its own request id and branch index) ─► front end
+    router ─► StreamDelta (the client's request id and branch index) ─► front end
 
-`finish_reason` travels as the string value of `FinishReason` (a `StrEnum`).
+`StreamDelta` is the one delta shape, built once by the engine and passed on as it is: the
+router makes a copy (`dataclasses.replace`) only where a field must differ (a tenant-scoped id,
+a moved branch's index). `finish_reason` is a `FinishReason` all the way; the front ends spell
+it as its string value at the edge (`str(reason)`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import NamedTuple
 
@@ -62,7 +66,7 @@ class Usage:
         )
 
 
-@dataclass
+@dataclass(frozen=True)
 class RequestMetrics:
     """Per-request timings in seconds, measured on the worker's monotonic clock."""
 
@@ -70,7 +74,7 @@ class RequestMetrics:
     ttft: float | None = None
     tpot: float | None = None
     e2e: float | None = None
-    inter_token_latencies: list[float] = field(default_factory=list)
+    inter_token_latencies: tuple[float, ...] = ()
     num_preemptions: int = 0
     # Speculative decoding (0 when off): verify steps, drafts they checked, drafts accepted.
     num_verify_steps: int = 0
@@ -105,28 +109,53 @@ class TokenLogprob:
     top: tuple[TopLogprob, ...] = ()
 
 
-@dataclass
+@dataclass(frozen=True)
 class StreamDelta:
-    """New tokens of one branch since the last delta; the last one carries finish and usage."""
+    """New tokens of one branch since its last delta; the last one carries finish and usage.
+
+    The engine builds it (`workers/engine/request.py`), the worker sends it, the router
+    forwards it, the front ends read it: one shape from the step to the client. Its lists are
+    the builder's and are never changed after (frozen: no field is reassigned).
+
+    `text` is only final text: the detokenizer holds back a tail that may still become a stop
+    string or finish a split UTF-8 character, so `token_ids` may arrive before their text.
+
+    Attributes:
+        request_id: the request (the worker's tenant-scoped id; the client's from the router).
+        index: the branch (< n).
+        token_ids: the branch's new tokens.
+        text: their final text.
+        finish_reason: set on the branch's last delta.
+        stop_reason: the stop string or token id that ended it, if one did.
+        usage: the branch's token counts (last delta).
+        metrics: the request's timings (last delta).
+        worker_id: the worker that produced it.
+        error: why the engine failed the request (last delta, finish reason `error`).
+        logprobs: with `SamplingParams.logprobs`, one per token of `token_ids`.
+        prompt_logprobs: with `prompt_logprobs`, one per prompt token (the first None), on the
+            branch's first delta only.
+        embedding: an embedding request's vector (`SamplingParams.pooling`), last delta.
+        cumulative_logprob: a beam search's hypothesis: the sum of its tokens' logprobs.
+    """
 
     request_id: str
     index: int
     token_ids: list[int]
     text: str
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     usage: Usage | None = None
     metrics: RequestMetrics | None = None
     worker_id: str | None = None
     error: str | None = None
-    # With SamplingParams.logprobs: one per token of `token_ids`. With prompt_logprobs: one per
-    # prompt token (the first None), on the branch's first delta.
     logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
-    # An embedding request's vector (`SamplingParams.pooling`), on its last delta.
     embedding: list[float] | None = None
-    # A beam search's hypothesis: the sum of its tokens' log-probabilities.
     cumulative_logprob: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,10 @@
 Every step the scheduler hands out a token budget. Running sequences go first — decodes before
 prefill chunks, so a long prompt cannot starve requests that are already streaming — then
 swapped-out sequences come back, then waiting ones are admitted. When the pool cannot supply a
-block, the lowest-ranked running sequence is preempted (recompute, swap or move) until it can:
-under `priority` the highest value, then the latest arrival, as vLLM v1 picks. A waiting
-request never preempts a sequence that runs (vLLM v0's priority policy did; v1 does not),
-only a paused one (below) — or, with fair share, one of another tenant served more than its
-own by more than the request will cost (`workers/scheduler/fair_share.py`).
+block, a running sequence is preempted until it can: who yields is chosen in
+`workers/scheduler/victims.py` (the lowest-ranked: under `priority` the highest value, then the
+latest arrival, as vLLM v1 picks; a paused one first), how it yields (recompute, swap or move)
+is carried out in `workers/scheduler/preemption.py`.
 
 Across tenants the order is fair (`workers/scheduler/fair_share.py`, on unless `fair_share.enabled`
 is False): the waiting and swapped queues serve the tenant with the smallest virtual token counter
@@ -17,16 +16,14 @@ order is the policy's alone.
 
 A paused sequence (its client stopped reading) is skipped in every queue: it keeps its blocks
 and its place, does not count against `max_num_seqs` (it is in no batch), and is the first
-victim when blocks run short, for a running sequence or a waiting one alike, since it is the
-one sequence that loses no progress to waiting.
+victim when blocks run short.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
-from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from pagedserve.workers.engine.request import Request, RequestStatus
@@ -36,10 +33,17 @@ from pagedserve.workers.scheduler.fair_share import (
     FairShareConfig,
     VirtualTokenCounters,
     fairest_first,
-    most_served_last,
     tenant_heads,
 )
 from pagedserve.workers.scheduler.policy import PreemptionMode, SchedulingPolicy
+from pagedserve.workers.scheduler.preemption import SchedulerPreemption
+from pagedserve.workers.scheduler.victims import (
+    alone_in_the_pool,
+    fair_victim,
+    paused_victim,
+    running_victim,
+    slot_claim,
+)
 
 
 @dataclass(frozen=True)
@@ -92,7 +96,7 @@ class SchedulerOutput:
         return [pair for pairs in self.copies.values() for pair in pairs]
 
 
-class Scheduler:
+class Scheduler(SchedulerPreemption):
     """Owns the waiting, running and swapped queues of one engine, and its counters.
 
     Args:
@@ -147,26 +151,10 @@ class Scheduler:
     def fair(self) -> bool:
         return self.config.fair_share.enabled
 
-    def _victim(self) -> Request:
-        """The running sequence to preempt: the lowest-ranked paused one, else the lowest
-        (fair: the lowest-ranked of the most-served tenant)."""
-        paused = self._paused_victim()
-        if paused is not None:
-            return paused
-        victim = most_served_last(self.running, self.tenants) if self.fair else None
-        return victim if victim is not None else self.running[-1]
-
-    def _fair_victim(self, request: Request, exclude: Sequence[Request] = ()) -> Request | None:
-        """The running sequence `request` may take the place of (fair share), if any, of
-        those not in `exclude` (victims already chosen for it)."""
-        if not self.fair:
-            return None
-        active = [r for r in self.running if not r.paused and r not in exclude]
-        victim = most_served_last(active, self.tenants)
-        running = Counter(r.tenant for r in active)
-        if victim is None or not self.tenants.may_preempt_for(request, victim, running):
-            return None
-        return victim
+    @property
+    def _fair_tenants(self) -> VirtualTokenCounters | None:
+        """The counters victims are chosen by; None with fair share off (`victims.py`)."""
+        return self.tenants if self.fair else None
 
     def _admissible(self, queue: list[Request], step: SchedulerOutput) -> Iterator[Request]:
         """`queue` without paused sequences and those preempted in this step: a victim
@@ -193,28 +181,18 @@ class Scheduler:
         return fairest_first(candidates, self.tenants) if self.fair else next(candidates, None)
 
     def _claim_slots(self, step: SchedulerOutput) -> Request | None:
-        """Every slot is taken: the first waiting request, tenant by tenant from the least
-        served, that fair share lets take the places of running sequences, with those
-        sequences preempted; None if there is none. (The least-served tenant's request may
-        not be the one: tied with a flood that runs here, the flood's next request may not
-        preempt its own tenant, while a tenant with nothing running may.)"""
+        """Every slot is taken: the waiting request fair share lets take the places of running
+        sequences (`victims.slot_claim`), with those sequences preempted; None if none may."""
         if not self.fair:
             return None
-        for request in tenant_heads(self._admissible(self.waiting, step), self.tenants):
-            victims: list[Request] = []
-            while self.num_active - len(victims) + request.group_size > self.config.max_num_seqs:
-                victim = self._fair_victim(request, exclude=victims)
-                if victim is None:
-                    break
-                victims.append(victim)
-            else:
-                for victim in victims:
-                    self._preempt(victim, step)
-                return request
-        return None
-
-    def _paused_victim(self) -> Request | None:
-        return next((r for r in reversed(self.running) if r.paused), None)
+        heads = tenant_heads(self._admissible(self.waiting, step), self.tenants)
+        claim = slot_claim(heads, self.running, self.tenants, self.config.max_num_seqs)
+        if claim is None:
+            return None
+        request, victims = claim
+        for victim in victims:
+            self._preempt(victim, step)
+        return request
 
     def finish(self, request: Request) -> None:
         """Take a sequence out of whichever queue holds it and free its blocks at once."""
@@ -262,8 +240,8 @@ class Scheduler:
             if num_drafts:
                 request.draft_token_ids.clear()
                 continue
-            victim = self._victim()
-            if self._alone_in_the_pool(request, victim):
+            victim = running_victim(self.running, self._fair_tenants)
+            if alone_in_the_pool(request, victim, self.running):
                 self._drop_unfittable(victim.preempted_with(), step)
                 return
             self._preempt(victim, step)
@@ -274,102 +252,6 @@ class Scheduler:
         step.budget -= num_new
         if allocation.copies:
             step.copies[request] = allocation.copies
-
-    def _alone_in_the_pool(self, request: Request, victim: Request) -> bool:
-        """Whether `request` needs a block with only its own group running (and `victim` in
-        it): a single sequence always fits (intake checks prompt + max_tokens against the
-        pool), a beam group of diverged beams may not."""
-        group = victim.preempted_with()
-        return len(group) > 1 and request in group and all(r in group for r in self.running)
-
-    def _drop_unfittable(self, group: list[Request], step: SchedulerOutput) -> None:
-        """Take a group that cannot fit even alone out of this step and of the queues, its
-        blocks freed; the engine ends it (`SchedulerOutput.unfittable`)."""
-        for request in group:
-            if request in self.running:
-                self.running.remove(request)
-                self.tenants.leave(request)
-            self._unschedule(request, step)
-            self.kv.free(request.request_id)
-            step.unfittable.append(request)
-
-    def _preempt(self, victim: Request, step: SchedulerOutput) -> None:
-        """Preempt `victim` and the sequences that yield with it: a beam search's live beams
-        go as one, all swapped out (their shared blocks once) or all recomputed. A group split
-        between the swap area and the waiting queue could never run again: its swapped beams
-        would hold their blocks waiting for the recomputed ones."""
-        group = [request for request in victim.preempted_with() if request in self.running]
-        unwritten: dict[int, int] = {}
-        for request in group:
-            unwritten |= self._yield(request, step)
-        mode = self.config.preemption_mode
-        if mode is PreemptionMode.MOVE and group == [victim] and victim.movable:
-            # The blocks are freed now; the engine copies their KV out before this step's
-            # forward can write into them.
-            block_ids = [unwritten.get(b, b) for b in self._release(victim)]
-            step.moved.append((victim, block_ids))
-            self.counters.moved += 1
-            return
-        if mode is PreemptionMode.SWAP:
-            moves = self.kv.swap_out_group([request.request_id for request in group])
-            if moves is not None:
-                step.swap_out.extend((unwritten.get(block, block), slot) for block, slot in moves)
-                for request in group:
-                    request.status = RequestStatus.SWAPPED
-                    self._insert(self.swapped, request)
-                self.counters.swapped_out += len(group)
-                return
-        for request in group:  # recompute: the sequence re-enters with its output as prompt
-            self.kv.free(request.request_id)
-            request.num_computed_tokens = 0
-            self._requeue(request)
-        self.counters.recomputed += len(group)
-
-    def _yield(self, victim: Request, step: SchedulerOutput) -> dict[int, int]:
-        """Take `victim` out of the running queue and this step's plan; returns its unwritten
-        copies (see `_unschedule`)."""
-        self.running.remove(victim)
-        # Its KV as of the start of this step is all that exists: a sequence scheduled earlier
-        # in this step (decodes go first, so a low-ranked one can be) leaves the forward.
-        unwritten = self._unschedule(victim, step)
-        victim.draft_token_ids.clear()  # their slots went with the rollback
-        step.preempted.append(victim)
-        victim.timings.num_preemptions += 1
-        return unwritten
-
-    def release_for_handoff(self, request: Request) -> list[int]:
-        """Take a running sequence out to hand it to a peer (P/D, after its prefill), between
-        steps. Its blocks are freed (the full ones stay cached); returns the ids of those
-        holding its computed KV, for the engine to copy out before anything writes there."""
-        self.running.remove(request)
-        self.counters.prefill_handoffs += 1
-        return self._release(request)
-
-    def _release(self, request: Request) -> list[int]:
-        """Free a leaving sequence's blocks; the ids of those with its computed KV."""
-        num_blocks = -(-request.num_computed_tokens // self.kv.block_size)
-        block_ids = self.kv.get_block_ids(request.request_id)[:num_blocks]
-        self.kv.free(request.request_id)
-        self.tenants.leave(request)
-        request.status = RequestStatus.FINISHED
-        return block_ids
-
-    def _unschedule(self, victim: Request, step: SchedulerOutput) -> dict[int, int]:
-        """Undo the victim's place in this step's plan, if it had one.
-
-        Returns:
-            {private copy: shared source} for the victim's copy-on-write copies that the plan
-            no longer performs. The private block holds nothing yet, so whoever saves the
-            victim's KV (swap-out, hand-off) must read the source instead. That is safe: the
-            engine saves KV before any copy, swap-in or forward of this step writes a block.
-        """
-        num_scheduled = step.scheduled.pop(victim, 0)
-        copies = step.copies.pop(victim, ())
-        if not num_scheduled:
-            return {}
-        step.budget += num_scheduled
-        self.kv.rollback_slots(victim.request_id, victim.num_computed_tokens)
-        return {dst: src for src, dst in copies}
 
     def _swap_in(self, step: SchedulerOutput) -> None:
         """Bring swapped-out sequences back while they fit; a beam search's as one group."""
@@ -408,7 +290,9 @@ class Scheduler:
                 num_new = step.budget
             allocation = self.kv.allocate_slots(request, num_new, computed)
             if allocation is None:
-                victim = self._paused_victim() or self._fair_victim(request)
+                victim = paused_victim(self.running) or fair_victim(
+                    request, self.running, self._fair_tenants
+                )
                 if victim is None:
                     return
                 self._preempt(victim, step)  # a paused sequence yields its blocks, then retry

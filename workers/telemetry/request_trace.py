@@ -96,7 +96,7 @@ class RequestTrace:
         self.span.add_event(
             "finish",
             {
-                "gen_ai.response.finish_reasons": [delta.finish_reason],
+                "gen_ai.response.finish_reasons": [str(delta.finish_reason)],
                 "pagedserve.branch": delta.index,
                 "gen_ai.usage.output_tokens": usage.completion_tokens if usage else 0,
             },

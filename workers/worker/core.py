@@ -94,6 +94,7 @@ class WorkerCore(WorkerRequests, WorkerKV):
         self.engine = engine
         self.traces = RequestTraces(tracing, worker_id)
         self.worker_id = worker_id
+        engine.worker_id = worker_id or None  # named in every delta it builds
         self.epoch = uuid.uuid4().hex
         self.event_sink = event_sink
         self.transfer = PrefixTransfer(engine.kv)
@@ -304,7 +305,24 @@ class WorkerCore(WorkerRequests, WorkerKV):
         return WorkerStats(
             worker_id=self.worker_id,
             epoch=self.epoch,
-            kv=engine.pop("kv"),
+            kv=engine.kv,
+            num_waiting=engine.num_waiting,
+            num_running=engine.num_running,
+            num_swapped=engine.num_swapped,
+            num_paused=engine.num_paused,
+            num_steps=engine.num_steps,
+            num_handoffs=engine.num_handoffs,
+            adopted_with_kv=engine.adopted_with_kv,
+            adopted_recomputed=engine.adopted_recomputed,
+            role=engine.role,
+            kv_cache_device_bytes=engine.kv_cache_device_bytes,
+            kv_cache_swap_bytes=engine.kv_cache_swap_bytes,
+            spec=engine.spec,
+            tiers=engine.tiers,
+            lora_adapters=engine.lora_adapters,
+            lora_paths=engine.lora_paths,
+            resident_loras=engine.resident_loras,
+            lora_requests=engine.lora_requests,
             num_streams=len(self._streams),
             events_published=self.engine.kv.pool.num_events_published,
             blocks_imported=self.num_blocks_imported,
@@ -317,5 +335,4 @@ class WorkerCore(WorkerRequests, WorkerKV):
             seconds_without_progress=self.seconds_without_progress(),
             scheduler=dataclasses.replace(self.engine.scheduler.counters),
             tenants=self.engine.scheduler.tenants.snapshot(),
-            **engine,
         )

@@ -14,6 +14,7 @@ so the bounded buffer and its coalescing are the same on both sides of a channel
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 from collections import deque
 
@@ -28,30 +29,18 @@ from pagedserve.workers.protocol.stream import (
 
 
 def stream_deltas(
-    delta: RequestDelta, worker_id: str = "", error: str | None = None
+    delta: RequestDelta, error: str | None = None
 ) -> list[StreamDelta | RequestMoved]:
-    """One engine delta as stream messages, one per branch it touched (no accumulation: the
-    engine already reports only what is new). `error` goes on each branch's last delta; a
-    branch that moved to a peer ends with the control message `RequestMoved` instead."""
+    """One engine delta as stream messages, one per branch it touched: the engine's own
+    `StreamDelta`s, passed on as they are (no copy on the per-token path). `error` goes on each
+    branch's last delta (a copy, once per failed branch); a branch that moved to a peer ends
+    with the control message `RequestMoved` instead."""
     return [
-        RequestMoved(delta.request_id, c.index, worker_id, delta.handoffs[c.index])
-        if c.finish_reason == FinishReason.MOVED
-        else StreamDelta(
-            delta.request_id,
-            c.index,
-            c.token_ids,
-            c.text,
-            finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason,
-            usage=c.usage,
-            metrics=c.metrics,
-            worker_id=worker_id or None,
-            error=error if c.finished else None,
-            logprobs=c.logprobs,
-            prompt_logprobs=c.prompt_logprobs,
-            embedding=c.embedding,
-            cumulative_logprob=c.cumulative_logprob,
-        )
+        RequestMoved(c.request_id, c.index, c.worker_id or "", delta.handoffs[c.index])
+        if c.finish_reason is FinishReason.MOVED
+        else dataclasses.replace(c, error=error)
+        if error is not None and c.finished
+        else c
         for c in delta.completions
     ]
 

@@ -119,7 +119,7 @@ class StreamTable:
         stream = self._streams.get(delta.request_id)
         if stream is None:
             return None
-        for message in stream_deltas(delta, self.worker_id, error):
+        for message in stream_deltas(delta, error):
             stream.put(message)
             stream.trace.on_delta(message)
         if not stream.remaining and stream.channel is not None:

@@ -14,6 +14,7 @@ aborts the request on its worker, which frees its blocks within one engine step.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -128,7 +129,7 @@ class GrpcFrontend:
                 tenant=caller.tenant,
                 cache_scope=caller.cache_scope,
             )
-            tag_ingress([template], context.invocation_metadata(), "grpc")
+            (template,) = tag_ingress([template], context.invocation_metadata(), "grpc")
             try:
                 vectors, prompt_tokens = await self.embedder.embed(inputs, base_id, template)
             except Exception as error:
@@ -255,6 +256,6 @@ def _traced(message: Any, context: Any, caller: Caller, core: Any = None) -> Gen
     rendered by the router's tokenizer)."""
     request = request_from_proto(message, caller, getattr(core, "tokenizer", None))
     if request.lora is not None and request.lora == getattr(core, "model_name", None):
-        request.lora = None  # the served model by name: the base
-    tag_ingress([request], context.invocation_metadata(), "grpc")
+        request = dataclasses.replace(request, lora=None)  # the served model by name: the base
+    (request,) = tag_ingress([request], context.invocation_metadata(), "grpc")
     return request

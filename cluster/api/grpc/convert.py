@@ -7,18 +7,25 @@ from collections.abc import Iterable
 from typing import Any, Literal, get_args
 
 from pagedserve.cluster.api.auth import ANONYMOUS, Caller
-from pagedserve.cluster.api.common import CompletionCollector, chat_prompt, sampling_params
+from pagedserve.cluster.api.common import chat_prompt, sampling_params
 from pagedserve.cluster.api.errors import ApiError
 from pagedserve.cluster.api.guided import guided_spec
 from pagedserve.cluster.router.types import ClusterStats, WorkerView
 from pagedserve.cluster.router.worker_state import WorkerState
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
+from pagedserve.workers.engine.outputs import CompletionCollector
 from pagedserve.workers.model.tokenizer import Tokenizer
 from pagedserve.workers.protocol.errors import RequestRejected
 from pagedserve.workers.protocol.guided import GuidedKind
 from pagedserve.workers.protocol.requests import GenerateRequest
 from pagedserve.workers.protocol.sampling import SamplingKwargs, SamplingParams
-from pagedserve.workers.protocol.stream import RequestMetrics, StreamDelta, TokenLogprob, Usage
+from pagedserve.workers.protocol.stream import (
+    FinishReason,
+    RequestMetrics,
+    StreamDelta,
+    TokenLogprob,
+    Usage,
+)
 
 # Sampling fields declared `optional`: unset means the SamplingParams default, not zero.
 _OptionalSampling = Literal[
@@ -50,8 +57,6 @@ def request_from_proto(
 
     A chat (`messages`) becomes its prompt text by the chat template of `tokenizer`.
     """
-    if message.prompt and message.prompt_token_ids:
-        raise ApiError.invalid("prompt: set prompt or prompt_token_ids, not both", "prompt")
     if message.messages and (message.prompt or message.prompt_token_ids):
         raise ApiError.invalid("messages: set messages or a prompt, not both", "messages")
     if not message.prompt and not message.prompt_token_ids and not message.messages:
@@ -73,7 +78,7 @@ def request_from_proto(
             cache_scope=caller.cache_scope,
             lora=message.model or None,
         )
-    except RequestRejected as error:  # a field the request checks itself (`timeout_s`)
+    except RequestRejected as error:  # a field the request checks itself (prompt, timeout_s)
         raise ApiError.invalid(str(error)) from None
 
 
@@ -153,7 +158,7 @@ def delta_to_proto(delta: StreamDelta) -> pb.GenerateStreamResponse:
         index=delta.index,
         text=delta.text,
         token_ids=delta.token_ids,
-        finish_reason=delta.finish_reason or "",
+        finish_reason=_reason(delta.finish_reason),
         worker_id=delta.worker_id or "",
     )
     _set_stop_reason(message, delta.stop_reason)
@@ -177,19 +182,24 @@ def response_to_proto(collector: CompletionCollector) -> pb.GenerateResponse:
             index=result.index,
             text=result.text,
             token_ids=result.token_ids,
-            finish_reason=result.finish_reason or "",
+            finish_reason=_reason(result.finish_reason),
         )
         _set_stop_reason(completion, result.stop_reason)
         if result.usage is not None:
             completion.usage.CopyFrom(usage_to_proto(result.usage))
         completion.logprobs.extend(logprobs_to_proto(result.logprobs))
         completion.prompt_logprobs.extend(logprobs_to_proto(result.prompt_logprobs))
-        if result.beam_logprob is not None:
-            completion.cumulative_logprob = result.beam_logprob
-    first = collector.completions[0].metrics if collector.results else None
+        if result.cumulative_logprob is not None:
+            completion.cumulative_logprob = result.cumulative_logprob
+    first = collector.completions[0].metrics if collector.num_branches else None
     if first is not None:
         message.metrics.CopyFrom(metrics_to_proto(first))
     return message
+
+
+def _reason(reason: FinishReason | None) -> str:
+    """A finish reason as the wire spells it ("" while the branch runs)."""
+    return "" if reason is None else str(reason)
 
 
 def logprobs_to_proto(items: list[TokenLogprob | None] | None) -> list[pb.TokenLogprob]:

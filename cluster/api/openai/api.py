@@ -7,8 +7,9 @@ request and waits for its first delta before sending the 200, so a bad request s
 status; a failure after that arrives as an `{"error": ...}` event before `[DONE]`. A client that
 disconnects cancels the request, which frees its blocks on the worker.
 
-Requests are parsed into `openai_models`; every answer, chunk and error is an `openai_responses`
-model, built here by `CompletionChunks` / `ChatChunks` and turned into JSON at the last moment.
+Requests are parsed into `api.openai.models`; every answer, chunk and error is an
+`api.openai.responses` model, built by `CompletionChunks` / `ChatChunks` (`api.openai.chunks`)
+and turned into JSON here, at the last moment.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from collections.abc import Set as AbstractSet
 from contextlib import aclosing
 from typing import Any
@@ -27,15 +28,14 @@ from starlette.responses import JSONResponse, Response
 
 from pagedserve.cluster.api.auth import Caller, TokenAuth
 from pagedserve.cluster.api.common import (
-    CompletionCollector,
-    CompletionResult,
     chat_prompt,
     merge_streams,
     new_request_id,
     sampling_params,
 )
 from pagedserve.cluster.api.errors import ApiError, ErrorCode, engine_failure, to_api_error
-from pagedserve.cluster.api.openai.logprobs import CompletionExtras, chat_logprobs, echoed_prompts
+from pagedserve.cluster.api.openai.chunks import ChatChunks, CompletionChunks, ResponseBuilder
+from pagedserve.cluster.api.openai.logprobs import CompletionExtras, echoed_prompts
 from pagedserve.cluster.api.openai.models import (
     ChatCompletionBody,
     CompletionBody,
@@ -43,25 +43,16 @@ from pagedserve.cluster.api.openai.models import (
 from pagedserve.cluster.api.openai.reading import read_request, room_for
 from pagedserve.cluster.api.openai.responses import (
     STREAM_WITHOUT_USAGE,
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletion,
-    ChatCompletionChunk,
-    ChatDelta,
-    Completion,
-    CompletionChoice,
-    CompletionChunk,
     ErrorInfo,
     ErrorResponse,
     ModelCard,
     ModelList,
-    UsageInfo,
 )
 from pagedserve.cluster.api.openai.tool_call_parser import ToolAnswers
 from pagedserve.cluster.api.sse_response import PacedStreamingResponse
 from pagedserve.cluster.router.router import RouterCore
 from pagedserve.cluster.router.tracing import tag_ingress
+from pagedserve.workers.engine.outputs import CompletionCollector
 from pagedserve.workers.protocol.requests import GenerateRequest
 from pagedserve.workers.protocol.stream import StreamDelta, Usage
 
@@ -114,7 +105,7 @@ class OpenAIFrontend:
             ]
         except Exception as error:
             return _error_or_raise(error)
-        tag_ingress(requests, request.headers.items(), "http")
+        requests = tag_ingress(requests, request.headers.items(), "http")
         chunks = CompletionChunks(base_id, self.created, body.model or self.model_name, body.n)
         try:
             echo = echoed_prompts(prompts, self.core.tokenizer) if body.echo else None
@@ -134,7 +125,7 @@ class OpenAIFrontend:
             requests = [await self._request(body, prompt, max_tokens, base_id, caller)]
         except Exception as error:
             return _error_or_raise(error)
-        tag_ingress(requests, request.headers.items(), "http")
+        requests = tag_ingress(requests, request.headers.items(), "http")
         chunks = ChatChunks(base_id, self.created, body.model or self.model_name, body.n)
         if tools is not None and tools.parses_calls:
             chunks.tools = ToolAnswers()
@@ -195,154 +186,6 @@ class OpenAIFrontend:
         return PacedStreamingResponse(events)
 
 
-# ------------------------------------------------------------------- chunks
-class _ChoiceBuilder:
-    """What both response builders share: the response's id, time and model, and choice
-    numbering (choice = prompt index * n + branch)."""
-
-    def __init__(self, request_id: str, created: int, model: str, n: int) -> None:
-        self.request_id = request_id
-        self.created = created
-        self.model = model
-        self.n = n
-
-    def choice_index(self, prompt_index: int, branch: int) -> int:
-        return prompt_index * self.n + branch
-
-    def results(
-        self, collectors: list[CompletionCollector]
-    ) -> Iterator[tuple[int, CompletionResult]]:
-        """Every finished branch of every prompt, with its choice index, in choice order."""
-        for i, collector in enumerate(collectors):
-            for result in collector.completions:
-                yield self.choice_index(i, result.index), result
-
-
-class CompletionChunks(_ChoiceBuilder):
-    """Builds `text_completion` bodies and stream chunks."""
-
-    def __init__(self, request_id: str, created: int, model: str, n: int) -> None:
-        super().__init__(request_id, created, model, n)
-        self.extras = CompletionExtras()  # echo and log-probabilities, when asked for
-        self.keep_best: int | None = None  # `best_of`: the branches returned per prompt
-
-    def start(self) -> list[CompletionChunk]:
-        return []
-
-    def chunk(self, index: int, delta: StreamDelta) -> CompletionChunk | None:
-        """The chunk of one delta; None when it has nothing to send yet."""
-        if _is_empty(delta):
-            return None
-        return self._chunk([self._choice(index, delta, delta.finish_reason)])
-
-    def whole(self, collectors: list[CompletionCollector]) -> Completion:
-        if self.keep_best is not None:
-            for collector in collectors:
-                collector.keep_best(self.keep_best)
-        return Completion(
-            id=self.request_id,
-            created=self.created,
-            model=self.model,
-            choices=[self._choice(i, c, c.finish_reason) for i, c in self.results(collectors)],
-            usage=UsageInfo.of(Usage.total(c.usage() for c in collectors)),
-        )
-
-    def usage_chunk(self, usage: Usage) -> CompletionChunk:
-        return self._chunk([], UsageInfo.of(usage))
-
-    def _choice(
-        self, index: int, part: StreamDelta | CompletionResult, finish_reason: str | None
-    ) -> CompletionChoice:
-        """A delta's (or a whole completion's) choice, with `echo` and `logprobs` applied."""
-        text, logprobs = self.extras.piece(
-            index, index // self.n, part.text, part.logprobs, part.prompt_logprobs
-        )
-        return CompletionChoice(
-            index=index, text=text, logprobs=logprobs, finish_reason=finish_reason
-        )
-
-    def _chunk(
-        self, choices: list[CompletionChoice], usage: UsageInfo | None = None
-    ) -> CompletionChunk:
-        return CompletionChunk(
-            id=self.request_id,
-            created=self.created,
-            model=self.model,
-            choices=choices,
-            usage=usage,
-        )
-
-
-class ChatChunks(_ChoiceBuilder):
-    """Builds `chat.completion` bodies and `chat.completion.chunk` stream chunks; with `tools`
-    set, each choice's text is read for tool calls."""
-
-    def __init__(self, request_id: str, created: int, model: str, n: int) -> None:
-        super().__init__(request_id, created, model, n)
-        self.tools: ToolAnswers | None = None
-
-    def start(self) -> list[ChatCompletionChunk]:
-        """One chunk per branch naming the assistant's role, before any text (as OpenAI)."""
-        role = ChatDelta(role="assistant", content="")
-        return [
-            self._chunk([ChatChunkChoice(index=j, delta=role, logprobs=None, finish_reason=None)])
-            for j in range(self.n)
-        ]
-
-    def chunk(self, index: int, delta: StreamDelta) -> ChatCompletionChunk | None:
-        """The chunk of one delta; None when it has nothing to send yet."""
-        content, calls, finish_reason = delta.text or None, None, delta.finish_reason
-        if self.tools is not None:
-            content, calls, finish_reason = self.tools.delta(index, delta.text, finish_reason)
-        if not content and not calls and finish_reason is None and not delta.logprobs:
-            return None
-        choice = ChatChunkChoice(
-            index=index,
-            delta=ChatDelta(content=content, tool_calls=calls),
-            logprobs=chat_logprobs(delta.logprobs),
-            finish_reason=finish_reason,
-        )
-        return self._chunk([choice])
-
-    def whole(self, collectors: list[CompletionCollector]) -> ChatCompletion:
-        choices = [self._choice(index, c) for index, c in self.results(collectors)]
-        return ChatCompletion(
-            id=self.request_id,
-            created=self.created,
-            model=self.model,
-            choices=choices,
-            usage=UsageInfo.of(Usage.total(c.usage() for c in collectors)),
-        )
-
-    def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
-        return self._chunk([], UsageInfo.of(usage))
-
-    def _choice(self, index: int, result: CompletionResult) -> ChatChoice:
-        message, finish_reason = AssistantMessage(content=result.text), result.finish_reason
-        if self.tools is not None:
-            message, finish_reason = self.tools.message(result.text, finish_reason)
-        return ChatChoice(
-            index=index,
-            message=message,
-            logprobs=chat_logprobs(result.logprobs),
-            finish_reason=finish_reason,
-        )
-
-    def _chunk(
-        self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None
-    ) -> ChatCompletionChunk:
-        return ChatCompletionChunk(
-            id=self.request_id,
-            created=self.created,
-            model=self.model,
-            choices=choices,
-            usage=usage,
-        )
-
-
-ResponseBuilder = CompletionChunks | ChatChunks
-
-
 async def _sse(
     first: tuple[int, StreamDelta],
     rest: AsyncGenerator[tuple[int, StreamDelta], None],
@@ -400,12 +243,6 @@ def error_response(error: ApiError) -> JSONResponse:
 def _error_or_raise(error: Exception) -> JSONResponse:
     """The error response for any failure: a bug too becomes INTERNAL with an incident id."""
     return error_response(to_api_error(error))
-
-
-def _is_empty(delta: StreamDelta) -> bool:
-    """A delta with nothing to send: tokens whose text is not complete yet (a split UTF-8
-    character)."""
-    return not delta.text and delta.finish_reason is None and not delta.logprobs
 
 
 def _batch_id(base: str, i: int, prompts: list) -> str:

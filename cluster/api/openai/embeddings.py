@@ -184,7 +184,7 @@ class EmbeddingsFrontend:
                 tenant=caller.tenant,
                 cache_scope=caller.cache_scope,
             )
-            tag_ingress([template], request.headers.items(), "http")
+            (template,) = tag_ingress([template], request.headers.items(), "http")
             vectors, prompt_tokens = await self.embedder.embed(inputs, base_id, template)
         except Exception as error:
             return error_response(input_error(to_api_error(error)))

@@ -7,26 +7,28 @@ parameter it relies on does nothing here. The extra sampling fields vLLM users k
 `extra_body`).
 Ranges are checked by `SamplingParams`, the one place that knows them; where a body's field
 reaches it under another name (chat `top_logprobs` is its `logprobs`), `sent_as` maps it back,
-so the error names the field the client sent.
+so the error names the field the client sent. A chat's messages and the tools it declares are
+in `chat_messages`.
 """
 
 from __future__ import annotations
 
-import json
 from functools import cached_property
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from pagedserve.cluster.api.errors import ApiError
 from pagedserve.cluster.api.guided import guided_spec
+from pagedserve.cluster.api.openai.chat_messages import (
+    ChatMessage,
+    NamedToolChoice,
+    ToolDefinition,
+)
+from pagedserve.cluster.api.openai.chat_messages import StrictBody as _Body
 from pagedserve.cluster.api.openai.tools import ToolCalling, checked_tool_calling
 from pagedserve.workers.protocol.guided import GuidedKind
 from pagedserve.workers.protocol.sampling import SamplingKwargs
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Body):
@@ -232,93 +234,6 @@ class CompletionBody(_SamplingFields):
         if not prompt:
             raise ApiError.invalid("prompt is empty", "prompt")
         return list(prompt)
-
-
-class TextPart(_Body):
-    type: Literal["text"]
-    text: str
-
-
-class CalledFunction(_Body):
-    name: str
-    arguments: str  # the arguments object as JSON text, as the call was answered
-
-
-class ToolCallIn(_Body):
-    """An earlier answer's call, sent back in an assistant turn."""
-
-    id: str
-    type: Literal["function"]
-    function: CalledFunction
-
-
-class ChatMessage(_Body):
-    """One turn. Its `content` is required but beside an assistant's `tool_calls` (left out or
-    null: a 400 naming it); a `tool` turn answers the call `tool_call_id` names."""
-
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCallIn] | None = None
-    tool_call_id: str | None = None
-
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content or ())
-
-    def turn(self, i: int) -> dict[str, Any]:
-        """The turn as chat templates take it (a call's arguments as an object)."""
-        if self.content is None and not self.tool_calls:
-            param = f"messages[{i}].content"
-            raise ApiError.invalid(
-                f"{param}: field required (role {self.role!r} needs content)", param
-            )
-        turn: dict[str, Any] = {"role": self.role, "content": self.text()}
-        if self.tool_calls:
-            if self.role != "assistant":
-                param = f"messages[{i}].tool_calls"
-                raise ApiError.invalid(f"{param}: only an assistant turn has tool calls", param)
-            turn["tool_calls"] = [
-                _call_turn(call, f"messages[{i}].tool_calls[{j}]")
-                for j, call in enumerate(self.tool_calls)
-            ]
-        if self.tool_call_id is not None:
-            turn["tool_call_id"] = self.tool_call_id
-        return turn
-
-
-def _call_turn(call: ToolCallIn, param: str) -> dict[str, Any]:
-    try:
-        arguments = json.loads(call.function.arguments)
-    except json.JSONDecodeError as error:
-        param = f"{param}.function.arguments"
-        raise ApiError.invalid(f"{param}: not valid JSON: {error}", param) from None
-    function = {"name": call.function.name, "arguments": arguments}
-    return {"id": call.id, "type": "function", "function": function}
-
-
-class FunctionDefinition(_Body):
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class ToolDefinition(_Body):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(_Body):
-    name: str
-
-
-class NamedToolChoice(_Body):
-    """`tool_choice: {"type": "function", "function": {"name": ...}}`."""
-
-    type: Literal["function"]
-    function: NamedFunction
 
 
 class ChatCompletionBody(_SamplingFields):

@@ -131,9 +131,9 @@ class ToolCall(_Response):
 
 
 class AssistantMessage(_Response):
-    """The answer of a chat completion (the request's messages are `api.openai.models.ChatMessage`):
-    `content` is null when the answer is only tool calls; `tool_calls` is left out when there
-    are none."""
+    """The answer of a chat completion (the request's messages are
+    `api.openai.chat_messages.ChatMessage`): `content` is null when the answer is only tool
+    calls; `tool_calls` is left out when there are none."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None

@@ -40,7 +40,6 @@ from starlette.responses import JSONResponse, Response
 
 from pagedserve.cluster.api.auth import Caller, TokenAuth
 from pagedserve.cluster.api.common import (
-    CompletionCollector,
     chat_prompt,
     new_request_id,
     sampling_params,
@@ -68,9 +67,10 @@ from pagedserve.cluster.api.sse_response import PacedStreamingResponse
 from pagedserve.cluster.router.route import check_prompt_size
 from pagedserve.cluster.router.router import RouterCore
 from pagedserve.cluster.router.tracing import tag_ingress
+from pagedserve.workers.engine.outputs import CompletionCollector
 from pagedserve.workers.protocol.requests import GenerateRequest
 from pagedserve.workers.protocol.sampling import SamplingKwargs
-from pagedserve.workers.protocol.stream import StreamDelta
+from pagedserve.workers.protocol.stream import FinishReason, StreamDelta
 
 
 class _Body(BaseModel):
@@ -214,7 +214,7 @@ class ResponsesFrontend:
                 request, self.auth, max_bytes, ResponsesBody, self.model_name
             )
             generate = await self._request(body, caller)
-            tag_ingress([generate], request.headers.items(), "http")
+            (generate,) = tag_ingress([generate], request.headers.items(), "http")
             stream = self.core.generate(generate)
             first = await anext(stream)  # a refused request gets its status, not a 200
         except Exception as error:
@@ -237,7 +237,7 @@ class ResponsesFrontend:
         (result,) = collector.completions
         events.start()
         reader.read(events, result.text, last=True)
-        events.finish(collector.usage(), incomplete=result.finish_reason == "length")
+        events.finish(collector.usage(), incomplete=result.finish_reason is FinishReason.LENGTH)
         return JSONResponse(events.response.model_dump())
 
     async def _request(self, body: ResponsesBody, caller: Caller) -> GenerateRequest:
@@ -332,7 +332,9 @@ async def _sse(
             yield events.fail(failure.code.value.lower(), failure.message)
             return
     (result,) = collector.completions
-    for event in events.finish(collector.usage(), incomplete=result.finish_reason == "length"):
+    for event in events.finish(
+        collector.usage(), incomplete=result.finish_reason is FinishReason.LENGTH
+    ):
         yield event
 
 

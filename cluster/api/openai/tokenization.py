@@ -30,7 +30,7 @@ from pagedserve.cluster.api.auth import TokenAuth
 from pagedserve.cluster.api.common import chat_prompt
 from pagedserve.cluster.api.errors import ApiError, to_api_error
 from pagedserve.cluster.api.openai.api import error_response
-from pagedserve.cluster.api.openai.models import ChatMessage
+from pagedserve.cluster.api.openai.chat_messages import ChatMessage
 from pagedserve.cluster.api.openai.reading import read_request
 from pagedserve.cluster.router.route import check_prompt_size
 from pagedserve.cluster.router.router import RouterCore

@@ -16,6 +16,7 @@ import ray._private.utils as ray_utils
 from ray._private import node, services
 from ray._private import worker as ray_worker
 from ray._private.workers import default_worker
+from ray.experimental import internal_kv
 from ray.serve._private import constants as serve_constants
 from ray.serve._private import grpc_util
 
@@ -121,6 +122,17 @@ def test_ray_sets_a_worker_s_sigterm_handler_through_the_routed_helper(monkeypat
     assert kept == ["ray's"]
 
 
+def test_the_gcs_key_value_store_takes_keys_values_and_namespaces_as_called():
+    # The round trip runs in `tests/integration/test_worker_pool.py` (a restarted pool).
+    put = inspect.signature(internal_kv._internal_kv_put).parameters
+    assert list(put)[:3] == ["key", "value", "overwrite"] and "namespace" in put
+    for function in (internal_kv._internal_kv_get, internal_kv._internal_kv_del):
+        parameters = inspect.signature(function).parameters
+        assert next(iter(parameters)) == "key" and "namespace" in parameters
+    for name in ("put", "get", "del"):
+        assert f"_internal_kv_{name}(" in inspect.getsource(getattr(ray_internals, f"kv_{name}"))
+
+
 @pytest.mark.parametrize("name", SERVE_ENV_SETTINGS)
 def test_serve_still_reads_each_environment_setting(name):
     assert f'"{name}"' in inspect.getsource(serve_constants)
@@ -128,7 +140,8 @@ def test_serve_still_reads_each_environment_setting(name):
 
 def test_nothing_else_reaches_into_ray_s_internals():
     root = Path(ray_internals.__file__).parents[1]
-    sources = [*(root / "cluster").glob("*.py"), *(root / "workers").glob("*.py")]
+    sources = [*(root / "cluster").rglob("*.py"), *(root / "workers").rglob("*.py")]
+    assert len(sources) > 100  # every subpackage, not the top level alone
     reaching = [
         str(path.relative_to(root))
         for path in sources
@@ -138,7 +151,8 @@ def test_nothing_else_reaches_into_ray_s_internals():
 
 
 def _private_names(path: Path) -> list[str]:
-    """The `ray._private` / `ray.serve._private` modules `path`'s code imports or reads."""
+    """The private Ray modules (`ray._private`, `ray.serve._private`, `ray._raylet`, the GCS
+    key-value store) that `path`'s code imports or reads."""
     names = []
     for item in ast.walk(ast.parse(path.read_text())):
         if isinstance(item, ast.Import):
@@ -147,7 +161,8 @@ def _private_names(path: Path) -> list[str]:
             names.append(item.module)
         elif isinstance(item, ast.Attribute):
             names.append(ast.unparse(item))
-    return [name for name in names if re.match(r"ray\.(serve\.)?_private", name)]
+    private = r"ray\.((serve\.)?_private|_raylet|experimental\.internal_kv)"
+    return [name for name in names if re.match(private, name)]
 
 
 def test_a_response_s_writer_waits_for_the_replica_to_take_its_messages(monkeypatch):

@@ -43,6 +43,7 @@ from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
 from pagedserve.workers.model.tokenizer import ByteTokenizer
 from pagedserve.workers.protocol.stats import KVUsage, WorkerStats
 from pagedserve.workers.protocol.stream import (
+    FinishReason,
     RequestMetrics,
     StreamDelta,
     TokenLogprob,
@@ -116,12 +117,17 @@ def test_bad_fields_are_invalid_argument_naming_the_field(message, field):
 
 # ---------------------------------------------------------------- gRPC out
 def final_delta(index: int, text: str, ids: list[int], **changes) -> StreamDelta:
-    delta = StreamDelta("r1", index, ids, text, finish_reason="length", worker_id="w0")
-    delta.usage = Usage(3, len(ids), 2)
-    delta.metrics = RequestMetrics(queue_time=0.1, ttft=0.2, e2e=0.5)
-    for name, value in changes.items():
-        setattr(delta, name, value)
-    return delta
+    delta = StreamDelta(
+        "r1",
+        index,
+        ids,
+        text,
+        finish_reason=FinishReason.LENGTH,
+        worker_id="w0",
+        usage=Usage(3, len(ids), 2),
+        metrics=RequestMetrics(queue_time=0.1, ttft=0.2, e2e=0.5),
+    )
+    return dataclasses.replace(delta, **changes)
 
 
 def test_deltas_and_whole_responses():
@@ -129,7 +135,9 @@ def test_deltas_and_whole_responses():
     message = delta_to_proto(first)
     assert (message.text, list(message.token_ids), message.finish_reason) == ("A", [65], "")
     assert not message.HasField("usage")
-    last = delta_to_proto(final_delta(0, "B", [66], finish_reason="stop", stop_reason="B"))
+    last = delta_to_proto(
+        final_delta(0, "B", [66], finish_reason=FinishReason.STOP, stop_reason="B")
+    )
     assert last.stop_string == "B" and last.usage.cached_tokens == 2
     assert delta_to_proto(final_delta(0, "", [258], stop_reason=258)).stop_token_id == 258
 
@@ -353,7 +361,7 @@ def test_completion_and_chat_bodies():
     (start,) = chat.start()
     assert start.object == "chat.completion.chunk"
     assert start.choices[0].delta.model_dump() == {"role": "assistant", "content": ""}
-    chunk = chat.chunk(0, final_delta(0, "z", [122], finish_reason="stop"))
+    chunk = chat.chunk(0, final_delta(0, "z", [122], finish_reason=FinishReason.STOP))
     assert chunk.choices[0].delta.model_dump() == {"content": "z"}
     assert chunk.choices[0].finish_reason == "stop"
 
@@ -496,8 +504,13 @@ def test_completion_logprobs_and_echo_in_the_legacy_shape():
     """One request scores a text: echo + logprobs gives the prompt's log-probabilities too."""
     chunks = CompletionChunks("cmpl-1", 7, "tiny-llama", n=1)
     chunks.extras = CompletionExtras(echoed_prompts(["hi"], ByteTokenizer()), logprobs=True)
-    delta = final_delta(0, "!", [33], logprobs=[lp(33, -0.5, (33, -0.5), (63, -1.5))])
-    delta.prompt_logprobs = [None, lp(105, -2.0, (101, -1.0))]
+    delta = final_delta(
+        0,
+        "!",
+        [33],
+        logprobs=[lp(33, -0.5, (33, -0.5), (63, -1.5))],
+        prompt_logprobs=[None, lp(105, -2.0, (101, -1.0))],
+    )
     collector = CompletionCollector()
     collector.add(delta)
     (choice,) = chunks.whole([collector]).choices
@@ -529,8 +542,9 @@ def test_chat_logprobs_in_the_chat_shape():
 
 
 def test_grpc_carries_logprobs_and_prompt_logprobs():
-    delta = final_delta(0, "!", [33], logprobs=[lp(33, -0.5, (33, -0.5))])
-    delta.prompt_logprobs = [None, lp(105, -2.0)]
+    delta = final_delta(
+        0, "!", [33], logprobs=[lp(33, -0.5, (33, -0.5))], prompt_logprobs=[None, lp(105, -2.0)]
+    )
     message = delta_to_proto(delta)
     (item,) = message.logprobs
     assert (item.token_id, item.token, item.logprob, item.rank) == (33, "!", -0.5, 1)

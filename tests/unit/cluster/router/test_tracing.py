@@ -22,7 +22,7 @@ from pagedserve.cluster.router.types import MigrationKind
 from pagedserve.cluster.trace_view import find_trace, render
 from pagedserve.workers.protocol.requests import GenerateRequest
 from pagedserve.workers.protocol.stats import KVUsage, WorkerStats
-from pagedserve.workers.protocol.stream import RequestMetrics, StreamDelta, Usage
+from pagedserve.workers.protocol.stream import FinishReason, RequestMetrics, StreamDelta, Usage
 from pagedserve.workers.telemetry.telemetry import NOOP, TelemetryConfig, Tracing, get_tracing
 from pagedserve.workers.telemetry.trace_file import read_spans
 from pagedserve.workers.worker.core import WorkerCore
@@ -201,7 +201,7 @@ def test_router_trace_records_usage_and_errors(memory):
     trace = RouterTrace(tracing, request, "q1", "tiny")
     trace.on_prompt(2)
     trace.child("route").end()
-    delta = StreamDelta("q1", 0, [1], "", "length", usage=Usage(2, 4, 0))
+    delta = StreamDelta("q1", 0, [1], "", FinishReason.LENGTH, usage=Usage(2, 4, 0))
     trace.on_delta(delta)
     trace.end(RuntimeError("boom"))
     route, root = exporter.get_finished_spans()
@@ -266,8 +266,8 @@ def test_metrics_registry_counts_and_reads_worker_stats():
     metrics = RouterMetrics(True, lambda: stats)
     metrics.on_routed("kv_aware", "prefix_hit")
     metrics.on_migration(MigrationKind.PULL, 3)
-    timings = RequestMetrics(queue_time=0.01, ttft=0.02, e2e=0.1, inter_token_latencies=[0.01])
-    delta = StreamDelta("r", 0, [], "", "stop", usage=Usage(5, 2, 0), worker_id="w0")
+    timings = RequestMetrics(queue_time=0.01, ttft=0.02, e2e=0.1, inter_token_latencies=(0.01,))
+    delta = StreamDelta("r", 0, [], "", FinishReason.STOP, usage=Usage(5, 2, 0), worker_id="w0")
     metrics.on_finished(dataclasses.replace(delta, metrics=timings))
     text = metrics.render().decode()
     for line in (
@@ -290,5 +290,5 @@ def test_metrics_registry_counts_and_reads_worker_stats():
 def test_metrics_off_is_a_noop():
     metrics = RouterMetrics(False, dict)
     metrics.on_routed("kv_aware", "prefix_hit")
-    metrics.on_finished(StreamDelta("r", 0, [], "", "stop"))
+    metrics.on_finished(StreamDelta("r", 0, [], "", FinishReason.STOP))
     assert not metrics.enabled and metrics.render() == b""

@@ -19,12 +19,9 @@ from pagedserve.cluster.config import RoutingConfig
 from pagedserve.cluster.router.config import RouterConfig
 from pagedserve.cluster.router.router import RouterCore
 from pagedserve.cluster.router.worker_state import WorkerState
-from pagedserve.cluster.routing.policies import (
-    RANKED_LISTED,
-    KvAwarePolicy,
-    WorkerLoad,
-    make_policy,
-)
+from pagedserve.cluster.routing.kv_aware import RANKED_LISTED, KvAwarePolicy
+from pagedserve.cluster.routing.policies import make_policy
+from pagedserve.cluster.routing.policy import WorkerLoad
 from pagedserve.cluster.routing.routable import RoutableWorkers
 from pagedserve.workers.kv.block_hash import hash_full_blocks
 

@@ -11,7 +11,8 @@ from pagedserve.cluster.config import ClusterConfig, RoutingConfig
 from pagedserve.cluster.index.feed import Stored
 from pagedserve.cluster.index.prefix_index import PrefixIndexState
 from pagedserve.cluster.index.view import PrefixView
-from pagedserve.cluster.routing.policies import KvAwarePolicy, WorkerLoad
+from pagedserve.cluster.routing.kv_aware import KvAwarePolicy
+from pagedserve.cluster.routing.policy import WorkerLoad
 from pagedserve.cluster.routing.tier_costs import TierCosts, TierHits
 from pagedserve.workers.protocol.events import BlockStored, KVSnapshot
 

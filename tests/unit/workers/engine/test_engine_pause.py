@@ -41,7 +41,7 @@ def test_a_paused_request_is_not_scheduled_keeps_its_blocks_and_resumes(tiny_lla
         touched = {o.request_id for o in stepper.step()}
         assert touched == {"q"}
     assert tokens_of(engine, "p") == frozen and engine.kv.get_block_ids("p#0") == blocks
-    assert engine.stats()["num_paused"] == 1 and engine.has_runnable_requests()
+    assert engine.stats().num_paused == 1 and engine.has_runnable_requests()
     assert engine.resume("p")
     finished = run_to_end(stepper)
     expected = llm.generate(list(prompts.values()), LONG)
@@ -49,7 +49,7 @@ def test_a_paused_request_is_not_scheduled_keeps_its_blocks_and_resumes(tiny_lla
         "p": expected[0].outputs[0].token_ids,
         "q": expected[1].outputs[0].token_ids,
     }
-    assert engine.stats()["num_paused"] == 0
+    assert engine.stats().num_paused == 0
     finish_clean(llm)
 
 
@@ -64,7 +64,7 @@ def test_with_every_request_paused_the_engine_has_nothing_to_run(tiny_llama):
     steps = engine.num_steps
     assert stepper.step() == [] and engine.num_steps == steps
     aborted = engine.abort("p")  # a paused request can still be aborted (lease, cancel)
-    assert aborted.completions[0].finish_reason == "abort" and engine.stats()["num_paused"] == 0
+    assert aborted.completions[0].finish_reason == "abort" and engine.stats().num_paused == 0
     finish_clean(llm)
 
 

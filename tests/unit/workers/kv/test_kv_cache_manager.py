@@ -41,52 +41,6 @@ def test_allocate_append_free_tail_first():
     assert_no_leaks(m)
 
 
-def test_prefix_hit_reuses_blocks_and_leaves_one_token_to_compute():
-    m = make_manager(num_blocks=8)
-    a = FakeRequest("a", list(range(10)))
-    m.allocate_slots(a, 10)  # blocks 0,1 full and cached, 2 partial
-    m.free("a")
-    b = FakeRequest("b", list(range(8)) + [99, 98, 97])
-    hit = m.get_computed_blocks(b)
-    assert [blk.block_id for blk in hit.blocks] == [0, 1] and hit.num_tokens == 8
-    alloc = m.allocate_slots(b, 3, hit)
-    assert alloc.new_block_ids == (2,)
-    assert m.get_block_ids("b") == [0, 1, 2]
-    assert refs(m)[:3] == [1, 1, 1]
-    # exactly two full blocks of prompt: only the first may be reused
-    c = FakeRequest("c", list(range(8)))
-    assert m.get_computed_blocks(c).num_tokens == 4
-    usage = m.usage()
-    assert usage.prefix_hits_tokens == 8 and usage.prefix_queries_tokens == 21
-    m.free("b")
-    assert_no_leaks(m)
-
-
-def test_cache_salt_never_shares():
-    m = make_manager(num_blocks=8)
-    a = FakeRequest("a", list(range(9)), ("tiny", "tenant-a"))
-    m.allocate_slots(a, 9)
-    b = FakeRequest("b", list(range(9)), ("tiny", "tenant-b"))
-    assert m.get_computed_blocks(b).num_tokens == 0
-    m.allocate_slots(b, 9)
-    assert set(m.get_block_ids("a")).isdisjoint(m.get_block_ids("b"))
-    same = FakeRequest("s", list(range(9)), ("tiny", "tenant-a"))
-    assert m.get_computed_blocks(same).num_tokens == 8
-    m.free("a")
-    m.free("b")
-    assert_no_leaks(m)
-
-
-def test_hash_collision_is_not_a_hit():
-    m = make_manager(num_blocks=8)
-    a = FakeRequest("a", list(range(9)))
-    m.allocate_slots(a, 9)
-    block0 = m.pool.blocks[0]
-    # Pretend block 0 holds other tokens under the same hash: the stored key no longer matches.
-    block0.key = type(block0.key)(None, (9, 9, 9, 9), ())
-    assert m.get_computed_blocks(FakeRequest("b", list(range(9)))).num_tokens == 0
-
-
 def test_fork_then_copy_on_write_of_shared_partial_block():
     m = make_manager(num_blocks=8)
     a = FakeRequest("a", list(range(6)))
@@ -151,16 +105,6 @@ def test_eviction_of_cached_free_blocks_is_lru_and_reported():
     assert m.get_computed_blocks(FakeRequest("x", list(range(8)) + [1])).num_tokens == 4
 
 
-def test_reset_prefix_cache_drops_every_hit():
-    m = make_manager()
-    m.allocate_slots(FakeRequest("a", list(range(9))), 9)
-    m.free("a")
-    m.reset_prefix_cache()
-    assert m.get_computed_blocks(FakeRequest("b", list(range(9)))).num_tokens == 0
-    assert m.usage().cached_free_blocks == 0
-    assert_no_leaks(m)
-
-
 def test_swap_out_and_in_roundtrip():
     m = make_manager(num_blocks=4, num_swap_blocks=4)
     a = FakeRequest("a", list(range(6)))
@@ -181,49 +125,6 @@ def test_swap_out_refused_without_room_changes_nothing():
     m.allocate_slots(FakeRequest("a", list(range(6))), 6)
     assert m.swap_out("a") is None
     assert m.get_block_ids("a") == [0, 1] and m.num_free_swap_blocks == 1
-
-
-def test_rollback_slots_forgets_positions_a_preempted_step_never_computed():
-    # "a" was scheduled to decode position 7 (the token that fills block 1), then preempted
-    # by a later allocation of the same step: no forward writes position 7.
-    m = make_manager(num_blocks=4, num_swap_blocks=4)
-    a = FakeRequest("a", list(range(7)))
-    m.allocate_slots(a, 7)
-    a.all_token_ids.append(7)
-    m.allocate_slots(a, 1)
-    assert m.pool.blocks[1].block_hash is not None  # hashed at allocation, not yet written
-    m.pool.take_events()
-    m.rollback_slots("a", 7)
-    assert m.pool.blocks[1].block_hash is None and len(m.pool.cached) == 1
-    assert [type(e).__name__ for e in m.pool.take_events()] == ["BlockRemoved"]
-    assert m.get_block_ids("a") == [0, 1] and m._requests["a"].num_tokens == 7
-    check_invariants(m)
-    # No later request may hit the block whose last slot is unwritten.
-    assert m.get_computed_blocks(FakeRequest("x", list(range(9)))).num_tokens == 4
-    # After a swap round trip the next allocation starts at position 7 again.
-    m.swap_out("a")
-    m.swap_in(a)
-    assert m.allocate_slots(a, 1) is not None and m._requests["a"].num_tokens == 8
-    m.free("a")
-    assert_no_leaks(m)
-
-
-def test_rollback_slots_keeps_a_hash_it_did_not_register():
-    # Two requests with the same prompt: "b" fills block 0 after "a" registered it, so "b"'s
-    # copy stays unhashed, and rolling "b" back must leave "a"'s cached block alone.
-    m = make_manager(num_blocks=4)
-    a, b = FakeRequest("a", list(range(4))), FakeRequest("b", list(range(3)))
-    m.allocate_slots(a, 4)
-    m.allocate_slots(b, 3)
-    b.all_token_ids.append(3)
-    m.allocate_slots(b, 1)
-    m.rollback_slots("b", 3)
-    assert m.pool.blocks[0].block_hash is not None and m._requests["b"].block_hashes == []
-    with pytest.raises(ValueError, match="cannot roll back"):
-        m.rollback_slots("b", 4)
-    m.free("a")
-    m.free("b")
-    assert_no_leaks(m)
 
 
 def test_usage_reproduces_seed_worked_example():

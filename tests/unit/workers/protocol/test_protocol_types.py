@@ -19,16 +19,6 @@ import pagedserve.workers.protocol as protocol
 
 # Dataclasses that still cross mutable: (module, class) → why (who assigns to its fields).
 MUTABLE = {
-    ("stream", "StreamDelta"): "the router assigns `request_id` (the client's id) and `index` "
-    "(a moved branch's own) on deltas it forwards (`cluster/router/requests.py`)",
-    ("stream", "RequestMetrics"): "the engine fills it field by field as a request finishes "
-    "(`workers/engine/request.py`, `workers/beam/groups.py`)",
-    ("requests", "GenerateRequest"): "the router sets `trace_context` and `ingress` "
-    "(`cluster/router/tracing.py`) and the gRPC front end `lora` (`cluster/api/grpc/api.py`)",
-    ("sampling", "SamplingParams"): "its `__post_init__` normalises fields by assignment "
-    "(stop lists, logit_bias, pooling); copies are made with `dataclasses.replace`",
-    ("handoff", "RequestHandoff"): "never assigned to (copied with `dataclasses.replace`); it "
-    "holds token lists, the packed KV (a tensor or an ObjectRef) and an actor handle",
     ("stats", "SchedulerCounters"): "the scheduler's own running counters; `WorkerStats` "
     "carries a copy",
     ("stats", "TenantService"): "the fair-share scheduler's running counts per tenant; "

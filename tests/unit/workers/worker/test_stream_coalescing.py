@@ -10,7 +10,13 @@ from support.engine import finish_clean
 from support.wait import until
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.workers.protocol.stream import RequestMoved, StreamDelta, TokenLogprob, Usage
+from pagedserve.workers.protocol.stream import (
+    FinishReason,
+    RequestMoved,
+    StreamDelta,
+    TokenLogprob,
+    Usage,
+)
 from pagedserve.workers.worker.core import WorkerCore
 from pagedserve.workers.worker.stream import RUN_AHEAD_MESSAGES, DeltaBuffer, merge_deltas
 
@@ -25,7 +31,7 @@ def test_merging_keeps_order_and_takes_the_end_of_the_later():
     lp = [TokenLogprob(1, -0.5, 1), TokenLogprob(2, -0.1, 1)]
     first = delta([1], "a", logprobs=lp[:1], prompt_logprobs=[None])
     usage = Usage(3, 2, 0)
-    then = delta([2], "b", logprobs=lp[1:], finish_reason="length", usage=usage)
+    then = delta([2], "b", logprobs=lp[1:], finish_reason=FinishReason.LENGTH, usage=usage)
     merged = merge_deltas(first, then)
     assert merged.token_ids == [1, 2] and merged.text == "ab"
     assert merged.logprobs == lp and merged.prompt_logprobs == [None]
@@ -42,7 +48,7 @@ def test_the_buffer_hands_out_one_message_per_run_of_one_branch():
             buffer.put(delta([i], str(i)))
         buffer.put(delta([10], "x", index=1))  # another branch ends the run
         buffer.put(delta([3], "3"))
-        buffer.put(delta([4], "4", finish_reason="length"))
+        buffer.put(delta([4], "4", finish_reason=FinishReason.LENGTH))
         buffer.put(delta([5], "5"))  # after a finished delta: a message of its own
         moved = RequestMoved("r", 0, "w1", None)
         buffer.put(moved)

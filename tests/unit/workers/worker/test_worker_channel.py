@@ -76,7 +76,7 @@ def test_one_batch_per_step_carries_every_request_of_the_owner(tiny_llama):
             await core.submit(request(request_id, prompt, params))
         batches: list[StepBatch] = []
         await read_until_done(channel, set(prompts), batches)
-        steps = llm.engine.stats()["num_steps"]
+        steps = llm.engine.stats().num_steps
         await channel.aclose()
         await core.close()
         return batches, steps
@@ -157,7 +157,7 @@ def test_a_drain_cuts_a_channel_request_off_with_an_end_message(tiny_llama):
         await core.submit(request("held", list(range(5, 25)), LONG))
         batches = [await anext(channel)]
         core.set_paused("held", True, seq=1)
-        await until(lambda: llm.engine.stats()["num_paused"] == 1, "the request to pause")
+        await until(lambda: llm.engine.stats().num_paused == 1, "the request to pause")
         result = await core.drain(grace_s=0.1)
         with pytest.raises(Draining, match="is draining"):
             await core.submit(request("late", [1, 2, 3], LONG))
@@ -208,7 +208,7 @@ def test_pauses_apply_in_the_order_the_router_sent_them(tiny_llama):
         channel = core.channel("router")
         await core.submit(request("r", list(range(1, 15)), LONG))
         await anext(channel)
-        paused = lambda: llm.engine.stats()["num_paused"]  # noqa: E731
+        paused = lambda: llm.engine.stats().num_paused  # noqa: E731
         core.set_paused("r", True, seq=2)
         await until(lambda: paused() == 1, "the pause")
         core.set_paused("r", False, seq=1)  # sent before the pause, arrived after it

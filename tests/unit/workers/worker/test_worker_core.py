@@ -277,7 +277,7 @@ def test_drain_refuses_new_requests_finishes_short_ones_and_cuts_off_the_rest(ti
         finishing = core.generate("short", list(range(5, 15)), short)
         cut_off = core.generate("long", list(range(20, 30)), long)
         heads = [await anext(finishing), await anext(cut_off)]
-        await until(lambda: llm.engine.stats()["num_paused"] == 2, "both requests to pause")
+        await until(lambda: llm.engine.stats().num_paused == 2, "both requests to pause")
         drain = asyncio.create_task(core.drain(grace_s=GRACE_S))
         await until(lambda: core.draining, "the drain to start")
         with pytest.raises(Draining, match="is draining"):

@@ -85,7 +85,7 @@ def test_an_owner_that_stops_renewing_loses_its_requests_the_others_go_on(tiny_l
         for stream in (dead, alive, offline):
             assert (await anext(stream)).finish_reason is None
         # Nobody reads on, so all three pause and are certainly in flight for the check.
-        await wait_for(lambda: llm.engine.stats()["num_paused"] == 3, "three paused requests")
+        await wait_for(lambda: llm.engine.stats().num_paused == 3, "three paused requests")
         clock.now = 0.75 * TIMEOUT_S
         core.renew_lease("router-b")
         clock.now = 1.5 * TIMEOUT_S  # router-a: 1.5 leases since admission; router-b: 0.75
@@ -114,7 +114,7 @@ def test_the_housekeeping_task_aborts_an_orphan_while_the_engine_is_idle(tiny_ll
     async def main():
         stream = core.generate("orphan", list(range(20)), LONG, owner_id="gone")
         await anext(stream)
-        await wait_for(lambda: llm.engine.stats()["num_paused"] == 1, "the orphan to pause")
+        await wait_for(lambda: llm.engine.stats().num_paused == 1, "the orphan to pause")
         assert not llm.engine.has_runnable_requests()
         clock.now = 1.0  # past the lease: the next housekeeping tick aborts it
         await wait_for(lambda: core.stats().lease_expired == 1, "the lease to expire")
@@ -145,7 +145,7 @@ def test_an_unread_stream_pauses_at_its_bound_and_resumes_unchanged(tiny_llama, 
     async def main():
         stream = core.generate("r", prompt, params)
         deltas = [await anext(stream)]
-        await wait_for(lambda: llm.engine.stats()["num_paused"] == 1, "the request to pause")
+        await wait_for(lambda: llm.engine.stats().num_paused == 1, "the request to pause")
         buffered = core.buffered_deltas("r")
         (group,) = llm.engine._groups.values()
         generated = [b.num_output_tokens for b in group.branches]
@@ -161,5 +161,5 @@ def test_an_unread_stream_pauses_at_its_bound_and_resumes_unchanged(tiny_llama, 
     for branch in range(n):
         tokens = [t for d in deltas if d.index == branch for t in d.token_ids]
         assert tokens == expected.outputs[branch].token_ids
-    assert llm.engine.stats()["num_paused"] == 0
+    assert llm.engine.stats().num_paused == 0
     finish_clean(llm)

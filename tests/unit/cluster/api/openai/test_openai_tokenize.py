@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.cluster.api.errors import ApiError
-from pagedserve.cluster.api.openai.models import ChatMessage
+from pagedserve.cluster.api.openai.chat_messages import ChatMessage
 from pagedserve.cluster.api.openai.tokenization import chat_turns, encode
 from pagedserve.workers.model.tokenizer import ByteTokenizer, HFTokenizer, render_chat
 

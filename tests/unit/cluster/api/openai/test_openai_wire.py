@@ -10,10 +10,17 @@ import asyncio
 from pagedserve.cluster.api.auth import TokenAuth
 from pagedserve.cluster.api.config import AuthConfig
 from pagedserve.cluster.api.errors import ApiError
-from pagedserve.cluster.api.openai.api import ChatChunks, CompletionChunks, OpenAIFrontend
+from pagedserve.cluster.api.openai.api import OpenAIFrontend
+from pagedserve.cluster.api.openai.chunks import ChatChunks, CompletionChunks
 from pagedserve.cluster.api.openai.logprobs import CompletionExtras, echoed_prompts
 from pagedserve.workers.model.tokenizer import ByteTokenizer
-from pagedserve.workers.protocol.stream import StreamDelta, TokenLogprob, TopLogprob, Usage
+from pagedserve.workers.protocol.stream import (
+    FinishReason,
+    StreamDelta,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 
 
 def lp(token_id: int, logprob: float, *top: tuple[int, float]) -> TokenLogprob:
@@ -60,14 +67,14 @@ def cmpl() -> tuple[list[StreamDelta], CompletionChunks]:
         prompt_logprobs=[None, lp(105, -2.0, (101, -1.0))],
     )  # fmt: skip
     last = StreamDelta(
-        "r1", 0, [169], "é", "length", usage=Usage(2, 2, 1), logprobs=[lp(169, -1e-05)]
+        "r1", 0, [169], "é", FinishReason.LENGTH, usage=Usage(2, 2, 1), logprobs=[lp(169, -1e-05)]
     )
     return [first, last], chunks
 
 
 def chat() -> tuple[list[StreamDelta], ChatChunks]:
     first = StreamDelta("r1", 0, [65], "A", logprobs=[lp(65, -0.5, (65, -0.5))])
-    last = StreamDelta("r1", 0, [], "", "stop", usage=Usage(3, 1, 0), logprobs=[])
+    last = StreamDelta("r1", 0, [], "", FinishReason.STOP, usage=Usage(3, 1, 0), logprobs=[])
     return [first, last], ChatChunks("chatcmpl-1", 7, "m", n=1)
 
 
