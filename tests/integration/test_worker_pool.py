@@ -168,7 +168,7 @@ def test_a_config_change_replaces_the_workers_one_at_a_time_without_a_dropped_re
             return (
                 [m.worker_id for m in stats.membership.members] == [new]
                 and all(list(c.workers) == [new] for c in (core, redeployed))
-                and gone_for_good(old, config)  # the retire's last step: the actor stopped
+                and gone_for_good(old, config.actors)  # the retire's last step: the actor stopped
             )
 
         # The held streams cannot finish on the old worker while unread: its drain hands
@@ -223,8 +223,8 @@ def test_a_restarted_pool_holds_its_workers_until_the_newest_config_reaches_it(r
     # (It holds from a control call's deadline after the restart: 10 s in test clusters.)
     config = cluster_config("t-hold", num_workers=1, scale_interval_s=0.1)
     changed = dataclasses.replace(config, engine=dataclasses.replace(config.engine, max_num_seqs=7))
-    followed = FollowedRevision(config.pool_name, config.namespace)
-    new = config.worker_name(1)
+    followed = FollowedRevision(config.actors.pool_name, config.namespace)
+    new = config.actors.worker_name(1)
 
     async def main():
         core = await start_router(config, config_revision=1.0)
@@ -234,7 +234,7 @@ def test_a_restarted_pool_holds_its_workers_until_the_newest_config_reaches_it(r
         async def rolled() -> bool:
             stats = await pool.stats.remote()
             members = [m.worker_id for m in stats.membership.members]
-            return members == [new] and gone_for_good(config.worker_name(0), config)
+            return members == [new] and gone_for_good(config.actors.worker_name(0), config.actors)
 
         await until(rolled, "the old worker to be replaced")
         await redeployed.close()  # the newest router is late: only the older one polls
