@@ -108,11 +108,10 @@ class AblateConfig:
         name = name.lower()
         return {
             "engine": engine,
-            "num_workers": self.num_workers,
-            **roles,
-            "worker_num_gpus": gpus,
-            "routing_policy": routing,
-            "stats_interval_s": 0.1,
+            "scaling": {"num_workers": self.num_workers, **roles},
+            "placement": {"worker_num_gpus": gpus},
+            "routing": {"routing_policy": routing},
+            "failure": {"stats_interval_s": 0.1},
             "name": name,
         }
 
@@ -161,9 +160,10 @@ def run_arm(
 
 
 async def _drive(cluster_config, index, workers, workload, config: AblateConfig) -> RunResult:
+    from pagedserve.cluster.router.config import RouterConfig
     from pagedserve.cluster.router.router import RouterCore
 
-    core = RouterCore(cluster_config, index, workers)
+    core = RouterCore(RouterConfig.of(cluster_config), index, workers)
     try:
         await core.start()
         await asyncio.gather(*(_warm_up(wid, handle) for wid, handle in workers.items()))

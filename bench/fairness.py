@@ -179,15 +179,16 @@ def rate(records, windows: list[tuple[float, float]]) -> float:
 
 
 def server_config(args, fair: bool) -> dict:
-    config = {
-        "num_workers": args.num_workers,
+    placement = {}
+    for name in ("worker_nice", "control_nice"):  # None: the server's default
+        if getattr(args, name) is not None:
+            placement[name] = getattr(args, name)
+    return {
+        "scaling": {"num_workers": args.num_workers},
+        "placement": placement,
         "engine": {"model": args.model, "fair_share": {"enabled": fair}},
         "auth": {"tokens": [TOKEN_A, TOKEN_B]},
     }
-    for name in ("worker_nice", "control_nice"):  # None: the server's default
-        if getattr(args, name) is not None:
-            config[name] = getattr(args, name)
-    return config
 
 
 def run_arm(arm: str, args, scratch: Path) -> ArmResult:

@@ -12,6 +12,7 @@ import math
 import random
 from collections.abc import Callable, Sequence
 
+from pagedserve.workers.kv.manager import AllocationMode
 from pagedserve.workers.kv.memory import blocks_needed
 
 # The engine keeps this fraction of the pool free at admission (EngineConfig.watermark); the
@@ -99,7 +100,7 @@ def default_num_kv_blocks(
     prompt_lens: Sequence[int],
     output_lens: Sequence[int],
     block_size: int,
-    kv_allocation: str,
+    kv_allocation: AllocationMode | str,
     max_len: int,
 ) -> int:
     """Blocks that hold every sequence at full length at once, plus the admission watermark.
@@ -107,7 +108,7 @@ def default_num_kv_blocks(
     ``paged`` needs ceil((prompt_i + max_tokens_i) / B) blocks per sequence; ``reserve-max``
     reserves ceil(max_len / B) for each, whatever its length.
     """
-    if kv_allocation == "reserve-max":
+    if AllocationMode(kv_allocation) is AllocationMode.RESERVE_MAX:
         needed = len(prompt_lens) * blocks_needed(max_len, block_size)
     else:
         pairs = zip(prompt_lens, output_lens, strict=True)

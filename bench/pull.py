@@ -32,7 +32,7 @@ from typing import Any
 
 from pagedserve.bench.bench_io import ensure_ray
 from pagedserve.bench.routing import HelpFormatter
-from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.config import RoutingConfig
 from pagedserve.workers.protocol.requests import WorkerRequest
 
 DEFAULT_LENGTHS = (1, 2, 4, 8, 16, 32, 64)
@@ -261,8 +261,8 @@ def format_report(config: PullBenchConfig, points: list[Point]) -> str:
             f"crossover: pull+hit beats prefill from {found} blocks "
             f"({found * config.block_size} tokens){at_least} on"
         )
-        default = ClusterConfig.__dataclass_fields__["pull_min_blocks"].default
-        lines.append(f"recommended pull_min_blocks = {found} (ClusterConfig default: {default})")
+        default = RoutingConfig.pull_min_blocks
+        lines.append(f"recommended pull_min_blocks = {found} (RoutingConfig default: {default})")
     return "\n".join(lines)
 
 

@@ -64,7 +64,7 @@ from pagedserve.bench.routing_workload import (
     ideal_cached_tokens,
     make_workload,
 )
-from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.config import ClusterConfig, PlacementConfig, RoutingConfig, ScalingConfig
 from pagedserve.cluster.router.types import ClusterStats
 from pagedserve.workers.engine.config import EngineConfig
 from pagedserve.workers.protocol.requests import WorkerRequest
@@ -86,13 +86,15 @@ def cluster_config(config: RoutingBenchConfig, policy: str) -> ClusterConfig:
     options = dict(config.kv_aware_options) if policy == "kv_aware" else {}
     return ClusterConfig(
         engine=engine,
-        num_workers=config.num_workers,
-        worker_num_cpus=config.worker_num_cpus,
-        routing_policy=policy,
-        routing_options=options,
-        enable_pull=config.pulls(policy),
-        pull_min_blocks=config.pull_min_blocks,
-        enable_push=config.pushes(policy),
+        scaling=ScalingConfig(num_workers=config.num_workers),
+        placement=PlacementConfig(worker_num_cpus=config.worker_num_cpus),
+        routing=RoutingConfig(
+            routing_policy=policy,
+            routing_options=options,
+            enable_pull=config.pulls(policy),
+            pull_min_blocks=config.pull_min_blocks,
+            enable_push=config.pushes(policy),
+        ),
         name=f"bench-{policy}",
     )
 
@@ -112,9 +114,10 @@ def run_policy(
 
 
 async def _measure(config, cluster, index, workers, workload) -> PolicyResult:
+    from pagedserve.cluster.router.config import RouterConfig
     from pagedserve.cluster.router.router import RouterCore
 
-    core = RouterCore(cluster, index, workers)
+    core = RouterCore(RouterConfig.of(cluster), index, workers)
     try:
         await core.start()
         await asyncio.gather(*(_warm_up(wid, handle) for wid, handle in workers.items()))
@@ -130,7 +133,7 @@ async def _measure(config, cluster, index, workers, workload) -> PolicyResult:
         stats = await _settled_stats(core)
     finally:
         await core.close()
-    summary = summarize(cluster.routing_policy, records, stats)
+    summary = summarize(cluster.routing.routing_policy, records, stats)
     return PolicyResult(summary, list(records), stats)
 
 
@@ -236,7 +239,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--block-size", type=int, default=d.block_size, help="B, tokens per KV block")
     add("--num-kv-blocks", type=int, default=None, help="KV blocks per worker; None: 256 MiB of KV")
     add("--pull", choices=MIGRATION_MODES, default=d.pull, help="policies that pull prefixes")
-    add("--pull-min-blocks", type=int, default=d.pull_min_blocks, help="ClusterConfig field")
+    add("--pull-min-blocks", type=int, default=d.pull_min_blocks, help="RoutingConfig field")
     add("--push", choices=MIGRATION_MODES, default=d.push, help="policies that push under pressure")
     add("--worker-num-cpus", type=float, default=d.worker_num_cpus, help="Ray CPUs per worker")
     add("--model", default=d.model, help="built-in name (smollm2-135m, tiny-llama), dir, .gguf")

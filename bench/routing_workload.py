@@ -11,7 +11,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.config import RoutingConfig
 
 POLICIES = ("kv_aware", "round_robin", "least_loaded")
 MIGRATION_MODES = ("none", "kv_aware", "all")  # which policies run with pull (or push) on
@@ -33,7 +33,7 @@ class RoutingBenchConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     pull: str = "kv_aware"
-    pull_min_blocks: int = ClusterConfig.pull_min_blocks  # the cluster's measured crossover
+    pull_min_blocks: int = RoutingConfig.pull_min_blocks  # the cluster's measured crossover
     push: str = "kv_aware"
     worker_num_cpus: float = 1.0
     kv_aware_options: tuple[tuple[str, Any], ...] = ()  # KvAwarePolicy keyword options

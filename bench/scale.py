@@ -68,16 +68,15 @@ class ScaleBenchConfig:
 def cluster_config(config: ScaleBenchConfig) -> Any:
     """The routers' config: kv_aware (the default policy), no migrations (simulated workers
     hold no KV to move), polls every `stats_interval_s`."""
-    from pagedserve.cluster.config import ClusterConfig
+    from pagedserve.cluster.config import FailureConfig, LimitsConfig, RoutingConfig
+    from pagedserve.cluster.router.config import RouterConfig
     from pagedserve.workers.engine.config import EngineConfig
 
-    return ClusterConfig(
+    return RouterConfig(
         engine=EngineConfig(model="tiny-llama", block_size=config.block_size),
-        num_workers=config.num_workers,
-        enable_pull=False,
-        enable_push=False,
-        stats_interval_s=config.stats_interval_s,
-        max_inflight=None,
+        routing=RoutingConfig(enable_pull=False, enable_push=False),
+        failure=FailureConfig(stats_interval_s=config.stats_interval_s),
+        limits=LimitsConfig(max_inflight=None),
     )
 
 

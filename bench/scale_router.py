@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from pagedserve.bench.scale_report import RequestResult, RouterRun
-from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.router.config import RouterConfig
 from pagedserve.cluster.router.router import RouterCore
 from pagedserve.workers.protocol.requests import GenerateRequest
 from pagedserve.workers.protocol.sampling import SamplingParams
@@ -31,12 +31,12 @@ class ScaleRouter:
     """Owns one `RouterCore` and the decision times measured around its `route`.
 
     Args:
-        config: the cluster config the core gets.
+        config: the router config the core gets.
         index: the prefix index actor.
         workers: worker id → (simulated) worker handle.
     """
 
-    def __init__(self, config: ClusterConfig, index: Any, workers: dict[str, Any]) -> None:
+    def __init__(self, config: RouterConfig, index: Any, workers: dict[str, Any]) -> None:
         self.core = RouterCore(config, index, workers)
         self.route_s: list[float] = []
         self.route_cpu_s: list[float] = []

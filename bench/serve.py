@@ -38,7 +38,7 @@ from pagedserve.bench.serve_workload import (
     WorkloadConfig,
     make_workload,
 )
-from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.config import LimitsConfig
 from pagedserve.cluster.routing.policies import RoutingPolicy
 from pagedserve.workers.config_flags import add_config_flags, config_flags_set
 from pagedserve.workers.model.registry import DEFAULT_MODEL
@@ -143,7 +143,7 @@ def local_app(cluster: dict[str, Any], *, num_cpus: int | None = None) -> Iterat
 
     config = ClusterConfig.from_dict(cluster)
     prepare_in_subprocess(config.engine.model)  # a GGUF model: converted once, before workers
-    cpus = num_cpus or math.ceil(config.num_workers * config.worker_num_cpus) + 1
+    cpus = num_cpus or math.ceil(config.scaling.num_workers * config.placement.worker_num_cpus) + 1
     started_ray = ensure_ray(num_cpus=cpus)
     grpc_port = free_port()
     try:
@@ -153,7 +153,7 @@ def local_app(cluster: dict[str, Any], *, num_cpus: int | None = None) -> Iterat
         )
         serve.run(build_app(cluster), name=config.name, route_prefix="/")
         address = f"127.0.0.1:{grpc_port}"
-        _wait_serving(address, config.startup_timeout_s)
+        _wait_serving(address, config.failure.startup_timeout_s)
         yield address
     finally:
         serve.shutdown()
@@ -179,7 +179,7 @@ def _wait_serving(address: str, timeout_s: float) -> None:
 
 # Of the cluster's fields, `bench serve` takes only the backpressure limits as flags.
 _LIMITS = ("max_inflight", "max_waiting_per_worker", "retry_after_s")
-_NOT_LIMITS = tuple(f.name for f in dataclasses.fields(ClusterConfig) if f.name not in _LIMITS)
+_NOT_LIMITS = tuple(f.name for f in dataclasses.fields(LimitsConfig) if f.name not in _LIMITS)
 
 
 def local_cluster_data(args: argparse.Namespace) -> dict[str, Any]:
@@ -188,11 +188,11 @@ def local_cluster_data(args: argparse.Namespace) -> dict[str, Any]:
         engine["num_kv_blocks"] = args.num_kv_blocks
     return {
         "engine": engine,
-        "num_workers": args.num_workers,
-        "routing_policy": args.routing_policy,
-        "stats_interval_s": 0.1,
+        "scaling": {"num_workers": args.num_workers},
+        "routing": {"routing_policy": args.routing_policy},
+        "failure": {"stats_interval_s": 0.1},
+        "limits": config_flags_set(args, LimitsConfig),
         "name": "bench-serve",
-        **config_flags_set(args, ClusterConfig),
     }
 
 
@@ -268,9 +268,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="kv_aware",
         help="local app: routing policy",
     )
-    limits = parser.add_argument_group("local app: backpressure limits (ClusterConfig)")
+    limits = parser.add_argument_group("local app: backpressure limits (LimitsConfig)")
     add_config_flags(
-        limits, ClusterConfig, exclude=_NOT_LIMITS
+        limits, LimitsConfig, exclude=_NOT_LIMITS
     )  # --max-inflight, --max-waiting-per-worker, --retry-after-s
     add_workload_args(parser)
     parser.set_defaults(func=run)

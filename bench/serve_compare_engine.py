@@ -6,7 +6,7 @@ serves with, so nothing here restates a setting: `served_worker_layout` puts the
 own flags through `pagedserve serve`'s parser and config (`cluster/serve/cli.py`'s
 `cluster_config_from_args`, `ClusterConfig`) and takes what worker 0 is built from
 (`cluster/pool/spec.py`): its `EngineConfig`, its torch threads, its niceness and its cores.
-Its threads are `ClusterConfig.worker_thread_count` where the config sets them; where it
+Its threads are `PlacementConfig.worker_thread_count` where the config sets them; where it
 leaves them to Ray, Ray's rule for an actor (``OMP_NUM_THREADS`` of the environment if set,
 else its CPUs rounded down, at least 1: `ray._private.utils.set_omp_num_threads_if_unset`).
 
@@ -85,19 +85,21 @@ def served_worker_layout(
         raise ValueError(f"pagedserve serve refuses {serve_flags}: {error}") from None
     data = serve_cli.cluster_config_from_args(args, num_gpus=0, node=node)
     config = ClusterConfig.from_dict(split_app_args(data)[0])
-    threads, threads_from = config.worker_thread_count(0), "the cluster config"
+    num_workers = config.scaling.num_workers
+    threads = config.placement.worker_thread_count(0, num_workers)
+    threads_from = "the cluster config"
     if threads is None and environ.get("OMP_NUM_THREADS", "").isdigit():
         threads, threads_from = int(environ["OMP_NUM_THREADS"]), "OMP_NUM_THREADS, kept by Ray"
     elif threads is None:
-        threads = max(math.floor(config.worker_num_cpus), 1)
-        threads_from = f"Ray's default for an actor of {config.worker_num_cpus:g} CPU"
+        threads = max(math.floor(config.placement.worker_num_cpus), 1)
+        threads_from = f"Ray's default for an actor of {config.placement.worker_num_cpus:g} CPU"
     return WorkerLayout(
-        engine=config.worker_engine.for_worker(config.worker_name(0)),
+        engine=config.worker_engine.for_worker(config.actors.worker_name(0)),
         threads=threads,
         threads_from=threads_from,
-        nice=config.worker_nice,
-        cpus=config.worker_cpu_share(0),
-        num_workers=config.num_workers,
+        nice=config.placement.worker_nice,
+        cpus=config.placement.worker_cpu_share(0, num_workers),
+        num_workers=num_workers,
     )
 
 

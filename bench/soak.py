@@ -88,7 +88,13 @@ def run(args: argparse.Namespace) -> int:
         return _run_grpc(args)
 
     from pagedserve.bench.soak_driver import SoakSpec
-    from pagedserve.cluster.config import ClusterConfig
+    from pagedserve.cluster.config import (
+        ClusterConfig,
+        FailureConfig,
+        LimitsConfig,
+        PlacementConfig,
+        ScalingConfig,
+    )
     from pagedserve.cluster.pool.group import stop_worker_group
     from pagedserve.workers.engine.config import EngineConfig
 
@@ -114,17 +120,23 @@ def run(args: argparse.Namespace) -> int:
             preemption_mode="move",
             **tiers,
         ),
-        num_workers=args.num_workers,
-        fault_injection=True,  # the soak stalls workers and drops event batches
-        prefill_workers=args.prefill_workers,
-        decode_workers=args.decode_workers,
-        worker_num_cpus=0.5,
         name="pagedserve-soak",
-        stats_interval_s=0.2,
-        stall_timeout_s=5.0,  # the stall fault lasts until the router judged it
-        max_inflight=args.max_inflight,
-        max_waiting_per_worker=args.max_waiting or 16,
-        retry_after_s=0.5,
+        scaling=ScalingConfig(
+            num_workers=args.num_workers,
+            prefill_workers=args.prefill_workers,
+            decode_workers=args.decode_workers,
+        ),
+        placement=PlacementConfig(worker_num_cpus=0.5),
+        failure=FailureConfig(
+            fault_injection=True,  # the soak stalls workers and drops event batches
+            stats_interval_s=0.2,
+            stall_timeout_s=5.0,  # the stall fault lasts until the router judged it
+        ),
+        limits=LimitsConfig(
+            max_inflight=args.max_inflight,
+            max_waiting_per_worker=args.max_waiting or 16,
+            retry_after_s=0.5,
+        ),
     )
     ensure_ray()
     try:
@@ -146,10 +158,11 @@ async def _soak(config, spec) -> dict[str, Any]:
     from pagedserve.bench.soak_checks import check_soak, reference_outputs
     from pagedserve.bench.soak_driver import run_soak
     from pagedserve.cluster.pool.group import start_worker_group
+    from pagedserve.cluster.router.config import RouterConfig
     from pagedserve.cluster.router.router import RouterCore
 
     index, workers = start_worker_group(config)
-    core = RouterCore(config, index, workers)
+    core = RouterCore(RouterConfig.of(config), index, workers)
     await core.start()
     try:
         report = await run_soak(core, spec, log=print)

@@ -151,7 +151,9 @@ async def check_cluster(core: RouterCore, settle_s: float = 60.0) -> list[str]:
         problems.append(f"router still holds {core.num_inflight} requests: {held}")
     workers = {w.worker_id: w.handle for w in core.workers.values()}
     left = max(end - time.monotonic(), 0.0)
-    problems += await check_pools_and_index(workers, core.index, core.config.rpc_timeout_s, left)
+    problems += await check_pools_and_index(
+        workers, core.index, core.config.failure.rpc_timeout_s, left
+    )
     return problems
 
 

@@ -336,7 +336,9 @@ async def _strike(core: RouterCore, name: str, burst, tasks, spec: SoakSpec) -> 
         return {"worker": victim.worker_id, "inflight": victim.inflight}
     if name == "drop_events" and alive:
         target = alive[-1]
-        await within(target.handle.chaos_drop_next_event_batch.remote(), core.config.rpc_timeout_s)
+        await within(
+            target.handle.chaos_drop_next_event_batch.remote(), core.config.failure.rpc_timeout_s
+        )
         return {"worker": target.worker_id}
     if name == "burst":
         tasks.extend(asyncio.create_task(run_one(core, r, spec.hang_timeout_s)) for r in burst)
@@ -358,11 +360,11 @@ async def _stall(core: RouterCore, deadline_s: float) -> dict[str, Any]:
         await asyncio.sleep(0.05)
     victim = max(core.workers.values(), key=lambda w: (w.alive, w.inflight))
     inflight = victim.inflight
-    await within(victim.handle.chaos_stall.remote(True), core.config.rpc_timeout_s)
+    await within(victim.handle.chaos_stall.remote(True), core.config.failure.rpc_timeout_s)
     try:
         while not victim.stalled and victim.alive and time.monotonic() < end:
             await asyncio.sleep(0.05)
         judged = victim.stalled
     finally:
-        await within(victim.handle.chaos_stall.remote(False), core.config.rpc_timeout_s)
+        await within(victim.handle.chaos_stall.remote(False), core.config.failure.rpc_timeout_s)
     return {"worker": victim.worker_id, "inflight": inflight, "judged_stalled": judged}

@@ -42,7 +42,14 @@ from pagedserve.bench.soak_grpc_faults import (
     router_counters,
 )
 from pagedserve.bench.soak_grpc_router_kill import RouterKillSpec, router_kill
-from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.config import (
+    ClusterConfig,
+    FailureConfig,
+    LimitsConfig,
+    PlacementConfig,
+    RoutingConfig,
+    ScalingConfig,
+)
 from pagedserve.workers.engine.config import EngineConfig
 from pagedserve.workers.protocol.sampling import SamplingParams
 
@@ -167,7 +174,7 @@ async def run_grpc_soak(app: SoakApp, spec: GrpcSoakSpec, log: Any = None) -> Gr
             await asyncio.gather(*tasks)  # a quiet cluster: what the fault proves is exact
             if name == "duplicate_id":
                 pairs = zip(extra["dup"][::2], extra["dup"][1::2], strict=True)
-                replicas = app.config.router_replicas
+                replicas = app.config.scaling.router_replicas
                 return [
                     await duplicate_pair(channel, a, b, load.hang_timeout_s, replicas)
                     for a, b in pairs
@@ -211,7 +218,9 @@ async def check_grpc_soak(
     started = time.monotonic()
     workers = await asyncio.to_thread(app.worker_handles)
     index = await asyncio.to_thread(app.index_handle)
-    problems = await check_pools_and_index(workers, index, app.config.rpc_timeout_s, settle_s)
+    problems = await check_pools_and_index(
+        workers, index, app.config.failure.rpc_timeout_s, settle_s
+    )
     if log:
         log(f"pools and index checked: {time.monotonic() - started:.1f} s")
     requests = [_as_far_as_seen(o) for o in report.outcomes if any(o.tokens.values())]
@@ -276,9 +285,9 @@ def _p99(values: list[float]) -> float:
 
 
 def lease_options(lease_s: float) -> dict[str, float]:
-    """`lease_timeout_s` for the config when this `ClusterConfig` has it (the worker-side lease
+    """`lease_timeout_s` for the config when this `FailureConfig` has it (the worker-side lease
     that ends a dead router's requests); empty otherwise."""
-    names = {f.name for f in dataclasses.fields(ClusterConfig)}
+    names = {f.name for f in dataclasses.fields(FailureConfig)}
     return {"lease_timeout_s": lease_s} if "lease_timeout_s" in names else {}
 
 
@@ -325,24 +334,30 @@ def grpc_soak_config(
             preemption_mode="move",
             **(tiers or {}),
         ),
-        num_workers=num_workers,
-        fault_injection=True,  # the soak stalls workers before their kill
-        prefill_workers=prefill_workers,
-        decode_workers=decode_workers,
-        worker_num_cpus=0.5,
         name=name,
-        stats_interval_s=0.2,
-        max_inflight=max_inflight,
-        max_waiting_per_worker=max_waiting,
-        retry_after_s=0.5,
+        scaling=ScalingConfig(
+            num_workers=num_workers,
+            prefill_workers=prefill_workers,
+            decode_workers=decode_workers,
+            router_replicas=router_replicas,
+        ),
+        placement=PlacementConfig(worker_num_cpus=0.5),
         # A push publishes KV events on a quiet cluster, which would let a restarted index
         # catch up by accident; the index-kill fault must see it resync with no event at all.
-        enable_push=False,
-        router_replicas=router_replicas,
-        # The router-kill fault holds the workers still while it starts its victims (on a
-        # loaded machine, tens of seconds): that is not a stall to judge.
-        stall_timeout_s=300.0,
-        **lease_options(lease_s),
+        routing=RoutingConfig(enable_push=False),
+        failure=FailureConfig(
+            fault_injection=True,  # the soak stalls workers before their kill
+            stats_interval_s=0.2,
+            # The router-kill fault holds the workers still while it starts its victims (on a
+            # loaded machine, tens of seconds): that is not a stall to judge.
+            stall_timeout_s=300.0,
+            **lease_options(lease_s),
+        ),
+        limits=LimitsConfig(
+            max_inflight=max_inflight,
+            max_waiting_per_worker=max_waiting,
+            retry_after_s=0.5,
+        ),
     )
 
 

@@ -46,12 +46,14 @@ class SoakApp:
         """Worker id → handle, looked up by name (they outlive router replicas)."""
         config = self.config
         return {
-            config.worker_name(i): ray.get_actor(config.worker_name(i), config.namespace)
-            for i in range(config.num_workers)
+            config.actors.worker_name(i): ray.get_actor(
+                config.actors.worker_name(i), config.namespace
+            )
+            for i in range(config.scaling.num_workers)
         }
 
     def index_handle(self) -> Any:
-        return ray.get_actor(self.config.index_name, self.config.namespace)
+        return ray.get_actor(self.config.actors.index_name, self.config.namespace)
 
     def router_replicas(self) -> list[str]:
         """The names of the Router replica actors alive now."""
@@ -78,7 +80,7 @@ def serving_app(config: ClusterConfig, num_cpus: int = 4) -> Iterator[SoakApp]:
     app = SoakApp(config, free_port(), config.name)
     try:
         env_vars = proxy_env_vars(
-            "127.0.0.1", config.max_request_bytes, config.max_pending_grpc_calls
+            "127.0.0.1", config.limits.max_request_bytes, config.limits.max_pending_grpc_calls
         )
         serve.start(
             http_options={"host": "127.0.0.1", "port": free_port()},

@@ -73,7 +73,7 @@ async def router_kill(
     """
     record = FaultRecord("router_kill", {"victims": len(victims)})
     workers = await asyncio.to_thread(app.worker_handles)
-    _check_victims_fit(len(victims), len(workers), app.config.max_waiting_per_worker)
+    _check_victims_fit(len(victims), len(workers), app.config.limits.max_waiting_per_worker)
     half = min(v.params.max_tokens for v in victims) // 2
     if spec.steps_before_kill >= half:
         raise ValueError(

@@ -1,5 +1,5 @@
 """`pagedserve bench tier-cost`: what a prefix hit in the host or disk tier costs, per block,
-against prefilling the block: the figures behind `ClusterConfig.tier_host_block_cost` and
+against prefilling the block: the figures behind `RoutingConfig.tier_host_block_cost` and
 `tier_disk_block_cost`.
 
 One engine in this process (no Ray), its pool just large enough for the prompt, with a host

@@ -1,7 +1,12 @@
 """The Serve application: a `Router` deployment in front of the worker actors.
 
 `build_app` is the app builder Serve imports (`pagedserve.cluster.app:build_app`), so the same
-config drives `pagedserve serve`, `serve run` and a KubeRay `serveConfigV2`.
+config drives `pagedserve serve`, `serve run` and a KubeRay `serveConfigV2`. It wires the parts:
+it validates the config once, creates (or finds) the prefix index and the worker pool actors
+(`cluster/pool/group.py`: nothing waits on them), and binds the Router with their handles and
+the sections it reads (`RouterConfig`, the control plane's `PlacementConfig`, the pool's
+`PoolConfig` to hand on). A Router replica's constructor starts nothing remote: its first
+health check (`RouterCore.start`) hands the pool its config and waits for the workers.
 
 The one `Router` deployment is the ingress of both Serve proxies:
 
@@ -38,8 +43,10 @@ from pagedserve.cluster.api.openai.lora import LoraAdmin
 from pagedserve.cluster.api.openai.responses_api import ResponsesFrontend
 from pagedserve.cluster.api.openai.tokenization import TokenizeFrontend
 from pagedserve.cluster.api.serve_options import ROUTER_ENV_VARS
-from pagedserve.cluster.config import ClusterConfig
-from pagedserve.cluster.pool.group import start_pool
+from pagedserve.cluster.config import ClusterConfig, PlacementConfig, ScalingConfig
+from pagedserve.cluster.pool.config import PoolConfig
+from pagedserve.cluster.pool.group import create_pool
+from pagedserve.cluster.router.config import RouterConfig
 from pagedserve.cluster.router.metrics import CONTENT_TYPE
 from pagedserve.cluster.router.router import RouterCore
 from pagedserve.cluster.router.types import ClusterStats, RouterInflight
@@ -56,7 +63,7 @@ http_app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None)
 
 
 # Defined before `Router`: Serve pickles the class (by value) as soon as it is decorated.
-def served_model_name(config: ClusterConfig, api: ApiConfig) -> str:
+def served_model_name(config: RouterConfig, api: ApiConfig) -> str:
     """The model id of the OpenAI API: the configured name, else the engine's model."""
     return api.served_model_name or config.engine.model or DEFAULT_MODEL
 
@@ -86,32 +93,44 @@ class Router:
     """Ingress: takes requests, routes them to workers, streams deltas back.
 
     Args:
-        config: the cluster's config.
+        config: the router's sections of the app config.
+        placement: where the control plane runs (this replica pins itself there).
+        index: the prefix index actor.
+        pool: the worker pool actor.
+        pool_config: the pool's sections, handed to the pool when the replica starts.
         api: the front ends' config (auth, served model name, telemetry).
         config_revision: when `build_app` bound this config (the worker pool follows the
             newest: a replica of an older deployment cannot roll the workers back).
     """
 
     def __init__(
-        self, config: ClusterConfig, api: ApiConfig | None = None, config_revision: float = 0.0
+        self,
+        config: RouterConfig,
+        placement: PlacementConfig,
+        index: Any,
+        pool: Any,
+        pool_config: PoolConfig,
+        api: ApiConfig | None = None,
+        config_revision: float = 0.0,
     ) -> None:
         self.config = config
-        if config.control_cpus is not None:  # before the worker group: nothing heavy yet
-            pin_process(config.control_cpu_set, what="router")
-        if config.control_nice is not None:
-            set_niceness(config.control_nice, what="router")
+        if placement.control_cpus is not None:  # first: nothing heavy yet
+            pin_process(placement.control_cpu_set, what="router")
+        if placement.control_nice is not None:
+            set_niceness(placement.control_nice, what="router")
         bound_http_responses()  # unread HTTP streams pause (cluster/api/sse_response.py)
         api_config = api or ApiConfig()
         telemetry = api_config.telemetry
-        group = start_pool(self.config, telemetry, config_revision)
         tracing = get_tracing(telemetry, ROUTER_SERVICE)
+        # No workers yet: `start` (the first health check) asks the pool for them.
         self.core = RouterCore(
-            self.config,
-            group.index,
-            group.workers,
+            config,
+            index,
+            {},
             tracing,
             telemetry.metrics,
-            pool=group.pool,
+            pool=pool,
+            pool_config=pool_config,
             config_revision=config_revision,
         )
         auth = self.auth = TokenAuth.from_config(api_config.auth)
@@ -237,7 +256,8 @@ class Router:
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
-    """Bind the router with its config, validated here from the user's plain data.
+    """Validate the config, create (or find) the index and the worker pool, and bind the
+    router with their handles and its sections of the config.
 
     Args:
         args: the config as the user wrote it (YAML, flags or serveConfigV2 `args`):
@@ -250,37 +270,54 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     cluster, api = split_app_args(args)
     config = ClusterConfig.from_dict(cluster)
     TokenAuth.from_config(api.auth)  # fail here, not in every replica, on a bad tokens file
-    ongoing = max_ongoing_requests(config)
+    index, pool = create_pool(config, api.telemetry)
+    return bind_router(config, api, index, pool)
+
+
+def bind_router(config: ClusterConfig, api: ApiConfig, index: Any, pool: Any) -> serve.Application:
+    """The Router deployment, sized by `config` and bound to the index and pool handles and
+    its sections of the config."""
+    ongoing = max_ongoing_requests(config.limits.max_inflight)
     router = Router.options(
-        max_ongoing_requests=ongoing, max_queued_requests=ongoing, **router_scaling(config)
+        max_ongoing_requests=ongoing,
+        max_queued_requests=ongoing,
+        **router_scaling(config.scaling, config.limits.max_inflight),
     )
-    # Frozen dataclasses: Serve pickles them to each replica. The revision is this bind's
-    # wall-clock time: each deploy (or redeploy) of the app binds a newer one.
-    return router.bind(config, api, time.time())
+    # Frozen dataclasses and actor handles: Serve pickles them to each replica. The revision
+    # is this bind's wall-clock time: each deploy (or redeploy) of the app binds a newer one.
+    return router.bind(
+        RouterConfig.of(config),
+        config.placement,
+        index,
+        pool,
+        PoolConfig.of(config),
+        api,
+        time.time(),
+    )
 
 
-def router_scaling(config: ClusterConfig) -> dict[str, Any]:
+def router_scaling(scaling: ScalingConfig, max_inflight: int | None) -> dict[str, Any]:
     """How many Router replicas Serve runs: a fixed `router_replicas`, or Serve's autoscaling
     between it and `router_max_replicas`, aiming at half of `max_inflight` streams per
     replica so that a replica gets company well before it refuses. A `serveConfigV2`'s own
     `deployments` entry overrides this, as Serve's config always does."""
-    ceiling = config.router_max_replicas
-    if ceiling is None or ceiling == config.router_replicas:
-        return {"num_replicas": config.router_replicas}
-    per_replica = config.max_inflight or DEFAULT_INFLIGHT
+    ceiling = scaling.router_max_replicas
+    if ceiling is None or ceiling == scaling.router_replicas:
+        return {"num_replicas": scaling.router_replicas}
+    per_replica = max_inflight or DEFAULT_INFLIGHT
     return {
         "autoscaling_config": {
-            "min_replicas": config.router_replicas,
+            "min_replicas": scaling.router_replicas,
             "max_replicas": ceiling,
             "target_ongoing_requests": max(1, per_replica // 2),
         }
     }
 
 
-def max_ongoing_requests(config: ClusterConfig) -> int:
+def max_ongoing_requests(max_inflight: int | None) -> int:
     """Calls Serve lets into one Router replica at once: the router's own stream limit plus
     room for the calls it refuses at once and for control calls. Serve must never be the
     one that queues a request the router would refuse: a refusal is due at once, not after
     the wait for a slot (past this, Serve refuses too: RESOURCE_EXHAUSTED, with a retry
     trailer from `api.grpc.status`)."""
-    return (config.max_inflight or DEFAULT_INFLIGHT) + REFUSAL_HEADROOM
+    return (max_inflight or DEFAULT_INFLIGHT) + REFUSAL_HEADROOM

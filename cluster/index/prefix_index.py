@@ -103,9 +103,9 @@ class PrefixIndexActor:
         feed_capacity: changes the feed keeps; a router further behind resets from a dump.
         worker_names: the named worker actors to resync from on start.
         namespace: their Ray namespace, and the pool's (None: the index's own).
-        cpus: the cores to pin this actor's process to (`ClusterConfig.control_cpus`; None:
+        cpus: the cores to pin this actor's process to (`PlacementConfig.control_cpus`; None:
             not pinned).
-        nice: its niceness (`ClusterConfig.control_nice`; None: Ray's).
+        nice: its niceness (`PlacementConfig.control_nice`; None: Ray's).
     """
 
     def __init__(

@@ -37,6 +37,7 @@ from pagedserve.workers.protocol.events import (
     BlockStored,
     KVEvent,
     KVSnapshot,
+    KVTier,
 )
 
 DEFAULT_MAX_ENTRIES = 1_000_000
@@ -228,7 +229,7 @@ class PrefixIndexState:
         view = self._views.get(worker_id)
         if view is None or block_hash not in view.hashes:
             return None
-        return view.lower_tiers.get(block_hash, "device")
+        return view.lower_tiers.get(block_hash, KVTier.DEVICE)
 
     def tier_counts(self, worker_id: str) -> dict[str, int]:
         """How many of `worker_id`'s blocks the index has in each tier."""
@@ -236,7 +237,7 @@ class PrefixIndexState:
         if view is None:
             return {}
         counts = Counter(view.lower_tiers.values())
-        counts["device"] = len(view.hashes) - len(view.lower_tiers)
+        counts[KVTier.DEVICE] = len(view.hashes) - len(view.lower_tiers)
         return {tier: counts[tier] for tier in TIER_NAMES}
 
     def is_stale(self, worker_id: str) -> bool:
@@ -305,12 +306,14 @@ class PrefixIndexState:
         view: _WorkerView,
         block_hash: BlockHash,
         logged: bool = True,
-        tier: str = "device",
+        tier: KVTier = KVTier.DEVICE,
     ) -> None:
         """Link `worker_id` to `block_hash` (held at best in `tier`); `logged=False` when the
         caller logs the change. A held block whose tier changes is logged again, with it."""
-        held_in = view.lower_tiers.get(block_hash, "device") if block_hash in view.hashes else None
-        if tier == "device":
+        held_in = (
+            view.lower_tiers.get(block_hash, KVTier.DEVICE) if block_hash in view.hashes else None
+        )
+        if tier == KVTier.DEVICE:
             view.lower_tiers.pop(block_hash, None)
         else:
             view.lower_tiers[block_hash] = tier

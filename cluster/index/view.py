@@ -41,6 +41,7 @@ from pagedserve.cluster.index.match import leading_matches
 from pagedserve.cluster.routing.tier_costs import TierHits
 from pagedserve.workers.deadline import within
 from pagedserve.workers.protocol.blocks import BlockHash
+from pagedserve.workers.protocol.events import KVTier
 
 logger = logging.getLogger(__name__)
 
@@ -145,14 +146,16 @@ class PrefixView:
             if not any(tiers):
                 continue
             device_prefix = tiers.index(next(t for t in tiers if t))
-            hits[worker_id] = TierHits(device_prefix, tiers.count("host"), tiers.count("disk"))
+            hits[worker_id] = TierHits(
+                device_prefix, tiers.count(KVTier.HOST), tiers.count(KVTier.DISK)
+            )
         return hits
 
     def tier_of(self, worker_id: str, block_hash: BlockHash) -> str | None:
         """Where the view believes `worker_id` holds `block_hash` at best, or None."""
         if block_hash not in self._hashes.get(worker_id, ()):
             return None
-        return self._lower.get(worker_id, {}).get(block_hash, "device")
+        return self._lower.get(worker_id, {}).get(block_hash, KVTier.DEVICE)
 
     def hashes_of(self, worker_id: str) -> set[BlockHash]:
         """Hashes the view believes `worker_id` holds (a copy)."""
@@ -221,7 +224,7 @@ class PrefixView:
                 self._set_tier(worker_id, block_hash, tier)
 
     def _set_tier(self, worker_id: str, block_hash: BlockHash, tier: str) -> None:
-        if tier != "device":
+        if tier != KVTier.DEVICE:
             self._lower.setdefault(worker_id, {})[block_hash] = tier
             return
         lower = self._lower.get(worker_id)
@@ -239,7 +242,7 @@ class PrefixView:
         hashes.discard(block_hash)
         if not hashes:
             del self._hashes[worker_id]
-        self._set_tier(worker_id, block_hash, "device")  # no tier kept for a block not held
+        self._set_tier(worker_id, block_hash, KVTier.DEVICE)  # no tier kept for a block not held
         self._unlink(worker_id, block_hash)
 
     def _unlink(self, worker_id: str, block_hash: BlockHash) -> None:

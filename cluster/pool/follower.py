@@ -22,8 +22,8 @@ import asyncio
 import logging
 from typing import Any
 
-from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.index.view import PrefixView
+from pagedserve.cluster.pool.config import PoolConfig
 from pagedserve.cluster.pool.types import Membership, MembershipVersion, MemberState
 from pagedserve.cluster.router.worker_liveness import WORKER_LOST_ERRORS, WorkerLiveness
 from pagedserve.cluster.router.worker_state import WorkerState
@@ -38,7 +38,8 @@ class PoolFollower:
 
     Args:
         pool: the pool actor.
-        config: this router's app config (sent when the pool needs it).
+        config: the pool's part of this router's app config (sent when the pool needs it).
+        rpc_timeout_s: the deadline of a membership call.
         revision: that config's revision (newer wins at the pool).
         router_id: this router's id.
         workers: the router's worker id → `WorkerState`.
@@ -49,7 +50,8 @@ class PoolFollower:
     def __init__(
         self,
         pool: Any,
-        config: ClusterConfig,
+        config: PoolConfig,
+        rpc_timeout_s: float,
         revision: float,
         router_id: str,
         workers: dict[str, WorkerState],
@@ -58,6 +60,7 @@ class PoolFollower:
     ) -> None:
         self.pool = pool
         self.config = config
+        self.rpc_timeout_s = rpc_timeout_s
         self.revision = revision
         self.router_id = router_id
         self.workers = workers
@@ -70,7 +73,7 @@ class PoolFollower:
     async def sync(self) -> None:
         """One look at the pool; apply what changed. A pool that does not answer leaves the
         workers as they are (counted nowhere: the next round asks again)."""
-        timeout = self.config.rpc_timeout_s
+        timeout = self.rpc_timeout_s
         try:
             membership = await within(
                 self.pool.membership.remote(self.router_id, self.held), timeout
@@ -89,6 +92,16 @@ class PoolFollower:
             self.pool_unanswered = False
         if membership is not None:
             await self.apply(membership)
+
+    async def first(self, timeout_s: float) -> None:
+        """At the router's start: hand the pool this config (it creates or adopts the first
+        workers, which may take a while on a loaded machine: `timeout_s`) and take its
+        starting and serving members as the router's workers, to be readied by the liveness
+        watch. Raises what the call raised (the router's start fails and is retried)."""
+        membership = await within(self.pool.configure.remote(self.config, self.revision), timeout_s)
+        current = membership.in_state(MemberState.STARTING, MemberState.SERVING)
+        for worker_id, member in current.items():
+            self.workers.setdefault(worker_id, WorkerState(worker_id, member.handle))
 
     def _pool_needs_config(self, membership: Membership) -> bool:
         return not membership.configured or membership.config_revision < self.revision

@@ -1,5 +1,9 @@
 """Starting, finding and stopping the named actors of one app: the prefix index, the worker
-pool and the workers it owns (`cluster/pool/pool.py`)."""
+pool and the workers it owns (`cluster/pool/pool.py`).
+
+These are the app's own lifecycle (the app builder, `pagedserve serve`, benchmarks and tests
+call them), so they take the whole `ClusterConfig` and hand each actor its part: the pool its
+`PoolConfig`, the index its names and control-plane placement."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from ray.actor import ActorHandle
 
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.index.prefix_index import get_or_create_prefix_index
+from pagedserve.cluster.pool.config import PoolConfig
 from pagedserve.cluster.pool.followed import FollowedRevision
 from pagedserve.cluster.pool.pool import existing_workers, get_or_create_worker_pool
 from pagedserve.cluster.pool.spec import WORKER_MAX_CONCURRENCY
@@ -24,6 +29,7 @@ __all__ = [
     "WORKER_MAX_CONCURRENCY",
     "WorkerGroup",
     "close_workers",
+    "create_pool",
     "drain_worker_group",
     "start_pool",
     "start_worker_group",
@@ -45,33 +51,50 @@ class WorkerGroup:
     workers: dict[str, ActorHandle]
 
 
-def start_pool(
-    config: ClusterConfig, telemetry: TelemetryConfig | None = None, revision: float = 0.0
-) -> WorkerGroup:
-    """Get or create the index and the worker pool, and hand the pool this config.
+def create_pool(
+    config: ClusterConfig, telemetry: TelemetryConfig | None = None
+) -> tuple[ActorHandle, ActorHandle]:
+    """Get or create the index and the worker pool actors, and return (index, pool) at once:
+    nothing here waits on them (the app builder calls it; each Router replica hands the pool
+    its config when it starts, `PoolFollower.first`).
 
     Actors are detached and named, so router replicas share them and they outlive a router
-    restart; `stop_worker_group` removes them. The pool creates the first `num_workers`
-    workers (or adopts those that exist) and, from `configure`, follows `config` at
-    `revision` unless it already follows a newer one: an engine config that differs from
-    the workers' makes it replace them one at a time.
+    restart; `stop_worker_group` removes them. Created, the pool starts the first
+    `num_workers` workers (or adopts those that exist).
     """
     telemetry = telemetry or TelemetryConfig()
+    actors, placement = config.actors, config.placement
     # Restarted by Ray, the index asks the pool for its members now and resyncs from all of
     # them at once (the first names too, should the pool not answer then).
     index = get_or_create_prefix_index(
-        name=config.index_name,
-        namespace=config.namespace,
-        worker_names=[config.worker_name(i) for i in range(config.num_workers)],
-        cpus=config.control_cpu_set,
-        nice=config.control_nice,
-        pool_name=config.pool_name,
+        name=actors.index_name,
+        namespace=actors.namespace,
+        worker_names=[actors.worker_name(i) for i in range(config.scaling.num_workers)],
+        cpus=placement.control_cpu_set,
+        nice=placement.control_nice,
+        pool_name=actors.pool_name,
     )
-    pool = get_or_create_worker_pool(config, telemetry)
+    return index, get_or_create_worker_pool(PoolConfig.of(config), telemetry)
+
+
+def start_pool(
+    config: ClusterConfig, telemetry: TelemetryConfig | None = None, revision: float = 0.0
+) -> WorkerGroup:
+    """`create_pool`, then hand the pool this config and wait for its answer (blocking: for
+    callers outside an event loop, such as `pagedserve serve` and tests).
+
+    From `configure` the pool follows `config` at `revision` unless it already follows a
+    newer one: an engine config that differs from the workers' makes it replace them one at
+    a time.
+    """
+    index, pool = create_pool(config, telemetry)
     # The pool's first answer comes once its process is up and it has created (or adopted)
     # the first workers' actors: on a loaded machine that took over a minute, so it gets the
     # deadline a router gives its workers to start.
-    membership = ray.get(pool.configure.remote(config, revision), timeout=config.startup_timeout_s)
+    membership = ray.get(
+        pool.configure.remote(PoolConfig.of(config), revision),
+        timeout=config.failure.startup_timeout_s,
+    )
     current = membership.in_state(MemberState.STARTING, MemberState.SERVING)
     return WorkerGroup(index, pool, {w: m.handle for w, m in current.items()})
 
@@ -91,15 +114,16 @@ def stop_worker_group(config: ClusterConfig, drain_grace_s: float | None = None)
     (`Worker.close`: its queued block files are written, for the next worker on the
     directory) and is killed (one that does not drain or close is killed anyway); then the
     pool and the index."""
+    actors = config.actors
     stop_pool(config)
     drain_worker_group(config, drain_grace_s)
-    if config.worker_engine.kv_disk_tier_dir is not None:
+    if config.engine.kv_disk_tier_dir is not None:
         close_workers(config)
-    for name in existing_workers(config):
-        _kill(name, config.namespace)
-    _kill(config.pool_name, config.namespace)
-    _kill(config.index_name, config.namespace)
-    FollowedRevision(config.pool_name, config.namespace).forget()
+    for name in existing_workers(actors):
+        _kill(name, actors.namespace)
+    _kill(actors.pool_name, actors.namespace)
+    _kill(actors.index_name, actors.namespace)
+    FollowedRevision(actors.pool_name, actors.namespace).forget()
 
 
 def stop_pool(config: ClusterConfig) -> None:
@@ -107,15 +131,16 @@ def stop_pool(config: ClusterConfig) -> None:
     and nothing starts or retires any more of them. The pool itself lives on, answering the
     routers' membership polls (killed, it would leave every router polling a dead pool), until
     `stop_worker_group` kills it; one that does not answer in time is killed now."""
+    actors = config.actors
     try:
-        pool = ray.get_actor(config.pool_name, namespace=config.namespace)
+        pool = ray.get_actor(actors.pool_name, namespace=actors.namespace)
     except ValueError:
         return  # none: nothing decides
     try:
-        ray.get(pool.freeze.remote(), timeout=config.rpc_timeout_s)
+        ray.get(pool.freeze.remote(), timeout=config.failure.rpc_timeout_s)
     except Exception as error:  # dead, restarting or stuck: it must not decide on
         logger.warning("the worker pool did not freeze (%r); killing it", error)
-        _kill(config.pool_name, config.namespace)
+        _kill(actors.pool_name, actors.namespace)
 
 
 def drain_worker_group(
@@ -129,12 +154,12 @@ def drain_worker_group(
     Returns:
         worker id → its drain, for the workers that answered in time.
     """
-    grace_s = config.drain_grace_s if drain_grace_s is None else drain_grace_s
-    workers = _existing(config, list(existing_workers(config)))
+    grace_s = config.failure.drain_grace_s if drain_grace_s is None else drain_grace_s
+    workers = _existing(config, list(existing_workers(config.actors)))
     refs = {name: handle.drain.remote(grace_s) for name, handle in workers.items()}
     if not refs:
         return {}
-    deadline_s = grace_s + config.rpc_timeout_s
+    deadline_s = grace_s + config.failure.rpc_timeout_s
     ready = _wait_all(list(refs.values()), deadline_s)
     results = {}
     for name, ref in refs.items():
@@ -174,7 +199,7 @@ def _wait_all(refs: list, timeout_s: float) -> list:
 
 def close_workers(config: ClusterConfig) -> None:
     """`Worker.close` on every worker of the app at once, within `WORKER_CLOSE_TIMEOUT_S`."""
-    workers = _existing(config, list(existing_workers(config)))
+    workers = _existing(config, list(existing_workers(config.actors)))
     refs = {name: handle.close.remote() for name, handle in workers.items()}
     for name, ref in refs.items():
         try:
@@ -188,7 +213,7 @@ def _existing(config: ClusterConfig, names: list[str]) -> dict[str, ActorHandle]
     handles = {}
     for name in names:
         try:
-            handles[name] = ray.get_actor(name, namespace=config.namespace)
+            handles[name] = ray.get_actor(name, namespace=config.actors.namespace)
         except ValueError:
             continue
     return handles

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.cluster.pool.migration import Migrations
+from pagedserve.cluster.router.types import MigrationKind
 from pagedserve.cluster.router.worker_liveness import WORKER_LOST_ERRORS
 from pagedserve.cluster.router.worker_state import WorkerState
 from pagedserve.workers.deadline import within
@@ -72,7 +73,7 @@ async def hand_over(
         target_id = max(room, key=lambda wid: (room[wid], wid))
         if room[target_id] < len(chain):
             continue  # a shorter chain may still fit somewhere
-        moved = await migrations.transfer("push", source, by_id[target_id], chain)
+        moved = await migrations.transfer(MigrationKind.PUSH, source, by_id[target_id], chain)
         room[target_id] = room[target_id] - len(chain) if moved else 0
         if moved:
             taken_chains += 1

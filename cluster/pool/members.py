@@ -24,7 +24,7 @@ class PoolMembers:
     the names removed for good.
 
     Args:
-        name_of: worker name of a counter value (`ClusterConfig.worker_name`).
+        name_of: worker name of a counter value (`ActorNames.worker_name`).
     """
 
     def __init__(self, name_of: Callable[[int], str]) -> None:

@@ -40,10 +40,10 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.config import RoutingConfig
 from pagedserve.cluster.router.metrics import RouterMetrics
 from pagedserve.cluster.router.tracing import migration_span, pd_transfer_span
-from pagedserve.cluster.router.types import RouterCounters
+from pagedserve.cluster.router.types import MigrationKind, RouterCounters
 from pagedserve.cluster.router.worker_liveness import WORKER_LOST_ERRORS
 from pagedserve.cluster.router.worker_state import WorkerState
 from pagedserve.cluster.routing.worker_roles import DECODE_PHASE, RoleFilter
@@ -59,7 +59,9 @@ class Migrations:
     """Decides and runs the router's side of pull, push and move.
 
     Args:
-        config: the cluster config (thresholds and deadlines).
+        config: the pull and push settings (thresholds, the pull's deadline).
+        rpc_timeout_s: the deadline of a control call (`FailureConfig`).
+        disaggregated: whether P/D is on (a move that falls back is then counted).
         index: the prefix index actor (who else holds a chain).
         workers: the router's `WorkerState`s, by id (shared with the router).
         tracing: where migration spans go.
@@ -69,7 +71,9 @@ class Migrations:
 
     def __init__(
         self,
-        config: ClusterConfig,
+        config: RoutingConfig,
+        rpc_timeout_s: float,
+        disaggregated: bool,
         index: Any,
         workers: dict[str, WorkerState],
         tracing: Tracing,
@@ -77,17 +81,19 @@ class Migrations:
         metrics: RouterMetrics,
     ) -> None:
         self.config = config
+        self.rpc_timeout_s = rpc_timeout_s
+        self.disaggregated = disaggregated
         self.index = index
         self.workers = workers
         self.tracing = tracing
         self.counters = counters
         self.metrics = metrics
         # A transfer has its own deadline inside the target; this one covers a stuck target.
-        self.deadline_s = config.pull_timeout_s + config.rpc_timeout_s
+        self.deadline_s = config.pull_timeout_s + rpc_timeout_s
 
     async def transfer(
         self,
-        kind: str,
+        kind: MigrationKind,
         source: WorkerState,
         target: WorkerState,
         block_hashes: Sequence[bytes],
@@ -141,7 +147,9 @@ class Migrations:
         if best - matched < self.config.pull_min_blocks:
             return matched
         holder = self.workers[holder_id]
-        pulled = await self.transfer("pull", holder, chosen, block_hashes[:best], parent)
+        pulled = await self.transfer(
+            MigrationKind.PULL, holder, chosen, block_hashes[:best], parent
+        )
         return max(matched, best) if pulled else matched
 
     # ------------------------------------------------------------------ push
@@ -162,7 +170,7 @@ class Migrations:
         if not targets:
             return
         target = max(targets, key=lambda w: (w.load().free_blocks, w.worker_id))
-        timeout = self.config.rpc_timeout_s
+        timeout = self.rpc_timeout_s
         try:
             chains = await within(
                 source.handle.push_candidates.remote(self.config.push_max_chains), timeout
@@ -171,7 +179,7 @@ class Migrations:
                 matches = await within(self.index.match.remote(chain), timeout)
                 if any(n == len(chain) for wid, n in matches.items() if wid != source.worker_id):
                     continue  # someone else holds it already
-                if not await self.transfer("push", source, target, chain):
+                if not await self.transfer(MigrationKind.PUSH, source, target, chain):
                     break  # the target took nothing: no more chains to it this round
         except (*WORKER_LOST_ERRORS, TimeoutError):
             logger.warning("push from %s failed", source.worker_id, exc_info=True)
@@ -192,7 +200,7 @@ class Migrations:
         alive, fell_back = phase.split(candidates)
         if not alive:
             raise NoWorkerAvailable("no worker is alive to continue a moved request")
-        self.counters.pd_fallbacks += fell_back and self.config.disaggregated
+        self.counters.pd_fallbacks += fell_back and self.disaggregated
         others = [w for w in alive if w.worker_id != source_id] or alive
         return min(others, key=_move_order)
 
@@ -202,7 +210,7 @@ class Migrations:
         tokens = len(handoff.all_token_ids)
         if handoff.reason is HandoffReason.PREFILLED:
             return pd_transfer_span(self.tracing, parent, handoff, source, target)
-        return migration_span(self.tracing, parent, "move", source, target, tokens)
+        return migration_span(self.tracing, parent, MigrationKind.MOVE, source, target, tokens)
 
     def on_moved(self, handoff: RequestHandoff) -> None:
         """The router follows a `RequestMoved`: count it as a P/D handoff or a move."""
@@ -212,12 +220,12 @@ class Migrations:
             self.metrics.on_pd_handoff(handoff.num_computed_tokens)
             return
         self.counters.moves += 1
-        self.metrics.on_migration("move")
+        self.metrics.on_migration(MigrationKind.MOVE)
 
-    def _count(self, kind: str, blocks: int) -> None:
+    def _count(self, kind: MigrationKind, blocks: int) -> None:
         if not blocks:
             return
-        if kind == "pull":
+        if kind is MigrationKind.PULL:
             self.counters.pulls += 1
             self.counters.pull_blocks += blocks
         else:

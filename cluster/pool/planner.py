@@ -25,7 +25,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.config import ScalingConfig
 from pagedserve.cluster.pool.types import MemberState
 
 
@@ -58,7 +58,7 @@ class PoolAction:
 
 @dataclass(frozen=True)
 class ScalingSettings:
-    """The planner's part of `ClusterConfig` (see its docstring)."""
+    """The planner's part of `ScalingConfig` (see its docstring)."""
 
     min_workers: int
     max_workers: int
@@ -67,7 +67,7 @@ class ScalingSettings:
     down_idle_s: float
 
     @classmethod
-    def of(cls, config: ClusterConfig) -> ScalingSettings:
+    def of(cls, config: ScalingConfig) -> ScalingSettings:
         low, high = config.worker_bounds
         return cls(
             low,

@@ -1,6 +1,6 @@
 """The worker pool: the one owner of which workers an app runs.
 
-`WorkerPoolActor` is a named, detached actor (one per app, `ClusterConfig.pool_name`). It
+`WorkerPoolActor` is a named, detached actor (one per app, `ActorNames.pool_name`). It
 creates every worker (names from a monotonic counter: `<name>-worker-<n>`, never reused),
 publishes the membership with a version (`cluster/pool/members.py`), and every
 `scale_interval_s` lets `PoolPlanner` (`cluster/pool/planner.py`, no Ray) decide on one round
@@ -19,14 +19,9 @@ of the workers' stats. Each router replica asks for the membership on its stats 
   which `pagedserve serve` prints as its last line) until a new worker spec is configured. A
   start that timed out or whose process died is retried as before (a pod on its way, a
   node lost).
-- **retire** (scale-down, or a worker replaced): publish it leaving and wait until every
-  router holds that version (out of routing everywhere; a router silent for longer than its
-  lease counts no more); push its hot cached prefixes to peers with room
-  (`cluster/pool/handover.py`); drain it (`Worker.drain`: open streams get `scale_down_grace_s`,
-  the rest are handed back and replayed on peers, none lost); push again what its last
-  requests left cached; drop it from the membership and wait until every router forgot it
-  (each router drops its `WorkerState` and its prefix view's entries); then kill it and drop
-  it from the index.
+- **retire** (scale-down, or a worker replaced) and **lost** (gone for good):
+  `cluster/pool/leaving.py`. A retired worker leaves routing on every router first, hands its
+  hot cached prefixes to peers, drains, and only then is killed; none of its requests is lost.
 - **lost**: a serving worker whose stats call fails with a lost-worker error while its name
   is no longer registered with Ray (dead, not restarting: killed with no restart; a worker
   whose node is lost is restarting, `max_restarts=-1`, so it is not lost) is removed at
@@ -59,7 +54,6 @@ no router sees its pool vanish while it still serves.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import re
@@ -68,20 +62,19 @@ import time
 import ray
 from ray.actor import ActorHandle
 
-from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.config import ActorNames
+from pagedserve.cluster.pool.config import PoolConfig
 from pagedserve.cluster.pool.followed import FollowedRevision
-from pagedserve.cluster.pool.handover import HandoverResult, hand_over
+from pagedserve.cluster.pool.leaving import CALL_ERRORS, PoolLeaving
 from pagedserve.cluster.pool.members import PoolMembers
-from pagedserve.cluster.pool.migration import Migrations
 from pagedserve.cluster.pool.planner import (
     ActionKind,
     Observation,
     PoolAction,
     PoolPlanner,
-    Reason,
     ScalingSettings,
 )
-from pagedserve.cluster.pool.spec import WorkerSpec, create_worker
+from pagedserve.cluster.pool.spec import create_worker
 from pagedserve.cluster.pool.types import (
     Membership,
     MembershipVersion,
@@ -90,40 +83,37 @@ from pagedserve.cluster.pool.types import (
     PoolStats,
     StartFailures,
 )
-from pagedserve.cluster.router.metrics import RouterMetrics
-from pagedserve.cluster.router.types import RouterCounters
 from pagedserve.cluster.router.worker_liveness import WORKER_LOST_ERRORS
-from pagedserve.cluster.router.worker_state import WorkerState
 from pagedserve.workers.deadline import within
 from pagedserve.workers.protocol.role import WorkerRole
-from pagedserve.workers.telemetry.telemetry import NOOP, TelemetryConfig, otel_env
+from pagedserve.workers.telemetry.telemetry import TelemetryConfig, otel_env
 
 logger = logging.getLogger(__name__)
-CALL_ERRORS = (*WORKER_LOST_ERRORS, TimeoutError, ray.exceptions.RayError)
 
 
 @ray.remote
-class WorkerPoolActor:
+class WorkerPoolActor(PoolLeaving):
     """Owns the app's workers: their creation, membership, scaling and removal.
 
     Args:
-        config: the app config it starts with (a later one comes through `configure`).
+        config: the pool's part of the app config it starts with (a later one comes
+            through `configure`).
         telemetry: the settings every worker it creates gets.
     """
 
-    def __init__(self, config: ClusterConfig, telemetry: TelemetryConfig) -> None:
+    def __init__(self, config: PoolConfig, telemetry: TelemetryConfig) -> None:
         self._config = config
-        self._spec = WorkerSpec.of(config)
+        self._spec = config.spec
         self._telemetry = telemetry
-        self.members = PoolMembers(config.worker_name)
+        self.members = PoolMembers(config.actors.worker_name)
         self.planner = PoolPlanner(
-            ScalingSettings.of(config), config.num_workers, self._spec.fingerprint
+            ScalingSettings.of(config.scaling), config.scaling.num_workers, self._spec.fingerprint
         )
         self.counters = PoolCounters()
         self._configured = False  # decides nothing until a router (re)configures it
         self._configured_at = 0.0
         self._adopted = False  # it found workers at its start: a restart
-        self._followed = FollowedRevision(config.pool_name, config.namespace)
+        self._followed = FollowedRevision(config.actors.pool_name, config.actors.namespace)
         self._follow_at_least = 0.0  # after a restart: the newest revision it had followed
         self._slots: dict[str, int] = {}
         self._roles: dict[str, WorkerRole] = {}  # each member's P/D role
@@ -141,20 +131,20 @@ class WorkerPoolActor:
     # ------------------------------------------------------------------ start
     async def _start(self) -> None:
         """Find the index; adopt the workers that exist, or create the first ones."""
-        config = self._config
+        actors = self._config.actors
         self._index = await asyncio.to_thread(
-            ray.get_actor, config.index_name, namespace=config.namespace
+            ray.get_actor, actors.index_name, namespace=actors.namespace
         )
-        existing = await asyncio.to_thread(existing_workers, config)
+        existing = await asyncio.to_thread(existing_workers, actors)
         self._adopted = bool(existing)
         if self._adopted:
             self._follow_at_least = await self._followed.load()
         for worker_id, slot in sorted(existing.items(), key=lambda item: item[1]):
-            handle = await asyncio.to_thread(ray.get_actor, worker_id, config.namespace)
+            handle = await asyncio.to_thread(ray.get_actor, worker_id, actors.namespace)
             self.members.adopt_slot(slot)
             self._join(worker_id, slot, handle)
         if not existing:
-            for _ in range(config.num_workers):
+            for _ in range(self._config.scaling.num_workers):
                 await self._create()
 
     async def _create(self) -> asyncio.Task:
@@ -187,7 +177,7 @@ class WorkerPoolActor:
         return task
 
     async def _await_ready(self, worker_id: str, handle: ActorHandle) -> bool:
-        timeout = self._config.startup_timeout_s
+        timeout = self._config.failure.startup_timeout_s
         try:
             info = await within(handle.ready.remote(), timeout)
         except CALL_ERRORS as error:
@@ -227,7 +217,7 @@ class WorkerPoolActor:
             return None
         return self._published()
 
-    async def configure(self, config: ClusterConfig, revision: float = 0.0) -> Membership:
+    async def configure(self, config: PoolConfig, revision: float = 0.0) -> Membership:
         """Follow the app config of `revision` (ignored when older than the one followed):
         its bounds and signal settings at once; a changed worker spec by rolling replacement."""
         await self._started
@@ -239,12 +229,13 @@ class WorkerPoolActor:
             )
             return self._published()
         old, self._config = self._config, config
-        self._spec = WorkerSpec.of(config)
-        if self._spec.fingerprint != WorkerSpec.of(old).fingerprint:  # may start where it failed
+        self._spec = config.spec
+        if self._spec.fingerprint != old.spec.fingerprint:  # may start where it failed
             self._start_failures, self._failed = StartFailures(), ""
-        same_size = config.num_workers == old.num_workers and self._configured
-        target = self.planner.target if same_size else config.num_workers
-        self.planner.configure(ScalingSettings.of(config), self._spec.fingerprint, target)
+        num_workers = config.scaling.num_workers
+        same_size = num_workers == old.scaling.num_workers and self._configured
+        target = self.planner.target if same_size else num_workers
+        self.planner.configure(ScalingSettings.of(config.scaling), self._spec.fingerprint, target)
         self.members.config_revision = revision
         await self._followed.record(revision)
         if revision < self._follow_at_least:
@@ -286,7 +277,7 @@ class WorkerPoolActor:
     async def _control_loop(self) -> None:
         await self._started
         while True:
-            await asyncio.sleep(self._config.scale_interval_s)
+            await asyncio.sleep(self._config.scaling.scale_interval_s)
             if not self._settled() or (self._action is not None and not self._action.done()):
                 continue
             if self._failed:  # starting more would fail the same way: wait for a new spec
@@ -307,9 +298,10 @@ class WorkerPoolActor:
         and not on whichever router (of an older deployment, maybe) reached it first; and,
         after a restart, configured with the newest revision it had followed at least (a
         router's late poll brings it; `followed.py`)."""
-        wait_s = 2 * self._config.stats_interval_s
+        failure = self._config.failure
+        wait_s = 2 * failure.stats_interval_s
         if self._adopted:  # a router whose poll timed out on the restart polls again by then
-            wait_s += self._config.rpc_timeout_s
+            wait_s += failure.rpc_timeout_s
         if not self._configured or time.monotonic() - self._configured_at < wait_s:
             return False
         if self.members.config_revision < self._follow_at_least:  # `followed.py`
@@ -325,9 +317,11 @@ class WorkerPoolActor:
             if member.state != MemberState.SERVING:
                 return seen
             try:
-                stats = await within(member.handle.stats.remote(), self._config.rpc_timeout_s)
+                stats = await within(
+                    member.handle.stats.remote(), self._config.failure.rpc_timeout_s
+                )
             except WORKER_LOST_ERRORS:
-                gone = await asyncio.to_thread(gone_for_good, member.worker_id, self._config)
+                gone = await asyncio.to_thread(gone_for_good, member.worker_id, self._config.actors)
                 return dataclasses.replace(seen, gone=gone)
             except CALL_ERRORS:
                 return seen
@@ -355,92 +349,6 @@ class WorkerPoolActor:
         except Exception:
             logger.exception("pool: %s failed", action.describe())
 
-    # ------------------------------------------------------------------ retire
-    async def _retire(self, worker_id: str, reason: Reason) -> None:
-        """Out of routing everywhere, cache handed over, drained, forgotten, then stopped."""
-        member = self.members.get(worker_id)
-        assert member is not None
-        self.members.set_state(worker_id, MemberState.LEAVING)
-        await self._routers_hold(self.members.version)
-        source = WorkerState(worker_id, member.handle)
-        first = await self._hand_over(source, member.fingerprint)
-        await self._drain(member.handle)
-        second = await self._hand_over(source, member.fingerprint)
-        # Counted in the same step as the removal, so that stats never show one without the
-        # other (a snapshot taken while the routers catch up reads both).
-        self.members.remove(worker_id)
-        counters = self.counters
-        counters.workers_removed += 1
-        counters.workers_replaced += reason == Reason.RECONCILE
-        counters.handover_chains += first.chains + second.chains
-        counters.handover_blocks += first.blocks + second.blocks
-        await self._routers_hold(self.members.version)
-        self._kill(member.handle)
-        await self._forget_in_index(worker_id)
-
-    async def _remove_lost(self, worker_id: str) -> None:
-        """A worker gone for good: nothing to hand over or drain (its routers replay what it
-        had); out of the membership and the index at once."""
-        member = self.members.get(worker_id)
-        assert member is not None
-        logger.warning("pool: worker %s is gone for good; removing it", worker_id)
-        self.members.remove(worker_id)
-        self.counters.workers_lost += 1
-        self._kill(member.handle)
-        await self._forget_in_index(worker_id)
-
-    async def _routers_hold(self, version: MembershipVersion) -> None:
-        """Wait until every live router holds `version`, at most one lease."""
-        config = self._config
-        end = time.monotonic() + config.lease_timeout_s
-        while time.monotonic() < end:
-            if self.members.routers_caught_up(version, time.monotonic(), config.lease_timeout_s):
-                return
-            await asyncio.sleep(config.stats_interval_s)
-        logger.warning("pool: not every router took membership %s within a lease", version)
-
-    async def _hand_over(self, source: WorkerState, fingerprint: str) -> HandoverResult:
-        peers = [
-            WorkerState(m.worker_id, m.handle)
-            for m in self._in_state(MemberState.SERVING)
-            if m.fingerprint == fingerprint and m.worker_id != source.worker_id
-        ]
-        if not peers or not self._config.enable_push:
-            return HandoverResult()
-        migrations = Migrations(
-            self._config, self._index, {}, NOOP, RouterCounters(), RouterMetrics(False, dict)
-        )
-        try:
-            return await hand_over(
-                source, peers, migrations, self._index, self._config.rpc_timeout_s
-            )
-        except CALL_ERRORS:
-            logger.warning("pool: handover from %s failed", source.worker_id, exc_info=True)
-            return HandoverResult()
-
-    async def _drain(self, handle: ActorHandle) -> None:
-        grace = self._config.scale_down_grace_s
-        try:
-            result = await within(handle.drain.remote(grace), grace + self._config.rpc_timeout_s)
-        except CALL_ERRORS:
-            logger.warning("pool: drain failed; its routers replay what it had", exc_info=True)
-            return
-        self.counters.drain_finished += result.finished
-        self.counters.drain_handed_off += result.handed_off
-
-    def _kill(self, handle: ActorHandle) -> None:
-        with contextlib.suppress(ValueError):  # gone already
-            ray.kill(handle, no_restart=True)
-
-    async def _forget_in_index(self, worker_id: str) -> None:
-        try:
-            await within(self._index.remove_worker.remote(worker_id), self._config.rpc_timeout_s)
-        except CALL_ERRORS:
-            logger.warning("pool: could not drop %s from the index", worker_id)
-
-    def _in_state(self, *states: MemberState) -> list:
-        return [m for m in self.members.members() if m.state in states]
-
 
 def start_failure_cause(error: BaseException, timeout_s: float) -> str:
     """Why a worker did not start, in one line: the exception its constructor raised (the last
@@ -452,28 +360,28 @@ def start_failure_cause(error: BaseException, timeout_s: float) -> str:
     return lines[-1] if lines else type(error).__name__
 
 
-def existing_workers(config: ClusterConfig) -> dict[str, int]:
+def existing_workers(actors: ActorNames) -> dict[str, int]:
     """The app's worker actors alive now, by name: name → its counter value."""
-    pattern = re.compile(re.escape(config.worker_name(0))[: -len("0")] + r"(\d+)")
+    pattern = re.compile(re.escape(actors.worker_name(0))[: -len("0")] + r"(\d+)")
     found = {}
     for actor in ray.util.list_named_actors(all_namespaces=True):
         match = pattern.fullmatch(actor["name"])
-        if match and actor["namespace"] == config.namespace:
+        if match and actor["namespace"] == actors.namespace:
             found[actor["name"]] = int(match.group(1))
     return found
 
 
-def gone_for_good(worker_id: str, config: ClusterConfig) -> bool:
+def gone_for_good(worker_id: str, actors: ActorNames) -> bool:
     """Whether the worker's actor is dead and will not come back: Ray releases an actor's name
     only then (one restarting keeps it)."""
     try:
-        ray.get_actor(worker_id, namespace=config.namespace)
+        ray.get_actor(worker_id, namespace=actors.namespace)
     except ValueError:
         return True
     return False
 
 
-def get_or_create_worker_pool(config: ClusterConfig, telemetry: TelemetryConfig) -> ActorHandle:
+def get_or_create_worker_pool(config: PoolConfig, telemetry: TelemetryConfig) -> ActorHandle:
     """The app's pool actor, created (with `config`) when it does not exist yet.
 
     Detached, like the workers and the index: it outlives the router replica that created it.
@@ -481,8 +389,8 @@ def get_or_create_worker_pool(config: ClusterConfig, telemetry: TelemetryConfig)
     """
     env = otel_env()
     return WorkerPoolActor.options(
-        name=config.pool_name,
-        namespace=config.namespace,
+        name=config.actors.pool_name,
+        namespace=config.actors.namespace,
         get_if_exists=True,
         lifetime="detached",
         max_restarts=-1,

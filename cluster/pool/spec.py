@@ -1,7 +1,8 @@
 """What a worker actor is built from, its fingerprint, and the one place workers are created.
 
 `WorkerSpec` holds everything of a `ClusterConfig` that shapes a worker (its engine config,
-its Ray resources, its placement and stream settings) and nothing that only the routers read,
+its Ray resources and placement, its stream and drain settings, the P/D layout) and nothing
+that only the routers read,
 so that its `fingerprint` changes exactly when a running worker no longer matches the app:
 the worker pool (`cluster/pool/pool.py`) then replaces it (reconcile). Each worker is given
 the fingerprint of the spec it was built from and reports it in `WorkerInfo`, so the pool
@@ -19,7 +20,7 @@ from dataclasses import asdict, dataclass
 import ray
 from ray.actor import ActorHandle
 
-from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.config import ClusterConfig, PlacementConfig
 from pagedserve.workers.engine.config import EngineConfig
 from pagedserve.workers.process import drain_signal
 from pagedserve.workers.protocol.role import WorkerRole
@@ -39,13 +40,13 @@ class WorkerSpec:
         engine: the engine config (with the cluster's queue bound).
         num_gpus, num_cpus, resources: what Ray reserves for each worker actor.
         worker_threads, worker_cpus, num_slots: torch threads and CPU pinning
-            (`ClusterConfig.worker_thread_count` / `worker_cpu_share`).
+            (`PlacementConfig.worker_thread_count` / `worker_cpu_share`).
         nice: each worker's niceness.
         lease_timeout_s, max_buffered_deltas: the worker's stream settings.
         drain_grace_s: how long its open streams get to finish when SIGTERM drains it.
         fault_injection: create `FaultInjectingWorker` actors (soaks and failure tests).
         index_name, namespace: where its prefix index and its name live.
-        prefill_workers, decode_workers: the P/D layout (`ClusterConfig`): how many workers
+        prefill_workers, decode_workers: the P/D layout (`ScalingConfig`): how many workers
             of each role the pool keeps; each worker is created with one (`role_for_new`).
     """
 
@@ -68,26 +69,30 @@ class WorkerSpec:
 
     @classmethod
     def of(cls, config: ClusterConfig) -> WorkerSpec:
+        """The spec of `config`'s workers: its engine (with the limits' queue bound and
+        tenant weights), placement, stream limits, drain grace and P/D layout."""
+        engine = config.worker_engine
+        placement, scaling, failure = config.placement, config.scaling, config.failure
         # A tensor-parallel worker is one actor whose ranks are its child processes: it
         # reserves k devices' worth, on one node (`docs/tensor-parallel.md`).
-        ranks = config.worker_engine.tensor_parallel_size
+        ranks = engine.tensor_parallel_size
         return cls(
-            engine=config.worker_engine,
-            num_gpus=config.worker_num_gpus * ranks,
-            num_cpus=config.worker_num_cpus * ranks,
-            resources=tuple(sorted(config.worker_resources.items())),
-            worker_threads=config.worker_threads,
-            worker_cpus=config.worker_cpus,
-            num_slots=config.num_workers,
-            nice=config.worker_nice,
-            lease_timeout_s=config.lease_timeout_s,
-            max_buffered_deltas=config.max_buffered_deltas,
-            drain_grace_s=config.drain_grace_s,
-            index_name=config.index_name,
+            engine=engine,
+            num_gpus=placement.worker_num_gpus * ranks,
+            num_cpus=placement.worker_num_cpus * ranks,
+            resources=tuple(sorted(placement.worker_resources.items())),
+            worker_threads=placement.worker_threads,
+            worker_cpus=placement.worker_cpus,
+            num_slots=scaling.num_workers,
+            nice=placement.worker_nice,
+            lease_timeout_s=failure.lease_timeout_s,
+            max_buffered_deltas=config.limits.max_buffered_deltas,
+            drain_grace_s=failure.drain_grace_s,
+            index_name=config.actors.index_name,
             namespace=config.namespace,
-            prefill_workers=config.prefill_workers,
-            decode_workers=config.decode_workers,
-            fault_injection=config.fault_injection,
+            prefill_workers=scaling.prefill_workers,
+            decode_workers=scaling.decode_workers,
+            fault_injection=failure.fault_injection,
         )
 
     def role_for_new(self, roles: Iterable[WorkerRole]) -> WorkerRole:
@@ -106,13 +111,9 @@ class WorkerSpec:
         text = json.dumps(asdict(self), sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
-    def _placement(self) -> ClusterConfig:
-        """The placement rules live on `ClusterConfig`; a config with just these fields."""
-        return ClusterConfig(
-            num_workers=self.num_slots,
-            worker_threads=self.worker_threads,
-            worker_cpus=self.worker_cpus,
-        )
+    def _placement(self) -> PlacementConfig:
+        """The placement rules live on `PlacementConfig`; one with just these fields."""
+        return PlacementConfig(worker_threads=self.worker_threads, worker_cpus=self.worker_cpus)
 
 
 def worker_class(spec: WorkerSpec) -> type[Worker]:
@@ -141,7 +142,7 @@ def create_worker(
     """
     placement = spec._placement()
     env = {**otel_env(), setup_hook_env_var(): drain_signal.SETUP_HOOK}
-    threads = placement.worker_thread_count(slot)
+    threads = placement.worker_thread_count(slot, spec.num_slots)
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     return (
@@ -167,7 +168,7 @@ def create_worker(
             telemetry,
             lease_timeout_s=spec.lease_timeout_s,
             max_buffered_deltas=spec.max_buffered_deltas,
-            cpus=placement.worker_cpu_share(slot),
+            cpus=placement.worker_cpu_share(slot, spec.num_slots),
             nice=spec.nice,
             config_fingerprint=spec.fingerprint,
             drain_grace_s=spec.drain_grace_s,

@@ -109,7 +109,7 @@ class RouterLoras:
             fit = [w for w in pool if w.stats is None]
         if not fit:
             raise UnknownLora(f"LoRA adapter {name!r} is on no worker that admits requests")
-        cost = self.config.lora_load_block_cost
+        cost = self.config.routing.lora_load_block_cost
         costs = dict(extra_blocks)
         for worker in fit:
             if cost and (worker.stats is None or name not in worker.stats.resident_loras):

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pagedserve.cluster.router.reports import ClusterRouters
+    from pagedserve.cluster.router.types import MigrationKind
     from pagedserve.workers.protocol.stats import WorkerStats
 
 logger = logging.getLogger(__name__)
@@ -117,7 +118,7 @@ class RouterMetrics:
         if self.enabled:
             self.routed.labels(policy, outcome).inc()
 
-    def on_migration(self, kind: str, blocks: int = 0) -> None:
+    def on_migration(self, kind: MigrationKind, blocks: int = 0) -> None:
         if self.enabled:
             self.migrations.labels(kind).inc()
             self.migrated_blocks.labels(kind).inc(blocks)

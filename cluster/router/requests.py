@@ -26,8 +26,9 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
-from pagedserve.cluster.config import ClusterConfig, FailureMode
+from pagedserve.cluster.config import FailureMode
 from pagedserve.cluster.pool.migration import Migrations
+from pagedserve.cluster.router.config import RouterConfig
 from pagedserve.cluster.router.legs import Attempt, Emitted, LegRefused, params_left, replay_plan
 from pagedserve.cluster.router.metrics import RouterMetrics
 from pagedserve.cluster.router.tenant_quotas import TenantAdmission, TenantQuotaExceeded
@@ -63,7 +64,7 @@ class RouterRequests:
     """The request endpoints `RouterCore` inherits. Owns nothing of its own: what it uses of
     the core is declared below."""
 
-    config: ClusterConfig
+    config: RouterConfig
     router_id: str
     model_name: str
     block_size: int
@@ -153,11 +154,12 @@ class RouterRequests:
 
     def _admit(self) -> None:
         """Refuse at once, with a retry hint, when the router already streams its limit."""
-        limit = self.config.max_inflight
+        limit = self.config.limits.max_inflight
         if limit is not None and self.num_inflight >= limit:
             self.counters.refused_router += 1
             raise Overloaded(
-                f"the router streams its limit of {limit} requests", self.config.retry_after_s
+                f"the router streams its limit of {limit} requests",
+                self.config.limits.retry_after_s,
             )
 
     async def _generate(
@@ -279,7 +281,7 @@ class RouterRequests:
     ) -> list[Attempt]:
         """One replay leg per unfinished branch (`legs.replay_plan`), unless the config says
         a lost worker fails its requests."""
-        if self.config.on_worker_failure is FailureMode.FAIL:
+        if self.config.failure.on_worker_failure is FailureMode.FAIL:
             raise NoWorkerAvailable("the worker serving this request died")
         self.counters.replays += 1
         extra_keys = cache_key(self.model_name, request.prefix_salt, self.lora_key(request.lora))
@@ -341,7 +343,9 @@ class RouterRequests:
     async def _abort_on(self, worker: WorkerState, scoped_id: str) -> bool:
         """One worker's abort of `scoped_id`; False when it does not answer in time."""
         try:
-            return await within(worker.handle.abort.remote(scoped_id), self.config.rpc_timeout_s)
+            return await within(
+                worker.handle.abort.remote(scoped_id), self.config.failure.rpc_timeout_s
+            )
         except (*WORKER_LOST_ERRORS, TimeoutError):
             logger.warning("abort of %s on %s got no answer", scoped_id, worker.worker_id)
             return False
@@ -354,5 +358,5 @@ class RouterRequests:
         worker.draining = True
         self.counters.workers_drained += 1
         return await within(
-            worker.handle.drain.remote(grace_s), grace_s + self.config.rpc_timeout_s
+            worker.handle.drain.remote(grace_s), grace_s + self.config.failure.rpc_timeout_s
         )

@@ -33,13 +33,13 @@ class RouterRouting:
     async def _tokenize(self, request: GenerateRequest) -> list[int]:
         """The prompt's token ids; text is measured first, then tokenized off the event loop."""
         if request.prompt_token_ids is not None:  # not both: `GenerateRequest` checked it
-            check_prompt_size(len(request.prompt_token_ids), self.config.max_prompt_chars)
+            check_prompt_size(len(request.prompt_token_ids), self.config.limits.max_prompt_chars)
             return list(request.prompt_token_ids)
         if not request.prompt:
             raise RequestRejected("prompt is empty")
         if self.tokenizer is None:
             raise RequestRejected("the model has no tokenizer; send prompt_token_ids")
-        check_prompt_size(len(request.prompt), self.config.max_prompt_chars)
+        check_prompt_size(len(request.prompt), self.config.limits.max_prompt_chars)
         return await asyncio.to_thread(self.tokenizer.encode, request.prompt)
 
     async def prompt_length(self, prompt: str | list[int]) -> int:
@@ -95,7 +95,7 @@ class RouterRouting:
         self.metrics.on_routed(decision.policy, outcome)
         if span is not None:
             record_decision(span, decision, len(hashes), matched)
-        if self.config.enable_pull:
+        if self.config.routing.enable_pull:
             exportable = {w: hits.device_prefix for w, hits in tier_hits.items()}
             peers = {**matches, **exportable}  # a peer exports only what is on its device
             matched = await self.migrations.maybe_pull(chosen, hashes, peers, matched, span)

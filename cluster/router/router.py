@@ -58,10 +58,11 @@ from typing import Any
 
 from ray.actor import ActorHandle
 
-from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.index.view import FeedFollower, PrefixView
+from pagedserve.cluster.pool.config import PoolConfig
 from pagedserve.cluster.pool.follower import PoolFollower
 from pagedserve.cluster.pool.migration import Migrations
+from pagedserve.cluster.router.config import RouterConfig
 from pagedserve.cluster.router.loras import RouterLoras
 from pagedserve.cluster.router.metrics import RouterMetrics
 from pagedserve.cluster.router.reports import ClusterRouters
@@ -90,25 +91,30 @@ class RouterCore(RouterRequests, RouterRouting, RouterStats, RouterLoras):
     flight.
 
     Args:
-        config: the cluster config.
+        config: the router's sections of the app config (`RouterConfig`); each part gets
+            the one it reads.
         index: the prefix index actor.
         workers: worker id → actor handle.
         tracing: where request spans go (no-op by default).
         metrics: whether to keep Prometheus metrics (`self.metrics.render()`).
         pool: the worker pool actor; with it, the workers follow its membership (joins and
-            leaves learnt on each stats poll: `cluster/pool/follower.py`). None: `workers` is
-            all there is.
-        config_revision: the revision of `config` (a newer one reconfigures the pool).
+            leaves learnt on each stats poll: `cluster/pool/follower.py`), and with `workers`
+            empty the first ones are the pool's answer to `pool_config` at `start`. None:
+            `workers` is all there is.
+        pool_config: the pool's part of the app config, handed to the pool at `start` and
+            whenever it follows an older revision (needed with `pool`).
+        config_revision: the revision of the app config (a newer one reconfigures the pool).
     """
 
     def __init__(
         self,
-        config: ClusterConfig,
+        config: RouterConfig,
         index: ActorHandle,
         workers: dict[str, ActorHandle],
         tracing: Tracing = NOOP,
         metrics: bool = False,
         pool: ActorHandle | None = None,
+        pool_config: PoolConfig | None = None,
         config_revision: float = 0.0,
     ) -> None:
         self.config = config
@@ -116,17 +122,19 @@ class RouterCore(RouterRequests, RouterRouting, RouterStats, RouterLoras):
         self.tracing = tracing
         self.index = index
         self.workers = {wid: WorkerState(wid, handle) for wid, handle in workers.items()}
-        options = dict(config.routing_options)
-        if config.routing_policy == "kv_aware":  # it converts router token counts to blocks
-            options.setdefault("block_size", config.engine.block_size)
-        self.policy = make_policy(config.routing_policy, **options)
+        routing, failure, limits = config.routing, config.failure, config.limits
+        self.policy = make_policy(
+            routing.routing_policy,
+            engine_block_size=config.engine.block_size,
+            **routing.routing_options,
+        )
         self.routable = RoutableWorkers(self.workers, self.policy.new_ranking())
-        self.tier_costs = TierCosts(config.tier_host_block_cost, config.tier_disk_block_cost)
+        self.tier_costs = TierCosts(routing.tier_host_block_cost, routing.tier_disk_block_cost)
         self.tokenizer = load_tokenizer(config.engine.model or DEFAULT_MODEL)
         self.model_name = ""
         self.block_size = config.engine.block_size
         self.counters = RouterCounters()
-        self.tenant_admission = TenantAdmission(config.tenants, config.retry_after_s)
+        self.tenant_admission = TenantAdmission(limits.tenants, limits.retry_after_s)
         # Scoped request id → the worker serving it now (None until routed). Reserved when a
         # request is admitted, released when its stream ends: the one owner of id uniqueness.
         self._inflight_ids: dict[str, WorkerState | None] = {}
@@ -136,7 +144,7 @@ class RouterCore(RouterRequests, RouterRouting, RouterStats, RouterLoras):
         self.feed = FeedFollower(
             self.view,
             index,
-            config.rpc_timeout_s,
+            failure.rpc_timeout_s,
             on_error=self._count_index_unavailable,
             lost_errors=WORKER_LOST_ERRORS,
         )
@@ -149,12 +157,19 @@ class RouterCore(RouterRequests, RouterRouting, RouterStats, RouterLoras):
             lambda: self.last_cluster,
         )
         self.migrations = Migrations(
-            config, index, self.workers, tracing, self.counters, self.metrics
+            routing,
+            failure.rpc_timeout_s,
+            config.disaggregated,
+            index,
+            self.workers,
+            tracing,
+            self.counters,
+            self.metrics,
         )
         # One channel per worker carries every delta of this router's requests there.
-        self.channels = WorkerChannels(self.router_id, config.max_buffered_deltas)
+        self.channels = WorkerChannels(self.router_id, limits.max_buffered_deltas)
         self.liveness = WorkerLiveness(
-            config,
+            failure,
             index,
             self.workers,
             self.router_id,
@@ -169,9 +184,12 @@ class RouterCore(RouterRequests, RouterRouting, RouterStats, RouterLoras):
         self.lora_seen: dict[str, tuple[str, dict[str, str]]] = {}
         self.membership = None
         if pool is not None:
+            if pool_config is None:
+                raise ValueError("a router that follows a pool needs its pool_config")
             self.membership = PoolFollower(
                 pool,
-                config,
+                pool_config,
+                failure.rpc_timeout_s,
                 config_revision,
                 self.router_id,
                 self.workers,
@@ -196,6 +214,8 @@ class RouterCore(RouterRequests, RouterRouting, RouterStats, RouterLoras):
 
     async def _start(self) -> None:
         try:
+            if self.membership is not None and not self.workers:  # the pool's first workers
+                await self.membership.first(self.config.failure.startup_timeout_s)
             alive = await self.liveness.start()
         except NoWorkerAvailable:
             self._started = None  # let the next request try again

@@ -44,19 +44,21 @@ class RouterStats:
             self.router_id,
             copy.deepcopy(self.counters),
             {w.worker_id: w.inflight for w in self.workers.values() if w.inflight},
-            expires_after_s=self.config.lease_timeout_s,
+            expires_after_s=self.config.failure.lease_timeout_s,
         )
 
     async def _send_report(self) -> None:
         try:
-            await within(self.index.report_router.remote(self.report()), self.config.rpc_timeout_s)
+            await within(
+                self.index.report_router.remote(self.report()), self.config.failure.rpc_timeout_s
+            )
         except (*WORKER_LOST_ERRORS, TimeoutError):  # the next round sends a newer one
             logger.debug("the prefix index did not take this router's counters")
 
     async def _report_loop(self) -> None:
         while True:
             await self._send_report()
-            await asyncio.sleep(self.config.stats_interval_s)
+            await asyncio.sleep(self.config.failure.stats_interval_s)
 
     async def cluster_routers(self) -> ClusterRouters | None:
         """Every replica's counters summed, this one's reported first (None: the index did not
@@ -64,7 +66,7 @@ class RouterStats:
         await self._send_report()
         try:
             routers = self.index.routers.remote()
-            self.last_cluster = await within(routers, self.config.rpc_timeout_s)
+            self.last_cluster = await within(routers, self.config.failure.rpc_timeout_s)
         except (*WORKER_LOST_ERRORS, TimeoutError):
             self.last_cluster = None
         return self.last_cluster
@@ -77,15 +79,15 @@ class RouterStats:
             for w in self.workers.values()
         }
         try:
-            index = await within(self.index.stats.remote(), self.config.rpc_timeout_s)
+            index = await within(self.index.stats.remote(), self.config.failure.rpc_timeout_s)
         except (*WORKER_LOST_ERRORS, TimeoutError):
             index = None
         return ClusterStats(
             cluster=await self.cluster_routers(),
             workers=workers,
             router=copy.deepcopy(self.counters),
-            limits=self.config.limits,
+            limits=self.config.limits.backpressure,
             index=index,
-            policy=self.config.routing_policy,
+            policy=self.config.routing.routing_policy,
             view=self.view.stats(),
         )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
@@ -22,6 +22,9 @@ from pagedserve.workers.protocol.requests import GenerateRequest
 from pagedserve.workers.protocol.stream import StreamDelta
 from pagedserve.workers.telemetry.request_trace import request_attributes
 from pagedserve.workers.telemetry.telemetry import AttributeValue, SpanAttributes, Tracing
+
+if TYPE_CHECKING:
+    from pagedserve.cluster.router.types import MigrationKind
 
 
 class RouterTrace:
@@ -77,7 +80,12 @@ class RouterTrace:
 
 
 def migration_span(
-    tracing: Tracing, parent: Any, kind: str, source: str | None, target: Any, tokens: int = 0
+    tracing: Tracing,
+    parent: Any,
+    kind: MigrationKind,
+    source: str | None,
+    target: Any,
+    tokens: int = 0,
 ) -> Span:
     """A router-side `migration.<kind>` span from `source` (an id) to `target` (a WorkerState)."""
     attrs: SpanAttributes = {

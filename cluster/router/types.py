@@ -7,6 +7,7 @@ takes and raises (`GenerateRequest`, `NoWorkerAvailable`, `WorkerLost`) is in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from pagedserve.cluster.index.stats import IndexStats
@@ -16,6 +17,15 @@ from pagedserve.workers.protocol.stats import WorkerInfo, WorkerStats
 
 if TYPE_CHECKING:  # it imports `RouterCounters` from here
     from pagedserve.cluster.router.reports import ClusterRouters
+
+
+class MigrationKind(StrEnum):
+    """How KV went from one worker to another (`cluster/pool/migration.py`): its span's name
+    (`migration.<kind>`) and its metrics' label."""
+
+    PULL = "pull"
+    PUSH = "push"
+    MOVE = "move"
 
 
 @dataclass

@@ -22,7 +22,7 @@ from typing import Any
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.config import FailureConfig
 from pagedserve.cluster.router.types import RouterCounters
 from pagedserve.cluster.router.worker_state import WorkerState
 from pagedserve.workers.deadline import within
@@ -39,7 +39,7 @@ class WorkerLiveness:
     """Owns the poll and lease loops over a router's workers and their liveness transitions.
 
     Args:
-        config: the cluster config (intervals and deadlines).
+        config: the intervals and deadlines it keeps (`FailureConfig`).
         index: the prefix index actor (a dropped worker's entries leave it at once).
         workers: worker id → the router's `WorkerState` of it (shared with the router).
         router_id: whose lease the loops renew.
@@ -56,7 +56,7 @@ class WorkerLiveness:
 
     def __init__(
         self,
-        config: ClusterConfig,
+        config: FailureConfig,
         index: Any,
         workers: dict[str, WorkerState],
         router_id: str,

@@ -71,6 +71,7 @@ class KvAwarePolicy(RoutingPolicy):
 
     name = "kv_aware"
     ranked = True
+    takes_block_size = True
 
     def __init__(
         self,

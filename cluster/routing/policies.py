@@ -19,8 +19,11 @@ DEFAULT_POLICY = KvAwarePolicy.name
 POLICIES: tuple[type[RoutingPolicy], ...] = (KvAwarePolicy, LeastLoadedPolicy, RoundRobinPolicy)
 
 
-def make_policy(name: str, **options: Any) -> RoutingPolicy:
-    """Build the routing policy registered as `name` with its options.
+def make_policy(
+    name: str, *, engine_block_size: int | None = None, **options: Any
+) -> RoutingPolicy:
+    """Build the routing policy registered as `name` with its options; a policy that
+    `takes_block_size` gets `engine_block_size` unless its options set one.
 
     Raises:
         ValueError: on an unknown name (listing the known ones) or an unknown option.
@@ -30,6 +33,8 @@ def make_policy(name: str, **options: Any) -> RoutingPolicy:
         raise ValueError(
             f"unknown routing policy {name!r}; known: {sorted(RoutingPolicy.registry)}"
         )
+    if policy_class.takes_block_size and engine_block_size is not None:
+        options.setdefault("block_size", engine_block_size)
     try:
         return policy_class(**options)
     except TypeError as error:

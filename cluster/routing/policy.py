@@ -97,6 +97,8 @@ class RoutingPolicy(abc.ABC):
     registry: ClassVar[dict[str, type[RoutingPolicy]]] = {}
     name: ClassVar[str]
     ranked: ClassVar[bool] = False  # it orders loads by `rank_key` and reads them in order
+    # It takes the engine's `block_size` (to turn router token counts into blocks).
+    takes_block_size: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -11,7 +11,7 @@ holding it on disk still beats one that must prefill it all.
            + load
 
 `pagedserve bench tier-cost` measures the two fractions on the machine at hand (see
-`ClusterConfig.tier_host_block_cost`).
+`RoutingConfig.tier_host_block_cost`).
 """
 
 from __future__ import annotations

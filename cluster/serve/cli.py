@@ -27,7 +27,7 @@ DEBUG_ENV = "PAGEDSERVE_DEBUG"
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     # Light imports only (no torch, no ray): this runs for every `pagedserve` command.
-    from pagedserve.cluster.config import ClusterConfig
+    from pagedserve.cluster.config import SECTIONS, ClusterConfig
     from pagedserve.workers.config_flags import add_config_flags
     from pagedserve.workers.engine.config import EngineConfig
     from pagedserve.workers.protocol.sampling import Pooling
@@ -37,9 +37,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "serve",
         help="start the serving cluster (router + worker actors) on Ray",
-        description="Start the serving cluster. Settings come from --config FILE (YAML: the "
-        "fields of ClusterConfig, with `engine:` holding EngineConfig's), then from the flags "
-        "given, which override the file.",
+        description="Start the serving cluster. Settings come from --config FILE (YAML: "
+        "ClusterConfig's sections, `scaling:`, `placement:`, `routing:`, `failure:`, `limits:`, "
+        "and `engine:` holding EngineConfig's fields), then from the flags given, which "
+        "override the file.",
     )
     parser.add_argument("--config", help="YAML file with a cluster config (flags override it)")
     parser.add_argument(
@@ -93,12 +94,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="interface to serve on (default: this machine only; 0.0.0.0: every interface). "
         "The gRPC port takes calls from this machine only when the host is a loopback one",
     )
-    # Fault injection is for soaks and failure tests (a config file can still set it).
-    add_config_flags(
-        parser.add_argument_group("cluster (ClusterConfig)"),
-        ClusterConfig,
-        exclude=("fault_injection",),
-    )
+    # One group per section of the config file; fault injection is for soaks and failure
+    # tests (a config file can still set it).
+    for section, section_class in SECTIONS.items():
+        add_config_flags(
+            parser.add_argument_group(f"{section} ({section_class.__name__})"),
+            section_class,
+            exclude=("fault_injection",),
+        )
+    add_config_flags(parser.add_argument_group("actor names (ClusterConfig)"), ClusterConfig)
     add_config_flags(
         parser.add_argument_group("engine of every worker (EngineConfig)"),
         EngineConfig,
@@ -154,18 +158,18 @@ def cluster_config_from_args(
 
 def user_config_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The YAML file, then flags, as plain config data: what the user set, nothing more."""
-    from pagedserve.cluster.config import ClusterConfig
+    from pagedserve.cluster.config import nest
     from pagedserve.workers.config_flags import config_flags_set
     from pagedserve.workers.engine.config import EngineConfig
 
-    data = _read_config_file(args.config) if args.config else {}
+    data = nest(_read_config_file(args.config)) if args.config else {}
     engine = {**(data.pop("engine", {}) or {}), **config_flags_set(args, EngineConfig)}
     speculative = _speculative_from_args(args, engine.get("speculative"))
     if speculative is not None:
         engine["speculative"] = speculative
     if getattr(args, "lora_modules", None):
         engine["lora_modules"] = list(args.lora_modules)
-    data.update(config_flags_set(args, ClusterConfig))
+    data = merged(data, cluster_flags_set(args))
     if args.served_model_name is not None:
         data["served_model_name"] = args.served_model_name
     if args.embedding_pooling is not None:
@@ -193,22 +197,50 @@ def with_machine_defaults(
 
     A cluster on this machine (`address` None) is sized by `node_layout.plan`; one joined by
     address keeps the fixed defaults: one worker per GPU, else 2 (or the P/D roles' count)."""
+    from pagedserve.cluster.config import nest
     from pagedserve.cluster.serve.node_layout import NodeResources, plan
 
-    data, engine = dict(data), dict(data.get("engine") or {})
+    data, engine = nest(data), dict(data.get("engine") or {})
     if address is None:
         layout = plan(data, node or NodeResources.of_this_machine(num_gpus))
-        data.update(layout.settings)
+        data = merged(data, nest(layout.settings))
         data["engine"] = {**engine, **layout.engine}
         return data, layout.describe()
+    scaling = dict(data.get("scaling") or {})
+    placement = dict(data.get("placement") or {})
     if num_gpus:
-        data.setdefault("num_workers", num_gpus)
-        data.setdefault("worker_num_gpus", 1.0)
+        scaling.setdefault("num_workers", num_gpus)
+        placement.setdefault("worker_num_gpus", 1.0)
         engine.setdefault("device", "cuda")
-    roles = (data.get("prefill_workers") or 0) + (data.get("decode_workers") or 0)
-    data.setdefault("num_workers", max(2, roles))
-    data["engine"] = engine
+    roles = (scaling.get("prefill_workers") or 0) + (scaling.get("decode_workers") or 0)
+    scaling.setdefault("num_workers", max(2, roles))
+    data.update(scaling=scaling, placement=placement, engine=engine)
     return data, ""
+
+
+def cluster_flags_set(args: argparse.Namespace) -> dict[str, Any]:
+    """The cluster flags given, by section (`{"scaling": {"num_workers": 2}}`)."""
+    from pagedserve.cluster.config import SECTIONS, ClusterConfig
+    from pagedserve.workers.config_flags import config_flags_set
+
+    data: dict[str, Any] = config_flags_set(args, ClusterConfig)
+    for section, section_class in SECTIONS.items():
+        if given := config_flags_set(args, section_class):
+            data[section] = given
+    return data
+
+
+def merged(data: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
+    """`data` with `more` on top, each section's mapping merged key by key."""
+    from pagedserve.cluster.config import SECTIONS
+
+    out = dict(data)
+    for key, value in more.items():
+        if key in SECTIONS and isinstance(value, dict):
+            out[key] = {**(out.get(key) or {}), **value}
+        else:
+            out[key] = value
+    return out
 
 
 def _read_config_file(path: str) -> dict[str, Any]:
@@ -309,19 +341,18 @@ def checked_plan(args: argparse.Namespace, num_gpus: int) -> ServePlan:
         host=args.host,
         http_port=args.http_port,
         grpc_port=args.grpc_port,
-        shutdown_grace_s=config.drain_grace_s if grace is None else grace,
+        shutdown_grace_s=config.failure.drain_grace_s if grace is None else grace,
         ray_dashboard=args.ray_dashboard,
     )
 
 
 def settings_of(args: argparse.Namespace, user: dict[str, Any], data: dict[str, Any]) -> Settings:
     """Where each setting of `data` came from: a flag, the `--config` file, or this machine."""
-    from pagedserve.cluster.config import ClusterConfig
     from pagedserve.cluster.serve.preflight import Settings, defaults
     from pagedserve.workers.config_flags import config_flags_set
     from pagedserve.workers.engine.config import EngineConfig
 
-    flags = set(config_flags_set(args, ClusterConfig))
+    flags = set(_paths(cluster_flags_set(args)))
     flags |= {f"engine.{name}" for name in config_flags_set(args, EngineConfig)}
     speculative = {
         "method": args.speculative_method,
@@ -331,7 +362,9 @@ def settings_of(args: argparse.Namespace, user: dict[str, Any], data: dict[str, 
     flags |= {f"engine.speculative.{k}" for k, v in speculative.items() if v is not None}
     if args.auth_tokens_file is not None:
         flags.add("auth.tokens_file")
-    file_data = _read_config_file(args.config) if args.config else {}
+    from pagedserve.cluster.config import nest
+
+    file_data = nest(_read_config_file(args.config)) if args.config else {}
     in_file = set(_paths(file_data)) - flags
     return Settings(
         data=data,
@@ -345,9 +378,12 @@ def settings_of(args: argparse.Namespace, user: dict[str, Any], data: dict[str, 
 
 def _paths(data: dict[str, Any], prefix: str = "") -> list[str]:
     """The dotted paths of the leaves of nested config data (`engine.block_size`)."""
+    from pagedserve.cluster.config import SECTIONS
+
+    nested = ("engine", "speculative", "auth", "telemetry", *SECTIONS)
     paths = []
     for key, value in data.items():
-        if isinstance(value, dict) and key in ("engine", "speculative", "auth", "telemetry"):
+        if isinstance(value, dict) and key in nested:
             paths += _paths(value, f"{prefix}{key}.")
         else:
             paths.append(f"{prefix}{key}")

@@ -63,7 +63,7 @@ class NodeResources:
 class NodeLayout:
     """The settings chosen for this machine (only those the user left open) and why."""
 
-    settings: dict[str, Any]  # ClusterConfig fields chosen
+    settings: dict[str, Any]  # the sections' fields chosen, by name (`nest` places them)
     engine: dict[str, Any]  # EngineConfig fields chosen
     reasons: tuple[str, ...]
 
@@ -72,14 +72,14 @@ class NodeLayout:
 
 
 def plan(data: dict[str, Any], node: NodeResources) -> NodeLayout:
-    """The layout for `node`, filling only what `data` (the user's cluster config, with its
-    `engine` mapping) leaves unset.
+    """The layout for `node`, filling only what `data` (the user's cluster config, its
+    sections nested, with its `engine` mapping) leaves unset.
 
     P/D roles count as workers: without `num_workers`, the pool holds at least
     `prefill_workers + decode_workers`, and at least 2 once roles are set.
     """
     engine = data.get("engine") or {}
-    roles = (data.get("prefill_workers") or 0) + (data.get("decode_workers") or 0)
+    roles = (_given(data, "prefill_workers") or 0) + (_given(data, "decode_workers") or 0)
     settings: dict[str, Any] = {}
     chosen_engine: dict[str, Any] = {}
     reasons: dict[str, str] = {}  # the setting → why its value; only kept ones are printed
@@ -101,10 +101,11 @@ def plan(data: dict[str, Any], node: NodeResources) -> NodeLayout:
     reasons["num_workers"] = f"{node.num_cores} core(s) on {nodes} NUMA node(s): " + (
         f"{workers} worker(s) for {roles} P/D role(s)" if roles > nodes else f"{workers} worker(s)"
     )
-    num_workers = data.get("num_workers", workers)
+    num_workers = _given(data, "num_workers")
+    num_workers = workers if num_workers is None else num_workers
     if not isinstance(num_workers, int) or num_workers < 1:  # the config check names it
         return _only_unset(data, engine, settings, chosen_engine, reasons)
-    if data.get("worker_cpus") is None:  # pinned workers get a thread per core of their slice
+    if _given(data, "worker_cpus") is None:  # pinned workers get a thread per core of their slice
         threads = _threads_per_worker(node, num_workers)
         settings["worker_threads"] = threads
         reasons["worker_threads"] = (
@@ -132,12 +133,20 @@ def _only_unset(
     reasons: dict[str, str],
 ) -> NodeLayout:
     """The chosen settings the user left unset, and the reasons of those only."""
-    kept = {k: v for k, v in settings.items() if data.get(k) is None}
+    kept = {k: v for k, v in settings.items() if _given(data, k) is None}
     kept_engine = {k: v for k, v in chosen_engine.items() if engine.get(k) is None}
     if "num_kv_blocks" in engine and engine["num_kv_blocks"] is not None:
         kept_engine.pop("kv_cache_bytes", None)  # the user's block count wins over bytes
     said = tuple(why for name, why in reasons.items() if name in kept or name in kept_engine)
     return NodeLayout(kept, kept_engine, said)
+
+
+def _given(data: dict[str, Any], name: str) -> Any:
+    """The value `data` gives the field `name` in its section (None: not given)."""
+    from pagedserve.cluster.config import SECTION_OF
+
+    section = data.get(SECTION_OF[name])
+    return section.get(name) if isinstance(section, dict) else None  # else the check names it
 
 
 def _threads_per_worker(node: NodeResources, num_workers: int) -> int:

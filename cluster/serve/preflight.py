@@ -24,7 +24,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.config import SECTIONS, ClusterConfig
 from pagedserve.workers.engine.config import EngineConfig
 
 # Settings whose flag is not `--` + the field's name (field paths as in the config file).
@@ -50,7 +50,7 @@ class StartError(Exception):
 @dataclass(frozen=True)
 class Settings:
     """Where each setting of one start came from, so that an error names it as the user gave
-    it. Paths are the config file's: `num_workers`, `engine.model`, `auth.tokens_file`.
+    it. Paths are the config file's: `scaling.num_workers`, `engine.model`, `auth.tokens_file`.
 
     Attributes:
         data: the merged config data (file, flags, machine defaults) being checked.
@@ -102,24 +102,27 @@ class Settings:
 
 
 def _field_paths() -> list[str]:
-    """Every config field's path: cluster fields, `engine.` fields, `engine.speculative.`."""
+    """Every config field's path: each section's (`scaling.num_workers`), the top level's
+    (`name`), `engine.` fields, `engine.speculative.`."""
     from dataclasses import fields
 
     from pagedserve.workers.spec.config import SpeculativeConfig
 
-    cluster = [f.name for f in fields(ClusterConfig) if f.name != "engine"]
+    top = [f.name for f in fields(ClusterConfig) if f.name != "engine" and f.name not in SECTIONS]
+    sections = [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in fields(cls)]
     engine = [f"engine.{f.name}" for f in fields(EngineConfig) if f.name != "speculative"]
     spec = [f"engine.speculative.{f.name}" for f in fields(SpeculativeConfig)]
-    return [*spec, *engine, *cluster]  # "speculative.x" before "x": the longer name first
+    return [*spec, *engine, *sections, *top]  # "speculative.x" before "x": the longer first
 
 
 def defaults() -> dict[str, Any]:
     """Each field's default, by path (what `Settings.value` shows for a field left unset)."""
-    cluster, engine = ClusterConfig(), EngineConfig()
-    values = {path: getattr(cluster, path) for path in _field_paths() if "." not in path}
+    values: dict[str, Any] = {}
     for path in _field_paths():
-        if path.startswith("engine.") and path.count(".") == 1:
-            values[path] = getattr(engine, path.removeprefix("engine."))
+        node: Any = ClusterConfig()
+        for part in path.split("."):
+            node = getattr(node, part, None)
+        values[path] = node
     return values
 
 
@@ -141,7 +144,10 @@ def check_config(data: dict[str, Any], settings: Settings) -> ClusterConfig:
 
 
 def _named(error: Exception, settings: Settings) -> StartError:
-    path = settings.named_in(str(error))
+    # An unknown key is the file's (flags are known by construction), wherever it says the
+    # field lives: name the file, not the flag of the field it mentions.
+    unknown = str(error).startswith("unknown ")
+    path = None if unknown else settings.named_in(str(error))
     where = settings.name(path) if path else (settings.config_file or "the config")
     return StartError(where, str(error))
 
@@ -151,26 +157,27 @@ def check_machine(config: ClusterConfig, settings: Settings, num_gpus: int) -> N
     get what they reserve (Ray would leave the rest waiting for ever)."""
     from pagedserve.workers.process.cpu_placement import check_available, parse_cpu_list
 
+    placement, num_workers = config.placement, config.scaling.num_workers
     for name in ("worker_cpus", "control_cpus"):
-        if (text := getattr(config, name)) is not None:
+        if (text := getattr(placement, name)) is not None:
             try:
                 check_available(parse_cpu_list(text, name), name)
             except ValueError as error:
-                raise StartError(settings.name(name), str(error)) from error
+                raise StartError(settings.name(f"placement.{name}"), str(error)) from error
     cpus = os.cpu_count() or 1
-    wanted = config.num_workers * config.worker_num_cpus
+    wanted = num_workers * placement.worker_num_cpus
     if wanted > cpus:
         raise StartError(
-            settings.name("num_workers"),
-            f"{config.num_workers} workers of {config.worker_num_cpus:g} CPU each need "
+            settings.name("scaling.num_workers"),
+            f"{num_workers} workers of {placement.worker_num_cpus:g} CPU each need "
             f"{wanted:g} CPUs and this machine has {cpus}; Ray would start the rest never "
             "(lower --num-workers or --worker-num-cpus)",
         )
-    wanted = config.num_workers * config.worker_num_gpus
+    wanted = num_workers * placement.worker_num_gpus
     if wanted > num_gpus:
         raise StartError(
-            settings.name("worker_num_gpus"),
-            f"{config.num_workers} workers need {wanted:g} GPUs and this machine has {num_gpus}",
+            settings.name("placement.worker_num_gpus"),
+            f"{num_workers} workers need {wanted:g} GPUs and this machine has {num_gpus}",
         )
 
 

@@ -60,21 +60,21 @@ def await_workers(pool: Any, config: Any, watch: LocalRayWatch | JoinedRayWatch)
     from pagedserve.cluster.pool.types import MemberState
     from pagedserve.workers.model.registry import DEFAULT_MODEL
 
-    end = time.monotonic() + config.startup_timeout_s
+    end = time.monotonic() + config.failure.startup_timeout_s
     while True:
-        stats = ray.get(pool.stats.remote(), timeout=config.rpc_timeout_s)
+        stats = ray.get(pool.stats.remote(), timeout=config.failure.rpc_timeout_s)
         if stats.failed:
             model = config.engine.model or DEFAULT_MODEL
             raise WorkersFailed(f"workers of {model} cannot start: {stats.failed}")
         serving = stats.membership.in_state(MemberState.SERVING)
-        if len(serving) >= config.num_workers:
+        if len(serving) >= config.scaling.num_workers:
             return
         if (lost := watch.lost()) is not None:
             raise WorkersFailed(f"the Ray cluster is gone: {lost}")
         if time.monotonic() > end:
             raise WorkersFailed(
-                f"{len(serving)} of {config.num_workers} workers serve after "
-                f"startup_timeout_s ({config.startup_timeout_s:g} s)"
+                f"{len(serving)} of {config.scaling.num_workers} workers serve after "
+                f"startup_timeout_s ({config.failure.startup_timeout_s:g} s)"
             )
         time.sleep(POLL_S)
 
@@ -147,16 +147,17 @@ def serving_line(plan: ServePlan) -> str:
     config = plan.config
     return (
         f"pagedserve: serving on http://{plan.host}:{plan.http_port} and gRPC :{plan.grpc_port}"
-        f" with {config.num_workers} workers{_roles(config)}; Ctrl-C stops"
+        f" with {config.scaling.num_workers} workers{_roles(config)}; Ctrl-C stops"
     )
 
 
 def _roles(config: ClusterConfig) -> str:
     """The P/D layout, as the serving line shows it ('' without P/D)."""
-    if not config.disaggregated:
+    if not config.scaling.disaggregated:
         return ""
-    mixed = config.num_workers - config.prefill_workers - config.decode_workers
-    return f" ({config.prefill_workers} prefill, {config.decode_workers} decode, {mixed} mixed)"
+    scaling = config.scaling
+    mixed = scaling.num_workers - scaling.prefill_workers - scaling.decode_workers
+    return f" ({scaling.prefill_workers} prefill, {scaling.decode_workers} decode, {mixed} mixed)"
 
 
 def start_serving(plan: ServePlan, watch: LocalRayWatch | JoinedRayWatch) -> None:
@@ -181,9 +182,9 @@ def start_serving(plan: ServePlan, watch: LocalRayWatch | JoinedRayWatch) -> Non
         print(f"pagedserve: sized to this machine: {plan.layout}", flush=True)
     group = start_pool(config, split_app_args(plan.data)[1].telemetry)
     model = config.engine.model or DEFAULT_MODEL
-    print(f"pagedserve: starting {config.num_workers} workers of {model}", flush=True)
+    print(f"pagedserve: starting {config.scaling.num_workers} workers of {model}", flush=True)
     env_vars = controller_env_vars(
-        plan.host, config.max_request_bytes, config.max_pending_grpc_calls
+        plan.host, config.limits.max_request_bytes, config.limits.max_pending_grpc_calls
     )
     serve.start(
         http_options=http_options(plan.host, plan.http_port),
@@ -192,7 +193,8 @@ def start_serving(plan: ServePlan, watch: LocalRayWatch | JoinedRayWatch) -> Non
     )
     await_workers(group.pool, config, watch)
     serve.run(build_app(plan.data), name=APP_NAME, route_prefix="/")
-    if plan.address is None and (config.control_cpus, config.control_nice) != (None, None):
+    placement = config.placement
+    if plan.address is None and (placement.control_cpus, placement.control_nice) != (None, None):
         place_local_cluster(config)
 
 
@@ -299,11 +301,11 @@ def place_local_cluster(config: ClusterConfig) -> None:
     )
 
     handles = [
-        ray.get_actor(config.worker_name(i), namespace=config.namespace)
-        for i in range(config.num_workers)
+        ray.get_actor(config.actors.worker_name(i), namespace=config.namespace)
+        for i in range(config.scaling.num_workers)
     ]
     workers = {info.pid for info in ray.get([h.describe.remote() for h in handles])}
-    cpus, nice = config.control_cpu_set, config.control_nice
+    cpus, nice = config.placement.control_cpu_set, config.placement.control_nice
     placed = 0
     for pid in [os.getpid(), *descendants(os.getpid())]:
         if pid in workers:
@@ -320,6 +322,6 @@ def place_local_cluster(config: ClusterConfig) -> None:
     print(
         f"pagedserve: control plane ({placed} processes) on {where}, niceness "
         f"{'as Ray set it' if nice is None else f'<= {nice}'}; workers on "
-        f"{config.worker_cpus or 'any core'}, niceness {config.worker_nice}",
+        f"{config.placement.worker_cpus or 'any core'}, niceness {config.placement.worker_nice}",
         flush=True,
     )

@@ -170,7 +170,7 @@ def test_hostile_storm_leaves_good_requests_untouched(app):
         alone_grpc = [_grpc_good(client, p) for p in GOOD_PROMPTS]
         alone_http = [_http_good(app, p) for p in GOOD_PROMPTS]
         steps_before = _steps(client)
-        assert len(steps_before) == app.config.num_workers
+        assert len(steps_before) == app.config.scaling.num_workers
 
         storm_over = threading.Event()
         started = [threading.Event() for _ in GOOD_PROMPTS]

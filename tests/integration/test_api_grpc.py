@@ -408,7 +408,7 @@ def test_a_burst_ends_every_call_served_or_refused_with_a_retry_hint(app, client
     node = ray.get_runtime_context().get_node_id()
     proxy = ray.get_actor(f"SERVE_PROXY_ACTOR-{node}", namespace="serve")
     options = dict(ray.get(proxy.__ray_call__.remote(lambda _: serve_grpc_server_options())))
-    limit = app.config.max_pending_grpc_calls
+    limit = app.config.limits.max_pending_grpc_calls
     assert options.items() >= dict(pending_backlog_options(limit)).items()
 
     outcomes = asyncio.run(run_burst(app.grpc_address, BURST, max_tokens=1, metadata=AUTH))

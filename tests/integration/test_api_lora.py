@@ -92,8 +92,8 @@ def models(app) -> dict[str, str | None]:
 def worker_adapters(app) -> list[set[str]]:
     config = app.config
     handles = [
-        ray.get_actor(config.worker_name(i), namespace=config.namespace)
-        for i in range(config.num_workers)
+        ray.get_actor(config.actors.worker_name(i), namespace=config.namespace)
+        for i in range(config.scaling.num_workers)
     ]
     stats = ray.get([h.stats.remote() for h in handles], timeout=60)
     return [{name for name, _ in s.lora_adapters} for s in stats]

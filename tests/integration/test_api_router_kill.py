@@ -87,7 +87,9 @@ def test_a_killed_router_s_streams_end_unavailable_and_leave_no_orphan(app):
     # of them would have taken at least LONG engine steps.
     assert_app_clean(app)
     stats = [
-        ray.get(ray.get_actor(app.config.worker_name(i), namespace="pagedserve").stats.remote())
-        for i in range(app.config.num_workers)
+        ray.get(
+            ray.get_actor(app.config.actors.worker_name(i), namespace="pagedserve").stats.remote()
+        )
+        for i in range(app.config.scaling.num_workers)
     ]
     assert max(s.num_steps for s in stats) < LONG, stats

@@ -98,7 +98,7 @@ def test_an_evicted_prefix_is_routed_back_and_loaded_from_host_disk_and_after_a_
 
     async def main():
         core = await start_router(config)
-        owner = config.worker_name(1)  # not the id tie-break's pick: only its cache draws A
+        owner = config.actors.worker_name(1)  # not the id tie-break's pick: only its cache draws A
         handle = core.workers[owner].handle
         hashes = hash_full_blocks(PROMPT_A, BLOCK, (core.model_name,))[:A_BLOCKS]
         alone = await direct(handle, "a-alone", PROMPT_A)
@@ -156,7 +156,7 @@ def test_an_evicted_prefix_is_routed_back_and_loaded_from_host_disk_and_after_a_
         return alone, first, restarted
 
     alone, first, restarted = run(main())
-    owner = config.worker_name(1)
+    owner = config.actors.worker_name(1)
     assert alone == expected
     cached_part = A_BLOCKS * BLOCK
     assert first["worker"] == owner and first["tokens"] == expected

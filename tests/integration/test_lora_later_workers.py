@@ -23,7 +23,7 @@ def test_a_replacement_worker_serves_an_adapter_loaded_at_run_time(ray_cluster, 
     adapter = lora_adapters["mlp8"]
     expected = adapter.reference.greedy(PROMPT, MAX_TOKENS)  # HF + PEFT's merged model
     config = cluster_config("t-lora-join", num_workers=1, scale_interval_s=0.1)
-    replacement = config.worker_name(1)
+    replacement = config.actors.worker_name(1)
 
     async def main():
         core = await start_router(config)

@@ -24,6 +24,7 @@ from support.cluster import greedy, run_request
 from pagedserve.cluster.client import Client, build_request
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.pool.group import start_worker_group, stop_worker_group
+from pagedserve.cluster.router.config import RouterConfig
 from pagedserve.cluster.router.router import RouterCore
 from pagedserve.workers.telemetry.telemetry import ROUTER_SERVICE, TelemetryConfig, get_tracing
 
@@ -244,15 +245,21 @@ def test_a_moved_request_traces_its_migration(app, receiver):
     engine["model"] = "tiny-llama"
     engine.update(preemption_mode="move", watermark=0.0, enable_prefix_caching=False)
     config = ClusterConfig.from_dict(
-        {"engine": engine, "num_workers": 2, "name": "obs-move", "worker_num_cpus": 0.25}
-        | {"enable_pull": False, "enable_push": False, "stats_interval_s": 0.2}
+        {
+            "engine": engine,
+            "name": "obs-move",
+            "scaling": {"num_workers": 2},
+            "placement": {"worker_num_cpus": 0.25},
+            "routing": {"enable_pull": False, "enable_push": False},
+            "failure": {"stats_interval_s": 0.2},
+        }
     )
     rng = random.Random(7)
     prompts = [[rng.randrange(256) for _ in range(30)] for _ in range(5)]
     tracing = get_tracing(telemetry, ROUTER_SERVICE)
 
     async def main():
-        core = RouterCore(config, *start_worker_group(config, telemetry), tracing)
+        core = RouterCore(RouterConfig.of(config), *start_worker_group(config, telemetry), tracing)
         await core.start()
         busy, target = core.workers.values()
         target.begin(10_000_000)  # everything lands on `busy`, whose pool cannot hold them all

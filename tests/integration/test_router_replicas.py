@@ -108,7 +108,8 @@ def test_a_router_started_after_the_index_has_entries_gets_them_from_the_dump(re
         _, first = await run_request(a, system + [1, 2], greedy(2))
         holder = first[0].worker_id
         await until_view_mirrors(a, holder)
-        late = await start_router(a.config)  # syncs its view from the feed's dump in `start`
+        # Syncs its view from the feed's dump in `start`.
+        late = await start_router(cluster_config("t-replicas", num_workers=2))
         try:
             synced = {w: late.view.hashes_of(w) for w in late.workers}
             indexed = {w: await a.index.snapshot_of.remote(w) for w in late.workers}

@@ -17,6 +17,7 @@ import ray
 from support.cluster import assert_cluster_clean, cluster_config, greedy, run_request, start_router
 from support.wait import until
 
+from pagedserve.cluster.pool.config import PoolConfig
 from pagedserve.cluster.pool.followed import FollowedRevision
 from pagedserve.cluster.pool.group import stop_worker_group
 from pagedserve.cluster.pool.pool import gone_for_good
@@ -64,7 +65,7 @@ def test_scale_up_under_a_burst_then_scale_down_hands_the_cache_over(ray_cluster
         enable_pull=False,  # a hit after the scale-down can only come from the handover
         max_buffered_deltas=4,
     )
-    first, second = config.worker_name(0), config.worker_name(1)
+    first, second = config.actors.worker_name(0), config.actors.worker_name(1)
     burst = [prompt(i, 40) for i in range(5)]
     warm = prompt(99, 48)
 
@@ -83,8 +84,9 @@ def test_scale_up_under_a_burst_then_scale_down_hands_the_cache_over(ray_cluster
         added = await pool_stats(core)
 
         # Scale-down on: the newest idle worker (the second) leaves, its cache first.
-        idle_soon = dataclasses.replace(config, scale_down_idle_s=0.2)
-        await core.membership.pool.configure.remote(idle_soon)
+        idle_soon = dataclasses.replace(config.scaling, scale_down_idle_s=0.2)
+        idle_soon = dataclasses.replace(config, scaling=idle_soon)
+        await core.membership.pool.configure.remote(PoolConfig.of(idle_soon))
 
         async def second_gone():
             stats = await pool_stats(core)
@@ -151,7 +153,7 @@ def test_a_config_change_replaces_the_workers_one_at_a_time_without_a_dropped_re
         "t-roll", num_workers=1, scale_interval_s=0.1, max_buffered_deltas=4, scale_down_grace_s=2.0
     )
     changed = dataclasses.replace(config, engine=dataclasses.replace(config.engine, max_num_seqs=7))
-    old, new = config.worker_name(0), config.worker_name(1)
+    old, new = config.actors.worker_name(0), config.actors.worker_name(1)
     prompts = [prompt(i, 24) for i in range(3)]
 
     async def main():
@@ -166,7 +168,7 @@ def test_a_config_change_replaces_the_workers_one_at_a_time_without_a_dropped_re
             return (
                 [m.worker_id for m in stats.membership.members] == [new]
                 and all(list(c.workers) == [new] for c in (core, redeployed))
-                and gone_for_good(old, config)  # the retire's last step: the actor stopped
+                and gone_for_good(old, config.actors)  # the retire's last step: the actor stopped
             )
 
         # The held streams cannot finish on the old worker while unread: its drain hands
@@ -221,8 +223,8 @@ def test_a_restarted_pool_holds_its_workers_until_the_newest_config_reaches_it(r
     # (It holds from a control call's deadline after the restart: 10 s in test clusters.)
     config = cluster_config("t-hold", num_workers=1, scale_interval_s=0.1)
     changed = dataclasses.replace(config, engine=dataclasses.replace(config.engine, max_num_seqs=7))
-    followed = FollowedRevision(config.pool_name, config.namespace)
-    new = config.worker_name(1)
+    followed = FollowedRevision(config.actors.pool_name, config.namespace)
+    new = config.actors.worker_name(1)
 
     async def main():
         core = await start_router(config, config_revision=1.0)
@@ -232,7 +234,7 @@ def test_a_restarted_pool_holds_its_workers_until_the_newest_config_reaches_it(r
         async def rolled() -> bool:
             stats = await pool.stats.remote()
             members = [m.worker_id for m in stats.membership.members]
-            return members == [new] and gone_for_good(config.worker_name(0), config)
+            return members == [new] and gone_for_good(config.actors.worker_name(0), config.actors)
 
         await until(rolled, "the old worker to be replaced")
         await redeployed.close()  # the newest router is late: only the older one polls
@@ -275,7 +277,7 @@ def test_a_restarted_pool_holds_its_workers_until_the_newest_config_reaches_it(r
 
 def test_a_worker_killed_for_good_is_replaced_and_its_requests_replay_on_a_peer(ray_cluster):
     config = cluster_config("t-lost", num_workers=2, scale_interval_s=0.1, max_buffered_deltas=4)
-    replacement = config.worker_name(2)
+    replacement = config.actors.worker_name(2)
     prompts = [prompt(i, 24) for i in range(4)]
 
     async def main():

@@ -79,7 +79,9 @@ def running_app(name: str, **args: Any) -> Iterator[RunningApp]:
     # The default model is the real (slower) SmolLM2: tests name tiny-llama unless they say.
     app_args["engine"] = {"model": "tiny-llama", **app_args["engine"]}
     config = ClusterConfig.from_dict(split_app_args(app_args)[0])
-    env_vars = proxy_env_vars("127.0.0.1", config.max_request_bytes, config.max_pending_grpc_calls)
+    env_vars = proxy_env_vars(
+        "127.0.0.1", config.limits.max_request_bytes, config.limits.max_pending_grpc_calls
+    )
     ports = SHARED.serve(env_vars)
     app = RunningApp(name, ports.http, ports.grpc, config)
     try:
@@ -112,8 +114,8 @@ def stall_workers(app: RunningApp, stalled: bool, after_steps: int = 0) -> None:
     (`FaultInjectingWorker.chaos_stall`): a stream open by construction, not by outrunning it."""
     config = app.config
     handles = [
-        ray.get_actor(config.worker_name(i), namespace=config.namespace)
-        for i in range(config.num_workers)
+        ray.get_actor(config.actors.worker_name(i), namespace=config.namespace)
+        for i in range(config.scaling.num_workers)
     ]
     ray.get([h.chaos_stall.remote(stalled, after_steps) for h in handles], timeout=60)
 

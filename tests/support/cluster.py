@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from pagedserve.cluster.config import ClusterConfig
-from pagedserve.cluster.pool.group import start_pool
+from pagedserve.cluster.config import ClusterConfig, nest
+from pagedserve.cluster.pool.config import PoolConfig
+from pagedserve.cluster.pool.group import create_pool
+from pagedserve.cluster.router.config import RouterConfig
 from pagedserve.cluster.router.router import RouterCore
 from pagedserve.workers.engine.config import EngineConfig
 from pagedserve.workers.protocol.requests import GenerateRequest
@@ -42,16 +44,16 @@ def cluster_config(
     overrides.setdefault("control_nice", None)
     # Failure tests stall, refuse or drop through the workers' fault calls.
     overrides.setdefault("fault_injection", True)
-    return ClusterConfig(
-        engine=engine,
-        num_workers=num_workers,
-        name=name,
-        worker_num_cpus=0.5,
-        worker_resources={WORKER_RESOURCE: 1.0},
-        stats_interval_s=0.2,
-        rpc_timeout_s=10.0,
+    settings = {
+        "num_workers": num_workers,
+        "worker_num_cpus": 0.5,
+        "worker_resources": {WORKER_RESOURCE: 1.0},
+        "stats_interval_s": 0.2,
+        "rpc_timeout_s": 10.0,
         **overrides,
-    )
+    }
+    # Overrides are field names, each taken into its section (`ClusterConfig.from_dict`).
+    return ClusterConfig.from_dict({"engine": engine, "name": name, **nest(settings)})
 
 
 async def start_router(
@@ -61,14 +63,17 @@ async def start_router(
     config_revision: float = 0.0,
 ) -> RouterCore:
     """A router in this process over the (new or existing) worker group of `config`, started;
-    it follows the pool's membership and hands it `config` at `config_revision`."""
-    group = start_pool(config, telemetry, config_revision)
+    it follows the pool's membership and hands it `config` at `config_revision`, as an app's
+    Router replica does (`build_app` creates the actors, the core takes its first workers
+    from the pool when it starts)."""
+    index, pool = create_pool(config, telemetry)
     core = RouterCore(
-        config,
-        group.index,
-        group.workers,
+        RouterConfig.of(config),
+        index,
+        {},
         tracing,
-        pool=group.pool,
+        pool=pool,
+        pool_config=PoolConfig.of(config),
         config_revision=config_revision,
     )
     await core.start()
@@ -96,7 +101,7 @@ async def assert_cluster_clean(core: RouterCore, deadline_s: float = DEADLINE_S)
     table empty, every worker's pool idle and clean, the index equal to the pools. Waits (the
     event loop runs on meanwhile) up to `deadline_s` for requests still being aborted."""
     end = time.monotonic() + deadline_s
-    while problems := cluster_problems(core.config, [in_process_router(core)]):
+    while problems := cluster_problems(core.membership.config, [in_process_router(core)]):
         assert time.monotonic() < end, "cluster not clean:\n  " + "\n  ".join(problems)
         await asyncio.sleep(0.1)
 

@@ -50,6 +50,7 @@ from ray import serve
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.index.view import PrefixView
 from pagedserve.cluster.pool import group as worker_group
+from pagedserve.cluster.pool.config import PoolConfig
 from pagedserve.cluster.pool.pool import existing_workers
 from pagedserve.cluster.router.router import RouterCore
 from pagedserve.cluster.router.types import RouterInflight
@@ -64,6 +65,9 @@ from support.wait import RESTART_DEADLINE_S
 DEADLINE_S = RESTART_DEADLINE_S
 RPC_S = 10.0
 POLL_S = 0.1
+# What a cluster check reads (its actors' names, its first workers): the app's config, or the
+# pool's part of it that an in-process router carries.
+AppConfig = ClusterConfig | PoolConfig
 
 
 # ------------------------------------------------------------------------ engines
@@ -132,7 +136,7 @@ def serve_router(app_name: str) -> RouterView:
     return RouterView(f"Serve app {app_name!r}", read)
 
 
-def cluster_problems(config: ClusterConfig, routers: list[RouterView] = ()) -> list[str]:
+def cluster_problems(config: AppConfig, routers: list[RouterView] = ()) -> list[str]:
     """One look at a cluster: what is not clean now (see the module docstring)."""
     problems = []
     views = []
@@ -147,35 +151,35 @@ def cluster_problems(config: ClusterConfig, routers: list[RouterView] = ()) -> l
         if not table.idle:
             problems.append(f"{router.name} still holds {table}")
     try:
-        index = ray.get_actor(config.index_name, namespace=config.namespace)
+        index = ray.get_actor(config.actors.index_name, namespace=config.actors.namespace)
     except ValueError:
-        return [*problems, f"{config.name}: the prefix index is gone (stopped unchecked?)"]
+        return [*problems, f"{config.actors.name}: the prefix index is gone (stopped unchecked?)"]
     try:
         broken = ray.get(index.check_invariants.remote(), timeout=RPC_S)
         stats = ray.get(index.stats.remote(), timeout=RPC_S)
     except Exception as error:  # restarting (a test killed it): look again
-        return [*problems, f"{config.name}: the prefix index did not answer: {error!r}"]
+        return [*problems, f"{config.actors.name}: the prefix index did not answer: {error!r}"]
     if broken:
-        problems.append(f"{config.name}: prefix index invariants: {broken}")
+        problems.append(f"{config.actors.name}: prefix index invariants: {broken}")
     if stats.stale_workers:
-        problems.append(f"{config.name}: prefix index stale for {stats.stale_workers}")
+        problems.append(f"{config.actors.name}: prefix index stale for {stats.stale_workers}")
     try:
         names = worker_names(config)
     except Exception as error:  # the pool restarting: look again
-        return [*problems, f"{config.name}: the worker pool did not answer: {error!r}"]
+        return [*problems, f"{config.actors.name}: the worker pool did not answer: {error!r}"]
     for name in names:
-        problems += _worker_problems(name, config.namespace, index, views)
+        problems += _worker_problems(name, config.actors.namespace, index, views)
     return problems
 
 
-def worker_names(config: ClusterConfig) -> list[str]:
+def worker_names(config: AppConfig) -> list[str]:
     """Every worker the check looks at: the first `num_workers` names, those alive under the
     app's name pattern, and the pool's members and the workers it retired (each of which
     must be gone from the index and every view)."""
-    names = {config.worker_name(i) for i in range(config.num_workers)}
-    names |= set(existing_workers(config))
+    names = {config.actors.worker_name(i) for i in range(config.scaling.num_workers)}
+    names |= set(existing_workers(config.actors))
     try:
-        pool = ray.get_actor(config.pool_name, namespace=config.namespace)
+        pool = ray.get_actor(config.actors.pool_name, namespace=config.actors.namespace)
     except ValueError:  # no pool (stopped): the names alone
         return sorted(names)
     stats = ray.get(pool.stats.remote(), timeout=RPC_S)
@@ -246,11 +250,11 @@ def settle(look: Callable[[], list[str]], deadline_s: float = DEADLINE_S) -> lis
 
 
 def assert_cluster_clean(
-    config: ClusterConfig, routers: list[RouterView] = (), deadline_s: float = DEADLINE_S
+    config: AppConfig, routers: list[RouterView] = (), deadline_s: float = DEADLINE_S
 ) -> None:
     """Wait until the cluster is clean (routers, pools, index); fail with what is not."""
     problems = settle(lambda: cluster_problems(config, routers), deadline_s)
-    assert not problems, _report(f"cluster {config.name!r} not clean", problems)
+    assert not problems, _report(f"cluster {config.actors.name!r} not clean", problems)
 
 
 def _report(what: str, problems: list[str]) -> str:
@@ -260,7 +264,7 @@ def _report(what: str, problems: list[str]) -> str:
 # --------------------------------------------------------------------- the watch
 @dataclass
 class _Watched:
-    config: ClusterConfig
+    config: AppConfig
     routers: list[RouterView] = field(default_factory=list)
 
 
@@ -293,10 +297,12 @@ class LeakWatch:
 
         def recording_core(core, config, *args, **kwargs):
             core_init(core, config, *args, **kwargs)
-            if core.index is not None:  # over no index: a unit test's, with no cluster to check
-                watch.watch(config, in_process_router(core))
+            # Over no pool: a unit test's, with no cluster to check, or one whose cluster is
+            # checked when it stops (`stop_worker_group`).
+            if core.index is not None and core.membership is not None:
+                watch.watch(core.membership.config, in_process_router(core))
 
-        def checked_stop(config: ClusterConfig) -> None:
+        def checked_stop(config: AppConfig) -> None:
             watch.stopping(config)
             stop(config)
 
@@ -317,26 +323,28 @@ class LeakWatch:
             if getattr(module, "stop_worker_group", None) is stop:
                 monkeypatch.setattr(module, "stop_worker_group", checked_stop)
 
-    def watch(self, config: ClusterConfig, router: RouterView | None = None) -> None:
-        watched = self.clusters.setdefault(config.name, _Watched(config))
+    def watch(self, config: AppConfig, router: RouterView | None = None) -> None:
+        watched = self.clusters.setdefault(config.actors.name, _Watched(config))
         if router is not None:
             watched.routers.append(router)
 
-    def watch_serve_app(self, config: ClusterConfig, app_name: str) -> None:
+    def watch_serve_app(self, config: AppConfig, app_name: str) -> None:
         self.serve_apps[app_name] = serve_router(app_name)
         self.watch(config, self.serve_apps[app_name])
 
     # ------------------------------------------------------------------ stops
-    def stopping(self, config: ClusterConfig) -> None:
+    def stopping(self, config: AppConfig) -> None:
         """A cluster is about to stop: check it now, report at the end of the test."""
-        watched = self.clusters.pop(config.name, _Watched(config))
+        watched = self.clusters.pop(config.actors.name, _Watched(config))
         if not ray.is_initialized():
             return
         routers = [r for r in watched.routers if r not in self.serve_apps.values()]
         problems = settle(lambda: cluster_problems(config, routers))
         self._covered("cluster")
         if problems:
-            self.problems.append(_report(f"cluster {config.name!r} stopped unclean", problems))
+            self.problems.append(
+                _report(f"cluster {config.actors.name!r} stopped unclean", problems)
+            )
 
     def serve_stopping(self, only: str | None = None) -> None:
         """Serve is about to shut down (or delete the app `only`): every app's Router (that
@@ -378,7 +386,7 @@ class LeakWatch:
                         functools.partial(cluster_problems, watched.config, watched.routers)
                     )
                     if found:
-                        problems.append(_report(f"cluster {watched.config.name!r}", found))
+                        problems.append(_report(f"cluster {watched.config.actors.name!r}", found))
         self.engines = []
         self._test = None
         return problems if passed else []

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, field
 
 from pagedserve.kernels.backends import BACKENDS, LINEAR_BACKENDS
-from pagedserve.workers.kv.manager import ALLOCATION_MODES
+from pagedserve.workers.kv.manager import ALLOCATION_MODES, AllocationMode
 from pagedserve.workers.lora.config import LoraConfig, parse_lora_modules
 from pagedserve.workers.model.registry import DEFAULT_MODEL
 from pagedserve.workers.scheduler.fair_share import FairShareConfig
@@ -138,7 +138,9 @@ class EngineConfig:
     attention_backend: str = field(default="auto", metadata={"choices": BACKENDS})
     linear_backend: str = field(default="auto", metadata={"choices": LINEAR_BACKENDS})
     enable_prefix_caching: bool = True
-    kv_allocation: str = field(default="paged", metadata={"choices": ALLOCATION_MODES})
+    kv_allocation: AllocationMode = field(
+        default=AllocationMode.PAGED, metadata={"choices": ALLOCATION_MODES}
+    )
     watermark: float = 0.01
     max_model_len: int | None = None
     max_num_seqs: int = 64
@@ -184,6 +186,7 @@ class EngineConfig:
             raise ValueError(
                 f"kv_allocation must be one of {ALLOCATION_MODES}, got {self.kv_allocation!r}"
             )
+        object.__setattr__(self, "kv_allocation", AllocationMode(self.kv_allocation))
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         timeout = self.grammar_compile_timeout_s

@@ -19,7 +19,13 @@ from typing import TYPE_CHECKING
 
 from pagedserve.workers.kv.block import Block, FreeBlockQueue
 from pagedserve.workers.protocol.blocks import BlockHash, BlockKey
-from pagedserve.workers.protocol.events import AllCleared, BlockRemoved, BlockStored, KVEvent
+from pagedserve.workers.protocol.events import (
+    AllCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVTier,
+)
 
 if TYPE_CHECKING:
     from pagedserve.workers.kv.tiers import TierStore
@@ -172,7 +178,7 @@ class BlockPool:
 
     def held_blocks(self) -> list[tuple[BlockHash, str]]:
         """(hash, fastest tier) of every block this pool can give back: its prefix snapshot."""
-        held = [(digest, "device") for digest in self.cached]
+        held = [(digest, KVTier.DEVICE) for digest in self.cached]
         if self.lower is not None:
             held += [(h, tier) for h, _, tier in self.lower.held_blocks() if h not in self.cached]
         return held

@@ -17,19 +17,21 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Protocol
 
 from pagedserve.workers.kv.block import Block
 from pagedserve.workers.kv.block_pool import BlockPool
-from pagedserve.workers.kv.memory import BLOCK_TABLE_ENTRY_BYTES, blocks_needed
+from pagedserve.workers.kv.memory import (
+    ALLOCATION_MODES,
+    BLOCK_TABLE_ENTRY_BYTES,
+    AllocationMode,
+    blocks_needed,
+)
 from pagedserve.workers.kv.prefix_lookup import NO_HIT, ComputedBlocks, KVPrefixLookup
 from pagedserve.workers.kv.slot_rollback import KVSlotRollback
 from pagedserve.workers.kv.swap import KVSwap
 from pagedserve.workers.protocol.blocks import BlockHash
 from pagedserve.workers.protocol.stats import KVUsage
-
-AllocationMode = Literal["paged", "reserve-max"]
-ALLOCATION_MODES: tuple[str, ...] = ("paged", "reserve-max")
 
 
 class KVRequest(Protocol):
@@ -80,7 +82,7 @@ class KVCacheManager(KVPrefixLookup, KVSlotRollback, KVSwap):
         max_model_len: int,
         *,
         enable_prefix_caching: bool = True,
-        allocation_mode: AllocationMode = "paged",
+        allocation_mode: AllocationMode | str = AllocationMode.PAGED,
         watermark: float = 0.01,
         num_swap_blocks: int = 0,
     ) -> None:
@@ -94,7 +96,7 @@ class KVCacheManager(KVPrefixLookup, KVSlotRollback, KVSwap):
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.allocation_mode = allocation_mode
+        self.allocation_mode = AllocationMode(allocation_mode)
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.reserve_blocks = int(watermark * num_blocks)
         self.num_swap_blocks = num_swap_blocks
@@ -115,7 +117,7 @@ class KVCacheManager(KVPrefixLookup, KVSlotRollback, KVSwap):
     def can_fit_ever(self, num_tokens: int) -> bool:
         """Whether a request reaching `num_tokens` could be admitted alone into an empty pool."""
         needed = blocks_needed(num_tokens, self.block_size)
-        if self.allocation_mode == "reserve-max":
+        if self.allocation_mode is AllocationMode.RESERVE_MAX:
             needed = max(needed, blocks_needed(self.max_model_len, self.block_size))
         return needed <= self.pool.num_blocks - self.reserve_blocks
 
@@ -167,7 +169,7 @@ class KVCacheManager(KVPrefixLookup, KVSlotRollback, KVSwap):
             )
         end = total + num_draft_tokens
         num_target = blocks_needed(end, self.block_size)
-        if admitting and self.allocation_mode == "reserve-max":
+        if admitting and self.allocation_mode is AllocationMode.RESERVE_MAX:
             num_target = max(num_target, blocks_needed(self.max_model_len, self.block_size))
         num_grow = max(0, num_target - len(blocks))
         shared_in_write_range = self._shared_blocks_to_write(blocks, num_computed, end)

@@ -13,6 +13,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
+
+
+class AllocationMode(StrEnum):
+    """How a request's block table grows: `PAGED` as its tokens arrive, `RESERVE_MAX` a whole
+    context (`max_model_len`) at admission, as a contiguous server would."""
+
+    PAGED = "paged"
+    RESERVE_MAX = "reserve-max"
+
+
+ALLOCATION_MODES: tuple[str, ...] = tuple(mode.value for mode in AllocationMode)
+
 
 DTYPE_BYTES: dict[str, int] = {
     "float32": 4,

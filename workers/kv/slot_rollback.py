@@ -26,10 +26,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pagedserve.workers.kv.block_pool import BlockPool
-from pagedserve.workers.kv.memory import blocks_needed
+from pagedserve.workers.kv.memory import AllocationMode, blocks_needed
 
 if TYPE_CHECKING:
-    from pagedserve.workers.kv.manager import AllocationMode, KVRequest, _RequestBlocks
+    from pagedserve.workers.kv.manager import KVRequest, _RequestBlocks
 
 
 class KVSlotRollback:
@@ -74,7 +74,7 @@ class KVSlotRollback:
         """Free the blocks no position below `num_positions` uses (in `reserve-max`, the
         reservation stays). None of them is hashed: each holds only unaccepted slots."""
         keep = blocks_needed(num_positions, self.block_size)
-        if self.allocation_mode == "reserve-max":
+        if self.allocation_mode is AllocationMode.RESERVE_MAX:
             keep = max(keep, blocks_needed(self.max_model_len, self.block_size))
         if len(state.blocks) <= keep:
             return

@@ -42,6 +42,7 @@ from pagedserve.workers.kv.tier_file import (
     read_header,
 )
 from pagedserve.workers.protocol.blocks import BlockHash, BlockKey
+from pagedserve.workers.protocol.events import KVTier
 
 logger = logging.getLogger(__name__)
 LOCK_FILE = "pagedserve-kv-tier.lock"
@@ -71,7 +72,7 @@ class DiskTier:
         max_pending_bytes: KV queued for writing at most; beyond it new blocks are dropped.
     """
 
-    name = "disk"
+    name = KVTier.DISK
 
     def __init__(
         self,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from pagedserve.workers.protocol.blocks import BlockHash, BlockKey
+from pagedserve.workers.protocol.events import KVTier
 
 
 @dataclass(slots=True)
@@ -32,7 +33,7 @@ class HostTier:
         bytes_per_block: bytes of one block's K and V across all layers.
     """
 
-    name = "host"
+    name = KVTier.HOST
 
     def __init__(self, capacity_bytes: int, bytes_per_block: int) -> None:
         if capacity_bytes < bytes_per_block:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from pagedserve.workers.protocol.blocks import BlockHash, BlockKey
+from pagedserve.workers.protocol.events import KVTier
 from pagedserve.workers.protocol.stats import TierStats, TierUsage
 
 # torch is imported where a tensor is made: `TierStats` travels in `WorkerStats`, which
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
     from pagedserve.workers.kv.tier_disk import DiskTier
     from pagedserve.workers.kv.tier_host import HostTier
 
-DEVICE, HOST, DISK = "device", "host", "disk"
+DEVICE, HOST, DISK = KVTier.DEVICE, KVTier.HOST, KVTier.DISK
 TIERS: tuple[str, ...] = (DEVICE, HOST, DISK)
 
 Announce = Callable[[BlockHash, "BlockHash | None"], None]

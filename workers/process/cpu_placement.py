@@ -5,7 +5,7 @@ On a CPU machine the engine's torch threads and the serving processes (router, S
 and controller, the prefix index, Ray's daemons) share the cores. Left to the scheduler, any of
 them can take a core from one torch thread in the middle of a step, and every other thread of
 that step then waits for it at the step's next barrier. Pinning the worker to cores of its own
-(`ClusterConfig.worker_cpus`) and the control plane to others (`control_cpus`) keeps the two
+(`PlacementConfig.worker_cpus`) and the control plane to others (`control_cpus`) keeps the two
 apart, as vLLM's CPU engine does (it binds its OpenMP threads to cores and leaves a core to its
 front end).
 

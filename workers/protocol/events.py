@@ -7,10 +7,21 @@ and must resync from a snapshot.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from pagedserve.workers.protocol.blocks import BlockHash
 
-TIER_NAMES: tuple[str, ...] = ("device", "host", "disk")  # fastest first
+
+class KVTier(StrEnum):
+    """Where a cached block's KV is at best, fastest first: the device pool, the host tier,
+    the disk tier (`workers/kv/tiers.py`). Spelled as before in events, stats and the index."""
+
+    DEVICE = "device"
+    HOST = "host"
+    DISK = "disk"
+
+
+TIER_NAMES: tuple[str, ...] = tuple(tier.value for tier in KVTier)  # fastest first
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +37,7 @@ class BlockStored:
     block_hash: BlockHash
     parent_hash: BlockHash | None
     block_id: int
-    tier: str = "device"
+    tier: KVTier = KVTier.DEVICE
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,4 +76,4 @@ class KVSnapshot:
 
     def tiers(self) -> tuple[str, ...]:
         """Each block's tier, `device` where `block_tiers` is empty."""
-        return self.block_tiers or ("device",) * len(self.block_hashes)
+        return self.block_tiers or (KVTier.DEVICE,) * len(self.block_hashes)

@@ -170,7 +170,7 @@ class GrpcFrontend:
         alive = [w for w in self.core.workers.values() if w.alive]
         results = await asyncio.gather(
             *(
-                within(w.handle.abort.remote(request_id), self.core.config.rpc_timeout_s)
+                within(w.handle.abort.remote(request_id), self.core.config.failure.rpc_timeout_s)
                 for w in alive
             ),
             return_exceptions=True,

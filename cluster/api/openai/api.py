@@ -134,7 +134,7 @@ class OpenAIFrontend:
     # -------------------------------------------------------------- plumbing
     async def _read(self, request: Request, model: type) -> tuple[Any, Caller]:
         """Auth, then the body (`openai_reading.read_request`). Returns the body and caller."""
-        max_bytes = self.core.config.max_request_bytes
+        max_bytes = self.core.config.limits.max_request_bytes
         served = self.core.served_loras
         return await read_request(request, self.auth, max_bytes, model, self.model_name, served)
 

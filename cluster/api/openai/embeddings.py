@@ -171,7 +171,7 @@ class EmbeddingsFrontend:
 
     async def embeddings(self, request: Request) -> Response:
         try:
-            max_bytes = self.embedder.core.config.max_request_bytes
+            max_bytes = self.embedder.core.config.limits.max_request_bytes
             body, caller = await read_request(
                 request, self.auth, max_bytes, EmbeddingBody, self.model_name
             )

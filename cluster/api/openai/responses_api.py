@@ -209,7 +209,7 @@ class ResponsesFrontend:
 
     async def responses(self, request: Request) -> Response:
         try:
-            max_bytes = self.core.config.max_request_bytes
+            max_bytes = self.core.config.limits.max_request_bytes
             body, caller = await read_request(
                 request, self.auth, max_bytes, ResponsesBody, self.model_name
             )
@@ -242,7 +242,9 @@ class ResponsesFrontend:
 
     async def _request(self, body: ResponsesBody, caller: Caller) -> GenerateRequest:
         turns = body.turns()
-        check_prompt_size(sum(len(t["content"]) for t in turns), self.core.config.max_prompt_chars)
+        check_prompt_size(
+            sum(len(t["content"]) for t in turns), self.core.config.limits.max_prompt_chars
+        )
         prompt = await asyncio.to_thread(
             chat_prompt, turns, self.core.tokenizer, tools=body.tool_calling
         )

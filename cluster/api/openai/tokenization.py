@@ -105,7 +105,7 @@ class TokenizeFrontend:
     async def detokenize(self, request: Request) -> Response:
         try:
             body = await self._read(request, DetokenizeBody)
-            check_prompt_size(len(body.tokens), self.core.config.max_prompt_chars)
+            check_prompt_size(len(body.tokens), self.core.config.limits.max_prompt_chars)
             text = await asyncio.to_thread(self._text_of, body.tokens)
         except Exception as error:
             return error_response(to_api_error(error))
@@ -113,7 +113,7 @@ class TokenizeFrontend:
 
     # -------------------------------------------------------------- plumbing
     async def _read(self, request: Request, body_type: type[_Body]) -> Any:
-        max_bytes = self.core.config.max_request_bytes
+        max_bytes = self.core.config.limits.max_request_bytes
         body, _ = await read_request(request, self.auth, max_bytes, body_type, self.model_name)
         if self.core.tokenizer is None:
             raise ApiError.invalid("the served model has no tokenizer")
@@ -123,7 +123,7 @@ class TokenizeFrontend:
         """The body's token ids (in a thread: a chat template and a long text take time)."""
         if (body.prompt is None) == (body.messages is None):
             raise ApiError.invalid("give prompt or messages, not both nor neither", "prompt")
-        limit = self.core.config.max_prompt_chars
+        limit = self.core.config.limits.max_prompt_chars
         if body.messages is not None:
             check_prompt_size(sum(len(m.text()) for m in body.messages), limit)
             turns = chat_turns(body.messages)

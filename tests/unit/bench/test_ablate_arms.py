@@ -16,10 +16,11 @@ def test_the_tiers_arm_configures_both_tiers():
 def test_the_pd_arm_makes_one_prefill_and_one_decode_worker():
     base, pd = arms(["pd"])
     config = AblateConfig(num_workers=2)
-    assert "prefill_workers" not in config.cluster(base)
+    assert "prefill_workers" not in config.cluster(base)["scaling"]
     cluster = config.cluster(pd)
-    assert (cluster["prefill_workers"], cluster["decode_workers"]) == (1, 1)
-    assert cluster["num_workers"] == 2 and "pd_layout" not in cluster["engine"]
+    scaling = cluster["scaling"]
+    assert (scaling["prefill_workers"], scaling["decode_workers"]) == (1, 1)
+    assert scaling["num_workers"] == 2 and "pd_layout" not in cluster["engine"]
     from pagedserve.cluster.config import ClusterConfig
 
-    assert ClusterConfig.from_dict(cluster).disaggregated
+    assert ClusterConfig.from_dict(cluster).scaling.disaggregated

@@ -109,14 +109,14 @@ def test_the_engine_arm_gets_the_served_workers_engine_and_threads():
     node = NodeResources(numa_cores=((0, 1, 2),), available_bytes=5 << 30, num_gpus=0)
     flags = our_flags(args_of(model="tiny-llama"))
     layout = served_worker_layout(flags, environ={}, node=node)
-    defaults = ClusterConfig()
+    limits, placement = ClusterConfig().limits, ClusterConfig().placement
     assert layout.engine.model == "tiny-llama"
-    assert layout.engine.max_waiting == defaults.max_waiting_per_worker  # as the cluster sets it
+    assert layout.engine.max_waiting == limits.max_waiting_per_worker  # as the cluster sets it
     assert layout.engine.kv_cache_bytes == 2 << 30  # 40% of what the node has free
     assert layout.engine.linear_backend == "auto"
     assert layout.engine.attention_backend == EngineConfig().attention_backend
     assert (layout.threads, layout.threads_from) == (3, "the cluster config")  # the node's cores
-    assert (layout.nice, layout.cpus, layout.num_workers) == (defaults.worker_nice, None, 1)
+    assert (layout.nice, layout.cpus, layout.num_workers) == (placement.worker_nice, None, 1)
     # Pinned to one core, the worker gets a thread per core of its slice; with no threads set
     # anywhere (joining a cluster by address), Ray's OMP_NUM_THREADS is what the worker keeps.
     pinned = served_worker_layout([*flags, "--worker-cpus", "1"], environ={}, node=node)

@@ -181,9 +181,9 @@ def test_gpu_worker_group(rendered, name):
     assert cluster["enableInTreeAutoscaling"] is True
     # Every worker actor takes a whole GPU: the group must be able to hold all of them.
     args = serve_config(rendered[name])["applications"][0]["args"]
-    assert args["worker_num_gpus"] == 1
-    assert args["num_workers"] <= group["maxReplicas"]
-    assert args["worker_num_cpus"] <= float(resources["limits"]["cpu"])
+    assert args["placement"]["worker_num_gpus"] == 1
+    assert args["scaling"]["num_workers"] <= group["maxReplicas"]
+    assert args["placement"]["worker_num_cpus"] <= float(resources["limits"]["cpu"])
     head = cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
     assert "nvidia.com/gpu" not in head["resources"]["limits"]
 
@@ -200,7 +200,10 @@ def test_tp2_worker_pods_each_hold_one_whole_group(rendered):
     assert (spec.num_gpus, spec.num_cpus) == (2, 8)
     assert int(limits["nvidia.com/gpu"]) == spec.num_gpus
     assert float(limits["cpu"]) >= spec.num_cpus
-    assert config.max_workers <= group["maxReplicas"] and group["minReplicas"] >= config.min_workers
+    assert (
+        config.scaling.max_workers <= group["maxReplicas"]
+        and group["minReplicas"] >= config.scaling.min_workers
+    )
 
 
 def test_cpu_demo_has_no_gpus_and_room_for_its_actors(rendered):
@@ -212,7 +215,10 @@ def test_cpu_demo_has_no_gpus_and_room_for_its_actors(rendered):
     assert "tolerations" not in group["template"]["spec"]
     worker_cpus = float(group["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"])
     # The worker actors plus the prefix index (1 CPU to schedule) fit the minimum group.
-    assert args["num_workers"] * args["worker_num_cpus"] + 1 <= worker_cpus * group["minReplicas"]
+    assert (
+        args["scaling"]["num_workers"] * args["placement"]["worker_num_cpus"] + 1
+        <= worker_cpus * group["minReplicas"]
+    )
 
 
 @pytest.mark.parametrize("name", ["base", "cpu-demo"])
@@ -254,7 +260,9 @@ def test_ray_pods_drain_their_workers_before_ray_stops(rendered, name):
     """A pod being removed runs `pagedserve drain-node` first; it waits longer than a worker's
     drain takes, and Kubernetes waits longer than it before it kills the pod."""
     args = serve_config(rendered[name])["applications"][0]["args"]
-    grace_s = ClusterConfig.from_dict({"drain_grace_s": args["drain_grace_s"]}).drain_grace_s
+    grace_s = ClusterConfig.from_dict(
+        {"drain_grace_s": args["failure"]["drain_grace_s"]}
+    ).failure.drain_grace_s
     cluster = find(rendered[name], "RayService")["spec"]["rayClusterConfig"]
     pods = [cluster["headGroupSpec"]["template"]["spec"]]
     pods += [group["template"]["spec"] for group in cluster["workerGroupSpecs"]]
@@ -293,9 +301,13 @@ def test_ray_pods_send_traces_to_the_collector(rendered, name):
         env = env_of(container)
         # Serve's gRPC proxies (on every node) refuse messages past the app's request limit.
         assert env["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"] == str(8 * 1024 * 1024)
-        assert env["RAY_worker_niceness"] == str(ClusterConfig().worker_nice)  # actors at 0
+        assert env["RAY_worker_niceness"] == str(
+            ClusterConfig().placement.worker_nice
+        )  # actors at 0
         # ... and hold a burst their loop has not taken up yet (`api.grpc.backlog`).
-        assert backlog_env_vars(ClusterConfig().max_pending_grpc_calls).items() <= env.items()
+        assert (
+            backlog_env_vars(ClusterConfig().limits.max_pending_grpc_calls).items() <= env.items()
+        )
         endpoint = urlparse(env["OTEL_EXPORTER_OTLP_ENDPOINT"])
         assert endpoint.hostname == "otel-collector" and endpoint.port in collector_ports
         assert env["OTEL_EXPORTER_OTLP_PROTOCOL"] == "grpc" and endpoint.port == 4317

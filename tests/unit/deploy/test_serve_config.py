@@ -71,8 +71,8 @@ def test_args_are_a_cluster_config_with_a_real_routing_policy(rendered, name):
     cluster, api = split_app_args(args)
     config = ClusterConfig.from_dict(cluster)
 
-    policy = make_policy(config.routing_policy, **config.routing_options)
-    assert policy.name == config.routing_policy
+    policy = make_policy(config.routing.routing_policy, **config.routing.routing_options)
+    assert policy.name == config.routing.routing_policy
     # kv_aware counts blocks; its block size must be the engine's.
     assert getattr(policy, "block_size", config.engine.block_size) == config.engine.block_size
     assert config.namespace == "pagedserve" and config.name == "pagedserve"
@@ -84,7 +84,7 @@ def test_gpu_configs_put_one_worker_on_each_gpu(rendered, name):
     config = ClusterConfig.from_dict(
         split_app_args(the_app(serve_config(rendered[name]))["args"])[0]
     )
-    assert config.worker_num_gpus == 1
+    assert config.placement.worker_num_gpus == 1
     assert config.engine.device == "cuda"
     assert config.engine.attention_backend in ("triton", "auto")
 
@@ -102,8 +102,8 @@ def test_cpu_demo_is_small(rendered):
         split_app_args(the_app(serve_config(rendered["cpu-demo"]))["args"])[0]
     )
     assert config.engine.model == "smollm2-135m"  # built in: baked into the image, no download
-    assert config.engine.device == "cpu" and config.worker_num_gpus == 0
-    assert config.num_workers == 2
+    assert config.engine.device == "cpu" and config.placement.worker_num_gpus == 0
+    assert config.scaling.num_workers == 2
     assert config.engine.num_kv_blocks is not None and config.engine.num_kv_blocks <= 256
 
 
@@ -117,7 +117,7 @@ def test_router_is_autoscaled_from_two_replicas(rendered, name):
     scaling = router["autoscaling_config"]
     assert "num_replicas" not in router
     assert 2 <= scaling["min_replicas"] <= scaling["max_replicas"]
-    assert 0 < scaling["target_ongoing_requests"] <= (config.max_inflight or 1024)
+    assert 0 < scaling["target_ongoing_requests"] <= (config.limits.max_inflight or 1024)
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -127,19 +127,19 @@ def test_the_worker_pool_is_elastic_within_its_worker_group(rendered, name):
     replacement runs, and keeps no more pods than the smallest pool needs."""
     args = the_app(serve_config(rendered[name]))["args"]
     config = ClusterConfig.from_dict(split_app_args(args)[0])
-    low, high = config.worker_bounds
-    assert (args["min_workers"], args["max_workers"]) == (low, high)
-    assert low <= config.num_workers <= high and low < high
+    low, high = config.scaling.worker_bounds
+    assert (args["scaling"]["min_workers"], args["scaling"]["max_workers"]) == (low, high)
+    assert low <= config.scaling.num_workers <= high and low < high
     cluster = find(rendered[name], "RayService")["spec"]["rayClusterConfig"]
     assert cluster["enableInTreeAutoscaling"] is True
     (group,) = cluster["workerGroupSpecs"]
     pod_cpus = float(group["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"])
-    if config.worker_num_gpus:  # one GPU, one pod per worker
+    if config.placement.worker_num_gpus:  # one GPU, one pod per worker
         assert group["minReplicas"] == low
         assert group["maxReplicas"] >= high + 1
     else:  # CPU workers share pods, with the prefix index (1 CPU)
-        assert (high + 1) * config.worker_num_cpus + 1 <= pod_cpus * group["maxReplicas"]
-        assert low * config.worker_num_cpus + 1 <= pod_cpus * group["minReplicas"]
+        assert (high + 1) * config.placement.worker_num_cpus + 1 <= pod_cpus * group["maxReplicas"]
+        assert low * config.placement.worker_num_cpus + 1 <= pod_cpus * group["minReplicas"]
 
 
 def test_gpu_overlay_shows_a_prefill_decode_layout(rendered):
@@ -148,12 +148,15 @@ def test_gpu_overlay_shows_a_prefill_decode_layout(rendered):
     config = ClusterConfig.from_dict(
         split_app_args(the_app(serve_config(rendered["gpu"]))["args"])[0]
     )
-    assert config.disaggregated
-    assert (config.prefill_workers, config.decode_workers) == (1, 2)
-    assert config.prefill_workers + config.decode_workers <= config.worker_bounds[0]
+    assert config.scaling.disaggregated
+    assert (config.scaling.prefill_workers, config.scaling.decode_workers) == (1, 2)
+    assert (
+        config.scaling.prefill_workers + config.scaling.decode_workers
+        <= config.scaling.worker_bounds[0]
+    )
     (group,) = find(rendered["gpu"], "RayService")["spec"]["rayClusterConfig"]["workerGroupSpecs"]
-    assert group["replicas"] >= config.prefill_workers + config.decode_workers
+    assert group["replicas"] >= config.scaling.prefill_workers + config.scaling.decode_workers
     # The other layouts stay without P/D: every worker mixed.
     for name in ("base", "cpu-demo"):
         args = the_app(serve_config(rendered[name]))["args"]
-        assert not ClusterConfig.from_dict(split_app_args(args)[0]).disaggregated
+        assert not ClusterConfig.from_dict(split_app_args(args)[0]).scaling.disaggregated

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.config import RoutingConfig
 from pagedserve.cluster.pool.handover import HandoverResult, hand_over
 from pagedserve.cluster.router.worker_state import WorkerState
 
@@ -35,7 +35,7 @@ class FakeMigrations:
     """Records each transfer; the target takes every block of the chain."""
 
     def __init__(self) -> None:
-        self.config = ClusterConfig(push_free_fraction=0.1)
+        self.config = RoutingConfig(push_free_fraction=0.1)
         self.transfers: list[tuple[str, str, list[bytes]]] = []
 
     async def transfer(self, kind, source, target, chain):

@@ -1,5 +1,5 @@
 """The worker pool's pure parts: the planner's decisions, the membership and its router acks,
-the pool bounds of `ClusterConfig`, the worker spec's fingerprint, and a router's follower
+the pool bounds of `ScalingConfig`, the worker spec's fingerprint, and a router's follower
 applying joins and leaves (fake handles, no Ray)."""
 
 from __future__ import annotations
@@ -9,8 +9,14 @@ import dataclasses
 
 import pytest
 
-from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.config import (
+    ClusterConfig,
+    PlacementConfig,
+    RoutingConfig,
+    ScalingConfig,
+)
 from pagedserve.cluster.index.view import PrefixView
+from pagedserve.cluster.pool.config import PoolConfig
 from pagedserve.cluster.pool.follower import PoolFollower
 from pagedserve.cluster.pool.members import PoolMembers
 from pagedserve.cluster.pool.planner import (
@@ -23,6 +29,7 @@ from pagedserve.cluster.pool.planner import (
 )
 from pagedserve.cluster.pool.spec import WorkerSpec
 from pagedserve.cluster.pool.types import MemberState
+from pagedserve.cluster.router.config import RouterConfig
 from pagedserve.cluster.router.worker_state import WorkerState
 from pagedserve.workers.engine.config import EngineConfig
 
@@ -168,21 +175,25 @@ def test_membership_versions_names_and_router_acks():
 )
 def test_pool_bounds_and_signal_settings_are_checked(fields, message):
     with pytest.raises(ValueError, match=message):
-        ClusterConfig(**fields)
+        ScalingConfig(**fields)
 
 
 def test_the_pool_is_fixed_unless_its_bounds_say_otherwise():
-    assert ClusterConfig(num_workers=3).worker_bounds == (3, 3)
-    assert ClusterConfig(num_workers=2, min_workers=1, max_workers=4).worker_bounds == (1, 4)
-    config = ClusterConfig.from_dict({"num_workers": 2, "max_workers": 5})
-    assert config.worker_bounds == (2, 5)
+    assert ScalingConfig(num_workers=3).worker_bounds == (3, 3)
+    assert ScalingConfig(num_workers=2, min_workers=1, max_workers=4).worker_bounds == (1, 4)
+    config = ClusterConfig.from_dict({"scaling": {"num_workers": 2, "max_workers": 5}})
+    assert config.scaling.worker_bounds == (2, 5)
 
 
 def test_the_spec_fingerprint_follows_what_shapes_a_worker_only():
     base = ClusterConfig(engine=EngineConfig(max_num_seqs=8))
-    same = dataclasses.replace(base, routing_policy="round_robin", min_workers=1)
+    same = dataclasses.replace(
+        base,
+        routing=RoutingConfig(routing_policy="round_robin"),
+        scaling=ScalingConfig(min_workers=1),
+    )
     engine = dataclasses.replace(base, engine=EngineConfig(max_num_seqs=9))
-    placed = dataclasses.replace(base, worker_num_cpus=2.0)
+    placed = dataclasses.replace(base, placement=PlacementConfig(worker_num_cpus=2.0))
     fingerprint = WorkerSpec.of(base).fingerprint
     assert WorkerSpec.of(same).fingerprint == fingerprint
     assert WorkerSpec.of(engine).fingerprint != fingerprint
@@ -211,7 +222,8 @@ def test_the_follower_adds_serving_marks_leaving_and_drops_unlisted_workers():
     members.set_state("w1", SERVING, "fp")
     workers = {"w0": WorkerState("w0", "h0", alive=True), "gone": WorkerState("gone", None)}
     view, liveness = PrefixView(), FakeLiveness()
-    follower = PoolFollower(None, ClusterConfig(), 0.0, "r", workers, liveness, view)
+    pool_config = PoolConfig.of(ClusterConfig())
+    follower = PoolFollower(None, pool_config, 10.0, 0.0, "r", workers, liveness, view)
 
     asyncio.run(follower.apply(members.membership()))
     assert sorted(workers) == ["w0", "w1"]  # w2 is starting: not yet routed to
@@ -223,3 +235,48 @@ def test_the_follower_adds_serving_marks_leaving_and_drops_unlisted_workers():
     members.remove("w1")
     asyncio.run(follower.apply(members.membership()))
     assert sorted(workers) == ["w0"] and liveness.forgotten == ["gone", "w1"]
+
+
+def test_a_router_s_first_workers_are_the_pool_s_answer_to_its_config():
+    """A Router replica starts nothing: at its start it hands the pool its config (with its
+    revision) and takes the starting and serving members as its workers."""
+    members = PoolMembers(lambda i: f"w{i}")
+    for i in range(3):
+        members.add(members.new_name()[0], handle=f"h{i}")
+    members.set_state("w0", SERVING, "fp")
+    members.set_state("w2", LEAVING)
+    configured = []
+
+    class Pool:
+        class configure:  # noqa: N801 (a Ray actor method's shape)
+            @staticmethod
+            async def remote(config, revision):
+                configured.append((config, revision))
+                return members.membership()
+
+    workers: dict[str, WorkerState] = {}
+    pool_config = PoolConfig.of(ClusterConfig())
+    follower = PoolFollower(Pool, pool_config, 10.0, 3.0, "r", workers, FakeLiveness(), None)
+    asyncio.run(follower.first(timeout_s=5.0))
+    assert configured == [(pool_config, 3.0)]
+    assert sorted(workers) == ["w0", "w1"] and workers["w1"].handle == "h1"  # w2 is leaving
+
+
+def test_the_router_and_the_pool_get_only_their_sections():
+    config = ClusterConfig.from_dict(
+        {"scaling": {"num_workers": 3, "prefill_workers": 1}, "limits": {"max_inflight": 5}}
+    )
+    router = RouterConfig.of(config)
+    assert (router.limits, router.routing, router.failure) == (
+        config.limits,
+        config.routing,
+        config.failure,
+    )
+    assert router.disaggregated and not hasattr(router, "scaling")
+    pool = PoolConfig.of(config)
+    assert (pool.scaling, pool.actors, pool.spec) == (
+        config.scaling,
+        config.actors,
+        WorkerSpec.of(config),
+    )
+    assert not hasattr(pool, "limits") and pool.spec.engine.max_waiting == 256

@@ -12,7 +12,7 @@ import pytest
 from support.engine import finish_clean, load
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.router.config import RouterConfig
 from pagedserve.cluster.router.router import RouterCore
 from pagedserve.workers.kv.block_hash import cache_key
 
@@ -33,7 +33,11 @@ def test_the_router_matches_every_block_the_worker_cached(salt):
     cached = set(llm.engine.kv.pool.cached)
     finish_clean(llm)
 
-    core = RouterCore(ClusterConfig(num_workers=2), index=None, workers={"w0": None, "w1": None})
+    core = RouterCore(
+        RouterConfig(),
+        index=None,
+        workers={"w0": None, "w1": None},
+    )
     for state in core.workers.values():
         state.mark_alive(SimpleNamespace(num_blocks=64, block_size=BLOCK_SIZE, max_model_len=1024))
     core.model_name = llm.engine.loaded.name

@@ -7,14 +7,18 @@ from types import SimpleNamespace
 
 import pytest
 
-from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.router.config import RouterConfig
 from pagedserve.cluster.router.router import RouterCore
 from pagedserve.cluster.router.types import RouterInflight
 from pagedserve.workers.protocol.errors import RequestRejected
 
 
 def test_an_idle_router_holds_nothing_and_a_counted_request_shows():
-    core = RouterCore(ClusterConfig(num_workers=2), index=None, workers={"w0": None, "w1": None})
+    core = RouterCore(
+        RouterConfig(),
+        index=None,
+        workers={"w0": None, "w1": None},
+    )
     assert core.inflight() == RouterInflight(request_ids=(), num_requests=0, workers={})
     assert core.inflight().idle
     core.workers["w1"].begin(12)  # what `_stream` counts while a request streams there
@@ -43,7 +47,11 @@ class _Abortable:
 def test_abort_of_an_id_another_replica_streams_asks_every_alive_worker_tenant_scoped():
     asked: list[str] = []
     workers = {"w0": _Abortable(set(), asked), "w1": _Abortable({"acme:r1"}, asked)}
-    core = RouterCore(ClusterConfig(num_workers=2), index=None, workers=workers)
+    core = RouterCore(
+        RouterConfig(),
+        index=None,
+        workers=workers,
+    )
     for worker in core.workers.values():
         worker.alive = True
 
@@ -84,7 +92,9 @@ def test_a_request_refused_before_it_started_is_not_aborted_by_id():
     """The id may be another replica's request on that worker: aborting it would end that one."""
     asked: list[str] = []
     core = RouterCore(
-        ClusterConfig(num_workers=1), index=None, workers={"w0": _RefusingWorker(asked)}
+        RouterConfig(),
+        index=None,
+        workers={"w0": _RefusingWorker(asked)},
     )
     worker = core.workers["w0"]
     worker.alive = True

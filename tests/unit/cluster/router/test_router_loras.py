@@ -14,7 +14,7 @@ from support.engine import Stepper, finish_clean, load
 from pagedserve import LLM, SamplingParams
 from pagedserve.cluster.api.errors import ErrorCode, to_api_error
 from pagedserve.cluster.client_cli import format_status
-from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.router.config import RouterConfig
 from pagedserve.cluster.router.metrics import _WorkerCollector
 from pagedserve.cluster.router.router import RouterCore
 from pagedserve.cluster.router.worker_state import WorkerState
@@ -48,7 +48,11 @@ def engine(tiny_llama_loaded, lora_adapters):
 
 
 def _router(llm: LLM) -> RouterCore:
-    core = RouterCore(ClusterConfig(num_workers=2), index=None, workers={"w0": None, "w1": None})
+    core = RouterCore(
+        RouterConfig(),
+        index=None,
+        workers={"w0": None, "w1": None},
+    )
     for state in core.workers.values():
         state.mark_alive(SimpleNamespace(num_blocks=64, block_size=BLOCK_SIZE, max_model_len=1024))
         state.stats = SimpleNamespace(
@@ -118,7 +122,11 @@ def _stats(worker_id: str, adapters: dict[str, str], resident: tuple[str, ...]) 
 
 
 def _two_workers(adapters: dict[str, str], resident: dict[str, tuple[str, ...]]) -> RouterCore:
-    core = RouterCore(ClusterConfig(num_workers=2), index=None, workers={"w0": None, "w1": None})
+    core = RouterCore(
+        RouterConfig(),
+        index=None,
+        workers={"w0": None, "w1": None},
+    )
     for worker_id, state in core.workers.items():
         state.mark_alive(SimpleNamespace(num_blocks=64, block_size=BLOCK_SIZE, max_model_len=1024))
         state.stats = _stats(worker_id, adapters, resident[worker_id])
@@ -237,7 +245,11 @@ def _info(epoch: str) -> SimpleNamespace:
 def _cluster(*fakes: _FakeWorker) -> RouterCore:
     """A router over ``fakes``, each polled once and followed in order (the after-poll hook
     off: `follow_loras` is driven by hand)."""
-    core = RouterCore(ClusterConfig(num_workers=len(fakes)), index=None, workers={})
+    core = RouterCore(
+        RouterConfig(),
+        index=None,
+        workers={},
+    )
     core.liveness.on_polled = None
     for fake in fakes:
         core.workers[fake.worker_id] = state = WorkerState(fake.worker_id, fake)

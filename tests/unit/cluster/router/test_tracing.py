@@ -18,6 +18,7 @@ from pagedserve.cli import main as cli_main
 from pagedserve.cluster.api.config import split_app_args
 from pagedserve.cluster.router.metrics import RouterMetrics
 from pagedserve.cluster.router.tracing import RouterTrace, carrier_from_headers
+from pagedserve.cluster.router.types import MigrationKind
 from pagedserve.cluster.trace_view import find_trace, render
 from pagedserve.workers.protocol.requests import GenerateRequest
 from pagedserve.workers.protocol.stats import KVUsage, WorkerStats
@@ -264,7 +265,7 @@ def test_metrics_registry_counts_and_reads_worker_stats():
     stats = {"w0": (True, w0), "w1": (False, None)}
     metrics = RouterMetrics(True, lambda: stats)
     metrics.on_routed("kv_aware", "prefix_hit")
-    metrics.on_migration("pull", 3)
+    metrics.on_migration(MigrationKind.PULL, 3)
     timings = RequestMetrics(queue_time=0.01, ttft=0.02, e2e=0.1, inter_token_latencies=(0.01,))
     delta = StreamDelta("r", 0, [], "", FinishReason.STOP, usage=Usage(5, 2, 0), worker_id="w0")
     metrics.on_finished(dataclasses.replace(delta, metrics=timings))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.config import FailureConfig
 from pagedserve.cluster.router.types import RouterCounters
 from pagedserve.cluster.router.worker_liveness import WorkerLiveness
 from pagedserve.cluster.router.worker_state import WorkerState
@@ -37,7 +37,7 @@ def test_a_second_drop_waits_for_the_first_one_s_index_removal():
         index = SlowIndex()
         worker = WorkerState("w0", handle=None, alive=True)
         counters = RouterCounters()
-        liveness = WorkerLiveness(ClusterConfig(), index, {"w0": worker}, "router", counters)
+        liveness = WorkerLiveness(FailureConfig(), index, {"w0": worker}, "router", counters)
         by_poll = asyncio.create_task(liveness.drop(worker))
         await asyncio.sleep(0)  # the poll loop's drop is under way, waiting on the index
         by_stream = asyncio.create_task(liveness.drop(worker))
@@ -85,7 +85,7 @@ def test_a_hanging_after_poll_hook_does_not_hold_up_the_polls():
             hook_started.set()
             await never.wait()
 
-        config = ClusterConfig(stall_timeout_s=5.0)
+        config = FailureConfig(stall_timeout_s=5.0)
         liveness = WorkerLiveness(
             config, None, {"w1": stalled}, "router", RouterCounters(), on_polled=hanging_push
         )
@@ -117,7 +117,7 @@ def test_a_worker_reporting_draining_leaves_routing_until_a_new_incarnation():
             return dataclasses.replace(info, epoch="e2")
 
         worker.handle = type("Handle", (), {"stats": Remote(stats), "ready": Remote(ready)})()
-        liveness = WorkerLiveness(ClusterConfig(), None, {"w1": worker}, "r", RouterCounters())
+        liveness = WorkerLiveness(FailureConfig(), None, {"w1": worker}, "r", RouterCounters())
         await liveness.poll(worker)
         assert worker.routable
         await liveness.poll(worker)

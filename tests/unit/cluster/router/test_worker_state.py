@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.config import ClusterConfig, FailureConfig
 from pagedserve.cluster.router.worker_state import WorkerState
 from pagedserve.workers.protocol.stats import KVUsage, WorkerStats
 
@@ -37,7 +37,9 @@ def test_an_unanswering_worker_is_hung_only_after_the_stall_timeout():
 
 def test_stall_timeout_must_be_positive():
     with pytest.raises(ValueError, match="stall_timeout_s"):
-        ClusterConfig(stall_timeout_s=0)
+        ClusterConfig(
+            failure=FailureConfig(stall_timeout_s=0),
+        )
 
 
 def test_load_adds_only_this_router_s_requests_the_report_does_not_show():

@@ -15,7 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.config import RoutingConfig
+from pagedserve.cluster.router.config import RouterConfig
 from pagedserve.cluster.router.router import RouterCore
 from pagedserve.cluster.router.worker_state import WorkerState
 from pagedserve.cluster.routing.kv_aware import RANKED_LISTED, KvAwarePolicy
@@ -189,7 +190,9 @@ def test_a_worker_s_cached_load_follows_every_assignment():
 
 @pytest.mark.parametrize("exclude", [frozenset(), frozenset({"w1"})])
 def test_router_routes_from_its_ranking(exclude):
-    config = ClusterConfig(num_workers=3, enable_pull=False)
+    config = RouterConfig(
+        routing=RoutingConfig(enable_pull=False),
+    )
     core = RouterCore(config, index=None, workers={f"w{i}": None for i in range(3)})
     for state in core.workers.values():
         state.mark_alive(SimpleNamespace(num_blocks=64, block_size=16, max_model_len=1024))

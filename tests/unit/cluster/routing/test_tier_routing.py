@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.config import ClusterConfig, RoutingConfig
 from pagedserve.cluster.index.feed import Stored
 from pagedserve.cluster.index.prefix_index import PrefixIndexState
 from pagedserve.cluster.index.view import PrefixView
@@ -95,4 +95,6 @@ def test_tier_costs_are_checked():
         with pytest.raises(ValueError, match="host_block_cost"):
             TierCosts(bad, 0.5)
         with pytest.raises(ValueError, match="tier_disk_block_cost"):
-            ClusterConfig(tier_disk_block_cost=bad)
+            ClusterConfig(
+                routing=RoutingConfig(tier_disk_block_cost=bad),
+            )

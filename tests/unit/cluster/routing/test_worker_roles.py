@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.config import ClusterConfig, RoutingConfig, ScalingConfig
 from pagedserve.cluster.pool.migration import Migrations
 from pagedserve.cluster.pool.spec import WorkerSpec
 from pagedserve.cluster.router.metrics import RouterMetrics
@@ -46,18 +46,36 @@ P, D, M = WorkerRole.PREFILL, WorkerRole.DECODE, WorkerRole.MIXED
 )
 def test_role_counts_are_validated_naming_the_field(fields, message):
     with pytest.raises(ValueError, match=message):
-        ClusterConfig(**fields)
+        ScalingConfig(**fields)
 
 
 def test_role_counts_that_fit_the_pool_are_taken():
-    assert not ClusterConfig().disaggregated
-    config = ClusterConfig(num_workers=3, prefill_workers=1, decode_workers=1)
-    assert config.disaggregated and config.from_dict(config.to_dict()) == config
-    assert ClusterConfig(prefill_workers=1).disaggregated  # 1 prefill + 1 mixed
+    assert not ClusterConfig().scaling.disaggregated
+    config = ClusterConfig(
+        scaling=ScalingConfig(
+            num_workers=3,
+            prefill_workers=1,
+            decode_workers=1,
+        ),
+    )
+    assert config.scaling.disaggregated and config.from_dict(config.to_dict()) == config
+    assert ClusterConfig(
+        scaling=ScalingConfig(
+            prefill_workers=1,  # 1 prefill + 1 mixed
+        ),
+    ).scaling.disaggregated  # 1 prefill + 1 mixed
 
 
 def test_a_new_worker_takes_the_role_that_is_short_prefill_first():
-    spec = WorkerSpec.of(ClusterConfig(num_workers=4, prefill_workers=1, decode_workers=2))
+    spec = WorkerSpec.of(
+        ClusterConfig(
+            scaling=ScalingConfig(
+                num_workers=4,
+                prefill_workers=1,
+                decode_workers=2,
+            ),
+        )
+    )
     assert spec.role_for_new([]) is P
     assert spec.role_for_new([P]) is D
     assert spec.role_for_new([P, D]) is D
@@ -65,7 +83,14 @@ def test_a_new_worker_takes_the_role_that_is_short_prefill_first():
     assert spec.role_for_new([D, D]) is P  # a lost prefill worker is replaced by one
     assert WorkerSpec.of(ClusterConfig()).role_for_new([M, M]) is M
     # The layout shapes the workers: changing it rolls them (a new fingerprint).
-    assert spec.fingerprint != WorkerSpec.of(ClusterConfig(num_workers=4)).fingerprint
+    assert (
+        spec.fingerprint
+        != WorkerSpec.of(
+            ClusterConfig(
+                scaling=ScalingConfig(num_workers=4),
+            )
+        ).fingerprint
+    )
 
 
 def worker(worker_id: str, role: WorkerRole, *, requests: int = 0, used: int = 0, **state):
@@ -79,11 +104,17 @@ def worker(worker_id: str, role: WorkerRole, *, requests: int = 0, used: int = 0
 
 
 def migrations(*workers: WorkerState, disaggregated: bool = True) -> Migrations:
-    config = (
-        ClusterConfig(prefill_workers=1, decode_workers=1) if disaggregated else ClusterConfig()
-    )
     by_id = {w.worker_id: w for w in workers}
-    return Migrations(config, None, by_id, NOOP, RouterCounters(), RouterMetrics(False, dict))
+    return Migrations(
+        RoutingConfig(),
+        10.0,
+        disaggregated,
+        None,
+        by_id,
+        NOOP,
+        RouterCounters(),
+        RouterMetrics(False, dict),
+    )
 
 
 def test_a_fresh_request_goes_to_workers_that_prefill():

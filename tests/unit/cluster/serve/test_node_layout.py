@@ -58,23 +58,25 @@ def test_one_worker_per_numa_node_with_its_cores_and_a_capped_share_of_memory():
 
 def test_what_the_user_set_is_kept_and_shapes_the_rest():
     node = NodeResources(numa_cores=((0, 1, 2, 3),), available_bytes=8 * GIB, num_gpus=0)
-    layout = plan({"num_workers": 2, "engine": {"num_kv_blocks": 100}}, node)
+    layout = plan({"scaling": {"num_workers": 2}, "engine": {"num_kv_blocks": 100}}, node)
     assert layout.settings == {"worker_threads": 2}  # the cores split between two workers
     assert layout.engine == {}  # a block count wins over a byte budget
     assert (
         layout.describe()
         == "2 torch thread(s) per worker (its share of 4 core(s) among 2 worker(s))"
     )
-    layout = plan({"worker_threads": 1, "engine": {"kv_cache_bytes": 123}}, node)
+    layout = plan({"placement": {"worker_threads": 1}, "engine": {"kv_cache_bytes": 123}}, node)
     assert layout.settings == {"num_workers": 1} and layout.engine == {}
     assert layout.describe() == "4 core(s) on 1 NUMA node(s): 1 worker(s)"  # only what it chose
-    layout = plan({"worker_cpus": "1", "engine": {}}, node)  # pinned: a thread per its core
+    layout = plan(
+        {"placement": {"worker_cpus": "1"}, "engine": {}}, node
+    )  # pinned: a thread per its core
     assert "worker_threads" not in layout.settings
 
 
 def test_pd_roles_count_as_workers():
     node = NodeResources(numa_cores=((0, 1),), available_bytes=8 * GIB, num_gpus=0)
-    layout = plan({"prefill_workers": 1, "decode_workers": 2, "engine": {}}, node)
+    layout = plan({"scaling": {"prefill_workers": 1, "decode_workers": 2}, "engine": {}}, node)
     assert layout.settings["num_workers"] == 3 and layout.settings["worker_threads"] == 1
 
 

@@ -139,24 +139,41 @@ def test_a_setting_from_the_config_file_is_named_as_written_there(capsys, tmp_pa
     assert f"--config {path}: " in serve_refuses(capsys, "--config", str(path))
 
 
+def test_a_section_s_field_is_named_in_its_section_and_a_misplaced_one_says_where(capsys, tmp_path):
+    path = tmp_path / "cluster.yaml"
+    path.write_text("scaling:\n  num_workers: 0\nengine: {model: tiny-llama}\n", encoding="utf-8")
+    line = serve_refuses(capsys, "--config", str(path))
+    assert f"{path}: scaling.num_workers 0: num_workers must be >= 1" in line
+    path.write_text("scaling:\n  enable_pull: false\n", encoding="utf-8")
+    line = serve_refuses(capsys, "--config", str(path), "--model", "tiny-llama")
+    assert f"{path}: unknown scaling keys: enable_pull (enable_pull is routing.enable_pull)" in line
+    path.write_text("num_workers: 2\nscaling:\n  num_workers: 3\n", encoding="utf-8")
+    line = serve_refuses(capsys, "--config", str(path), "--model", "tiny-llama")
+    assert "num_workers is given twice: at the top level and as scaling.num_workers" in line
+
+
 def test_settings_are_named_by_where_they_came_from():
-    data = {"num_workers": 3, "engine": {"kv_cache_bytes": 9, "block_size": 8, "model": "m"}}
+    data = {
+        "scaling": {"num_workers": 3},
+        "engine": {"kv_cache_bytes": 9, "block_size": 8, "model": "m"},
+    }
     settings = Settings(
         data,
-        flags=frozenset({"num_workers"}),
+        flags=frozenset({"scaling.num_workers"}),
         config_file="c.yaml",
         in_file=frozenset({"engine.block_size"}),
         machine=frozenset({"engine.kv_cache_bytes"}),
         defaults=defaults(),
     )
-    assert settings.name("num_workers") == "--num-workers 3"
+    assert settings.name("scaling.num_workers") == "--num-workers 3"
+    assert settings.name("routing.pull_min_blocks") == "--pull-min-blocks 8 (the default)"
     assert settings.name("engine.block_size") == "c.yaml: engine.block_size 8"
     assert settings.name("engine.kv_cache_bytes") == "--kv-cache-bytes 9 (sized to this machine)"
     assert settings.name("engine.dtype") == "--dtype float32 (the default)"
     assert settings.name("engine.speculative.draft_model").startswith("--speculative-draft-model")
     # A message naming several fields is about the one the user set.
     message = "the pool must start within its bounds: min_workers (1) <= num_workers (0)"
-    assert settings.named_in(message) == "num_workers"
+    assert settings.named_in(message) == "scaling.num_workers"
     assert settings.named_in("speculative.num_tokens must be in [1, 16]") == (
         "engine.speculative.num_tokens"
     )

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.config import ClusterConfig, PlacementConfig
 from pagedserve.workers.process.cpu_placement import (
     available_cpus,
     check_available,
@@ -50,19 +50,16 @@ def test_workers_on_one_machine_split_the_cores_in_order():
 
 
 def test_the_config_derives_each_worker_s_cores_and_threads():
-    config = ClusterConfig(num_workers=2, worker_cpus="0-3", control_cpus="4")
-    assert [config.worker_cpu_share(i) for i in range(2)] == [(0, 1), (2, 3)]
-    assert [config.worker_thread_count(i) for i in range(2)] == [2, 2]
+    config = PlacementConfig(worker_cpus="0-3", control_cpus="4")
+    assert [config.worker_cpu_share(i, 2) for i in range(2)] == [(0, 1), (2, 3)]
+    assert [config.worker_thread_count(i, 2) for i in range(2)] == [2, 2]
+    assert config.worker_cpu_share(2, 2) == (0, 1)  # a worker added past the slices shares one
     assert config.control_cpu_set == (4,)
-    unpinned = ClusterConfig(num_workers=1)
-    assert unpinned.worker_cpu_share(0) is None and unpinned.worker_thread_count(0) is None
-    assert ClusterConfig(num_workers=1, worker_threads=3).worker_thread_count(0) == 3
-    assert (
-        ClusterConfig.from_dict(
-            {"num_workers": 1, "worker_cpus": "1", "control_cpus": "0"}
-        ).worker_cpus
-        == "1"
-    )
+    unpinned = PlacementConfig()
+    assert unpinned.worker_cpu_share(0, 1) is None and unpinned.worker_thread_count(0, 1) is None
+    assert PlacementConfig(worker_threads=3).worker_thread_count(0, 1) == 3
+    data = {"scaling": {"num_workers": 1}, "placement": {"worker_cpus": "1", "control_cpus": "0"}}
+    assert ClusterConfig.from_dict(data).placement.worker_cpus == "1"
 
 
 @pytest.mark.parametrize(
@@ -76,7 +73,7 @@ def test_the_config_derives_each_worker_s_cores_and_threads():
 )
 def test_placement_errors_name_the_field(options, match):
     with pytest.raises(ValueError, match=match):
-        ClusterConfig(**options)
+        ClusterConfig.from_dict(options)
 
 
 def test_cores_the_machine_lacks_are_named():
@@ -96,12 +93,12 @@ def test_descendants_are_found_from_proc():
 
 
 def test_workers_and_the_control_plane_run_at_an_ordinary_priority_by_default():
-    config = ClusterConfig()
+    config = PlacementConfig()
     assert (config.worker_nice, config.control_nice) == (0, 5)  # not Ray's 15
-    assert ClusterConfig(worker_nice=None, control_nice=None).worker_nice is None
+    assert PlacementConfig(worker_nice=None, control_nice=None).worker_nice is None
     for bad in ({"worker_nice": 20}, {"control_nice": -21}):
         with pytest.raises(ValueError, match=f"{next(iter(bad))} must be in -20..19"):
-            ClusterConfig(**bad)
+            PlacementConfig(**bad)
 
 
 def test_setting_a_process_s_niceness_to_what_it_has_is_allowed():

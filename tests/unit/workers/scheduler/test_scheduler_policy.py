@@ -22,7 +22,7 @@ import itertools
 import pytest
 from support.scripted import scripted_request
 
-from pagedserve.cluster.config import ClusterConfig, FailureMode
+from pagedserve.cluster.config import FailureConfig, FailureMode
 from pagedserve.workers.engine.config import EngineConfig
 from pagedserve.workers.engine.request import Request, RequestStatus
 from pagedserve.workers.kv.checks import assert_no_leaks
@@ -215,8 +215,8 @@ def test_priority_has_no_aging_a_low_request_waits_while_better_ones_keep_arrivi
 def test_modes_are_enums_from_their_names_and_a_bad_name_is_named():
     config = EngineConfig(model="tiny-llama", preemption_mode="swap")
     assert config.preemption_mode is PreemptionMode.SWAP and config.preemption_mode == "swap"
-    assert ClusterConfig(on_worker_failure="fail").on_worker_failure is FailureMode.FAIL
+    assert FailureConfig(on_worker_failure="fail").on_worker_failure is FailureMode.FAIL
     with pytest.raises(ValueError, match="preemption_mode must be one of .* got 'drop'"):
         EngineConfig(model="tiny-llama", preemption_mode="drop")
     with pytest.raises(ValueError, match="on_worker_failure must be one of .* got 'retry'"):
-        ClusterConfig(on_worker_failure="retry")
+        FailureConfig(on_worker_failure="retry")

@@ -25,8 +25,9 @@ def test_the_production_worker_has_no_fault_methods():
 
 def test_the_pool_creates_the_fault_injecting_worker_only_when_configured():
     config = cluster_config("t-faults")
-    assert config.fault_injection  # test clusters take faults
-    production = dataclasses.replace(config, fault_injection=False)
+    assert config.failure.fault_injection  # test clusters take faults
+    failure = dataclasses.replace(config.failure, fault_injection=False)
+    production = dataclasses.replace(config, failure=failure)
     assert worker_class(WorkerSpec.of(production)) is Worker
     assert worker_class(WorkerSpec.of(config)) is FaultInjectingWorker
     assert WorkerSpec.of(production).fingerprint != WorkerSpec.of(config).fingerprint

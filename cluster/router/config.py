@@ -1,0 +1,43 @@
+"""`RouterConfig`: what a router replica reads of the app's config, and nothing else.
+
+The app builder (`cluster/app.py`) makes one from the `ClusterConfig`; `RouterCore` hands each
+of its parts the section that part reads (the liveness watch `failure`, migration `routing`,
+the front ends `limits`). A router never sees the pool's scaling or the workers' placement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.cluster.config import ClusterConfig, FailureConfig, LimitsConfig, RoutingConfig
+from pagedserve.workers.engine.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """The router's sections of the app config.
+
+    Attributes:
+        engine: the workers' engine config (the router tokenizes for its model and hashes
+            prompts in its block size).
+        routing: the policy, pull/push, tier and LoRA costs.
+        failure: deadlines, liveness, leases and what a lost worker's requests become.
+        limits: sizes, backpressure, retry hint and tenants' quotas.
+        disaggregated: whether prefill/decode disaggregation is on (`ScalingConfig`).
+    """
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    failure: FailureConfig = field(default_factory=FailureConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    disaggregated: bool = False
+
+    @classmethod
+    def of(cls, config: ClusterConfig) -> RouterConfig:
+        return cls(
+            engine=config.engine,
+            routing=config.routing,
+            failure=config.failure,
+            limits=config.limits,
+            disaggregated=config.scaling.disaggregated,
+        )
