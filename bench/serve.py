@@ -39,7 +39,7 @@ from pagedserve.bench.serve_workload import (
     make_workload,
 )
 from pagedserve.cluster.config import LimitsConfig
-from pagedserve.cluster.routing.policies import RoutingPolicy
+from pagedserve.cluster.routing.policies import policy_names
 from pagedserve.workers.config_flags import add_config_flags, config_flags_set
 from pagedserve.workers.model.registry import DEFAULT_MODEL
 
@@ -264,7 +264,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--num-kv-blocks", type=int, default=None, help="local app: KV blocks per worker")
     add(
         "--routing-policy",
-        choices=tuple(RoutingPolicy.registry),
+        choices=policy_names(),
         default="kv_aware",
         help="local app: routing policy",
     )

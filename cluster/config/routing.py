@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.cluster.config.checks import at_least, non_negative_finite, positive_finite
-from pagedserve.cluster.routing.policies import DEFAULT_POLICY, RoutingPolicy
+from pagedserve.cluster.routing.policies import DEFAULT_POLICY, RoutingPolicy, policy_names
 
 
 @dataclass(frozen=True)
@@ -43,9 +43,7 @@ class RoutingConfig:
         push_max_chains: prefix chains pushed per worker per poll.
     """
 
-    routing_policy: str = field(
-        default=DEFAULT_POLICY, metadata={"choices": RoutingPolicy.registry}
-    )
+    routing_policy: str = field(default=DEFAULT_POLICY, metadata={"choices": policy_names()})
     routing_options: dict[str, Any] = field(default_factory=dict)
     enable_pull: bool = True
     pull_min_blocks: int = 8

@@ -19,6 +19,12 @@ DEFAULT_POLICY = KvAwarePolicy.name
 POLICIES: tuple[type[RoutingPolicy], ...] = (KvAwarePolicy, LeastLoadedPolicy, RoundRobinPolicy)
 
 
+def policy_names() -> tuple[str, ...]:
+    """Every registered policy's name, the default first, then the rest by name (the order
+    `--help` and the docs list them in)."""
+    return tuple(sorted(RoutingPolicy.registry, key=lambda name: (name != DEFAULT_POLICY, name)))
+
+
 def make_policy(
     name: str, *, engine_block_size: int | None = None, **options: Any
 ) -> RoutingPolicy:
