@@ -9,7 +9,7 @@ import pytest
 
 from pagedserve.cli import build_parser
 from pagedserve.cluster.config import FAILURE_MODES, SECTIONS, ClusterConfig
-from pagedserve.cluster.routing.policies import RoutingPolicy
+from pagedserve.cluster.routing.policies import policy_names
 from pagedserve.cluster.serve.cli import ENGINE_FIELDS_SET_BY_THE_CLUSTER, cluster_config_from_args
 from pagedserve.cluster.serve.node_layout import NodeResources
 from pagedserve.kernels.backends import BACKENDS
@@ -59,7 +59,7 @@ def test_the_flags_users_know_keep_their_names():
 
 def test_choices_come_from_the_registries_and_tuples():
     actions = _serve_actions()
-    assert actions["routing_policy"].choices == tuple(RoutingPolicy.registry)
+    assert actions["routing_policy"].choices == policy_names()  # the registry, default first
     assert actions["on_worker_failure"].choices == FAILURE_MODES
     assert actions["attention_backend"].choices == BACKENDS
     assert actions["kv_allocation"].choices == ALLOCATION_MODES
