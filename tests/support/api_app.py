@@ -25,7 +25,7 @@ from pagedserve.cluster.api.config import split_app_args
 from pagedserve.cluster.api.grpc.status import proxy_env_vars
 from pagedserve.cluster.app import build_app
 from pagedserve.cluster.client import Client
-from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.config import SECTIONS, ClusterConfig, nest
 from pagedserve.cluster.pool.group import stop_worker_group
 from support.leaks import DEADLINE_S, WATCH, assert_cluster_clean, serve_router
 from support.shared_cluster import SHARED
@@ -70,12 +70,12 @@ def running_app(name: str, **args: Any) -> Iterator[RunningApp]:
     """
     defaults = {
         "engine": ENGINE,
-        "num_workers": 2,
         "name": name,
-        "stats_interval_s": 0.1,
-        "fault_injection": True,  # `stall_workers` calls the workers' `chaos_stall`
+        "scaling": {"num_workers": 2},
+        # `stall_workers` calls the workers' `chaos_stall`
+        "failure": {"stats_interval_s": 0.1, "fault_injection": True},
     }
-    app_args = {**defaults, **args}
+    app_args = _over(defaults, nest(args))
     # The default model is the real (slower) SmolLM2: tests name tiny-llama unless they say.
     app_args["engine"] = {"model": "tiny-llama", **app_args["engine"]}
     config = ClusterConfig.from_dict(split_app_args(app_args)[0])
@@ -92,6 +92,17 @@ def running_app(name: str, **args: Any) -> Iterator[RunningApp]:
     finally:
         serve.delete(name)
         stop_worker_group(config)
+
+
+def _over(defaults: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:
+    """`args` over `defaults`, section by section (a config section given in `args` replaces
+    only the keys it names)."""
+    merged = dict(defaults)
+    for key, value in args.items():
+        held = merged.get(key)
+        both_sections = key in SECTIONS and isinstance(held, dict) and isinstance(value, dict)
+        merged[key] = {**held, **value} if both_sections else value
+    return merged
 
 
 def _wait_routed(app: RunningApp) -> None:

@@ -70,8 +70,16 @@ def closed_by_server(sock: socket.socket) -> bool:
 
 
 def get(sock: socket.socket) -> bytes:
+    """One whole response to a GET: the app's answer is chunked (it sets no length), so it
+    ends with the last chunk; one `recv` may hold only its start."""
     sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-    return sock.recv(4096)
+    response = b""
+    while not response.endswith(b"0\r\n\r\n"):
+        data = sock.recv(4096)
+        if not data:
+            break  # closed: what came is the answer
+        response += data
+    return response
 
 
 @pytest.mark.parametrize("http", PROTOCOLS)
