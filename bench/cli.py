@@ -15,7 +15,6 @@ BENCH_MODULES: tuple[str, ...] = (
     "pagedserve.bench.serve",
     "pagedserve.bench.ablate",
     "pagedserve.bench.block_sweep",
-    "pagedserve.bench.soak",
     "pagedserve.bench.grpc_burst",
     "pagedserve.bench.serve_compare",
     "pagedserve.bench.spec",

@@ -1,9 +1,9 @@
 """The CI soak: 190 requests with shared prefixes, n > 1, cancellations, short deadlines,
 slow readers and every kind of bad input (each twice: seed 6), on a pool small enough to
 preempt and move; one worker killed mid-run, one KV event batch lost, one burst past the
-router's limit. Then the checks of `bench/soak_checks.py`: outputs as if run alone, none hung,
-pools clean, index in step, counters true. Long soaks are `pagedserve bench soak`
-(bench/README.md).
+router's limit. Then the checks of `tests/support/soak/checks.py`: outputs as if run alone,
+none hung, pools clean, index in step, counters true. Long soaks are `python -m support.soak`
+(docs/development.md).
 
 Own module so that the shared Ray cluster is clean when it starts: every worker slot is free.
 """
@@ -13,9 +13,9 @@ import time
 from collections import Counter
 
 from support.cluster import cluster_config, start_router
+from support.soak.checks import check_soak, reference_outputs
+from support.soak.driver import BAD_INPUTS, SoakSpec, plan_requests, run_soak
 
-from pagedserve.bench.soak_checks import check_soak, reference_outputs
-from pagedserve.bench.soak_driver import BAD_INPUTS, SoakSpec, plan_requests, run_soak
 from pagedserve.cluster.pool.group import stop_worker_group
 
 SPEC = SoakSpec(num_requests=150, seed=6, concurrency=12, burst_size=40, hang_timeout_s=60.0)

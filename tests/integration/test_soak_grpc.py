@@ -2,8 +2,8 @@
 workers): ~115 requests of the soak load (shared prefixes, n > 1, cancellations, gRPC and
 worker deadlines, every kind of malformed input, slow readers) with a burst past the router's
 and the workers' limits, duplicate-id pairs, the kill of one of the two Router replicas and a
-prefix index kill (`bench/soak_grpc.py`): every fault once. Long soaks are
-`pagedserve bench soak --front-end grpc` (bench/README.md).
+prefix index kill (`tests/support/soak/grpc_soak.py`): every fault once. Long soaks are
+`python -m support.soak --front-end grpc` (docs/development.md).
 
 Each check fails on its own with examples, so a red run says which defect is back:
 codes and details of every request, every refusal RESOURCE_EXHAUSTED with retry-after, the
@@ -12,7 +12,7 @@ as if run alone, no hung request, every pool clean and the index equal to it.
 
 The app runs on the test process's shared cluster and Serve instance
 (support/shared_cluster.py), as the API modules' apps do: deployed, soaked, then deleted with
-its workers, leak-checked like theirs. `pagedserve bench soak --front-end grpc` starts a
+its workers, leak-checked like theirs. `python -m support.soak --front-end grpc` starts a
 local Ray and Serve of its own for the same soak (`soak_over_grpc`).
 """
 
@@ -20,16 +20,15 @@ from __future__ import annotations
 
 import pytest
 from support.api_app import running_app
-
-from pagedserve.bench.soak_driver import BAD_INPUTS, SoakSpec, plan_requests
-from pagedserve.bench.soak_grpc import (
+from support.soak.driver import BAD_INPUTS, SoakSpec, plan_requests
+from support.soak.grpc_app import SoakApp
+from support.soak.grpc_calls import WIRE_BAD_INPUTS
+from support.soak.grpc_soak import (
     GrpcSoakSpec,
     grpc_deadlines,
     grpc_soak_config,
     soak_app,
 )
-from pagedserve.bench.soak_grpc_app import SoakApp
-from pagedserve.bench.soak_grpc_calls import WIRE_BAD_INPUTS
 
 # The burst's requests are long (96-128 tokens): Serve's proxy admits calls one by one while
 # it chooses between the two replicas, so short ones would end before the rest arrived; 40 of

@@ -2,7 +2,7 @@
 
 A production `Worker` has no fault methods, and its `WorkerCore` holds `faults = None`: each
 hook point costs one `is None` test. A cluster configured with `fault_injection: true`
-(`ClusterConfig`; `pagedserve bench soak` and the test clusters set it) creates
+(`ClusterConfig`; the soak harness, `tests/support/soak/`, and the test clusters set it) creates
 `FaultInjectingWorker` actors instead: the same worker, with a `StepFaults` installed on its
 core and the `chaos_*` methods a soak or a test calls through the actor handle:
 

@@ -4,14 +4,14 @@ must prove can be seen exactly:
 - duplicate-id pairs: two concurrent `GenerateStream` calls with one `request_id`; exactly one
   runs (to its normal end: its tokens are checked against the request run alone with the other
   finished requests), the other gets INVALID_ARGUMENT before any delta.
-- router kill (`soak_grpc_router_kill.py`): the Router replica dies mid-stream
+- router kill (`grpc_router_kill.py`): the Router replica dies mid-stream
   (`ray.kill(..., no_restart=False)`); its streams must end UNAVAILABLE, no worker may keep
   decoding them past the router's lease (`orphans`), Serve must bring a replica back and new
   requests must succeed.
 - index kill: the prefix index actor dies and Ray restarts it; with no request sent, its entries
   must equal the workers' cached blocks again within a bounded time.
 
-(The burst past the limits runs alongside the steady load; see `soak_grpc.py`.)
+(The burst past the limits runs alongside the steady load; see `grpc_soak.py`.)
 
 Each fault returns a `FaultRecord`: what it saw (for the summary), the problems it found, and
 the outcomes of the requests it sent (checked with all the others).
@@ -29,10 +29,10 @@ from typing import Any
 import grpc
 import ray
 
-from pagedserve.bench.soak_driver import SoakRequest
-from pagedserve.bench.soak_grpc_app import SoakApp
-from pagedserve.bench.soak_grpc_calls import GrpcOutcome, call_stream
 from pagedserve.cluster.client import AsyncClient
+from support.soak.driver import SoakRequest
+from support.soak.grpc_app import SoakApp
+from support.soak.grpc_calls import GrpcOutcome, call_stream
 
 POLL_S = 0.2  # how often a bounded wait looks again
 
@@ -123,17 +123,18 @@ async def duplicate_pair(
 
 
 # ------------------------------------------------------------------ index kill
-def _pid(_actor: Any) -> int:
-    """Run inside an actor by `__ray_call__`: which process serves it now."""
-    return os.getpid()
-
-
 async def index_kill(
     app: SoakApp, restart_timeout_s: float = 90.0, resync_timeout_s: float = 20.0
 ) -> FaultRecord:
     """Kill the prefix index (Ray restarts it empty, within `restart_timeout_s`: a new
     process, slow on a loaded machine); with no request sent, once back it must hold every
     worker's cached blocks again within `resync_timeout_s`."""
+
+    def _pid(_actor: Any) -> int:
+        """Run inside the actor by `__ray_call__`: which process serves it now. Defined here,
+        so that Ray ships it by value: the actor's process cannot import `support`."""
+        return os.getpid()
+
     record = FaultRecord("index_kill")
     index = await asyncio.to_thread(app.index_handle)
     workers = await asyncio.to_thread(app.worker_handles)

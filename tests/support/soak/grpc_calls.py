@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pagedserve.bench.soak_driver import SoakRequest
 from pagedserve.cluster.client import build_request
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
 from pagedserve.workers.deadline import within
+from support.soak.driver import SoakRequest
 
 HUNG = "HUNG"
 STREAM_METHOD = "/pagedserve.v1.Generation/GenerateStream"

@@ -1,22 +1,29 @@
-"""`pagedserve bench soak`: a long chaotic run on a local cluster, then the soak checks.
+"""The soak: a long chaotic run on a local cluster, then the soak checks.
 
-Two front ends, the same load (`bench/soak_driver.py`: shared prefixes, n > 1, cancellations,
+A test harness, not a benchmark: it injects faults through the workers' test-only hooks
+(`fault_injection: true`, `workers/worker/fault_injection.py`). The suite runs bounded forms of
+it (`tests/integration/test_soak.py`, `test_soak_grpc.py`); long runs start here, from the
+repository root:
+
+    PYTHONPATH=tests .venv/bin/python -m support.soak --num-requests 2000 --json soak.json
+
+Two front ends, the same load (`driver.py`: shared prefixes, n > 1, cancellations,
 short deadlines, bad inputs, a small pool that forces preemption and moves):
 
 - `--front-end core` (default): a worker group on a local Ray and a `RouterCore` in this
   process; faults: a worker kill, a lost KV event batch, a burst past the router's limit; then
-  every check of `bench/soak_checks.py`.
+  every check of `checks.py`.
 - `--front-end grpc`: Serve's gRPC proxy and the Router deployment on a local Ray, driven with
-  raw gRPC calls (`bench/soak_grpc.py`); faults: a burst past the router's and the workers'
+  raw gRPC calls (`grpc_soak.py`); faults: a burst past the router's and the workers'
   limits, duplicate-id pairs, a Router replica kill and a prefix index kill; then the checks
-  of `bench/soak_grpc_checks.py` and `soak_checks.check_pools_and_index`.
+  of `grpc_checks.py` and `checks.check_pools_and_index`.
 
 Exits 1 when any check found a problem.
 
-    pagedserve bench soak --num-requests 2000 --json soak.json
-    pagedserve bench soak --prefill-workers 1 --decode-workers 1 --tiers   # P/D and KV tiers
-    pagedserve bench soak --front-end grpc --num-requests 1000 --json soak-grpc.json
-    pagedserve bench soak --front-end grpc --prefill-workers 1 --decode-workers 1 --tiers
+    python -m support.soak --num-requests 2000 --json soak.json
+    python -m support.soak --prefill-workers 1 --decode-workers 1 --tiers   # P/D and KV tiers
+    python -m support.soak --front-end grpc --num-requests 1000 --json soak-grpc.json
+    python -m support.soak --front-end grpc --prefill-workers 1 --decode-workers 1 --tiers
 """
 
 from __future__ import annotations
@@ -29,21 +36,18 @@ import tempfile
 import time
 from typing import Any
 
-from pagedserve.bench.bench_io import ensure_ray
-
 # `--tiers`: with tiny-llama at 8 tokens a block (16 KiB of KV), a host tier of 48 blocks (twice
 # the core soak's device pool), so that its LRU demotes to disk well within a run.
 TIERS_HOST_BYTES = 48 * 16 * 1024
 TIERS_DISK_BYTES = 16 << 20
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    from pagedserve.bench.soak_driver import SoakSpec
+def parser() -> argparse.ArgumentParser:
+    from support.soak.driver import SoakSpec
 
     d = SoakSpec()
-    parser = subparsers.add_parser(
-        "soak",
-        help="a long run with faults (kill, event loss, burst) and leak/consistency checks",
+    parser = argparse.ArgumentParser(
+        prog="python -m support.soak",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -80,14 +84,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="core: also stall a worker's engine at this fraction of the run (off by default)",
     )
     add("--json", default=None, help="write the summary and problems here")
-    parser.set_defaults(func=run)
+    return parser
+
+
+def start_ray() -> None:
+    """A fresh local Ray (never someone else's cluster on this machine)."""
+    import ray
+
+    from pagedserve.cluster.serve.ray_startup import allow_slow_startup
+
+    allow_slow_startup()
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.front_end == "grpc":
         return _run_grpc(args)
 
-    from pagedserve.bench.soak_driver import SoakSpec
     from pagedserve.cluster.config import (
         ClusterConfig,
         FailureConfig,
@@ -97,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from pagedserve.cluster.pool.group import stop_worker_group
     from pagedserve.workers.engine.config import EngineConfig
+    from support.soak.driver import SoakSpec
 
     no_faults = ("kill_at", "stall_at", "drop_events_at", "burst_at")
     faults = dict.fromkeys(no_faults) if args.no_faults else {}
@@ -138,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
             retry_after_s=0.5,
         ),
     )
-    ensure_ray()
+    start_ray()
     try:
         result = asyncio.run(_soak(config, spec))
     finally:
@@ -155,11 +169,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _soak(config, spec) -> dict[str, Any]:
-    from pagedserve.bench.soak_checks import check_soak, reference_outputs
-    from pagedserve.bench.soak_driver import run_soak
     from pagedserve.cluster.pool.group import start_worker_group
     from pagedserve.cluster.router.config import RouterConfig
     from pagedserve.cluster.router.router import RouterCore
+    from support.soak.checks import check_soak, reference_outputs
+    from support.soak.driver import run_soak
 
     index, workers = start_worker_group(config)
     core = RouterCore(RouterConfig.of(config), index, workers)
@@ -230,8 +244,8 @@ def _tier_options(on: bool) -> tuple[tempfile.TemporaryDirectory | None, dict[st
 def _run_grpc(args: argparse.Namespace) -> int:
     import sys
 
-    from pagedserve.bench.soak_driver import SoakSpec
-    from pagedserve.bench.soak_grpc import GrpcSoakSpec, grpc_soak_config, soak_over_grpc
+    from support.soak.driver import SoakSpec
+    from support.soak.grpc_soak import GrpcSoakSpec, grpc_soak_config, soak_over_grpc
 
     load = SoakSpec(
         num_requests=args.num_requests,
@@ -254,7 +268,7 @@ def _run_grpc(args: argparse.Namespace) -> int:
         decode_workers=args.decode_workers,
         tiers=tiers,
     )
-    command = "pagedserve " + " ".join(sys.argv[1:])
+    command = "python -m support.soak " + " ".join(sys.argv[1:])
     try:
         report, problems, summary = soak_over_grpc(config, spec, command, log=print)
     finally:
@@ -267,3 +281,7 @@ def _run_grpc(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump({"summary": summary, "problems": problems}, f, indent=2, default=str)
     return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(run(parser().parse_args()))

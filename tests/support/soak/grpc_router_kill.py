@@ -21,11 +21,11 @@ import grpc
 import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve.bench.soak_driver import SoakRequest
-from pagedserve.bench.soak_grpc_app import SERVE_NAMESPACE, SoakApp
-from pagedserve.bench.soak_grpc_calls import GrpcOutcome, call_stream
-from pagedserve.bench.soak_grpc_faults import FaultRecord, router_counters, wait_until
 from pagedserve.workers.protocol.stats import WorkerStats
+from support.soak.driver import SoakRequest
+from support.soak.grpc_app import SERVE_NAMESPACE, SoakApp
+from support.soak.grpc_calls import GrpcOutcome, call_stream
+from support.soak.grpc_faults import FaultRecord, router_counters, wait_until
 
 
 @dataclass(frozen=True)

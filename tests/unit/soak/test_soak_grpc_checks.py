@@ -1,8 +1,9 @@
 """The gRPC soak's per-request checks on hand-made outcomes (no Ray, no server)."""
 
-from pagedserve.bench.soak_driver import KINDS, SoakRequest
-from pagedserve.bench.soak_grpc_calls import WIRE_BAD_INPUTS, GrpcOutcome, to_message
-from pagedserve.bench.soak_grpc_checks import ALLOWED, check_codes, check_details, check_tokens
+from support.soak.driver import KINDS, SoakRequest
+from support.soak.grpc_calls import WIRE_BAD_INPUTS, GrpcOutcome, to_message
+from support.soak.grpc_checks import ALLOWED, check_codes, check_details, check_tokens
+
 from pagedserve.workers.protocol.sampling import SamplingParams
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from pagedserve.bench.soak_driver import SoakRequest, run_one
+from support.soak.driver import SoakRequest, run_one
+
 from pagedserve.workers.protocol.errors import Overloaded
 from pagedserve.workers.protocol.sampling import SamplingParams
 

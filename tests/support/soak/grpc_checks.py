@@ -1,4 +1,4 @@
-"""What a gRPC soak run must show, request by request (see `soak_grpc.py`): each check returns
+"""What a gRPC soak run must show, request by request (see `grpc_soak.py`): each check returns
 the problems it found, as sentences naming the request; an empty list means it passed.
 
 - Every request ends with a status code its kind allows (`ALLOWED`); INTERNAL, UNKNOWN, a
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 
-from pagedserve.bench.soak_grpc_calls import GrpcOutcome
+from support.soak.grpc_calls import GrpcOutcome
 
 REFUSED = "RESOURCE_EXHAUSTED"
 

@@ -1,6 +1,6 @@
 """The soak: a steady, chaotic load on a `RouterCore`, then checks that nothing hung, leaked or
 lied. Shared by the bounded CI test (`tests/integration/test_soak.py`) and the long runs of
-`pagedserve bench soak`.
+`python -m support.soak`.
 
 The load: requests at a steady concurrency over a few shared prefixes, from several tenants
 (each with a prefix cache of its own, as auth gives them), some with `n > 1`; some cancelled

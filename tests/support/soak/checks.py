@@ -1,4 +1,4 @@
-"""What a soak run must leave behind (see `bench/soak_driver.py`): each check returns the
+"""What a soak run must leave behind (see `driver.py`): each check returns the
 problems it found, as sentences; an empty list means the run passed."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from typing import Any
 
 import ray
 
-from pagedserve.bench.soak_driver import Outcome, SoakReport, SoakRequest
 from pagedserve.cluster.router.router import RouterCore
 from pagedserve.workers.deadline import within
 from pagedserve.workers.engine.config import EngineConfig
 from pagedserve.workers.protocol.events import TIER_NAMES
 from pagedserve.workers.protocol.stats import PoolCheck
+from support.soak.driver import Outcome, SoakReport, SoakRequest
 
 # What each kind of request may end as; anything else is a problem.
 ALLOWED = {

@@ -1,7 +1,7 @@
 """The soak through the real gRPC front end: Serve's gRPC proxy, the Router replica, workers.
 
-`pagedserve bench soak --front-end grpc` and `tests/integration/test_soak_grpc.py` run it. The
-steady load is the in-process soak's (`soak_driver.plan_requests`: shared prefixes, n > 1,
+`python -m support.soak --front-end grpc` and `tests/integration/test_soak_grpc.py` run it. The
+steady load is the in-process soak's (`driver.plan_requests`: shared prefixes, n > 1,
 cancellations, deadlines, malformed inputs; here also gRPC deadlines and requests that do not
 parse), sent with raw `GenerateStream` calls so that every status code, detail and trailing
 metadata entry is seen as a client sees it. Faults at fixed points of the steady requests:
@@ -10,11 +10,11 @@ metadata entry is seen as a client sees it. Faults at fixed points of the steady
                     alongside the steady load: every refusal RESOURCE_EXHAUSTED + retry-after
     dup_at          duplicate-id pairs                      } each on a quiet cluster: the
     router_kill_at  Router replica killed mid-stream        } steady requests started so far
-    index_kill_at   prefix index killed and restarted       } end first (`soak_grpc_faults`,
-                                                              `soak_grpc_router_kill`)
+    index_kill_at   prefix index killed and restarted       } end first (`grpc_faults`,
+                                                              `grpc_router_kill`)
 
-Then the checks: codes and details of every request (`soak_grpc_checks`), outputs against
-the request run alone, and every pool clean with the index equal to it (`soak_checks`).
+Then the checks: codes and details of every request (`grpc_checks`), outputs against
+the request run alone, and every pool clean with the index equal to it (`checks`).
 """
 
 from __future__ import annotations
@@ -30,18 +30,6 @@ from typing import Any
 
 import grpc
 
-from pagedserve.bench.soak_checks import check_pools_and_index, references_for
-from pagedserve.bench.soak_driver import SoakRequest, SoakSpec, plan_requests
-from pagedserve.bench.soak_grpc_app import SoakApp, serving_app
-from pagedserve.bench.soak_grpc_calls import WIRE_BAD_INPUTS, GrpcOutcome, call_stream
-from pagedserve.bench.soak_grpc_checks import REFUSED, check_outcomes
-from pagedserve.bench.soak_grpc_faults import (
-    FaultRecord,
-    duplicate_pair,
-    index_kill,
-    router_counters,
-)
-from pagedserve.bench.soak_grpc_router_kill import RouterKillSpec, router_kill
 from pagedserve.cluster.config import (
     ClusterConfig,
     FailureConfig,
@@ -52,6 +40,18 @@ from pagedserve.cluster.config import (
 )
 from pagedserve.workers.engine.config import EngineConfig
 from pagedserve.workers.protocol.sampling import SamplingParams
+from support.soak.checks import check_pools_and_index, references_for
+from support.soak.driver import SoakRequest, SoakSpec, plan_requests
+from support.soak.grpc_app import SoakApp, serving_app
+from support.soak.grpc_calls import WIRE_BAD_INPUTS, GrpcOutcome, call_stream
+from support.soak.grpc_checks import REFUSED, check_outcomes
+from support.soak.grpc_faults import (
+    FaultRecord,
+    duplicate_pair,
+    index_kill,
+    router_counters,
+)
+from support.soak.grpc_router_kill import RouterKillSpec, router_kill
 
 
 @dataclass(frozen=True)
