@@ -34,10 +34,9 @@ class FollowedRevision:
         value = kv_get(self._key, self._namespace)
         return float(value.decode()) if value else 0.0
 
-    async def load(self) -> float:
-        """The newest revision a previous incarnation of this pool recorded (0: none)."""
+    async def load(self) -> None:
+        """Start from the newest revision a previous incarnation of this pool recorded."""
         self.newest = await asyncio.to_thread(self.stored)
-        return self.newest
 
     async def record(self, revision: float) -> None:
         """Remember `revision` if it is newer than the newest recorded."""

@@ -114,7 +114,6 @@ class WorkerPoolActor(PoolLeaving):
         self._configured_at = 0.0
         self._adopted = False  # it found workers at its start: a restart
         self._followed = FollowedRevision(config.actors.pool_name, config.actors.namespace)
-        self._follow_at_least = 0.0  # after a restart: the newest revision it had followed
         self._slots: dict[str, int] = {}
         self._roles: dict[str, WorkerRole] = {}  # each member's P/D role
         self._ready: dict[str, asyncio.Task] = {}
@@ -138,7 +137,7 @@ class WorkerPoolActor(PoolLeaving):
         existing = await asyncio.to_thread(existing_workers, actors)
         self._adopted = bool(existing)
         if self._adopted:
-            self._follow_at_least = await self._followed.load()
+            await self._followed.load()  # the newest revision it had followed: `followed.py`
         for worker_id, slot in sorted(existing.items(), key=lambda item: item[1]):
             handle = await asyncio.to_thread(ray.get_actor, worker_id, actors.namespace)
             self.members.adopt_slot(slot)
@@ -238,12 +237,12 @@ class WorkerPoolActor(PoolLeaving):
         self.planner.configure(ScalingSettings.of(config.scaling), self._spec.fingerprint, target)
         self.members.config_revision = revision
         await self._followed.record(revision)
-        if revision < self._follow_at_least:
+        if revision < self._followed.newest:
             logger.warning(
                 "pool: configured with revision %s after its restart; it followed %s before, "
                 "so it decides nothing until a router of that revision configures it",
                 revision,
-                self._follow_at_least,
+                self._followed.newest,
             )
         if not self._configured:
             self._configured, self._configured_at = True, time.monotonic()
@@ -280,6 +279,9 @@ class WorkerPoolActor(PoolLeaving):
             await asyncio.sleep(self._config.scaling.scale_interval_s)
             if not self._settled() or (self._action is not None and not self._action.done()):
                 continue
+            if self.members.config_revision < self._followed.newest:  # `followed.py`
+                self.counters.rounds_held += 1  # restarted, and a newer config is due
+                continue
             if self._failed:  # starting more would fail the same way: wait for a new spec
                 continue
             try:
@@ -295,19 +297,12 @@ class WorkerPoolActor(PoolLeaving):
     def _settled(self) -> bool:
         """Configured, two stats intervals ago at least: by then every live router has polled
         and sent its config if it was newer, so a restarted pool acts on the newest config
-        and not on whichever router (of an older deployment, maybe) reached it first; and,
-        after a restart, configured with the newest revision it had followed at least (a
-        router's late poll brings it; `followed.py`)."""
+        and not on whichever router (of an older deployment, maybe) reached it first."""
         failure = self._config.failure
         wait_s = 2 * failure.stats_interval_s
         if self._adopted:  # a router whose poll timed out on the restart polls again by then
             wait_s += failure.rpc_timeout_s
-        if not self._configured or time.monotonic() - self._configured_at < wait_s:
-            return False
-        if self.members.config_revision < self._follow_at_least:  # `followed.py`
-            self.counters.rounds_held += 1
-            return False
-        return True
+        return self._configured and time.monotonic() - self._configured_at >= wait_s
 
     async def _observe(self) -> list[Observation]:
         async def observe(member) -> Observation:

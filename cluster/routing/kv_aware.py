@@ -70,7 +70,6 @@ class KvAwarePolicy(RoutingPolicy):
     """
 
     name = "kv_aware"
-    ranked = True
     takes_block_size = True
 
     def __init__(

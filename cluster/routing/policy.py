@@ -25,7 +25,7 @@ up to date per worker (`cluster/routing/load_ranking.py`). By default it scores
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -96,7 +96,9 @@ class RoutingPolicy(abc.ABC):
 
     registry: ClassVar[dict[str, type[RoutingPolicy]]] = {}
     name: ClassVar[str]
-    ranked: ClassVar[bool] = False  # it orders loads by `rank_key` and reads them in order
+    # A policy that orders loads and reads them in order defines `rank_key(load)`, its sort key
+    # for `LoadRanking`; None: the ranking keeps loads unordered.
+    rank_key: Callable[[WorkerLoad], RankKey] | None = None
     # It takes the engine's `block_size` (to turn router token counts into blocks).
     takes_block_size: ClassVar[bool] = False
 
@@ -128,17 +130,13 @@ class RoutingPolicy(abc.ABC):
             ValueError: when `loads` is empty or names a worker twice.
         """
 
-    def rank_key(self, load: WorkerLoad) -> RankKey:
-        """This policy's sort key of a load for `LoadRanking`, when it is `ranked`."""
-        raise NotImplementedError(f"{self.name} does not rank loads")
-
     def guard_terms(self, load: WorkerLoad) -> tuple[int, ...]:
         """Integer terms of a load whose totals over all workers `choose_ranked` needs."""
         return ()
 
     def new_ranking(self) -> LoadRanking:
         """An empty ranking in this policy's order, for the router to keep up to date."""
-        return LoadRanking(self.rank_key if self.ranked else None, self.guard_terms)
+        return LoadRanking(self.rank_key, self.guard_terms)
 
     def choose_ranked(
         self,
