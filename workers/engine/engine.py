@@ -218,14 +218,10 @@ class Engine(
         plan = self.scheduler.schedule()
         self.beams.regroup(plan.preempted)
         self._end_unfittable(plan, touched)
-        if plan.swap_out:
-            self.kv_cache.swap_out(plan.swap_out)
-        for victim, block_ids in plan.moved:  # before anything writes into their blocks
-            self._hand_off(victim, block_ids, touched)
         # Even in a step that runs no forward: a sequence swapped in now is running from here
         # on, and the next step reads its blocks as holding its KV. (When its swap-in was the
         # step's only work, skipping this left it reading whatever those blocks held before.)
-        self._move_blocks(plan)
+        self._move_blocks(plan, touched)
         if plan.scheduled:
             self.num_steps += 1
             self._run(plan, touched)
@@ -267,10 +263,22 @@ class Engine(
                 self._end_group(group, FinishReason.TIMEOUT)
                 touched[group.request_id] = group
 
-    def _move_blocks(self, plan: SchedulerOutput) -> None:
-        # Swapped-out and moved KV left in `step` already, before these writes.
+    def _move_blocks(self, plan: SchedulerOutput, touched: dict[str, RequestGroup]) -> None:
+        """The step's KV copies, before its forward, in the one order that keeps every block's
+        content (`SchedulerOutput` says why each holds):
+
+            swap-ins    into blocks that were free when the plan took them; a swap slot one
+                        reads may go to a swap-out planned later in the same step
+            victims     swapped out or handed off: each reads its blocks before anything below
+                        writes into them (one swapped in by this step takes what that brought)
+            copies      copy-on-write, into new blocks (maybe a victim's, given up above)
+        """
         if plan.swap_in:
             self.kv_cache.swap_in(plan.swap_in)
+        if plan.swap_out:
+            self.kv_cache.swap_out(plan.swap_out)
+        for victim, block_ids in plan.moved:
+            self._hand_off(victim, block_ids, touched)
         copies = plan.all_copies()
         if copies:
             self.kv_cache.copy_blocks(copies)

@@ -11,6 +11,10 @@ queue and this step's plan, then:
     move        blocks freed for a peer worker to copy out first (P/D and migration); it
                 leaves this worker (`SchedulerOutput.moved`)
 
+A victim admitted in the step that preempts it always recomputes (its prefix hit may be on
+a block that step's forward fills, after a swap-out or hand-off would have copied it), and a
+sequence admitted with a hit on blocks a victim was to fill in the step yields with it.
+
 A group that cannot fit even alone in the pool is dropped instead (`SchedulerOutput.unfittable`),
 and a sequence handed to a peer after its prefill leaves the same way a moved one does
 (`release_for_handoff`).
@@ -62,6 +66,11 @@ class SchedulerPreemption:
         for request in group:
             unwritten |= self._yield(request, step)
         mode = self.config.preemption_mode
+        if any(request in step.admitted for request in group):
+            # Admitted in this step: the KV its table counts as computed may be a prefix hit
+            # on blocks this step's forward fills, and a swap-out or hand-off copies before
+            # it. It loses nothing by recomputing: that prefix is all it had.
+            mode = PreemptionMode.RECOMPUTE
         if mode is PreemptionMode.MOVE and group == [victim] and victim.movable:
             # The blocks are freed now; the engine copies their KV out before this step's
             # forward can write into them.
@@ -127,5 +136,18 @@ class SchedulerPreemption:
         if not num_scheduled:
             return {}
         step.budget += num_scheduled
+        first_unfilled = victim.num_computed_tokens // self.kv.block_size
+        unfilled = set(self.kv.get_block_ids(victim.request_id)[first_unfilled:])
         self.kv.rollback_slots(victim.request_id, victim.num_computed_tokens)
+        self._undo_hits_on(unfilled, step)
         return {dst: src for src, dst in copies}
+
+    def _undo_hits_on(self, unfilled: set[int], step: SchedulerOutput) -> None:
+        """A sequence admitted earlier in this step with a prefix hit on blocks a victim was
+        to fill in it (`unfilled`) would read KV nobody writes: it yields too (recompute; it
+        had nothing but that hit), and so, in turn, do those that hit its own blocks."""
+        for request in list(step.admitted):
+            num_hit = request.num_computed_tokens // self.kv.block_size
+            hit = self.kv.get_block_ids(request.request_id)[:num_hit] if num_hit else []
+            if request in self.running and unfilled.intersection(hit):
+                self._preempt(request, step)

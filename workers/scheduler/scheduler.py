@@ -86,6 +86,10 @@ class SchedulerOutput:
     # search in a small pool). Already out of the queues, blocks freed; the engine ends their
     # groups with an error.
     unfittable: list[Request] = field(default_factory=list)
+    # Admitted from the waiting queue in this step: each counts its prefix hit as computed,
+    # and a hit may be on blocks this step's forward fills (another sequence's, scheduled
+    # earlier in the step). Until the forward ran, none of them has KV to carry away.
+    admitted: list[Request] = field(default_factory=list)
     budget: int = 0
 
     @property
@@ -299,6 +303,7 @@ class Scheduler(SchedulerPreemption):
                 continue
             self.waiting.remove(request)
             self._start(request, computed.num_tokens)
+            step.admitted.append(request)
             step.scheduled[request] = num_new
             step.budget -= num_new
             if allocation.copies:

@@ -170,3 +170,48 @@ def test_n_branches_one_swapped_after_its_copy_on_write(tiny_llama):
     assert finished["l"] == [reference.greedy(prompt_l, 12)] * 3
     assert finished["h"] == [reference.greedy(prompt_h, 4)]
     finish_clean(llm)
+
+
+def test_a_swap_slot_freed_by_a_swap_in_keeps_its_kv_for_it_when_a_swap_out_takes_it(tiny_llama):
+    # One step swaps "s" back in (its swap slots free again) and then, admitting "w", swaps
+    # out the paused "p" into those same slots. The swap-in must read them first: run the
+    # other way round, "s" came back with "p"'s KV and generated from it.
+    _, reference = tiny_llama
+    llm = make_llm(tiny_llama, num_kv_blocks=12, num_swap_blocks=4, enable_prefix_caching=False)
+    engine = llm.engine
+    stepper = Stepper(engine)
+    plans = record_plans(engine)
+    prompts = {"p": list(range(16)), "s": list(range(40, 64)), "w": list(range(80, 130))}
+    engine.add_request("p", prompts["p"], greedy(24))
+    engine.add_request("s", prompts["s"], greedy(24))
+    for _ in range(3):
+        stepper.step()
+    engine.pause("s")  # the first victim: swapped out (4 blocks, the whole swap area) for "w1"
+    engine.add_request("w1", list(range(150, 198)), greedy(1))
+    stepper.step()
+    assert [r.request_id for r in engine.scheduler.swapped] == ["s#0"]
+    engine.resume("s")
+    engine.pause("p")  # the victim of the step that swaps "s" back in
+    engine.add_request("w", prompts["w"], greedy(4))
+    stepper.step()
+    (plan,) = plans[-1:]
+    reused = {slot for slot, _ in plan.swap_in} & {slot for _, slot in plan.swap_out}
+    assert reused, "the scenario needs a swap slot swapped in and out in one step"
+    engine.resume("p")
+    finished = run_to_end(stepper)
+    for request_id, prompt in prompts.items():
+        assert finished[request_id] == [reference.greedy(prompt, len(finished[request_id][0]))]
+    finish_clean(llm)
+
+
+def record_plans(engine) -> list:
+    """Every step's plan, as the scheduler made it."""
+    plans = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        plans.append(schedule())
+        return plans[-1]
+
+    engine.scheduler.schedule = recording
+    return plans
