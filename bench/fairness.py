@@ -12,8 +12,10 @@ three phases:
 
 and reports B's TTFT p50 alone and under the flood, and A's output tok/s alone and beside B.
 The goal (issue 40): B's TTFT p50 under the flood within 3× alone, A's tok/s within 10% of
-alone. Each arm is one server: `fair` (the default: `workers/scheduler/fair_share.py`) and `fcfs`
-(`engine.fair_share.enabled: false`, the order before it), so the table shows what it changes.
+alone. Each arm is one server: `fair` (the default: `workers/scheduler/fair_share.py`, with
+newcomer steps), `fair-no-newcomer` (`engine.fair_share.newcomer_steps: false`: B's prompt is
+computed in the flood's step) and `fcfs` (`engine.fair_share.enabled: false`, the order before
+fair share), so the table shows what each changes.
 
 Prompts are random token ids (text for tiny-llama); every request is greedy with `ignore_eos`,
 so each asks for exactly its output length.
@@ -37,7 +39,12 @@ from pathlib import Path
 from pagedserve.bench.bench_io import exit_on_sigterm, positive_int
 
 TOKEN_A, TOKEN_B = "bench-tenant-a", "bench-tenant-b"
-ARMS = {"fair": True, "fcfs": False}
+# Each arm: the engine's `fair_share` section (the rest of the server's config is the default).
+ARMS = {
+    "fair": {},  # the default: fair share with newcomer steps
+    "fair-no-newcomer": {"newcomer_steps": False},  # a newcomer's prompt joins the flood's step
+    "fcfs": {"enabled": False},
+}
 RAMP_S = 3.0  # after the flood starts, before anything is counted
 START_TIMEOUT_S = 600.0
 
@@ -178,7 +185,7 @@ def rate(records, windows: list[tuple[float, float]]) -> float:
     return tokens / sum(end - start for start, end in windows)
 
 
-def server_config(args, fair: bool) -> dict:
+def server_config(args, fair_share: dict) -> dict:
     placement = {}
     for name in ("worker_nice", "control_nice"):  # None: the server's default
         if getattr(args, name) is not None:
@@ -186,7 +193,7 @@ def server_config(args, fair: bool) -> dict:
     return {
         "scaling": {"num_workers": args.num_workers},
         "placement": placement,
-        "engine": {"model": args.model, "fair_share": {"enabled": fair}},
+        "engine": {"model": args.model, "fair_share": fair_share},
         "auth": {"tokens": [TOKEN_A, TOKEN_B]},
     }
 
@@ -241,7 +248,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add = parser.add_argument
     add("--model", default="smollm2-135m", help="model the workers serve (default: the built-in)")
     add("--num-workers", type=positive_int, default=1)
-    add("--arms", default="fair,fcfs", help="comma-separated: fair (the default), fcfs")
+    add("--arms", default="fair,fcfs", help=f"comma-separated, of: {', '.join(ARMS)}")
     add("--flood", type=positive_int, default=120, help="tenant A's concurrent clients")
     add("--flood-tokens", type=positive_int, default=256, help="output tokens of A's requests")
     add("--short-requests", type=positive_int, default=20, help="tenant B's requests")

@@ -102,6 +102,8 @@ class SchedulerCounters:
         moved: victims handed to a peer with their KV.
         prefill_handoffs: P/D, on a prefill worker: sequences handed to a decode worker once
             their first token went out.
+        newcomer_steps: steps that computed only the prompts of tenants with nothing running
+            (`FairShareConfig.newcomer_steps`).
     """
 
     prefill_tokens: int = 0
@@ -110,6 +112,7 @@ class SchedulerCounters:
     recomputed: int = 0
     moved: int = 0
     prefill_handoffs: int = 0
+    newcomer_steps: int = 0
 
 
 @dataclass(frozen=True)

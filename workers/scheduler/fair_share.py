@@ -69,6 +69,11 @@ class FairShareConfig:
         tenant_weights: tenant id → its share (2.0 gets twice the service of 1.0); a tenant
             not named has `default_weight`.
         default_weight: the share of every tenant not in `tenant_weights`.
+        newcomer_steps: a tenant with nothing running here, served no more than those that
+            run, has its waiting requests' prompts computed in a step of their own, without
+            the running sequences' decodes (never two such steps in a row): its first token
+            then waits for the step in flight and its own prompt, not for a flood's batch.
+            The work is the same; the flood's next token comes that much later.
     """
 
     enabled: bool = True
@@ -76,8 +81,12 @@ class FairShareConfig:
     output_weight: float = 2.0
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
     default_weight: float = 1.0
+    newcomer_steps: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("enabled", "newcomer_steps"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"fair_share.{name} must be true or false")
         check_weight("fair_share.prompt_weight", self.prompt_weight)
         check_weight("fair_share.output_weight", self.output_weight)
         check_weight("fair_share.default_weight", self.default_weight)

@@ -12,7 +12,9 @@ Across tenants the order is fair (`workers/scheduler/fair_share.py`, on unless `
 is False): the waiting and swapped queues serve the tenant with the smallest virtual token counter
 first, the victim comes from the running tenant with the largest, and the policy orders each
 tenant's own requests (priority within a tenant, fairness across tenants). With one tenant the
-order is the policy's alone.
+order is the policy's alone. A tenant with nothing running here, served no more than those that
+run, has its prompts computed in a step of their own (`FairShareConfig.newcomer_steps`; never two
+in a row), so that its first token does not wait for a whole step of another tenant's decodes.
 
 A paused sequence (its client stopped reading) is skipped in every queue: it keeps its blocks
 and its place, does not count against `max_num_seqs` (it is in no batch), and is the first
@@ -90,6 +92,9 @@ class SchedulerOutput:
     # and a hit may be on blocks this step's forward fills (another sequence's, scheduled
     # earlier in the step). Until the forward ran, none of them has KV to carry away.
     admitted: list[Request] = field(default_factory=list)
+    # A newcomer step (`FairShareConfig.newcomer_steps`): only these tenants' waiting requests
+    # are admitted, and no sequence that was running takes part. None: an ordinary step.
+    newcomers: frozenset[str] | None = None
     budget: int = 0
 
     @property
@@ -118,6 +123,7 @@ class Scheduler(SchedulerPreemption):
         self.counters = SchedulerCounters()
         # Kept with fairness off too: the per-tenant service is reported either way.
         self.tenants = VirtualTokenCounters(config.fair_share)
+        self._newcomer_step_last = False  # newcomer steps never come two in a row
 
     # ---------------------------------------------------------------- queues
     def _insert(self, queue: list[Request], request: Request) -> None:
@@ -165,9 +171,16 @@ class Scheduler(SchedulerPreemption):
         re-admitted in the step that preempted it would take back the place it gave up, and
         the request it gave it up for would preempt it again, forever. Nor one whose LoRA
         adapter would be one more than `max_loras` among the running (it waits for a slot)."""
-        preempted = step.preempted
+        preempted, only = step.preempted, step.newcomers
         fits = self._adapter_gate()
-        return (r for r in queue if not r.paused and r not in preempted and fits(r.lora_key))
+        return (
+            r
+            for r in queue
+            if not r.paused
+            and r not in preempted
+            and fits(r.lora_key)
+            and (only is None or r.tenant in only)
+        )
 
     def _adapter_gate(self) -> Callable[[str | None], bool]:
         """Whether a request of a LoRA adapter may join the running set now (the base always
@@ -211,6 +224,44 @@ class Scheduler(SchedulerPreemption):
     # -------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         step = SchedulerOutput(budget=self.config.max_num_batched_tokens)
+        step.newcomers = self._newcomer_tenants()
+        if step.newcomers is not None:
+            self._admit_waiting(step)
+            if step.scheduled:
+                self.counters.newcomer_steps += 1
+            else:  # no room for them: an ordinary step
+                step.newcomers = None
+        if step.newcomers is None:
+            self._schedule_all(step)
+        self._newcomer_step_last = step.newcomers is not None
+        for request, num_new in step.scheduled.items():
+            self.tenants.charge(request, num_new)
+            if request.is_prefilling:
+                self.counters.prefill_tokens += num_new
+        return step
+
+    def _newcomer_tenants(self) -> frozenset[str] | None:
+        """The tenants this step is for alone (`FairShareConfig.newcomer_steps`): those with
+        requests waiting, nothing running or swapped out here, and served no more than any
+        tenant that runs. None: an ordinary step (no such tenant, nothing running to keep
+        their prompts apart from, the feature off, or the last step was one)."""
+        share = self.config.fair_share
+        if not (share.enabled and share.newcomer_steps) or self._newcomer_step_last:
+            return None
+        running = {r.tenant for r in self.running if not r.paused}
+        if not running:
+            return None
+        held = {r.tenant for r in self.running} | {r.tenant for r in self.swapped}
+        least = min(self.tenants.counter(tenant) for tenant in running)
+        newcomers = frozenset(
+            r.tenant
+            for r in self.waiting
+            if not r.paused and r.tenant not in held and self.tenants.counter(r.tenant) <= least
+        )
+        return newcomers or None
+
+    def _schedule_all(self, step: SchedulerOutput) -> None:
+        """An ordinary step: the running sequences, then swapped-out ones, then waiting ones."""
         # Decodes before prefill chunks; the sort is stable so policy order holds within each.
         for request in sorted(self.running, key=lambda r: r.is_prefilling):
             if step.budget == 0:
@@ -224,11 +275,6 @@ class Scheduler(SchedulerPreemption):
         if not step.preempted:
             self._swap_in(step)
             self._admit_waiting(step)
-        for request, num_new in step.scheduled.items():
-            self.tenants.charge(request, num_new)
-            if request.is_prefilling:
-                self.counters.prefill_tokens += num_new
-        return step
 
     def _schedule_running(self, request: Request, step: SchedulerOutput) -> None:
         num_new = min(request.num_tokens_to_compute, step.budget)

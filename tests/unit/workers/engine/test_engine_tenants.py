@@ -109,12 +109,14 @@ SHARED = list(range(1, 25))  # three blocks of 8: "r" computes the last one in t
 def same_step_hit(tiny_llama, mode: str, policy: str, priorities: dict[str, int]):
     """Tenant a's "r" computes the last block of SHARED in the step that admits a's "x" (a
     prefix hit on all three blocks, the last one written only by that step's forward) and
-    then b's "z", which takes one of a's two slots (fair share). Returns the engine, that
-    step's plan and every request's greedy output."""
+    then b's "z", which takes one of a's two slots (fair share; newcomer steps off, which
+    would give "z" a step of its own). Returns the engine, that step's plan and every
+    request's greedy output."""
     loaded, reference = tiny_llama
     config = EngineConfig(
         block_size=8, num_kv_blocks=32, attention_backend="torch", max_num_seqs=2,
         max_num_batched_tokens=16, preemption_mode=mode, scheduling_policy=policy,
+        fair_share={"newcomer_steps": False},
     )  # fmt: skip
     engine = Engine(config, loaded=loaded)
     stepper = Stepper(engine)

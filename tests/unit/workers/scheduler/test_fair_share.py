@@ -38,6 +38,7 @@ class Driver:
         self.started: list[str] = []
         self.finished: list[str] = []
         self.victims: list[str] = []
+        self.plans: list[list[str]] = []  # each step's scheduled sequences
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
 
@@ -51,6 +52,7 @@ class Driver:
     def step(self) -> None:
         plan = self.scheduler.schedule()
         self.victims += [victim.request_id for victim in plan.preempted]
+        self.plans.append([request.request_id for request in plan.scheduled])
         for request, num_new in plan.scheduled.items():
             if request.request_id not in self.started:
                 self.started.append(request.request_id)
@@ -319,3 +321,90 @@ def test_two_busy_tenants_do_not_trade_places():
     driver.run()
     assert driver.victims == []
     assert driver.counter("a") == driver.counter("b")
+
+
+# ------------------------------------------------------------------- newcomer steps
+def flood_running(driver: Driver, num: int = 3) -> None:
+    """a runs `num` long requests, their prompts computed."""
+    for i in range(num):
+        driver.add(f"a{i}", "a", prompt_len=4, max_tokens=20)
+    driver.step()
+
+
+def test_a_tenant_with_nothing_running_gets_a_step_of_its_own():
+    # b arrives beside a's running flood: the next step computes b0's prompt alone (a's
+    # decodes wait one step); the one after runs everyone, b0's first decode included.
+    driver = Driver(max_num_seqs=4)
+    flood_running(driver)
+    driver.add("b0", "b")
+    driver.step()
+    driver.step()
+    assert driver.plans[1:] == [["b0"], ["a0", "a1", "a2", "b0"]]
+    assert driver.scheduler.counters.newcomer_steps == 1
+    driver.run()
+    assert driver.victims == [] and len(driver.finished) == 4
+
+
+def test_newcomer_steps_never_come_two_in_a_row():
+    # b0 has its step; c0, arrived meanwhile, waits for an ordinary one (a decodes in it),
+    # then b1 (b runs b0 now) is admitted in an ordinary step too.
+    driver = Driver(max_num_seqs=6)
+    flood_running(driver)
+    driver.add("b0", "b")
+    driver.step()
+    driver.add("c0", "c")
+    driver.add("b1", "b")
+    driver.step()
+    assert driver.plans[1] == ["b0"]
+    assert set(driver.plans[2]) == {"a0", "a1", "a2", "b0", "c0", "b1"}
+    assert driver.scheduler.counters.newcomer_steps == 1
+    driver.run()
+
+
+def test_a_newcomer_takes_a_slot_in_its_step_when_every_slot_runs():
+    # Every slot runs a's: b0's step claims one (a's latest yields, as without newcomer steps).
+    driver = Driver(max_num_seqs=3)
+    flood_running(driver)
+    driver.add("b0", "b")
+    driver.step()
+    assert driver.plans[1] == ["b0"] and driver.victims == ["a2"]
+    driver.run()
+    assert set(driver.finished) == {"a0", "a1", "a2", "b0"}
+
+
+def test_a_tenant_served_more_than_those_running_gets_no_step_of_its_own():
+    # b0's long prompt had its newcomer step and ended there (one token); b1 finds b's counter
+    # above a's, which has decoded a token a step since: b1 joins a's step.
+    driver = Driver(max_num_seqs=4)
+    flood_running(driver, num=1)
+    driver.add("b0", "b", prompt_len=32, max_tokens=1)
+    driver.step()
+    assert driver.plans[-1] == ["b0"] and driver.finished == ["b0"]
+    driver.step()
+    assert driver.counter("b") > driver.counter("a")
+    driver.add("b1", "b")
+    driver.step()
+    assert set(driver.plans[-1]) == {"a0", "b1"}
+    assert driver.scheduler.counters.newcomer_steps == 1
+    driver.run()
+
+
+@pytest.mark.parametrize("fair", [True, False], ids=["newcomer-steps-off", "fair-share-off"])
+def test_without_newcomer_steps_a_newcomer_s_prompt_joins_the_flood_s_step(fair):
+    driver = Driver(max_num_seqs=4, fair=fair, newcomer_steps=not fair)
+    flood_running(driver)
+    driver.add("b0", "b")
+    driver.step()
+    assert set(driver.plans[1]) == {"a0", "a1", "a2", "b0"}
+    assert driver.scheduler.counters.newcomer_steps == 0
+    driver.run()
+
+
+def test_one_tenant_never_gets_a_newcomer_step():
+    driver = Driver(max_num_seqs=4)
+    flood_running(driver)
+    driver.add("a3", "a")
+    driver.step()
+    assert set(driver.plans[1]) == {"a0", "a1", "a2", "a3"}
+    assert driver.scheduler.counters.newcomer_steps == 0
+    driver.run()
