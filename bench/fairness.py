@@ -17,8 +17,11 @@ newcomer steps), `fair-no-newcomer` (`engine.fair_share.newcomer_steps: false`: 
 computed in the flood's step) and `fcfs` (`engine.fair_share.enabled: false`, the order before
 fair share), so the table shows what each changes.
 
-Prompts are random token ids (text for tiny-llama); every request is greedy with `ignore_eos`,
-so each asks for exactly its output length.
+Prompts are windows of real English text (`compare_workload.standard_library_text`) for a
+model with a tokenizer, random ids for one without (tiny-llama); every request is greedy with
+`ignore_eos`, so each asks for exactly its output length. (Random ids made SmolLM2's first token
+a piece of a character 15 times in 20: no text, so no chunk until the next token, and TTFT
+counted a second step.)
 
     $ pagedserve bench fairness --json fairness.json
 """
@@ -69,11 +72,35 @@ class ArmResult:
         return self.a_tok_s_beside_b / self.a_tok_s_alone
 
 
-def planned(index: int, prompt_tokens: int, max_tokens: int, rng: random.Random):
+@dataclass(frozen=True)
+class Prompts:
+    """Where every request's prompt of `length` tokens comes from: a window of `text_ids` (the
+    model's tokens of real text), or random ids where the model has no tokenizer."""
+
+    length: int
+    text_ids: tuple[int, ...] | None = None
+
+    @classmethod
+    def for_model(cls, model: str, length: int, scratch: Path) -> Prompts:
+        from pagedserve.bench.compare import checkpoint_and_tokenizer
+        from pagedserve.bench.compare_workload import standard_library_text
+
+        _, tokenizer = checkpoint_and_tokenizer(model, scratch)
+        if tokenizer is None:
+            return cls(length)
+        return cls(length, tuple(tokenizer.encode(standard_library_text())))
+
+    def draw(self, rng: random.Random) -> tuple[int, ...]:
+        if self.text_ids is None:
+            return tuple(rng.randrange(1, 256) for _ in range(self.length))
+        start = rng.randrange(len(self.text_ids) - self.length)
+        return self.text_ids[start : start + self.length]
+
+
+def planned(index: int, prompts: Prompts, max_tokens: int, rng: random.Random):
     from pagedserve.bench.serve_workload import PlannedRequest
 
-    ids = tuple(rng.randrange(1, 256) for _ in range(prompt_tokens))
-    return PlannedRequest(index, 0.0, ids, max_tokens)
+    return PlannedRequest(index, 0.0, prompts.draw(rng), max_tokens)
 
 
 class Driver:
@@ -99,15 +126,19 @@ class Driver:
         await self.session.close()
 
 
-async def sequential(driver: Driver, count: int, args, rng: random.Random) -> tuple[float, float]:
+async def sequential(
+    driver: Driver, count: int, args, prompts: Prompts, rng: random.Random
+) -> tuple[float, float]:
     """B's short requests one after another; (first send, last end), seconds after t0."""
     start = time.monotonic() - driver.t0
     for i in range(count):
-        await driver.send(planned(i, args.prompt_tokens, args.short_tokens, rng))
+        await driver.send(planned(i, prompts, args.short_tokens, rng))
     return start, time.monotonic() - driver.t0
 
 
-async def flood(driver: Driver, args, rng: random.Random, stop: asyncio.Event) -> None:
+async def flood(
+    driver: Driver, args, prompts: Prompts, rng: random.Random, stop: asyncio.Event
+) -> None:
     """`args.flood` clients of A, each sending its next long request when its last ended,
     until `stop` is set; returns when the last of their requests has ended, so that every
     request's record (its chunks' times) is kept: a request cancelled mid-stream would leave
@@ -116,9 +147,7 @@ async def flood(driver: Driver, args, rng: random.Random, stop: asyncio.Event) -
     async def client(k: int) -> None:
         i = 0
         while not stop.is_set():
-            await driver.send(
-                planned(k * 1_000_000 + i, args.prompt_tokens, args.flood_tokens, rng)
-            )
+            await driver.send(planned(k * 1_000_000 + i, prompts, args.flood_tokens, rng))
             i += 1
 
     await asyncio.gather(*(client(k) for k in range(args.flood)))
@@ -142,7 +171,9 @@ def ttft_p50_ms(records) -> float:
     return statistics.median(ttfts) * 1e3 if ttfts else float("nan")
 
 
-async def run_phases(base_url: str, args) -> tuple[float, float, float, float, int]:
+async def run_phases(
+    base_url: str, args, prompts: Prompts
+) -> tuple[float, float, float, float, int]:
     """B alone; then under A's flood, `args.rounds` rounds of (A alone for `window_s`, then B's
     share of its requests): A's tok/s alone and beside B come from alternating windows of the
     same flood, so a drift of the machine's speed falls on both alike."""
@@ -150,13 +181,13 @@ async def run_phases(base_url: str, args) -> tuple[float, float, float, float, i
     t0 = time.monotonic()
     a, b = (Driver(base_url, args.model, token, t0) for token in (TOKEN_A, TOKEN_B))
     try:
-        await sequential(b, 3, args, rng)  # warm-up: both workers' first steps
+        await sequential(b, 3, args, prompts, rng)  # warm-up: both workers' first steps
         b.records.clear()
-        await sequential(b, args.short_requests, args, rng)
+        await sequential(b, args.short_requests, args, prompts, rng)
         b_alone = ttft_p50_ms(b.records)
         b.records.clear()
         stop = asyncio.Event()
-        task = asyncio.create_task(flood(a, args, rng, stop))
+        task = asyncio.create_task(flood(a, args, prompts, rng, stop))
         await asyncio.sleep(RAMP_S)
         alone, beside = [], []
         per_round = -(-args.short_requests // args.rounds)
@@ -164,7 +195,7 @@ async def run_phases(base_url: str, args) -> tuple[float, float, float, float, i
             start = time.monotonic() - t0
             await asyncio.sleep(args.window_s)
             alone.append((start, time.monotonic() - t0))
-            beside.append(await sequential(b, per_round, args, rng))
+            beside.append(await sequential(b, per_round, args, prompts, rng))
         stop.set()
         await task  # A's requests in flight run to their end: their tokens count
         failures = sum(not r.ok for r in a.records + b.records)
@@ -198,7 +229,7 @@ def server_config(args, fair_share: dict) -> dict:
     }
 
 
-def run_arm(arm: str, args, scratch: Path) -> ArmResult:
+def run_arm(arm: str, args, prompts: Prompts, scratch: Path) -> ArmResult:
     import yaml
 
     from pagedserve.bench.compare_arm import child_env
@@ -216,7 +247,7 @@ def run_arm(arm: str, args, scratch: Path) -> ArmResult:
     server.start()
     try:
         print(f"{arm}: started in {server.wait_serving(START_TIMEOUT_S):.0f} s", flush=True)
-        figures = asyncio.run(run_phases(server.base_url, args))
+        figures = asyncio.run(run_phases(server.base_url, args, prompts))
     finally:
         server.stop()
     return ArmResult(arm, *figures)
@@ -281,9 +312,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     exit_on_sigterm()  # a stopped bench stops its server
     with tempfile.TemporaryDirectory(prefix="bench-fairness-") as scratch:
+        prompts = Prompts.for_model(args.model, args.prompt_tokens, Path(scratch))
         results = []
         for arm in arms:
-            results.append(run_arm(arm, args, Path(scratch)))
+            results.append(run_arm(arm, args, prompts, Path(scratch)))
             print(table(results[-1:]), flush=True)
     print(table(results))
     if args.json:

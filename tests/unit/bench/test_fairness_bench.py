@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from pagedserve.bench.fairness import ArmResult, flood, rate, tokens_in
+from pagedserve.bench.fairness import ArmResult, Prompts, flood, rate, tokens_in
 from pagedserve.bench.openai_load import RequestRecord
 
 
@@ -57,7 +57,7 @@ def test_stopping_the_flood_lets_every_request_in_flight_end():
 
     async def run() -> HeldDriver:
         driver, stop = HeldDriver(args.flood), asyncio.Event()
-        task = asyncio.create_task(flood(driver, args, random.Random(0), stop))
+        task = asyncio.create_task(flood(driver, args, Prompts(4), random.Random(0), stop))
         await driver.all_in_flight.wait()
         stop.set()
         driver.release.set()
@@ -66,3 +66,13 @@ def test_stopping_the_flood_lets_every_request_in_flight_end():
 
     driver = asyncio.run(run())
     assert driver.in_flight == 0 and len(driver.records) >= 5  # each client's last one kept
+
+
+def test_prompts_are_windows_of_the_text_or_random_ids_without_a_tokenizer():
+    rng = random.Random(0)
+    text = Prompts(3, tuple(range(100, 120)))
+    for _ in range(20):
+        window = text.draw(rng)
+        assert len(window) == 3 and window == tuple(range(window[0], window[0] + 3))
+    ids = Prompts(5).draw(rng)
+    assert len(ids) == 5 and all(1 <= i < 256 for i in ids)
