@@ -4,6 +4,7 @@ snapshot, and its deadline; a restarted index resyncs from the worker pool's mem
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 
@@ -232,10 +233,18 @@ def test_a_restarted_index_resyncs_at_once_from_the_pools_members_not_only_its_f
         ray.get(worker.cache_chain.remote([[number, 1], [number, 2]]))
     cached = {w: ray.get(h.cached.remote()) for w, h in workers.items()}
 
+    def pid(_index) -> int:  # run in the actor by `__ray_call__` (a local: shipped by value)
+        return os.getpid()
+
+    killed_pid = ray.get(index.__ray_call__.remote(pid))
     ray.kill(index, no_restart=False)
 
     async def resynced():
+        # The first instance's own start-up resync runs late on a loaded machine and can find
+        # the pool by then: its stats may read 3 too until the kill lands. Ask the new one.
         try:
+            if await index.__ray_call__.remote(pid) == killed_pid:
+                return None
             stats = await index.stats.remote()
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
             return None  # restarting (dead until Ray restarts it, or unavailable meanwhile)
