@@ -88,7 +88,10 @@ class Prompts:
         _, tokenizer = checkpoint_and_tokenizer(model, scratch)
         if tokenizer is None:
             return cls(length)
-        return cls(length, tuple(tokenizer.encode(standard_library_text())))
+        ids = tuple(tokenizer.encode(standard_library_text()))
+        if len(ids) <= length:
+            raise ValueError(f"--prompt-tokens {length}: the text has only {len(ids)} tokens")
+        return cls(length, ids)
 
     def draw(self, rng: random.Random) -> tuple[int, ...]:
         if self.text_ids is None:
