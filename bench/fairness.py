@@ -315,7 +315,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     exit_on_sigterm()  # a stopped bench stops its server
     with tempfile.TemporaryDirectory(prefix="bench-fairness-") as scratch:
-        prompts = Prompts.for_model(args.model, args.prompt_tokens, Path(scratch))
+        try:
+            prompts = Prompts.for_model(args.model, args.prompt_tokens, Path(scratch))
+        except ValueError as error:
+            print(error, file=sys.stderr)
+            return 2
         results = []
         for arm in arms:
             results.append(run_arm(arm, args, prompts, Path(scratch)))
