@@ -66,6 +66,20 @@ def finish_clean(llm: LLM) -> None:
     assert_no_leaks(llm.engine.kv)
 
 
+def record_plans(engine: Engine) -> list:
+    """Every plan the engine's scheduler makes from now on, in order (the list fills as the
+    engine steps)."""
+    plans = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        plans.append(schedule())
+        return plans[-1]
+
+    engine.scheduler.schedule = recording
+    return plans
+
+
 class Stepper:
     """Steps an engine by hand and adds its deltas up (as `LLM.generate` does) into whole
     outputs: `outputs[request_id]` once a request finished."""

@@ -147,7 +147,8 @@ class SchedulerPreemption:
         to fill in it (`unfilled`) would read KV nobody writes: it yields too (recompute; it
         had nothing but that hit), and so, in turn, do those that hit its own blocks."""
         for request in list(step.admitted):
+            if request not in self.running:  # yielded already (recompute: no blocks left)
+                continue
             num_hit = request.num_computed_tokens // self.kv.block_size
-            hit = self.kv.get_block_ids(request.request_id)[:num_hit] if num_hit else []
-            if request in self.running and unfilled.intersection(hit):
+            if unfilled.intersection(self.kv.get_block_ids(request.request_id)[:num_hit]):
                 self._preempt(request, step)

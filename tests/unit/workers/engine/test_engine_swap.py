@@ -2,7 +2,7 @@
 outputs equal HF's own, with prefix caching, a swap area too small, and n > 1 branches."""
 
 import pytest
-from support.engine import Stepper, finish_clean
+from support.engine import Stepper, finish_clean, record_plans
 
 from pagedserve import LLM, SamplingParams
 
@@ -202,16 +202,3 @@ def test_a_swap_slot_freed_by_a_swap_in_keeps_its_kv_for_it_when_a_swap_out_take
     for request_id, prompt in prompts.items():
         assert finished[request_id] == [reference.greedy(prompt, len(finished[request_id][0]))]
     finish_clean(llm)
-
-
-def record_plans(engine) -> list:
-    """Every step's plan, as the scheduler made it."""
-    plans = []
-    schedule = engine.scheduler.schedule
-
-    def recording():
-        plans.append(schedule())
-        return plans[-1]
-
-    engine.scheduler.schedule = recording
-    return plans

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from support.engine import Stepper, finish_clean
+from support.engine import Stepper, finish_clean, record_plans
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.workers.engine.engine import Engine, EngineConfig
@@ -125,9 +125,7 @@ def same_step_hit(tiny_llama, mode: str, policy: str, priorities: dict[str, int]
     stepper.step()  # the first 16 positions of "r"
     engine.add_request("x", prompts["x"], GREEDY, tenant="a", priority=priorities["x"])
     engine.add_request("z", prompts["z"], GREEDY, tenant="b", priority=priorities["z"])
-    plan = engine.scheduler.schedule
-    plans = []
-    engine.scheduler.schedule = lambda: plans.append(plan()) or plans[-1]
+    plans = record_plans(engine)
     stepper.step()
     outputs = stepper.run_to_end()
     expected = {rid: reference.greedy(p, GREEDY.max_tokens) for rid, p in prompts.items()}
