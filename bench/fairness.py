@@ -142,15 +142,23 @@ async def sequential(
 async def flood(
     driver: Driver, args, prompts: Prompts, rng: random.Random, stop: asyncio.Event
 ) -> None:
-    """`args.flood` clients of A, each sending its next long request when its last ended,
+    """`args.flood` clients of A, each sending its next long request when its last ended
+    (its first one shorter, by a random share),
     until `stop` is set; returns when the last of their requests has ended, so that every
     request's record (its chunks' times) is kept: a request cancelled mid-stream would leave
     no record, and the windows would lose the tokens of everything in flight at the end."""
 
     async def client(k: int) -> None:
+        # The first request asks for a random share of the output length, so that the flood's
+        # requests end at spread-out times from the start, as a flood that has run for a while
+        # does (its requests' ages are spread evenly). Started together with equal lengths, they
+        # would end together and be admitted together: A's rate would swing in waves as long as
+        # a request (~20 s) and each window would catch a different phase of them.
+        max_tokens = rng.randint(1, args.flood_tokens)
         i = 0
         while not stop.is_set():
-            await driver.send(planned(k * 1_000_000 + i, prompts, args.flood_tokens, rng))
+            await driver.send(planned(k * 1_000_000 + i, prompts, max_tokens, rng))
+            max_tokens = args.flood_tokens
             i += 1
 
     await asyncio.gather(*(client(k) for k in range(args.flood)))
@@ -288,7 +296,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--short-requests", type=positive_int, default=20, help="tenant B's requests")
     add("--short-tokens", type=positive_int, default=8, help="output tokens of B's requests")
     add("--prompt-tokens", type=positive_int, default=32, help="prompt tokens of every request")
-    add("--rounds", type=positive_int, default=3, help="alternations of A alone and A + B")
+    add("--rounds", type=positive_int, default=5, help="alternations of A alone and A + B")
     add("--window-s", type=float, default=4.0, help="seconds of each window of A alone")
     add(
         "--worker-nice",

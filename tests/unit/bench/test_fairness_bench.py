@@ -76,3 +76,37 @@ def test_prompts_are_windows_of_the_text_or_random_ids_without_a_tokenizer():
         assert len(window) == 3 and window == tuple(range(window[0], window[0] + 3))
     ids = Prompts(5).draw(rng)
     assert len(ids) == 5 and all(1 <= i < 256 for i in ids)
+
+
+class CountingDriver:
+    """Records each request's output length; the flood stops once every client sent two."""
+
+    def __init__(self, clients: int, stop: asyncio.Event) -> None:
+        self.sent: dict[int, list[int]] = {}
+        self.clients = clients
+        self.stop = stop
+
+    async def send(self, request) -> None:
+        self.sent.setdefault(request.index // 1_000_000, []).append(request.max_tokens)
+        if sum(len(lengths) >= 2 for lengths in self.sent.values()) == self.clients:
+            self.stop.set()
+        await asyncio.sleep(0)
+
+
+def test_the_flood_s_first_requests_end_at_spread_out_times_and_the_rest_ask_for_all():
+    """A flood whose requests all start together with one length would end and be admitted
+    together, in waves; a random share of the length for each client's first request spreads
+    them as a flood that has run for a while."""
+    args = argparse.Namespace(flood=40, prompt_tokens=4, flood_tokens=256)
+
+    async def run() -> dict[int, list[int]]:
+        stop = asyncio.Event()
+        driver = CountingDriver(args.flood, stop)
+        await flood(driver, args, Prompts(4), random.Random(0), stop)
+        return driver.sent
+
+    sent = asyncio.run(run())
+    firsts = [lengths[0] for lengths in sent.values()]
+    assert all(1 <= n <= 256 for n in firsts) and len(set(firsts)) > 30
+    assert min(firsts) < 64 and max(firsts) > 192
+    assert all(n == 256 for lengths in sent.values() for n in lengths[1:])
