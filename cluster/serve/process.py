@@ -7,6 +7,7 @@
                              local Ray ──► exit 0
     a signal while starting, or a second one ──► kill the local Ray now ──► exit 128 + signal
     the local Ray's GCS or raylet gone ──► one line saying so ──► exit 1
+    (gone during the stop, as when the signal went to the whole process group: exit 128 + signal)
 
 What a signal does in each phase, and how the loss of Ray is seen: `cluster/serve/process_watch.py`.
 `await_workers` waits for the pool's first workers: a start that fails the same way twice
@@ -42,6 +43,9 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.5
 APP_NAME = "pagedserve"
 RAY_SHUTDOWN_TIMEOUT_S = 30.0  # a lost GCS can hold Ray's own shutdown: never wait longer
+# How often the list of the processes under this one is read again while serving (~1.5 CPU-ms
+# a read): an actor started since is missed only if the cluster then dies under a stop.
+KNOWN_REFRESH_S = 10.0
 
 
 class WorkersFailed(Exception):
@@ -100,7 +104,10 @@ def serve_until_stopped(
         context = ray.init(address=plan.address or "local", include_dashboard=plan.ray_dashboard)
         signals.install()  # again: Ray's client puts its own (which aborts) on SIGTERM
         watch: LocalRayWatch | JoinedRayWatch = LocalRayWatch() if local else JoinedRayWatch()
-        watch.start()
+        if isinstance(watch, LocalRayWatch):
+            watch.start(context.address_info.get("gcs_address"))
+        else:
+            watch.start()
         print(ray_tools_line(context.address_info), flush=True)
         if not local:  # a joined cluster's GPUs size its workers: check again with them
             from pagedserve.cluster.serve.cli import checked_plan
@@ -118,12 +125,18 @@ def serve_until_stopped(
     signals.phase = Phase.SERVING
     print(serving_line(plan), flush=True)
     lost = None
+    known, known_at = (descendants_now() if local else {}), time.monotonic()  # `stop_watching`
     while not signals.requested.wait(POLL_S) and (lost := watch.lost()) is None:
-        continue
+        if local and time.monotonic() - known_at > KNOWN_REFRESH_S:
+            known, known_at = descendants_now(), time.monotonic()
     if lost is not None:
         line = f"pagedserve: the Ray cluster is gone: {lost}; exiting"
         return end(signals, local, line, 1, ray_lost=True)
-    summary = stop_cleanly(plan, signals)  # a second signal ends the process meanwhile
+    summary, lost = stop_watching(plan, signals, watch)  # a second signal ends it meanwhile
+    if lost is not None:  # e.g. the signal went to the whole process group, Ray's GCS too
+        line = f"pagedserve: {signals.name}: the Ray cluster stopped with it ({lost}); exiting"
+        status = 128 + (signals.signum or 0)
+        return end(signals, local, line, status, ray_lost=True, known=known)
     return end(signals, local, f"pagedserve: stopped ({summary})", 0)
 
 
@@ -198,6 +211,41 @@ def start_serving(plan: ServePlan, watch: LocalRayWatch | JoinedRayWatch) -> Non
         place_local_cluster(config)
 
 
+def stop_watching(
+    plan: ServePlan, signals: StopSignals, watch: LocalRayWatch | JoinedRayWatch
+) -> tuple[str | None, str | None]:
+    """`stop_cleanly`, while watching Ray: (what the stop did, None), or (None, what is gone)
+    once the cluster is. A signal sent to the whole process group (systemd's default) reaches
+    Ray's GCS and raylet too; the drain's Ray calls would then wait a minute for a GCS that is
+    gone (Ray's client's reconnect timeout) before failing. The actors, whose raylet is gone,
+    are then no longer under this process: `end` kills them by the list kept while serving."""
+    outcome: list[str | BaseException] = []
+    done = threading.Event()
+
+    def stop() -> None:
+        try:
+            outcome.append(stop_cleanly(plan, signals))
+        except BaseException as error:  # noqa: BLE001 (re-raised below unless Ray is gone)
+            outcome.append(error)
+        done.set()
+
+    threading.Thread(target=stop, name="stop-cleanly", daemon=True).start()
+    while not done.wait(POLL_S):
+        if (lost := cluster_gone(watch)) is not None:
+            return None, lost
+    if isinstance(outcome[0], BaseException):
+        if (lost := cluster_gone(watch)) is not None:
+            return None, lost
+        raise outcome[0]
+    return outcome[0], None
+
+
+def cluster_gone(watch: LocalRayWatch | JoinedRayWatch) -> str | None:
+    """During a stop: what of the cluster is gone, if anything (a local GCS that closed its
+    port counts: see `LocalRayWatch.lost_or_closed`)."""
+    return watch.lost_or_closed() if isinstance(watch, LocalRayWatch) else watch.lost()
+
+
 def stop_cleanly(plan: ServePlan, signals: StopSignals) -> str:
     """Stop admitting, let requests in flight finish (up to the grace; idle workers end at
     once), then stop the app and its actors. Returns what the stop did, in words.
@@ -245,6 +293,7 @@ def end(
     status: int,
     error: BaseException | None = None,
     ray_lost: bool = False,
+    known: dict[int, int | None] | None = None,
 ) -> NoReturn:
     """End Ray (this process's own cluster, or the connection to a joined one), print `line`
     last (nothing Ray forwards can follow it) and exit with `status`.
@@ -252,12 +301,14 @@ def end(
     The exit skips the interpreter's own teardown: once Ray is shut down and the output
     flushed, nothing is left to it but Ray's native client winding down, which took ~7 s
     after every stop on a 2-core machine. When the cluster is lost (`ray_lost`), Ray's own
-    shutdown would wait on its GCS: what is left of a local cluster is killed instead."""
+    shutdown would wait on its GCS: what is left of a local cluster is killed instead, with
+    the processes `known` to have run under this one (actors whose raylet ended are no longer
+    under it)."""
     signals.phase = Phase.ENDING  # a signal from here on: `end_now_from_a_handler`
     started = descendants_now() if local else {}
     ended = ray_lost or _end_ray()
     if local:  # whatever Ray's shutdown left: the dashboard's module processes, a half start
-        kill_if_running({**started, **descendants_now()})
+        kill_if_running({**(known or {}), **started, **descendants_now()})
     if error is not None:
         traceback.print_exception(error)
     print(line, file=sys.stderr if status else sys.stdout, flush=True)

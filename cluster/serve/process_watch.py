@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -102,8 +103,10 @@ class LocalRayWatch:
     def __init__(self, proc: Path = Path("/proc")) -> None:
         self._proc = proc
         self._daemons: dict[str, int] = {}
+        self.gcs_address: str | None = None  # "host:port", for `lost_or_closed`
 
-    def start(self) -> None:
+    def start(self, gcs_address: str | None = None) -> None:
+        self.gcs_address = gcs_address
         self._daemons = {
             comm: pid for pid, (comm, _) in _children(os.getpid(), self._proc).items()
             if comm in RAY_DAEMONS
@@ -115,6 +118,22 @@ class LocalRayWatch:
             state = _state(pid, self._proc)
             if state is None or state in "ZX":
                 return f"its {comm} (pid {pid}) exited"
+        return None
+
+    def lost_or_closed(self) -> str | None:
+        """`lost`, or the GCS refusing connections at its address: a GCS that got SIGTERM
+        stops listening at once and may take a minute to exit. Only for a stop: while
+        serving, a refused connection is no proof that the cluster is gone."""
+        if (lost := self.lost()) is not None or self.gcs_address is None:
+            return lost
+        gcs_address = self.gcs_address
+        host, _, port = gcs_address.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=1.0).close()
+        except ConnectionRefusedError:
+            return f"its GCS at {gcs_address} refuses connections"
+        except (OSError, ValueError):  # a timeout, a bad address: no proof either way
+            return None
         return None
 
 

@@ -98,8 +98,8 @@ def serve_process(tmp_path) -> Iterator:
     """Start `pagedserve serve` children; each is killed at the end if a test left it."""
     started: list[Served] = []
 
-    def start(*argv: str, serving: bool = True) -> Served:
-        served = launch(tmp_path / f"serve-{len(started)}.log", *argv)
+    def start(*argv: str, serving: bool = True, own_group: bool = False) -> Served:
+        served = launch(tmp_path / f"serve-{len(started)}.log", *argv, own_group=own_group)
         started.append(served)
         if serving:
             served.wait_for_line(r"^pagedserve: serving on ")
@@ -110,7 +110,8 @@ def serve_process(tmp_path) -> Iterator:
         cleanup(served)
 
 
-def launch(log: Path, *argv: str) -> Served:
+def launch(log: Path, *argv: str, own_group: bool = False) -> Served:
+    """`own_group`: in a process group of its own (a test may signal the whole group)."""
     # Short: Ray's sockets live under it, and a socket path holds at most 107 characters.
     ray_dir = tempfile.mkdtemp(prefix="ps-", dir="/tmp")
     marker = uuid.uuid4().hex
@@ -123,7 +124,9 @@ def launch(log: Path, *argv: str) -> Served:
     env = {**os.environ, "RAY_TMPDIR": ray_dir, MARK_ENV: marker}
     env.pop("PAGEDSERVE_DEBUG", None)
     with open(log, "wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=own_group
+        )
     return Served(process, log, ray_dir, marker, http_port, grpc_port)
 
 
@@ -291,6 +294,27 @@ def test_a_lost_ray_cluster_ends_the_server(serve_process):
     assert served.lines()[-1] == (
         f"pagedserve: the Ray cluster is gone: its gcs_server (pid {gcs[0]}) exited; exiting"
     )
+    served.assert_nothing_left()
+
+
+def test_sigterm_to_the_whole_process_group_ends_without_waiting_for_the_gone_gcs(serve_process):
+    """systemd's default stop signals every process of the unit: Ray's GCS and raylet end with
+    the server. Its drain's Ray calls would wait a minute for the gone GCS (Ray's reconnect
+    timeout) and then fail; the stop sees the cluster go and says so instead."""
+    served = serve_process(own_group=True)
+    os.killpg(served.process.pid, signal.SIGTERM)
+    status = served.wait_exit()
+    last = served.lines()[-1]
+    # A drain that ran before the GCS ended is a clean stop; either way, one line says which.
+    if status == 0:
+        assert last.startswith("pagedserve: stopped ("), last
+    else:
+        assert status == 128 + signal.SIGTERM
+        assert re.fullmatch(
+            r"pagedserve: SIGTERM: the Ray cluster stopped with it \(its ((gcs_server|raylet) "
+            r"\(pid \d+\) exited|GCS at [\d.]+:\d+ refuses connections)\); exiting",
+            last,
+        ), last
     served.assert_nothing_left()
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,26 @@ def test_the_local_ray_is_lost_when_its_gcs_server_or_raylet_is_gone(tmp_path):
     fake_process(tmp_path, 102, "raylet", "S", me)
     (tmp_path / "101" / "stat").unlink()  # reaped
     assert watch.lost() == "its gcs_server (pid 101) exited"
+
+
+def test_during_a_stop_a_gcs_that_refuses_connections_counts_as_gone(tmp_path):
+    """A signal to the whole process group reaches the GCS too: it stops listening at once and
+    may take a minute to exit, while the stop's Ray calls wait for it."""
+    me = os.getpid()
+    fake_process(tmp_path, 101, "gcs_server", "S", me)
+    fake_process(tmp_path, 102, "raylet", "S", me)
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        address = f"127.0.0.1:{listening.getsockname()[1]}"
+        watch = LocalRayWatch(tmp_path)
+        watch.start(address)
+        assert watch.lost_or_closed() is None  # listening: the stop goes on
+    assert watch.lost() is None  # both daemons still run
+    assert watch.lost_or_closed() == f"its GCS at {address} refuses connections"
+    fake_process(tmp_path, 102, "raylet", "Z", me)
+    assert watch.lost_or_closed() == "its raylet (pid 102) exited"
+    unknown = LocalRayWatch(tmp_path)
+    unknown.start()  # no address known: the daemons alone say
+    fake_process(tmp_path, 102, "raylet", "S", me)
+    assert unknown.lost_or_closed() is None
