@@ -122,8 +122,9 @@ class LocalRayWatch:
 
     def lost_or_closed(self) -> str | None:
         """`lost`, or the GCS refusing connections at its address: a GCS that got SIGTERM
-        stops listening at once and may take a minute to exit. Only for a stop: while
-        serving, a refused connection is no proof that the cluster is gone."""
+        stops listening at once, and the daemons exit later (the raylet ~10 s later, in runs
+        here). Only for a stop: while serving, a refused connection is no proof that the
+        cluster is gone."""
         if (lost := self.lost()) is not None or self.gcs_address is None:
             return lost
         gcs_address = self.gcs_address
