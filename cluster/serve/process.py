@@ -103,11 +103,12 @@ def serve_until_stopped(
     try:
         context = ray.init(address=plan.address or "local", include_dashboard=plan.ray_dashboard)
         signals.install()  # again: Ray's client puts its own (which aborts) on SIGTERM
-        watch: LocalRayWatch | JoinedRayWatch = LocalRayWatch() if local else JoinedRayWatch()
-        if isinstance(watch, LocalRayWatch):
-            watch.start(context.address_info.get("gcs_address"))
-        else:
-            watch.start()
+        watch: LocalRayWatch | JoinedRayWatch = (
+            LocalRayWatch(gcs_address=context.address_info.get("gcs_address"))
+            if local
+            else JoinedRayWatch()
+        )
+        watch.start()
         print(ray_tools_line(context.address_info), flush=True)
         if not local:  # a joined cluster's GPUs size its workers: check again with them
             from pagedserve.cluster.serve.cli import checked_plan
@@ -231,19 +232,13 @@ def stop_watching(
 
     threading.Thread(target=stop, name="stop-cleanly", daemon=True).start()
     while not done.wait(POLL_S):
-        if (lost := cluster_gone(watch)) is not None:
+        if (lost := watch.lost_or_closed()) is not None:
             return None, lost
     if isinstance(outcome[0], BaseException):
-        if (lost := cluster_gone(watch)) is not None:
+        if (lost := watch.lost_or_closed()) is not None:
             return None, lost
         raise outcome[0]
     return outcome[0], None
-
-
-def cluster_gone(watch: LocalRayWatch | JoinedRayWatch) -> str | None:
-    """During a stop: what of the cluster is gone, if anything (a local GCS that closed its
-    port counts: see `LocalRayWatch.lost_or_closed`)."""
-    return watch.lost_or_closed() if isinstance(watch, LocalRayWatch) else watch.lost()
 
 
 def stop_cleanly(plan: ServePlan, signals: StopSignals) -> str:

@@ -100,13 +100,12 @@ class LocalRayWatch:
     """Whether the local Ray cluster this process started still runs (see the module
     docstring). Call `start` right after `ray.init` started it."""
 
-    def __init__(self, proc: Path = Path("/proc")) -> None:
+    def __init__(self, proc: Path = Path("/proc"), gcs_address: str | None = None) -> None:
         self._proc = proc
         self._daemons: dict[str, int] = {}
-        self.gcs_address: str | None = None  # "host:port", for `lost_or_closed`
+        self.gcs_address = gcs_address  # "host:port", for `lost_or_closed`
 
-    def start(self, gcs_address: str | None = None) -> None:
-        self.gcs_address = gcs_address
+    def start(self) -> None:
         self._daemons = {
             comm: pid for pid, (comm, _) in _children(os.getpid(), self._proc).items()
             if comm in RAY_DAEMONS
@@ -169,6 +168,10 @@ class JoinedRayWatch:
         if silent > self.deadline_s:
             return f"its GCS has not answered for {silent:.0f} s"
         return None
+
+    def lost_or_closed(self) -> str | None:
+        """During a stop, as `lost`: a joined cluster's GCS answers its own calls or not."""
+        return self.lost()
 
 
 def _children(pid: int, proc: Path) -> dict[int, tuple[str, str]]:

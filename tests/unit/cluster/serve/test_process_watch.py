@@ -100,8 +100,8 @@ def test_during_a_stop_a_gcs_that_refuses_connections_counts_as_gone(tmp_path):
         listening.bind(("127.0.0.1", 0))
         listening.listen()
         address = f"127.0.0.1:{listening.getsockname()[1]}"
-        watch = LocalRayWatch(tmp_path)
-        watch.start(address)
+        watch = LocalRayWatch(tmp_path, gcs_address=address)
+        watch.start()
         assert watch.lost_or_closed() is None  # listening: the stop goes on
     assert watch.lost() is None  # both daemons still run
     assert watch.lost_or_closed() == f"its GCS at {address} refuses connections"

@@ -331,13 +331,19 @@ def flood_running(driver: Driver, num: int = 3) -> None:
     driver.step()
 
 
-def test_a_tenant_with_nothing_running_gets_a_step_of_its_own():
-    # b arrives beside a's running flood: the next step computes b0's prompt alone (a's
-    # decodes wait one step); the one after runs everyone, b0's first decode included.
-    driver = Driver(max_num_seqs=4)
+def flood_then_newcomer(**driver_args) -> Driver:
+    """a's flood running (`flood_running`), then b0 of tenant b arrives and one step runs."""
+    driver = Driver(**driver_args)
     flood_running(driver)
     driver.add("b0", "b")
     driver.step()
+    return driver
+
+
+def test_a_tenant_with_nothing_running_gets_a_step_of_its_own():
+    # b arrives beside a's running flood: the next step computes b0's prompt alone (a's
+    # decodes wait one step); the one after runs everyone, b0's first decode included.
+    driver = flood_then_newcomer(max_num_seqs=4)
     driver.step()
     assert driver.plans[1:] == [["b0"], ["a0", "a1", "a2", "b0"]]
     assert driver.scheduler.counters.newcomer_steps == 1
@@ -348,10 +354,7 @@ def test_a_tenant_with_nothing_running_gets_a_step_of_its_own():
 def test_newcomer_steps_never_come_two_in_a_row():
     # b0 has its step; c0, arrived meanwhile, waits for an ordinary one (a decodes in it),
     # then b1 (b runs b0 now) is admitted in an ordinary step too.
-    driver = Driver(max_num_seqs=6)
-    flood_running(driver)
-    driver.add("b0", "b")
-    driver.step()
+    driver = flood_then_newcomer(max_num_seqs=6)
     driver.add("c0", "c")
     driver.add("b1", "b")
     driver.step()
@@ -363,10 +366,7 @@ def test_newcomer_steps_never_come_two_in_a_row():
 
 def test_a_newcomer_takes_a_slot_in_its_step_when_every_slot_runs():
     # Every slot runs a's: b0's step claims one (a's latest yields, as without newcomer steps).
-    driver = Driver(max_num_seqs=3)
-    flood_running(driver)
-    driver.add("b0", "b")
-    driver.step()
+    driver = flood_then_newcomer(max_num_seqs=3)
     assert driver.plans[1] == ["b0"] and driver.victims == ["a2"]
     driver.run()
     assert set(driver.finished) == {"a0", "a1", "a2", "b0"}
@@ -391,10 +391,7 @@ def test_a_tenant_served_more_than_those_running_gets_no_step_of_its_own():
 
 @pytest.mark.parametrize("fair", [True, False], ids=["newcomer-steps-off", "fair-share-off"])
 def test_without_newcomer_steps_a_newcomer_s_prompt_joins_the_flood_s_step(fair):
-    driver = Driver(max_num_seqs=4, fair=fair, newcomer_steps=not fair)
-    flood_running(driver)
-    driver.add("b0", "b")
-    driver.step()
+    driver = flood_then_newcomer(max_num_seqs=4, fair=fair, newcomer_steps=not fair)
     assert set(driver.plans[1]) == {"a0", "a1", "a2", "b0"}
     assert driver.scheduler.counters.newcomer_steps == 0
     driver.run()
