@@ -23,6 +23,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    """argparse type: one finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
+    return value
+
+
 def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
     """Join `address`, or start a fresh local Ray, unless Ray is already initialised.
 

@@ -4,7 +4,8 @@ A local server (`pagedserve serve`, `--num-workers` workers of `--model`, auth o
 tokens: tenants A and B) is driven over the OpenAI HTTP API (`bench/openai_load.py`) in
 three phases:
 
-    B alone      B sends `--short-requests` short requests one after another (closed loop of 1)
+    B alone      B sends `--short-requests` short requests one after another, each after a
+                 random pause of up to `--short-pause-ms` (0: the moment the last one ended)
     A alone      A floods: `--flood` clients, each sending its next long request when its last
                  one ended; A's output tok/s is counted in a window after the ramp
     A + B        the same flood, and B's requests again once the ramp is over; A's tok/s is
@@ -16,6 +17,10 @@ alone. Each arm is one server: `fair` (the default: `workers/scheduler/fair_shar
 newcomer steps), `fair-no-newcomer` (`engine.fair_share.newcomer_steps: false`: B's prompt is
 computed in the flood's step) and `fcfs` (`engine.fair_share.enabled: false`, the order before
 fair share), so the table shows what each changes.
+
+B pauses because a request sent the moment the last one ended reaches the worker just after
+the flood's next step began (the step that ended it is the one before): it waits out nearly a
+whole step, where a request that comes at a time of its own waits half of one on average.
 
 Prompts are windows of real English text (`compare_workload.standard_library_text`) for a
 model with a tokenizer, random ids for one without (tiny-llama); every request is greedy with
@@ -39,7 +44,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pagedserve.bench.bench_io import exit_on_sigterm, positive_int
+from pagedserve.bench.bench_io import exit_on_sigterm, non_negative_float, positive_int
 
 TOKEN_A, TOKEN_B = "bench-tenant-a", "bench-tenant-b"
 # Each arm: the engine's `fair_share` section (the rest of the server's config is the default).
@@ -62,6 +67,8 @@ class ArmResult:
     a_tok_s_alone: float
     a_tok_s_beside_b: float
     failures: int
+    b_ttfts_alone_ms: tuple[float, ...] = ()  # each of B's requests, in the order sent
+    b_ttfts_flood_ms: tuple[float, ...] = ()
 
     @property
     def ttft_ratio(self) -> float:
@@ -130,11 +137,14 @@ class Driver:
 
 
 async def sequential(
-    driver: Driver, count: int, args, prompts: Prompts, rng: random.Random
+    driver: Driver, count: int, args, prompts: Prompts, rng: random.Random, pauses: random.Random
 ) -> tuple[float, float]:
-    """B's short requests one after another; (first send, last end), seconds after t0."""
+    """B's short requests one after another, each after a pause drawn from [0,
+    `args.short_pause_ms`] (from `pauses`, so that the prompts drawn from `rng` do not depend on
+    it); (first send, last end), seconds after t0."""
     start = time.monotonic() - driver.t0
     for i in range(count):
+        await asyncio.sleep(pauses.uniform(0.0, args.short_pause_ms / 1e3))
         await driver.send(planned(i, prompts, args.short_tokens, rng))
     return start, time.monotonic() - driver.t0
 
@@ -177,25 +187,26 @@ def tokens_in(records, start: float, end: float) -> float:
     return total
 
 
-def ttft_p50_ms(records) -> float:
-    ttfts = [r.ttft_s for r in records if r.ok and r.ttft_s is not None]
-    return statistics.median(ttfts) * 1e3 if ttfts else float("nan")
+def ttfts_ms(records) -> tuple[float, ...]:
+    return tuple(r.ttft_s * 1e3 for r in records if r.ok and r.ttft_s is not None)
 
 
-async def run_phases(
-    base_url: str, args, prompts: Prompts
-) -> tuple[float, float, float, float, int]:
+def p50(values: tuple[float, ...]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+async def run_phases(base_url: str, args, prompts: Prompts) -> dict:
     """B alone; then under A's flood, `args.rounds` rounds of (A alone for `window_s`, then B's
     share of its requests): A's tok/s alone and beside B come from alternating windows of the
     same flood, so a drift of the machine's speed falls on both alike."""
-    rng = random.Random(args.seed)
+    rng, pauses = random.Random(args.seed), random.Random(args.seed + 1)
     t0 = time.monotonic()
     a, b = (Driver(base_url, args.model, token, t0) for token in (TOKEN_A, TOKEN_B))
     try:
-        await sequential(b, 3, args, prompts, rng)  # warm-up: both workers' first steps
+        await sequential(b, 3, args, prompts, rng, pauses)  # warm-up: both workers' first steps
         b.records.clear()
-        await sequential(b, args.short_requests, args, prompts, rng)
-        b_alone = ttft_p50_ms(b.records)
+        await sequential(b, args.short_requests, args, prompts, rng, pauses)
+        b_alone = ttfts_ms(b.records)
         b.records.clear()
         stop = asyncio.Event()
         task = asyncio.create_task(flood(a, args, prompts, rng, stop))
@@ -206,16 +217,19 @@ async def run_phases(
             start = time.monotonic() - t0
             await asyncio.sleep(args.window_s)
             alone.append((start, time.monotonic() - t0))
-            beside.append(await sequential(b, per_round, args, prompts, rng))
+            beside.append(await sequential(b, per_round, args, prompts, rng, pauses))
         stop.set()
         await task  # A's requests in flight run to their end: their tokens count
-        failures = sum(not r.ok for r in a.records + b.records)
-        return (
-            b_alone,
-            ttft_p50_ms(b.records),
-            *map(lambda w: rate(a.records, w), (alone, beside)),
-            failures,
-        )
+        b_flood = ttfts_ms(b.records)
+        return {
+            "b_ttft_p50_alone_ms": p50(b_alone),
+            "b_ttft_p50_flood_ms": p50(b_flood),
+            "a_tok_s_alone": rate(a.records, alone),
+            "a_tok_s_beside_b": rate(a.records, beside),
+            "failures": sum(not r.ok for r in a.records + b.records),
+            "b_ttfts_alone_ms": b_alone,
+            "b_ttfts_flood_ms": b_flood,
+        }
     finally:
         await a.close()
         await b.close()
@@ -261,7 +275,7 @@ def run_arm(arm: str, args, prompts: Prompts, scratch: Path) -> ArmResult:
         figures = asyncio.run(run_phases(server.base_url, args, prompts))
     finally:
         server.stop()
-    return ArmResult(arm, *figures)
+    return ArmResult(arm, **figures)
 
 
 def table(results: list[ArmResult]) -> str:
@@ -295,6 +309,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--flood-tokens", type=positive_int, default=256, help="output tokens of A's requests")
     add("--short-requests", type=positive_int, default=20, help="tenant B's requests")
     add("--short-tokens", type=positive_int, default=8, help="output tokens of B's requests")
+    add(
+        "--short-pause-ms",
+        type=non_negative_float,
+        default=1000.0,
+        help="before each of B's requests, a pause drawn from [0, this] (0: back to back, "
+        "each arriving just after a step of the flood began)",
+    )
     add("--prompt-tokens", type=positive_int, default=32, help="prompt tokens of every request")
     add("--rounds", type=positive_int, default=5, help="alternations of A alone and A + B")
     add("--window-s", type=float, default=4.0, help="seconds of each window of A alone")

@@ -10,7 +10,8 @@ import random
 
 import pytest
 
-from pagedserve.bench.fairness import ArmResult, Prompts, flood, rate, tokens_in
+from pagedserve.bench import fairness
+from pagedserve.bench.fairness import ArmResult, Prompts, flood, rate, sequential, tokens_in
 from pagedserve.bench.openai_load import RequestRecord
 
 
@@ -110,3 +111,46 @@ def test_the_flood_s_first_requests_end_at_spread_out_times_and_the_rest_ask_for
     assert all(1 <= n <= 256 for n in firsts) and len(set(firsts)) > 30
     assert min(firsts) < 64 and max(firsts) > 192
     assert all(n == 256 for lengths in sent.values() for n in lengths[1:])
+
+
+class PromptDriver:
+    """Keeps each request's prompt; answers at once."""
+
+    t0 = 0.0
+
+    def __init__(self) -> None:
+        self.prompts: list[tuple[int, ...]] = []
+
+    async def send(self, request) -> None:
+        self.prompts.append(request.token_ids)
+
+
+def test_b_pauses_a_random_share_of_its_bound_before_each_request_and_sends_the_same_prompts(
+    monkeypatch,
+):
+    """B's requests, sent back to back, arrive just after the flood's step that ended its last
+    one began (they wait nearly a whole step); a random pause before each sends them at times
+    unrelated to the engine's steps. The pauses come from their own generator: the prompts are
+    those of a run without them."""
+    asked: list[float] = []
+
+    async def no_wait(seconds: float) -> None:
+        asked.append(seconds)
+
+    monkeypatch.setattr(fairness.asyncio, "sleep", no_wait)
+
+    def run(pause_ms: float) -> list[tuple[int, ...]]:
+        driver, args = PromptDriver(), argparse.Namespace(short_tokens=8, short_pause_ms=pause_ms)
+        asyncio.run(
+            sequential(
+                driver, 20, args, Prompts(3, tuple(range(100))), random.Random(0), random.Random(1)
+            )
+        )
+        return driver.prompts
+
+    unpaused = run(0.0)
+    assert asked == [0.0] * 20
+    asked.clear()
+    assert run(1000.0) == unpaused
+    assert len(asked) == 20 and all(0.0 <= s <= 1.0 for s in asked)
+    assert len(set(asked)) == 20 and max(asked) - min(asked) > 0.5
