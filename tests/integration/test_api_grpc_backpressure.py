@@ -34,13 +34,14 @@ DEADLINE_S = 180.0
 # A small receive window, so that the client's own HTTP/2 buffer holds few messages.
 CLIENT_OPTIONS = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
 # Over HTTP a stream pauses once the buffers on its way fill: the client's socket, the proxy's
-# socket and its write buffer (`sse_response.limit_send_buffers`) hold a few hundred events of
-# ~200 bytes each (each stream paused at ~450 tokens here), so these streams are long (one per
-# worker: 190 blocks of 8 tokens each).
-HTTP_STREAMS = 2
-HTTP_MAX_TOKENS = 1500
+# socket and its write buffer (`sse_response.limit_send_buffers`) hold tens of KB: a few hundred
+# events of a token each (~450 tokens). Each event here carries its token's top logprobs, so
+# that a stream pauses sooner (at ~220 tokens) and can be shorter; 40 streams, 20 per worker.
+HTTP_STREAMS = 40
+HTTP_MAX_TOKENS = 600
+HTTP_TOP_LOGPROBS = 5
 CLIENT_RECEIVE_BUFFER = 4096
-ENGINE = {"num_kv_blocks": 600, "block_size": 8, "attention_backend": "torch"}
+ENGINE = {"num_kv_blocks": 1200, "block_size": 8, "attention_backend": "torch"}
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +107,8 @@ def test_unread_http_streams_pause_and_resume_with_unchanged_output(app):
     produced = sum(s.kv.useful_tokens for s in paused)
     assert produced < HTTP_STREAMS * HTTP_MAX_TOKENS // 2, "paused well before the end"
 
-    outputs = [streamed_text(response) for _, response in streams]
+    with ThreadPoolExecutor(HTTP_STREAMS) as pool:  # each resumes as it is read
+        outputs = list(pool.map(lambda stream: streamed_text(stream[1]), streams))
     assert outputs == reference
     for connection, _ in streams:
         connection.close()
@@ -120,6 +122,7 @@ def completion_body(i: int) -> dict:
         "model": "tiny-llama",
         "prompt": prompt,
         "max_tokens": HTTP_MAX_TOKENS,
+        "logprobs": HTTP_TOP_LOGPROBS,
         "temperature": 0.0,
         "ignore_eos": True,
     }
