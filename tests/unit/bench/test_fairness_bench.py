@@ -128,10 +128,10 @@ class PromptDriver:
 def test_b_pauses_a_random_share_of_its_bound_before_each_request_and_sends_the_same_prompts(
     monkeypatch,
 ):
-    """B's requests, sent back to back, arrive just after the flood's step that ended its last
-    one began (they wait nearly a whole step); a random pause before each sends them at times
-    unrelated to the engine's steps. The pauses come from their own generator: the prompts are
-    those of a run without them."""
+    """B's requests, sent back to back, arrive just after a flood step began (the one after the
+    step that ended the last request) and wait out nearly all of it; a random pause before each
+    sends them at times unrelated to the engine's steps. The pauses come from their own
+    generator: the prompts are those of a run without them."""
     asked: list[float] = []
 
     async def no_wait(seconds: float) -> None:
