@@ -152,11 +152,11 @@ async def sequential(
 async def flood(
     driver: Driver, args, prompts: Prompts, rng: random.Random, stop: asyncio.Event
 ) -> None:
-    """`args.flood` clients of A, each sending its next long request when its last ended
-    (its first one shorter, by a random share),
-    until `stop` is set; returns when the last of their requests has ended, so that every
-    request's record (its chunks' times) is kept: a request cancelled mid-stream would leave
-    no record, and the windows would lose the tokens of everything in flight at the end."""
+    """`args.flood` clients of A, each sending its next long request when its last ended (its
+    first one shorter, by a random share), until `stop` is set; returns when the last of their
+    requests has ended, so that every request's record (its chunks' times) is kept: a request
+    cancelled mid-stream would leave no record, and the windows would lose the tokens of
+    everything in flight at the end."""
 
     async def client(k: int) -> None:
         # The first request asks for a random share of the output length, so that the flood's

@@ -126,14 +126,13 @@ class LocalRayWatch:
         cluster is gone."""
         if (lost := self.lost()) is not None or self.gcs_address is None:
             return lost
-        gcs_address = self.gcs_address
-        host, _, port = gcs_address.rpartition(":")
+        host, _, port = self.gcs_address.rpartition(":")
         try:
             socket.create_connection((host, int(port)), timeout=1.0).close()
         except ConnectionRefusedError:
-            return f"its GCS at {gcs_address} refuses connections"
+            return f"its GCS at {self.gcs_address} refuses connections"
         except (OSError, ValueError):  # a timeout, a bad address: no proof either way
-            return None
+            pass
         return None
 
 

@@ -80,18 +80,21 @@ def test_prompts_are_windows_of_the_text_or_random_ids_without_a_tokenizer():
 
 
 class CountingDriver:
-    """Records each request's output length; the flood stops once every client sent two."""
+    """Records each request's output length; every client's request ends once each client has
+    sent one more (a barrier: no client runs ahead), and the flood stops once every client sent
+    two."""
 
     def __init__(self, clients: int, stop: asyncio.Event) -> None:
         self.sent: dict[int, list[int]] = {}
         self.clients = clients
         self.stop = stop
+        self.round_sent = asyncio.Barrier(clients)
 
     async def send(self, request) -> None:
         self.sent.setdefault(request.index // 1_000_000, []).append(request.max_tokens)
         if sum(len(lengths) >= 2 for lengths in self.sent.values()) == self.clients:
             self.stop.set()
-        await asyncio.sleep(0)
+        await self.round_sent.wait()
 
 
 def test_the_flood_s_first_requests_end_at_spread_out_times_and_the_rest_ask_for_all():
