@@ -35,6 +35,7 @@ from starlette.responses import JSONResponse, Response
 
 from pagedserve.cluster.api.auth import TokenAuth
 from pagedserve.cluster.api.config import ApiConfig, split_app_args
+from pagedserve.cluster.api.direct_ingress import REPLICA_ENV, install_http_guards
 from pagedserve.cluster.api.errors import ApiError, as_api_error
 from pagedserve.cluster.api.grpc.api import SERVING, GrpcFrontend
 from pagedserve.cluster.api.openai.api import OpenAIFrontend, error_response
@@ -120,6 +121,8 @@ class Router:
             set_niceness(placement.control_nice, what="router")
         bound_http_responses()  # unread HTTP streams pause (cluster/api/sse_response.py)
         api_config = api or ApiConfig()
+        if api_config.direct_ingress:  # HTTP served here, not by the proxy
+            install_http_guards()
         telemetry = api_config.telemetry
         tracing = get_tracing(telemetry, ROUTER_SERVICE)
         # No workers yet: `start` (the first health check) asks the pool for them.
@@ -278,9 +281,11 @@ def bind_router(config: ClusterConfig, api: ApiConfig, index: Any, pool: Any) ->
     """The Router deployment, sized by `config` and bound to the index and pool handles and
     its sections of the config."""
     ongoing = max_ongoing_requests(config.limits.max_inflight)
+    env = {**ROUTER_ENV_VARS, **(REPLICA_ENV if api.direct_ingress else {})}
     router = Router.options(
         max_ongoing_requests=ongoing,
         max_queued_requests=ongoing,
+        ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}},
         **router_scaling(config.scaling, config.limits.max_inflight),
     )
     # Frozen dataclasses and actor handles: Serve pickles them to each replica. The revision

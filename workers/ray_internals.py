@@ -18,6 +18,8 @@ what it touches:
   Ray's fixed 30 s (`ray_startup`);
 - `route_sigterm_handlers`: `ray._private.utils.set_sigterm_handler`, a worker's drain on
   SIGTERM (`drain_signal`);
+- `replica_serves_http_only`: `is_grpc_enabled` as `ray.serve._private.replica` reads it, so
+  that a Router replica serving HTTP itself (`api.direct_ingress`) starts no gRPC server;
 - `bound_http_responses` and `room_in_http_response`: `MessageQueue`
   (`ray.serve._private.http_util`), the replica's queue of a response's ASGI messages, which
   Serve fills without bound, for HTTP streams that pause when unread (`api.openai.api`);
@@ -31,7 +33,8 @@ what it touches:
 Serve also reads settings from the environment that its docs do not list (set in
 `serve_options`, `ray_startup` and `api.grpc.status`): `RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD`,
 `RAY_SERVE_CONTROL_LOOP_INTERVAL_S`, `RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S`,
-`RAY_SERVE_GRPC_MAX_MESSAGE_SIZE`; the test checks Serve still reads each one.
+`RAY_SERVE_GRPC_MAX_MESSAGE_SIZE`, and direct ingress's (`api.direct_ingress`); the test checks
+Serve still reads each one.
 
 `pyproject.toml` pins Ray to `RAY_VERSION` exactly (and the lock holds that version). Moving
 Ray is a change of its own: the pin, `RAY_VERSION`, then this module's tests and the whole
@@ -54,6 +57,11 @@ SERVE_ENV_SETTINGS = (
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S",
     "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S",
     "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE",
+    "RAY_SERVE_ENABLE_DIRECT_INGRESS",
+    "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT",
+    "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT",
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S",
+    "RAY_SERVE_PORT_QUARANTINE_S",
 )
 HandlerFactory = Callable[..., Callable]
 # The queue of the HTTP response this task writes (set as the replica creates it, and so seen by
@@ -140,6 +148,20 @@ def route_sigterm_handlers(keep: Callable[[Any], None]) -> None:
     import ray._private.utils as ray_utils
 
     ray_utils.set_sigterm_handler = keep
+
+
+def replica_serves_http_only() -> None:
+    """Make the Serve replica in this process start no gRPC server of its own when it serves
+    HTTP itself (direct ingress starts both for an ingress replica; gRPC stays on the proxy,
+    `api.direct_ingress`). Call it in the replica's constructor: Serve starts the servers
+    once the constructor returned. Idempotent."""
+    from ray.serve._private import replica
+
+    replica.is_grpc_enabled = _no_grpc
+
+
+def _no_grpc(grpc_options: Any) -> bool:
+    return False
 
 
 def bound_http_responses() -> None:

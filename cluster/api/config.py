@@ -20,7 +20,7 @@ from pagedserve.workers.telemetry.telemetry import TelemetryConfig
 
 _HEADER = re.compile(r"[A-Za-z0-9-]{1,64}")
 
-API_KEYS = ("auth", "served_model_name", "telemetry", "embedding_pooling")
+API_KEYS = ("auth", "served_model_name", "telemetry", "embedding_pooling", "direct_ingress")
 
 
 @dataclass(frozen=True)
@@ -77,14 +77,19 @@ class ApiConfig:
         telemetry: tracing and metrics of the router and its workers (tracing off by default).
         embedding_pooling: how `/v1/embeddings` pools the final hidden states: `last` (the
             prompt's last token, vLLM's default for decoder models) or `mean`.
+        direct_ingress: the Router replica serves HTTP itself (`api.direct_ingress`); set by
+            `pagedserve serve` together with the matching settings of Serve's controller.
     """
 
     auth: AuthConfig = field(default_factory=AuthConfig)
     served_model_name: str | None = None
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     embedding_pooling: Pooling = Pooling.LAST
+    direct_ingress: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.direct_ingress, bool):
+            raise ValueError(f"direct_ingress must be true or false, got {self.direct_ingress!r}")
         try:
             object.__setattr__(self, "embedding_pooling", Pooling(self.embedding_pooling))
         except ValueError:

@@ -1,9 +1,10 @@
-"""Bounds on the HTTP connections of Serve's proxy that are not serving a request.
+"""Bounds on the HTTP connections not serving a request, in the process whose uvicorn serves
+HTTP: Serve's proxy, or the Router replica when it serves HTTP itself (`api.direct_ingress`).
 
 uvicorn (Serve's HTTP server) gives a connection no deadline until its first response: one that
 opens and sends nothing, or sends headers a byte at a time (slowloris), holds its socket and
 buffers for as long as it likes, and its keep-alive timeout (Serve's is 90 s) starts only once a
-response went out. `guard_connections` (run in the proxy's process, with
+response went out. `guard_connections` (run in that process, with
 `sse_response.limit_send_buffers`) adds two bounds to every connection uvicorn accepts:
 
 - **a header deadline**: a request's headers must be complete within `HEADER_TIMEOUT_ENV`
@@ -30,7 +31,7 @@ instead of its answer, and retries. Instead the connection is half-closed after 
 and what the client still sends is read and dropped, up to `LINGER_MAX_BYTES` or
 `LINGER_MAX_S`, whichever comes first, before the close (nginx's `lingering_close`).
 
-0 turns a bound off. It runs inside Serve's proxy, so it imports nothing heavy.
+0 turns a bound off. It runs inside Serve's proxy too, so it imports nothing heavy.
 """
 
 from __future__ import annotations

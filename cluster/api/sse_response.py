@@ -1,9 +1,11 @@
 """Server-sent events that stop being produced while nobody reads them.
 
-A streamed HTTP response travels: our event generator → Serve's replica queue of the
-response's messages → the proxy (Ray generator backpressure: `grpc_streams`) → uvicorn's write
-buffer (64 KiB; past it uvicorn waits for the socket to drain) → the proxy's socket → the
-client. Two of these hops have no useful bound of their own:
+A streamed HTTP response travels through Serve's proxy: our event generator → Serve's replica
+queue of the response's messages → the proxy (Ray generator backpressure: `grpc_streams`) →
+uvicorn's write buffer (64 KiB; past it uvicorn waits for the socket to drain) → the proxy's
+socket → the client. Served by the Router replica itself (`api.direct_ingress`, what
+`pagedserve serve` does), the generator writes to uvicorn's write buffer in the replica, with no
+queue or Ray hop between. Two of these hops have no useful bound of their own:
 
 - Serve's replica queue has none: an unread stream would be generated to its end into the
   replica's memory, holding its worker's compute and blocks meanwhile. `PacedStreamingResponse`
@@ -11,9 +13,10 @@ client. Two of these hops have no useful bound of their own:
   (`ray_internals.room_in_http_response`).
 - The kernel grows a socket's send buffer up to `net.ipv4.tcp_wmem`'s maximum (4 MiB by
   default): ~20,000 events of a token each, and uvicorn's write buffer holds 64 KiB more.
-  `limit_send_buffers` (run in the proxy's process) fixes both of each HTTP connection at
-  `SEND_BUFFER_BYTES`: plenty for token streams, while a large non-streamed body goes out at
-  about twice that per round trip (1.6 MB/s at 20 ms: a 640 KB answer of 64 choices, 0.4 s).
+  `limit_send_buffers` (run in the process whose uvicorn serves HTTP) fixes both of each HTTP
+  connection at `SEND_BUFFER_BYTES`: plenty for token streams, while a large non-streamed body
+  goes out at about twice that per round trip (1.6 MB/s at 20 ms: a 640 KB answer of 64
+  choices, 0.4 s).
 
 Then the event generator is not pulled, the router's buffer of the request fills, and the
 router pauses the request on its worker as for an unread gRPC stream
@@ -68,7 +71,8 @@ class PacedStreamingResponse(StreamingResponse):
 
 
 def limit_send_buffers() -> None:
-    """Make every HTTP connection uvicorn accepts in this (proxy) process from now on keep a
+    """Make every HTTP connection uvicorn accepts in this process (the proxy, or a Router
+    replica serving HTTP itself) from now on keep a
     fixed socket send buffer and write buffer: `SEND_BUFFER_ENV` bytes, else
     `SEND_BUFFER_BYTES` (0: the kernel's own, growing, and uvicorn's 64 KiB). Idempotent."""
     from uvicorn.protocols.http import h11_impl, httptools_impl

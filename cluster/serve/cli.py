@@ -89,6 +89,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     api.add_argument("--http-port", type=int, default=8000, help="(default: 8000)")
     api.add_argument("--grpc-port", type=int, default=9000, help="(default: 9000)")
     api.add_argument(
+        "--http-through-proxy",
+        action="store_true",
+        help="serve HTTP through Serve's proxy, as a joined cluster or several Router replicas "
+        "do, instead of from the Router replica itself (one Ray hop less per streamed chunk: "
+        "cluster/api/direct_ingress.py)",
+    )
+    api.add_argument(
         "--host",
         default="127.0.0.1",
         help="interface to serve on (default: this machine only; 0.0.0.0: every interface). "
@@ -267,6 +274,12 @@ class ServePlan:
     grpc_port: int
     shutdown_grace_s: float
     ray_dashboard: bool = False
+    http_through_proxy: str | None = None  # why HTTP goes through Serve's proxy; None: it does not
+
+    @property
+    def direct_ingress(self) -> bool:
+        """Whether the Router replica serves HTTP itself (`api.direct_ingress`)."""
+        return self.http_through_proxy is None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -333,8 +346,11 @@ def checked_plan(args: argparse.Namespace, num_gpus: int) -> ServePlan:
         preflight.check_machine(config, settings, num_gpus)
         preflight.check_ports(args.host, args.http_port, args.grpc_port)
     preflight.check_engine(config, settings, local)
+    from pagedserve.cluster.api.direct_ingress import why_through_proxy
+
+    through_proxy = why_through_proxy(args.address, config.scaling, args.http_through_proxy)
     return ServePlan(
-        data=data,
+        data={**data, "direct_ingress": through_proxy is None},
         config=config,
         layout=layout,
         address=args.address,
@@ -343,6 +359,7 @@ def checked_plan(args: argparse.Namespace, num_gpus: int) -> ServePlan:
         grpc_port=args.grpc_port,
         shutdown_grace_s=config.failure.drain_grace_s if grace is None else grace,
         ray_dashboard=args.ray_dashboard,
+        http_through_proxy=through_proxy,
     )
 
 

@@ -160,9 +160,17 @@ def ray_tools_line(address_info: dict[str, Any]) -> str:
 def serving_line(plan: ServePlan) -> str:
     config = plan.config
     return (
-        f"pagedserve: serving on http://{plan.host}:{plan.http_port} and gRPC :{plan.grpc_port}"
+        f"pagedserve: serving on http://{plan.host}:{plan.http_port}{_http_path(plan)}"
+        f" and gRPC :{plan.grpc_port}"
         f" with {config.scaling.num_workers} workers{_roles(config)}; Ctrl-C stops"
     )
+
+
+def _http_path(plan: ServePlan) -> str:
+    """Who serves HTTP, as the serving line says it."""
+    if plan.direct_ingress:
+        return " (by the Router replica)"
+    return f" (through Serve's proxy: {plan.http_through_proxy})"
 
 
 def _roles(config: ClusterConfig) -> str:
@@ -182,6 +190,7 @@ def start_serving(plan: ServePlan, watch: LocalRayWatch | JoinedRayWatch) -> Non
     """
     from ray import serve
 
+    from pagedserve.cluster.api import direct_ingress
     from pagedserve.cluster.api.config import split_app_args
     from pagedserve.cluster.api.serve_options import controller_env_vars, grpc_options, http_options
     from pagedserve.cluster.app import build_app
@@ -200,8 +209,12 @@ def start_serving(plan: ServePlan, watch: LocalRayWatch | JoinedRayWatch) -> Non
     env_vars = controller_env_vars(
         plan.host, config.limits.max_request_bytes, config.limits.max_pending_grpc_calls
     )
+    proxy_port = plan.http_port
+    if plan.direct_ingress:  # the Router replica takes --http-port; the proxy keeps gRPC
+        env_vars |= direct_ingress.controller_env(plan.http_port)
+        proxy_port = direct_ingress.proxy_http_port(plan.host)
     serve.start(
-        http_options=http_options(plan.host, plan.http_port),
+        http_options=http_options(plan.host, proxy_port),
         grpc_options=grpc_options(plan.grpc_port),
         controller_options={"runtime_env": {"env_vars": env_vars}},
     )

@@ -1,6 +1,8 @@
 """`pagedserve serve` as a user runs it (issue 45), in a child process with tiny-llama:
 
 - Ray's own tools reach the cluster it started, as its start-up line says;
+- the Router replica serves HTTP on `--http-port` itself (direct ingress), and a stream nobody
+  reads pauses its request there as it does through Serve's proxy;
 - the API's small inconsistencies answer as 400 / INVALID_ARGUMENT through the real proxies;
 - SIGTERM stops it once its requests in flight finished, cleanly (no line that reads as a
   failure); SIGINT starts the same stop (one handler for both), and a second signal ends it at
@@ -16,11 +18,13 @@ leave it running, and its stop is the SIGTERM test; the others start their own.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -32,9 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
 import requests
-from support.api_app import LocalPorts
+from support.api_app import LocalPorts, wait_until
 from support.processes import MARK_ENV, processes_marked
 
 from pagedserve.cluster.ports import free_port
@@ -168,6 +173,76 @@ def test_ray_s_own_tools_reach_the_cluster_as_its_start_line_says(served):
     assert "WorkerPoolActor" in listed.stdout and "pagedserve-worker-0" in listed.stdout
     status = subprocess.run([ray_cli, "status"], env=env, capture_output=True, text=True)
     assert status.returncode == 0 and "Active:" in status.stdout, status.stderr[-2000:]
+
+
+# ------------------------------------------------------- HTTP by the replica
+def test_the_router_replica_itself_listens_on_the_http_port(served):
+    line = served.wait_for_line(r"^pagedserve: serving on ")
+    assert f":{served.http_port} (by the Router replica) and gRPC" in line
+    listening = [
+        c.pid
+        for c in psutil.net_connections("tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == served.http_port
+    ]
+    assert len(listening) == 1, listening
+    assert "ServeReplica:pagedserve:Router" in " ".join(psutil.Process(listening[0]).cmdline())
+    health = requests.get(f"{served.http_url}/health", timeout=60)
+    assert health.status_code == 200, health.text
+
+
+UNREAD_MAX_TOKENS = 1500  # events of ~0.4 KB (5 top logprobs): buffers fill within ~250
+
+
+def test_an_unread_http_stream_pauses_its_request_and_resumes_unchanged(served):
+    body = {
+        "model": "tiny-llama", "prompt": [5, 17, 29, 41, 53, 65, 77, 89],
+        "max_tokens": UNREAD_MAX_TOKENS, "logprobs": 5, "temperature": 0, "ignore_eos": True,
+    }  # fmt: skip
+    reference = requests.post(f"{served.http_url}/v1/completions", json=body, timeout=600)
+    assert reference.status_code == 200, reference.text
+    connection = SmallWindowConnection("127.0.0.1", served.http_port, timeout=600)
+    connection.request(
+        "POST", "/v1/completions", json.dumps({**body, "stream": True}),
+        {"Content-Type": "application/json"},
+    )  # fmt: skip
+    response = connection.getresponse()
+    assert response.status == 200
+    with grpc.insecure_channel(served.grpc_address) as channel:
+        stats = serving_pb2_grpc.GenerationStub(channel).GetStats
+        paused = wait_until(standing_still(stats), 600, "the unread request standing still")
+    assert paused.inflight == 1 and paused.kv.useful_tokens < UNREAD_MAX_TOKENS // 2
+    events = response.read().decode().split("\n\n")
+    connection.close()
+    data = [event.removeprefix("data: ") for event in events if event.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    text = "".join(json.loads(chunk)["choices"][0]["text"] for chunk in data[:-1])
+    assert text == reference.json()["choices"][0]["text"]
+
+
+class SmallWindowConnection(http.client.HTTPConnection):
+    """A connection whose socket takes in little before the server must wait for a read."""
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect((self.host, self.port))
+
+
+def standing_still(get_stats):
+    """A poll for `wait_until`: the worker's stats once a request is open on it and its steps
+    and blocks did not change since the poll before (a request that was not paused would
+    finish instead)."""
+    previous: list = []
+
+    def poll():
+        worker = get_stats(pb.GetStatsRequest(), timeout=60).workers[0]
+        snapshot = (worker.inflight, worker.num_steps, worker.kv.used_blocks)
+        settled = worker.inflight == 1 and previous == [snapshot]
+        previous[:] = [snapshot]
+        return worker if settled else None
+
+    return poll
 
 
 # --------------------------------------------------------------- API nits
