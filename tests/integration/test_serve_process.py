@@ -2,7 +2,8 @@
 
 - Ray's own tools reach the cluster it started, as its start-up line says;
 - the Router replica serves HTTP on `--http-port` itself (direct ingress), and a stream nobody
-  reads pauses its request there as it does through Serve's proxy;
+  reads pauses its request there as it does through Serve's proxy; a replica killed is
+  replaced on the same port;
 - the API's small inconsistencies answer as 400 / INVALID_ARGUMENT through the real proxies;
 - SIGTERM stops it once its requests in flight finished, cleanly (no line that reads as a
   failure); SIGINT starts the same stop (one handler for both), and a second signal ends it at
@@ -179,15 +180,43 @@ def test_ray_s_own_tools_reach_the_cluster_as_its_start_line_says(served):
 def test_the_router_replica_itself_listens_on_the_http_port(served):
     line = served.wait_for_line(r"^pagedserve: serving on ")
     assert f":{served.http_port} (by the Router replica) and gRPC" in line
-    listening = [
-        c.pid
-        for c in psutil.net_connections("tcp")
-        if c.status == psutil.CONN_LISTEN and c.laddr.port == served.http_port
-    ]
-    assert len(listening) == 1, listening
-    assert "ServeReplica:pagedserve:Router" in " ".join(psutil.Process(listening[0]).cmdline())
+    pid = listening_pid(served.http_port)
+    assert pid is not None
+    assert "ServeReplica:pagedserve:Router" in " ".join(psutil.Process(pid).cmdline())
     health = requests.get(f"{served.http_url}/health", timeout=60)
     assert health.status_code == 200, health.text
+
+
+def test_a_router_replica_that_dies_is_replaced_on_the_same_http_port(served):
+    dead = listening_pid(served.http_port)
+    os.kill(dead, signal.SIGKILL)
+    # Serve starts another replica, which gets the port at once (no quarantine).
+    wait_until(
+        lambda: listening_pid(served.http_port) not in (None, dead) and healthy(served),
+        600,
+        "a new Router replica serving on the HTTP port",
+    )
+    body = {"model": "tiny-llama", "prompt": "a", "max_tokens": 2}
+    again = requests.post(f"{served.http_url}/v1/completions", json=body, timeout=120)
+    assert again.status_code == 200, again.text
+
+
+def listening_pid(port: int) -> int | None:
+    """The process listening on `port` on this machine, if any."""
+    pids = {
+        c.pid
+        for c in psutil.net_connections("tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+    }
+    assert len(pids) <= 1, pids
+    return next(iter(pids), None)
+
+
+def healthy(served: Served) -> bool:
+    try:
+        return requests.get(f"{served.http_url}/health", timeout=60).status_code == 200
+    except requests.ConnectionError:  # nothing listening yet
+        return False
 
 
 UNREAD_MAX_TOKENS = 1500  # events of ~0.4 KB (5 top logprobs): buffers fill within ~250
