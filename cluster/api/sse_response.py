@@ -72,9 +72,9 @@ class PacedStreamingResponse(StreamingResponse):
 
 def limit_send_buffers() -> None:
     """Make every HTTP connection uvicorn accepts in this process (the proxy, or a Router
-    replica serving HTTP itself) from now on keep a
-    fixed socket send buffer and write buffer: `SEND_BUFFER_ENV` bytes, else
-    `SEND_BUFFER_BYTES` (0: the kernel's own, growing, and uvicorn's 64 KiB). Idempotent."""
+    replica serving HTTP itself) from now on keep a fixed socket send buffer and write
+    buffer: `SEND_BUFFER_ENV` bytes, else `SEND_BUFFER_BYTES` (0: the kernel's own, growing,
+    and uvicorn's 64 KiB). Idempotent."""
     from uvicorn.protocols.http import h11_impl, httptools_impl
 
     size = int(os.environ.get(SEND_BUFFER_ENV, SEND_BUFFER_BYTES))

@@ -328,6 +328,7 @@ def checked_plan(args: argparse.Namespace, num_gpus: int) -> ServePlan:
     Raises:
         StartError: the first mistake, naming the setting and its value.
     """
+    from pagedserve.cluster.api.direct_ingress import why_through_proxy
     from pagedserve.cluster.serve import preflight
     from pagedserve.cluster.serve.preflight import StartError
 
@@ -346,8 +347,6 @@ def checked_plan(args: argparse.Namespace, num_gpus: int) -> ServePlan:
         preflight.check_machine(config, settings, num_gpus)
         preflight.check_ports(args.host, args.http_port, args.grpc_port)
     preflight.check_engine(config, settings, local)
-    from pagedserve.cluster.api.direct_ingress import why_through_proxy
-
     through_proxy = why_through_proxy(args.address, config.scaling, args.http_through_proxy)
     return ServePlan(
         data={**data, "direct_ingress": through_proxy is None},
