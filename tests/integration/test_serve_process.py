@@ -219,7 +219,7 @@ def healthy(served: Served) -> bool:
         return False
 
 
-UNREAD_MAX_TOKENS = 1500  # events of ~0.4 KB (5 top logprobs): buffers fill within ~250
+UNREAD_MAX_TOKENS = 600  # events of ~0.4 KB (5 top logprobs): buffers fill within ~250
 
 
 def test_an_unread_http_stream_pauses_its_request_and_resumes_unchanged(served):
