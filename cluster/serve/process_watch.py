@@ -126,14 +126,22 @@ class LocalRayWatch:
         cluster is gone."""
         if (lost := self.lost()) is not None or self.gcs_address is None:
             return lost
-        host, _, port = self.gcs_address.rpartition(":")
-        try:
-            socket.create_connection((host, int(port)), timeout=1.0).close()
-        except ConnectionRefusedError:
+        if refuses_connections(self.gcs_address):
             return f"its GCS at {self.gcs_address} refuses connections"
-        except (OSError, ValueError):  # a timeout, a bad address: no proof either way
-            pass
         return None
+
+
+def refuses_connections(address: str) -> bool:
+    """Whether `host:port` refuses a TCP connection: proof that nothing listens there. A
+    timeout or a bad address proves nothing either way (False)."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=1.0).close()
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError):
+        return False
+    return False
 
 
 class JoinedRayWatch:

@@ -13,9 +13,6 @@ the same Ray generator backpressure → the replica's bounded queue of the respo
 
 from __future__ import annotations
 
-import http.client
-import json
-import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -23,6 +20,7 @@ import pytest
 import ray
 import requests
 from support.api_app import assert_app_clean, running_app, wait_until
+from support.unread_stream import open_unread_stream, streamed_text
 
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
 from pagedserve.proto.pagedserve.v1 import serving_pb2_grpc
@@ -40,7 +38,6 @@ CLIENT_OPTIONS = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe",
 HTTP_STREAMS = 40
 HTTP_MAX_TOKENS = 600
 HTTP_TOP_LOGPROBS = 5
-CLIENT_RECEIVE_BUFFER = 4096
 ENGINE = {"num_kv_blocks": 1200, "block_size": 8, "attention_backend": "torch"}
 
 
@@ -98,7 +95,9 @@ def test_unread_http_streams_pause_and_resume_with_unchanged_output(app):
     bodies = [completion_body(i) for i in range(HTTP_STREAMS)]
     with ThreadPoolExecutor(HTTP_STREAMS) as pool:
         reference = list(pool.map(lambda body: whole_text(app, body), bodies))
-    streams = [open_unread_stream(app, {**body, "stream": True}) for body in bodies]
+    streams = [
+        open_unread_stream(app.http_port, {**body, "stream": True}, DEADLINE_S) for body in bodies
+    ]
     paused = wait_until(
         _settled_when_all_paused(HTTP_STREAMS),
         DEADLINE_S,
@@ -132,35 +131,6 @@ def whole_text(app, body: dict) -> str:
     response = requests.post(f"{app.http_url}/v1/completions", json=body, timeout=DEADLINE_S)
     response.raise_for_status()
     return response.json()["choices"][0]["text"]
-
-
-class _SmallWindowConnection(http.client.HTTPConnection):
-    """A connection whose socket takes in little before the server must wait for a read."""
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, CLIENT_RECEIVE_BUFFER)
-        self.sock.settimeout(self.timeout)
-        self.sock.connect((self.host, self.port))
-
-
-def open_unread_stream(app, body: dict):
-    """A streamed completion whose response headers are read, and nothing after them."""
-    connection = _SmallWindowConnection("127.0.0.1", app.http_port, timeout=DEADLINE_S)
-    payload = json.dumps(body)
-    headers = {"Content-Type": "application/json"}
-    connection.request("POST", "/v1/completions", body=payload, headers=headers)
-    response = connection.getresponse()
-    assert response.status == 200, response.read()
-    return connection, response
-
-
-def streamed_text(response) -> str:
-    """The text of every event of a streamed completion, read to its `[DONE]`."""
-    events = response.read().decode().split("\n\n")
-    data = [event.removeprefix("data: ") for event in events if event.startswith("data: ")]
-    assert data[-1] == "[DONE]"
-    return "".join(json.loads(chunk)["choices"][0]["text"] for chunk in data[:-1])
 
 
 def _settled_when_all_paused(num_streams: int):

@@ -19,13 +19,11 @@ leave it running, and its stop is the SIGTERM test; the others start their own.
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +40,7 @@ import pytest
 import requests
 from support.api_app import LocalPorts, wait_until
 from support.processes import MARK_ENV, processes_marked
+from support.unread_stream import open_unread_stream, streamed_text
 
 from pagedserve.cluster.ports import free_port
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
@@ -229,33 +228,14 @@ def test_an_unread_http_stream_pauses_its_request_and_resumes_unchanged(served):
     }  # fmt: skip
     reference = requests.post(f"{served.http_url}/v1/completions", json=body, timeout=600)
     assert reference.status_code == 200, reference.text
-    connection = SmallWindowConnection("127.0.0.1", served.http_port, timeout=600)
-    connection.request(
-        "POST", "/v1/completions", json.dumps({**body, "stream": True}),
-        {"Content-Type": "application/json"},
-    )  # fmt: skip
-    response = connection.getresponse()
-    assert response.status == 200
+    connection, response = open_unread_stream(served.http_port, {**body, "stream": True}, 600)
     with grpc.insecure_channel(served.grpc_address) as channel:
         stats = serving_pb2_grpc.GenerationStub(channel).GetStats
         paused = wait_until(standing_still(stats), 600, "the unread request standing still")
     assert paused.inflight == 1 and paused.kv.useful_tokens < UNREAD_MAX_TOKENS // 2
-    events = response.read().decode().split("\n\n")
+    text = streamed_text(response)
     connection.close()
-    data = [event.removeprefix("data: ") for event in events if event.startswith("data: ")]
-    assert data[-1] == "[DONE]"
-    text = "".join(json.loads(chunk)["choices"][0]["text"] for chunk in data[:-1])
     assert text == reference.json()["choices"][0]["text"]
-
-
-class SmallWindowConnection(http.client.HTTPConnection):
-    """A connection whose socket takes in little before the server must wait for a read."""
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        self.sock.settimeout(self.timeout)
-        self.sock.connect((self.host, self.port))
 
 
 def standing_still(get_stats):
