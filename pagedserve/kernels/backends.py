@@ -3,4 +3,4 @@
 importing torch."""
 
 BACKENDS = ("auto", "triton", "cpu", "torch")
-LINEAR_BACKENDS = ("auto", "onednn", "torch")
+LINEAR_BACKENDS = ("auto", "gguf", "onednn", "torch")

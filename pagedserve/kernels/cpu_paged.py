@@ -46,36 +46,21 @@ times the row's scale), so no full-precision copy of the context is made.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
-from pathlib import Path
 
 import torch
 
 from pagedserve.kernels._checks import check_decode, check_prefill
+from pagedserve.kernels.cpu_build import CSRC, build_and_load
 from pagedserve.kernels.kv_quant import as_bytes, format_code
 from pagedserve.kernels.reference import prefill_one_sequence
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_paged_attention.cpp"
-
 # Sequences with more new tokens than this leave the op for the reference's gather + SDPA:
 # SDPA's blocked GEMMs beat the op's loops on long query runs, where the one gather of the
 # context costs 1/q_len of the attention itself (`bench/cpu_attention.py --prefill`).
 MAX_IN_PLACE_QUERY = 32
-
-# Vector flags per torch CPU capability (what torch itself dispatches to on this machine), so
-# the cached build is named, and only reused, by the instruction set it was compiled for.
-# CPU_CAPABILITY_* selects the matching `at::vec::Vectorized` implementation, as in torch's
-# own per-capability kernel builds.
-_ARCH_FLAGS = {
-    "AVX512": [
-        *("-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"),
-        *("-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"),
-    ],
-    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
-}
 
 
 @functools.cache
@@ -85,21 +70,7 @@ def _load() -> None:
     Raises:
         RuntimeError, OSError, ImportError: when the build or the load fails.
     """
-    from torch.utils import cpp_extension
-
-    capability = torch.backends.cpu.get_cpu_capability()
-    flags = _ARCH_FLAGS.get(capability, [])
-    # The source's hash in the name: checkouts with different sources (worktrees, versions)
-    # sharing one extensions directory each keep their own build instead of rebuilding in turn.
-    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:10]
-    cpp_extension.load(
-        name=f"pagedserve_cpu_attention_{capability.lower()}_{digest}",
-        sources=[str(_SOURCE)],
-        extra_cflags=["-O3", "-fopenmp", *flags],
-        extra_ldflags=["-fopenmp"],
-        is_python_module=False,
-        verbose=False,
-    )
+    build_and_load("pagedserve_cpu_attention", CSRC / "cpu_paged_attention.cpp")
 
 
 @functools.cache

@@ -17,7 +17,8 @@ float rounding (the tests hold them to 1e-4, and greedy ids equal HF's).
 The fused weights are the model's own storage: q/k/v (and gate/up) are concatenated once and
 the HF linears' weights become views into the concatenation, so no weight is held twice and the
 HF modules keep working. With the `onednn` linear backend (`cpu_linear`) each projection also
-holds a copy packed into oneDNN's layout, which its matmuls read instead.
+holds a copy packed into oneDNN's layout, which its matmuls read instead; with `gguf`, a
+projection whose weights are GGUF block codes holds those codes (`gguf_blocks.py`).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class FusedDecoder:
         """Fuse ``model``'s projections in place (its linears become views of the fused weights).
 
         Args:
-            linear_backend: a resolved `cpu_linear` backend, `torch` or `onednn`.
+            linear_backend: a resolved `cpu_linear` backend, `torch`, `onednn` or `gguf`.
 
         Raises:
             ValueError: the model is not one ``fusable`` accepts.
@@ -92,6 +93,11 @@ class FusedDecoder:
         self._qkv_split = (q_size, kv_size, kv_size)
         self._intermediate = int(config.intermediate_size)
         self._scale = head_dim**-0.5
+
+    def projections(self) -> list[Projection]:
+        """Every projection: each layer's q/k/v, o, gate/up and down, then the LM head."""
+        per_layer = [[layer.qkv, layer.o, layer.gate_up, layer.down] for layer in self.layers]
+        return [projection for four in per_layer for projection in four] + [self.lm_head]
 
     def forward(
         self,

@@ -19,6 +19,7 @@ so HF sees no padding and builds no mask; everything attention needs travels exp
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -29,13 +30,15 @@ from pagedserve.kernels import KernelOps
 from pagedserve.kernels.kv_quant import KV8_DTYPES
 from pagedserve.workers.kv.cache import KVCache
 from pagedserve.workers.model.attention_metadata import AttentionMetadata
-from pagedserve.workers.model.cpu_linear import resolve_linear_backend
+from pagedserve.workers.model.cpu_linear import describe_block_codes, resolve_linear_backend
 from pagedserve.workers.model.fused_decoder import FusedDecoder, unfusable_reason
 from pagedserve.workers.model.loader import LoadedModel
 from pagedserve.workers.model.paged_attend import write_and_attend
 
 if TYPE_CHECKING:
     from pagedserve.workers.lora.batch import LoraBatch
+
+logger = logging.getLogger(__name__)
 
 PAGED_ATTENTION_NAME = "pagedserve_paged"
 # The keyword argument that carries the context from ``model(...)`` down to every layer.
@@ -138,6 +141,8 @@ class ModelRunner:
             self.fused = FusedDecoder(
                 self.model, loaded.num_heads, loaded.num_kv_heads, loaded.head_dim, backend
             )
+            if backend == "gguf":
+                logger.info("%s: %s", loaded.name, describe_block_codes(self.fused.projections()))
 
     @torch.inference_mode()
     def execute(

@@ -14,6 +14,7 @@ import torch
 from support.engine import finish_clean
 from support.real_model import hf_logprobs, prompt_ids
 
+from pagedserve.kernels.cpu_blocks import blocks_available
 from pagedserve.workers.model.tokenizer import render_chat
 from pagedserve.workers.offline.llm import LLM
 from pagedserve.workers.protocol.sampling import SamplingParams
@@ -47,6 +48,16 @@ def test_smollm2_loads_with_its_tokenizer_template_eos_and_context(smollm2):
         loaded.model.lm_head.weight.data_ptr() == loaded.model.model.embed_tokens.weight.data_ptr()
     )
     assert tied
+
+
+@pytest.mark.skipif(not blocks_available(), reason="the block-code op needs AVX-512")
+def test_by_default_every_projection_is_kept_as_the_gguf_files_block_codes(smollm2):
+    """The built-in model is a Q4_1 GGUF with a Q8_0 embedding (the tied LM head)."""
+    llm = engine(smollm2[0])
+    projections = llm.engine.runner.fused.projections()
+    formats = [p.blocks.format_name if p.blocks else None for p in projections]
+    assert formats == ["Q4_1"] * 120 + ["Q8_0"]
+    finish_clean(llm)
 
 
 @pytest.mark.slow

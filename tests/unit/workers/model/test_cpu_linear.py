@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedserve.kernels.cpu_blocks import blocks_available
 from pagedserve.workers.model.cpu_linear import Projection, onednn_supported, resolve_linear_backend
 
 CPU = torch.device("cpu")
@@ -81,8 +82,9 @@ def test_an_unresolved_backend_is_refused():
 
 
 @needs_onednn
-def test_auto_takes_onednn_for_float32_and_bfloat16_on_the_cpu_only():
-    assert resolve_linear_backend("auto", CPU, torch.float32) == "onednn"
+def test_auto_takes_block_codes_or_onednn_for_float32_and_bfloat16_on_the_cpu_only():
+    float32 = resolve_linear_backend("auto", CPU, torch.float32)
+    assert float32 == ("gguf" if blocks_available() else "onednn")
     native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     bf16 = resolve_linear_backend("auto", CPU, torch.bfloat16)
     assert bf16 == ("onednn" if native_bf16 else "torch")
@@ -97,6 +99,8 @@ def test_an_impossible_or_unknown_backend_is_refused_by_name():
         resolve_linear_backend("onednn", torch.device("cuda"), torch.float32)
     with pytest.raises(ValueError, match="linear_backend must be one of"):
         resolve_linear_backend("mkl", CPU, torch.float32)
+    with pytest.raises(ValueError, match="linear_backend 'gguf' needs the CPU with AVX-512"):
+        resolve_linear_backend("gguf", CPU, torch.bfloat16)
 
 
 def test_engine_config_refuses_an_unknown_linear_backend():
