@@ -146,10 +146,29 @@ def paged_decode_attention_cpu(
 ) -> torch.Tensor:
     """One query token per sequence; same contract as `paged_decode_attention_ref`.
 
-    A sequence of length 0 yields a zero row.
+    A sequence of length 0 yields a zero row. Every sequence has one new token, so all of them
+    run in the op's one call: nothing is left for the reference's gather.
     """
     check_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
-    query_start_loc = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
-    return paged_attention_cpu(
-        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale
+    _load()
+    out = torch.zeros_like(query, memory_format=torch.contiguous_format)
+    torch.ops.pagedserve_cpu.paged_attention(
+        out,
+        query.contiguous(),
+        as_bytes(key_cache),
+        as_bytes(value_cache),
+        _int32(block_tables),
+        _one_token_each(query.shape[0]),
+        _int32(seq_lens),
+        float(scale),
+        MAX_IN_PLACE_QUERY,
+        format_code(key_cache),
     )
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _one_token_each(num_seqs: int) -> torch.Tensor:
+    """``query_start_loc`` of ``num_seqs`` sequences of one new token each: ``0 .. num_seqs``.
+    Read-only (the op takes it as const), so one tensor per batch size serves every layer."""
+    return torch.arange(num_seqs + 1, dtype=torch.int32)

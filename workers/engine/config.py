@@ -68,9 +68,12 @@ class EngineConfig:
             `swap` preemption, else none).
         attention_backend: `auto` (Triton on CUDA; on the CPU the C++ `cpu` kernel, or `torch`
             where it cannot be built), `triton`, `cpu` or `torch` (the plain-torch reference).
-        linear_backend: the fused decoder's projections on the CPU: `auto` (`onednn` for
-            float32 weights where this torch has oneDNN, and for bfloat16 where the CPU also
-            has native bfloat16 arithmetic, else `torch`), `onednn` (weights
+        linear_backend: the fused decoder's projections on the CPU: `auto` (`gguf` for
+            float32 weights on an AVX-512 CPU, else `onednn` for float32 where this torch has
+            oneDNN and for bfloat16 where the CPU also has native bfloat16 arithmetic, else
+            `torch`), `gguf` (a weight whose float32 values are exactly GGUF Q4_1 or Q8_0
+            block codes, as a dequantised GGUF file's are, is kept as those codes: the same
+            weights from 5-6x fewer bytes; other weights as `onednn`), `onednn` (weights
             packed once at load into oneDNN's blocked layout: a second copy of the projection
             weights, beside the model's own) or `torch` (`nn.functional.linear`). Elsewhere,
             and for a model run through HF's modules, `torch`.

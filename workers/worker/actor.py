@@ -132,9 +132,12 @@ class Worker:
         # process: the pool that creates workers (`cluster/pool/spec.py`) imports only this
         # class, and a control actor that imported torch paid seconds of CPU at every start.
         from pagedserve.workers.engine.engine import Engine
-        from pagedserve.workers.worker.core import WorkerCore
+        from pagedserve.workers.worker.core import WorkerCore, engine_thread_executor
 
-        engine = Engine(config.for_worker(worker_id), role=role)
+        # Built on the thread that will step it: its load runs OpenMP work too, and a second
+        # thread doing so would slow every step (`WorkerCore._engine_thread`).
+        engine_thread = engine_thread_executor()
+        engine = engine_thread.submit(Engine, config.for_worker(worker_id), role=role).result()
         if config.tensor_parallel_size > 1:  # a rank that dies takes the worker down whole
             engine.runner.exit_process_on_failure()
         self.core = WorkerCore(
@@ -144,6 +147,7 @@ class Worker:
             tracing,
             lease_timeout_s=lease_timeout_s,
             max_buffered_deltas=max_buffered_deltas,
+            engine_thread=engine_thread,
         )
         self.drain_grace_s = drain_grace_s
         self._held_kv = handoff_ref.HeldKV()  # KV handed off by ref, until fetched

@@ -38,6 +38,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pagedserve.workers.engine.engine import Engine
@@ -61,6 +62,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 EventSink = Callable[[str, str, list[KVEvent]], None]
+
+
+def engine_thread_executor() -> ThreadPoolExecutor:
+    """The one thread a worker builds and steps its engine on."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 
 
 class WorkerCore(WorkerRequests, WorkerKV):
@@ -88,6 +94,7 @@ class WorkerCore(WorkerRequests, WorkerKV):
         lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
         max_buffered_deltas: int = DEFAULT_MAX_BUFFERED_DELTAS,
         clock: Callable[[], float] = time.monotonic,
+        engine_thread: ThreadPoolExecutor | None = None,
     ):
         if max_buffered_deltas < 1:
             raise ValueError(f"max_buffered_deltas must be >= 1, got {max_buffered_deltas}")
@@ -108,6 +115,13 @@ class WorkerCore(WorkerRequests, WorkerKV):
         self._loop_task: asyncio.Task | None = None
         self._housekeeping: asyncio.Task | None = None
         self._step_in_flight: asyncio.Future | None = None  # the step thread, while it runs
+        # Every step runs on this one thread (the actor builds its engine there too): each
+        # thread that starts OpenMP work gets a libgomp team of its own, and once libgomp
+        # manages more threads than the machine has cores it stops spinning between parallel
+        # regions, so every one of a step's ~200 regions waits for its threads to wake. Built
+        # on the main thread and stepped on asyncio's pool, SmolLM2's decode step took twice
+        # as long (bench/README.md, "One engine thread").
+        self._engine_thread = engine_thread or engine_thread_executor()
         self.num_blocks_imported = 0
         self.num_blocks_exported = 0
         self.num_event_batches_dropped = 0
@@ -141,7 +155,8 @@ class WorkerCore(WorkerRequests, WorkerKV):
         if self._step_in_flight is not None:  # its thread runs on after the loop's cancel
             with contextlib.suppress(Exception):
                 await self._step_in_flight
-        await asyncio.to_thread(self.engine.close)
+        await asyncio.get_running_loop().run_in_executor(self._engine_thread, self.engine.close)
+        self._engine_thread.shutdown(wait=False)
 
     async def _housekeeping_loop(self) -> None:
         """Every quarter lease: abort the orphans of expired owners, send a heartbeat on every
@@ -170,7 +185,8 @@ class WorkerCore(WorkerRequests, WorkerKV):
             prefilling, start_ns = self.traces.before_step(self.engine.scheduler), time.time_ns()
             failure = None
             try:
-                self._step_in_flight = asyncio.ensure_future(asyncio.to_thread(self._step))
+                step = asyncio.get_running_loop().run_in_executor(self._engine_thread, self._step)
+                self._step_in_flight = step
                 # Shielded: a `close` cancelling the loop must still be able to wait for it.
                 deltas = await asyncio.shield(self._step_in_flight)
                 self._step_in_flight = None

@@ -1,6 +1,7 @@
 """WorkerCore without Ray: streaming, cancellation, abort, snapshots and prefix transfer."""
 
 import asyncio
+import threading
 
 import pytest
 from support.engine import finish_clean
@@ -48,6 +49,31 @@ def test_stream_equals_offline_and_ends_with_usage(tiny_llama):
         assert last.finish_reason == "length" and last.usage.completion_tokens == 12
         assert last.usage.prompt_tokens == len(prompt) - i and last.worker_id == "w0"
         assert all(d.finish_reason is None for d in deltas[:-1])
+    finish_clean(llm)
+
+
+def test_every_step_and_the_close_run_on_the_one_engine_thread(tiny_llama):
+    """One thread for all the engine's OpenMP work: a second would slow every step."""
+    llm, core = make_core(tiny_llama)
+    threads = []
+    step, close = llm.engine.step, llm.engine.close
+
+    def recorded(fn):
+        def call():
+            threads.append(threading.current_thread())
+            return fn()
+
+        return call
+
+    llm.engine.step, llm.engine.close = recorded(step), recorded(close)
+
+    async def main():
+        await asyncio.gather(*(collect(core, f"r{i}", list(range(3, 20 + i))) for i in range(3)))
+        await core.close()
+
+    asyncio.run(main())
+    assert len(threads) > 12 and len(set(threads)) == 1
+    assert threads[0] is not threading.main_thread() and threads[0].name.startswith("engine")
     finish_clean(llm)
 
 
