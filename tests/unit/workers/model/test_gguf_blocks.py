@@ -10,8 +10,12 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType, quants
 
-from pagedserve.kernels.cpu_blocks import FORMAT_Q4_1, FORMAT_Q8_0, block_dequantize
-from pagedserve.kernels.cpu_blocks import blocks_available
+from pagedserve.kernels.cpu_blocks import (
+    FORMAT_Q4_1,
+    FORMAT_Q8_0,
+    block_dequantize,
+    blocks_available,
+)
 from pagedserve.workers.model.cpu_linear import Projection, describe_block_codes
 from pagedserve.workers.model.gguf_blocks import find_block_codes
 
