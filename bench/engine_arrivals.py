@@ -10,15 +10,13 @@ workload.
 
 The engine is the served worker's (`serve_compare_engine.served_worker_layout`): its
 `EngineConfig`, its torch threads (``OMP_NUM_THREADS``, set by the parent as Ray sets it for
-the worker), its niceness and cores (set here first, as `Worker.__init__` does), and steps
-taken on a thread of their own, as the worker's loop takes them (`WorkerCore._run_loop`:
-`asyncio.to_thread`). The last matters: libgomp spins at its barriers while it manages no
-more threads than the machine has cores, and throttles the spin once it manages more (a
-second thread starting OpenMP work adds its own team). Stepped on the main thread, with 2
-torch threads on the 2 loaded cores of bench/README.md, tiny-llama's steps took 110-520 ms
-and 2.5-4.6 CPU-s a run of 8 requests; on a thread of their own 3.4-4.7 ms and 0.2 CPU-s,
-as in the served worker. That spin is what made this arm's steps 10-100 times the served
-worker's.
+the worker), its niceness and cores (set here first, as `Worker.__init__` does), and one thread of
+its own that builds the engine and takes every step, as the worker's does
+(`WorkerCore._engine_thread`). The last matters: libgomp gives each thread that starts OpenMP
+work a team of its own, spins at its barriers while it manages no more threads than the
+machine has cores, and throttles the spin once it manages more. Built on the main thread and
+stepped on another, SmolLM2's decode steps took about twice as long as built and stepped on
+one (bench/README.md, "GGUF block codes and one engine thread").
 
 python -m pagedserve.bench.engine_arrivals SPEC.json OUT.json
 
@@ -136,9 +134,10 @@ def main(argv: Sequence[str]) -> int:
     from pagedserve.workers.engine.config import EngineConfig
     from pagedserve.workers.engine.engine import Engine
 
-    engine = Engine(EngineConfig(**spec["engine"]))
-    # One thread steps, as the served worker's loop does (see the module docstring).
+    # One thread builds the engine and takes its steps, as the served worker's does (see the
+    # module docstring).
     with ThreadPoolExecutor(1, thread_name_prefix="engine-step") as stepper:
+        engine = stepper.submit(Engine, EngineConfig(**spec["engine"])).result()
 
         def step() -> list:
             return stepper.submit(engine.step).result()
