@@ -18,7 +18,7 @@ import logging
 
 import torch
 
-from pagedserve.kernels.cpu_build import CSRC, build_and_load
+from pagedserve.kernels.cpu_build import CSRC, build_and_load, loads
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +50,7 @@ def blocks_available() -> bool:
     if capability != "AVX512":
         logger.info("GGUF block-code projections need AVX-512; this CPU: %s", capability)
         return False
-    try:
-        _load()
-    except (RuntimeError, OSError, ImportError) as exc:
-        logger.warning("GGUF block-code kernel unavailable, projections stay float32: %s", exc)
-        return False
-    return True
+    return loads(_load, "GGUF block-code kernel unavailable, projections stay on oneDNN")
 
 
 def block_linear(x: torch.Tensor, codes: torch.Tensor, n: int, k: int, fmt: int) -> torch.Tensor:

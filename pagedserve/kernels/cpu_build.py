@@ -11,9 +11,13 @@ rebuilding in turn. The build needs only the C++ compiler torch's own extension 
 from __future__ import annotations
 
 import hashlib
+import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 
@@ -49,3 +53,14 @@ def build_and_load(stem: str, source: Path, extra_cflags: tuple[str, ...] = ()) 
         is_python_module=False,
         verbose=False,
     )
+
+
+def loads(load: Callable[[], None], fallback: str) -> bool:
+    """Whether ``load`` (a cached `build_and_load` call) succeeds; a failure is logged with
+    what is used instead (``fallback``)."""
+    try:
+        load()
+    except (RuntimeError, OSError, ImportError) as exc:
+        logger.warning("%s: %s", fallback, exc)
+        return False
+    return True

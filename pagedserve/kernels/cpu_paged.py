@@ -46,16 +46,13 @@ times the row's scale), so no full-precision copy of the context is made.
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 
 from pagedserve.kernels._checks import check_decode, check_prefill
-from pagedserve.kernels.cpu_build import CSRC, build_and_load
+from pagedserve.kernels.cpu_build import CSRC, build_and_load, loads
 from pagedserve.kernels.kv_quant import as_bytes, format_code
 from pagedserve.kernels.reference import prefill_one_sequence
-
-logger = logging.getLogger(__name__)
 
 # Sequences with more new tokens than this leave the op for the reference's gather + SDPA:
 # SDPA's blocked GEMMs beat the op's loops on long query runs, where the one gather of the
@@ -76,12 +73,7 @@ def _load() -> None:
 @functools.cache
 def cpu_paged_available() -> bool:
     """Whether the C++ op builds and loads here (built once per machine, then cached)."""
-    try:
-        _load()
-    except (RuntimeError, OSError, ImportError) as exc:
-        logger.warning("CPU paged-attention kernel unavailable, using the torch reference: %s", exc)
-        return False
-    return True
+    return loads(_load, "CPU paged-attention kernel unavailable, using the torch reference")
 
 
 def _int32(index: torch.Tensor) -> torch.Tensor:
@@ -108,20 +100,8 @@ def paged_attention_cpu(
     the pool; table entries past a sequence's last block (padding, -1) are never read.
     """
     check_prefill(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale)
-    _load()
-    # Zeros: rows past query_start_loc[-1] (or of sequences with no new token) stay zero.
-    out = torch.zeros_like(query, memory_format=torch.contiguous_format)
-    torch.ops.pagedserve_cpu.paged_attention(
-        out,
-        query.contiguous(),
-        as_bytes(key_cache),
-        as_bytes(value_cache),
-        _int32(block_tables),
-        _int32(query_start_loc),
-        _int32(seq_lens),
-        float(scale),
-        MAX_IN_PLACE_QUERY,
-        format_code(key_cache),
+    out = _attend_in_place(
+        query, key_cache, value_cache, block_tables, _int32(query_start_loc), seq_lens, scale
     )
     starts = query_start_loc.tolist()
     long_runs = [
@@ -150,6 +130,21 @@ def paged_decode_attention_cpu(
     run in the op's one call: nothing is left for the reference's gather.
     """
     check_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
+    starts = _one_token_each(query.shape[0])
+    return _attend_in_place(query, key_cache, value_cache, block_tables, starts, seq_lens, scale)
+
+
+def _attend_in_place(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The op's one call over checked arguments (``query_start_loc`` already int32): every
+    sequence of at most `MAX_IN_PLACE_QUERY` new tokens; the other rows stay zero."""
     _load()
     out = torch.zeros_like(query, memory_format=torch.contiguous_format)
     torch.ops.pagedserve_cpu.paged_attention(
@@ -158,7 +153,7 @@ def paged_decode_attention_cpu(
         as_bytes(key_cache),
         as_bytes(value_cache),
         _int32(block_tables),
-        _one_token_each(query.shape[0]),
+        query_start_loc,
         _int32(seq_lens),
         float(scale),
         MAX_IN_PLACE_QUERY,
