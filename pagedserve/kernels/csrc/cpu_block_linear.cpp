@@ -21,10 +21,12 @@
 //     acc = 0;  for k in 0 .. K-1:  acc = fma(x[k], w[k], acc)
 //
 // so a sequence's logits have the same bits alone or among 4,000 other rows, and on 1 thread
-// or many (work is split over output columns only, never over K). Each thread dequantises one
-// group of up to 4 tiles for the whole K into a panel [K][64] of floats (at most 384 KiB for
-// K = 1,536), then multiplies every row of x against it, 6 rows at a time, so the codes are
-// decoded once per call however many rows there are.
+// or many (work is split over output columns only, never over K). A call of up to 6 rows (a
+// decode step) decodes each weight into a register and uses it there (`rows_times_codes`).
+// A longer one has each thread decode a group of up to 4 tiles for the whole K into a panel
+// [K][64] of floats (at most 384 KiB for K = 1,536), then multiply every row of x against it,
+// 6 rows at a time, so the codes are decoded once per call however many rows there are. Both
+// paths build the same weights and add them in the same order: the same bits.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
