@@ -24,7 +24,6 @@ logger = logging.getLogger(__name__)
 
 FORMAT_Q4_1 = 1
 FORMAT_Q8_0 = 2
-BYTES_PER_BLOCK = {FORMAT_Q4_1: 320, FORMAT_Q8_0: 544}
 TILE_COLUMNS = 16
 BLOCK_VALUES = 32
 
@@ -54,8 +53,9 @@ def blocks_available() -> bool:
 
 
 def block_linear(x: torch.Tensor, codes: torch.Tensor, n: int, k: int, fmt: int) -> torch.Tensor:
-    """``x @ W.T`` (``[..., n]``, float32) for the ``n x k`` weight ``W`` that ``codes`` hold."""
-    _load()
+    """``x @ W.T`` (``[..., n]``, float32) for the ``n x k`` weight ``W`` that ``codes`` hold.
+
+    On a decode step's path: the op is loaded already (codes come from `block_dequantize`)."""
     rows = x.reshape(-1, k).contiguous()
     out = torch.empty(rows.shape[0], n, dtype=torch.float32)
     if rows.shape[0]:

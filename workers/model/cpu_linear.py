@@ -116,9 +116,8 @@ def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) 
     """
     if name not in LINEAR_BACKENDS:
         raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {name!r}")
-    gguf_runs = onednn_supported(device, dtype) and dtype == torch.float32 and blocks_available()
     if name == "auto":
-        if gguf_runs:
+        if _gguf_runs(device, dtype):
             return "gguf"
         return "onednn" if onednn_supported(device, dtype) and _native(dtype) else "torch"
     if name == "onednn" and not onednn_supported(device, dtype):
@@ -126,13 +125,19 @@ def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) 
             "linear_backend 'onednn' needs the CPU, float32 or bfloat16 weights and a torch "
             f"built with oneDNN; here: device {device}, dtype {dtype}"
         )
-    if name == "gguf" and not gguf_runs:
+    if name == "gguf" and not _gguf_runs(device, dtype):
         raise ValueError(
             "linear_backend 'gguf' needs the CPU with AVX-512, float32 weights and a torch "
             f"built with oneDNN; here: device {device}, dtype {dtype}, CPU capability "
             f"{torch.backends.cpu.get_cpu_capability()}"
         )
     return name
+
+
+def _gguf_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether block codes can run here; only asked when `auto` or `gguf` is named, since the
+    first answer on a machine builds the op."""
+    return onednn_supported(device, dtype) and dtype == torch.float32 and blocks_available()
 
 
 def _native(dtype: torch.dtype) -> bool:

@@ -80,10 +80,8 @@ def find_block_codes(weight: Tensor) -> BlockCodes | None:
     weight = weight.detach()
     for fmt, recover in ((FORMAT_Q4_1, _recover_q4_1), (FORMAT_Q8_0, _recover_q8_0)):
         packed = _pack_all(weight, fmt, recover)
-        if packed is not None:
-            codes = BlockCodes(packed, n, k, fmt)
-            if torch.equal(block_dequantize(packed, n, k, fmt), weight):
-                return codes
+        if packed is not None and torch.equal(block_dequantize(packed, n, k, fmt), weight):
+            return BlockCodes(packed, n, k, fmt)
     return None
 
 

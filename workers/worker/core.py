@@ -120,7 +120,7 @@ class WorkerCore(WorkerRequests, WorkerKV):
         # manages more threads than the machine has cores it stops spinning between parallel
         # regions, so every one of a step's ~200 regions waits for its threads to wake. Built
         # on the main thread and stepped on asyncio's pool, SmolLM2's decode step took twice
-        # as long (bench/README.md, "One engine thread").
+        # as long (bench/README.md, "GGUF block codes and one engine thread").
         self._engine_thread = engine_thread or engine_thread_executor()
         self.num_blocks_imported = 0
         self.num_blocks_exported = 0
@@ -185,8 +185,8 @@ class WorkerCore(WorkerRequests, WorkerKV):
             prefilling, start_ns = self.traces.before_step(self.engine.scheduler), time.time_ns()
             failure = None
             try:
-                step = asyncio.get_running_loop().run_in_executor(self._engine_thread, self._step)
-                self._step_in_flight = step
+                loop = asyncio.get_running_loop()
+                self._step_in_flight = loop.run_in_executor(self._engine_thread, self._step)
                 # Shielded: a `close` cancelling the loop must still be able to wait for it.
                 deltas = await asyncio.shield(self._step_in_flight)
                 self._step_in_flight = None
