@@ -175,6 +175,21 @@ def test_ray_s_own_tools_reach_the_cluster_as_its_start_line_says(served):
     assert status.returncode == 0 and "Active:" in status.stdout, status.stderr[-2000:]
 
 
+def test_the_local_cluster_s_log_monitor_lists_its_files_every_half_second(served):
+    """The server starts its local Ray with `RAY_LOG_MONITOR_MANY_FILES_THRESHOLD=0`
+    (`ray_startup.quiet_log_monitor`): the log monitor's idle file listing, 0.1 s apart
+    otherwise."""
+    served.wait_for_line(r"^pagedserve: serving on ")
+    monitors = [
+        pid
+        for pid, _ in processes_marked(served.marker)
+        if "log_monitor.py" in " ".join(psutil.Process(pid).cmdline())
+    ]
+    assert len(monitors) == 1, monitors
+    environ = Path(f"/proc/{monitors[0]}/environ").read_bytes().split(b"\0")
+    assert b"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD=0" in environ
+
+
 # ------------------------------------------------------- HTTP by the replica
 def test_the_router_replica_itself_listens_on_the_http_port(served):
     line = served.wait_for_line(r"^pagedserve: serving on ")

@@ -1,12 +1,13 @@
 """Ray's start-up deadlines: raised where the environment says nothing, kept where it does;
 the node-registration wait that Ray fixes at 30 s, made patient; grpcio's fork handlers off in
-every process that starts Ray's."""
+every process that starts Ray's; the local cluster's log monitor listing its files less often."""
 
 import inspect
 import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -15,11 +16,13 @@ import ray._private.services
 
 from pagedserve.cluster.serve.ray_startup import (
     GRPC_EXEC_ONLY_FORKS,
+    LOG_MONITOR_ENV,
     NODE_REGISTRATION_DEADLINE_S,
     STARTUP_DEADLINES,
     allow_slow_startup,
     exec_only_forks,
     patient,
+    quiet_log_monitor,
 )
 
 TESTS = Path(__file__).resolve().parents[3]
@@ -47,6 +50,32 @@ def test_a_deadline_the_environment_sets_is_kept():
     assert environ["RAY_agent_register_timeout_ms"] == "45000"
     assert environ["RAY_worker_register_timeout_seconds"] == "300"
     assert environ["PATH"] == "/bin"
+
+
+def test_the_log_monitor_lists_its_files_every_half_second_unless_told_otherwise():
+    environ = {"PATH": "/bin"}
+    quiet_log_monitor(environ)
+    assert environ == {"PATH": "/bin", **LOG_MONITOR_ENV}
+    told = {"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "50"}
+    quiet_log_monitor(told)
+    assert told == {"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "50"}
+
+
+def test_ray_s_log_monitor_under_that_setting_lists_its_files_only_past_the_interval(
+    monkeypatch,
+):
+    """If a Ray upgrade renames the variable or lists files on another condition, this fails."""
+    from ray._private import log_monitor
+
+    source = inspect.getsource(log_monitor)
+    assert 'os.getenv("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD"' in source
+    threshold = int(LOG_MONITOR_ENV["RAY_LOG_MONITOR_MANY_FILES_THRESHOLD"])
+    monkeypatch.setattr(log_monitor, "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", threshold)
+    monitor = log_monitor.LogMonitor.__new__(log_monitor.LogMonitor)
+    monitor.log_filenames = {"worker-1.out", "worker-1.err"}
+    now = time.time()
+    assert not monitor.should_update_filenames(now)
+    assert monitor.should_update_filenames(now - 2 * log_monitor.LOG_NAME_UPDATE_INTERVAL_S)
 
 
 def test_the_test_session_itself_starts_ray_with_them():
