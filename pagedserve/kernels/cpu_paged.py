@@ -101,7 +101,7 @@ def paged_attention_cpu(
     """
     check_prefill(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale)
     out = _attend_in_place(
-        query, key_cache, value_cache, block_tables, _int32(query_start_loc), seq_lens, scale
+        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale
     )
     starts = query_start_loc.tolist()
     long_runs = [
@@ -143,8 +143,8 @@ def _attend_in_place(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """The op's one call over checked arguments (``query_start_loc`` already int32): every
-    sequence of at most `MAX_IN_PLACE_QUERY` new tokens; the other rows stay zero."""
+    """The op's one call over checked arguments: every sequence of at most
+    `MAX_IN_PLACE_QUERY` new tokens; the other rows stay zero."""
     _load()
     out = torch.zeros_like(query, memory_format=torch.contiguous_format)
     torch.ops.pagedserve_cpu.paged_attention(
@@ -153,7 +153,7 @@ def _attend_in_place(
         as_bytes(key_cache),
         as_bytes(value_cache),
         _int32(block_tables),
-        query_start_loc,
+        _int32(query_start_loc),
         _int32(seq_lens),
         float(scale),
         MAX_IN_PLACE_QUERY,
