@@ -95,12 +95,17 @@ def serve_until_stopped(
     import ray
 
     from pagedserve.cluster.serve.preflight import StartError
-    from pagedserve.cluster.serve.ray_startup import allow_slow_startup, quiet_log_monitor
+    from pagedserve.cluster.serve.ray_startup import (
+        allow_slow_startup,
+        quiet_log_monitor,
+        quiet_observability,
+    )
 
     local = plan.address is None
     allow_slow_startup()
     if local:
         quiet_log_monitor()
+        quiet_observability(plan.ray_dashboard)
     signals.phase = Phase.STARTING
     try:
         context = ray.init(address=plan.address or "local", include_dashboard=plan.ray_dashboard)

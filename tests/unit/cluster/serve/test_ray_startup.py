@@ -1,6 +1,7 @@
 """Ray's start-up deadlines: raised where the environment says nothing, kept where it does;
 the node-registration wait that Ray fixes at 30 s, made patient; grpcio's fork handlers off in
-every process that starts Ray's; the local cluster's log monitor listing its files less often."""
+every process that starts Ray's; the local cluster's log monitor listing its files less often,
+and what it records for no reader."""
 
 import inspect
 import os
@@ -18,11 +19,14 @@ from pagedserve.cluster.serve.ray_startup import (
     GRPC_EXEC_ONLY_FORKS,
     LOG_MONITOR_ENV,
     NODE_REGISTRATION_DEADLINE_S,
+    QUIET_TASK_EVENTS_ENV,
+    SERVE_METRICS_ENV,
     STARTUP_DEADLINES,
     allow_slow_startup,
     exec_only_forks,
     patient,
     quiet_log_monitor,
+    quiet_observability,
 )
 
 TESTS = Path(__file__).resolve().parents[3]
@@ -76,6 +80,50 @@ def test_ray_s_log_monitor_under_that_setting_lists_its_files_only_past_the_inte
     now = time.time()
     assert not monitor.should_update_filenames(now)
     assert monitor.should_update_filenames(now - 2 * log_monitor.LOG_NAME_UPDATE_INTERVAL_S)
+
+
+def test_without_the_dashboard_a_local_cluster_records_no_task_events_or_event_stats():
+    environ = {"PATH": "/bin"}
+    quiet_observability(dashboard=False, environ=environ)
+    assert environ == {
+        "PATH": "/bin",
+        "RAY_task_events_report_interval_ms": "0",
+        "RAY_event_stats": "0",
+        "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
+    }
+
+
+def test_with_the_dashboard_its_task_views_keep_their_events():
+    environ: dict[str, str] = {}
+    quiet_observability(dashboard=True, environ=environ)
+    assert environ == {"RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
+
+
+def test_what_the_environment_says_about_them_is_kept():
+    told = {
+        "RAY_task_events_report_interval_ms": "1000",
+        "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "0",
+    }
+    quiet_observability(dashboard=False, environ=told)
+    assert told["RAY_task_events_report_interval_ms"] == "1000"
+    assert told["RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"] == "0"
+    assert told["RAY_event_stats"] == "0"
+
+
+def test_ray_still_reads_those_variables():
+    """Ray's C++ processes (every worker's core worker, the GCS) read `RAY_<setting>` for each
+    of their settings, and Serve reads its metrics interval in Python: if a Ray upgrade drops
+    or renames one, this fails."""
+    from ray.serve._private import constants
+
+    ray_dir = Path(ray._private.node.__file__).resolve().parents[1]
+    programs = [ray_dir / "_raylet.so", ray_dir / "core/src/ray/gcs/gcs_server"]
+    for program in programs:
+        binary = program.read_bytes()
+        for name in QUIET_TASK_EVENTS_ENV:
+            assert name.encode() + b"\0" in binary, (program, name)
+    (name,) = SERVE_METRICS_ENV
+    assert f'"{name}", 100' in inspect.getsource(constants)
 
 
 def test_the_test_session_itself_starts_ray_with_them():
