@@ -24,6 +24,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "pagedserve.bench.fairness",
     "pagedserve.bench.beam",
     "pagedserve.bench.lora",
+    "pagedserve.bench.ray_hop",
 )
 
 
