@@ -129,7 +129,10 @@ class SimWorkerHost:
         self.cores[slot].submit_to_channel(request)
 
     @ray.method(_generator_backpressure_num_objects=STREAM_BACKPRESSURE_OBJECTS)
-    async def channel(self, slot: int, owner_id: str) -> AsyncIterator[StepBatch]:
+    async def channel(
+        self, slot: int, owner_id: str, lane: object = None
+    ) -> AsyncIterator[StepBatch]:
+        """Every batch through Ray: a simulated worker connects no lane (`lane` unused)."""
         async for batch in self.cores[slot].channel(owner_id):
             yield batch
 

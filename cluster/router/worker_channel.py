@@ -26,11 +26,13 @@ ended, or whose worker restarted (a new epoch), is opened anew for the next requ
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 
 import ray
 
+from pagedserve.cluster.router.lane_server import LaneInbox, lane_server
 from pagedserve.cluster.router.worker_liveness import WORKER_LOST_ERRORS
 from pagedserve.cluster.router.worker_state import WorkerState
 from pagedserve.workers.protocol.errors import NoWorkerAvailable, RequestRejected, WorkerLost
@@ -38,6 +40,7 @@ from pagedserve.workers.protocol.requests import WorkerRequest
 from pagedserve.workers.protocol.stream import (
     RequestFailed,
     RequestMoved,
+    StepBatch,
     StreamDelta,
     StreamMessage,
 )
@@ -45,6 +48,10 @@ from pagedserve.workers.ray_internals import detached_context, detached_task
 from pagedserve.workers.worker.stream import DeltaBuffer
 
 logger = logging.getLogger(__name__)
+
+# How long the end of a lane's channel waits for what its worker sent through the lane before
+# it ended the call (the worker flushes its lane first, so it is there at once).
+LANE_END_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -195,14 +202,22 @@ class WorkerChannel:
         self.end_streams(error)
 
     async def _read(self) -> None:
-        call = self.worker.handle.channel.remote(self.owner_id)
-        streams = self.streams
+        server = await lane_server()
+        lane, inbox = server.expect() if server is not None else (None, None)
+        handle = self.worker.handle
+        call = (
+            handle.channel.remote(self.owner_id, lane)
+            if lane is not None
+            else handle.channel.remote(self.owner_id)
+        )
+        in_order = _InOrder(self.streams)
+        lane_reader = detached_task(_read_lane(inbox, in_order)) if inbox is not None else None
         try:
             async for ref in call:
-                for message in (await ref).messages:
-                    stream = streams.get(message.request_id)
-                    if stream is not None:  # None: a leg that ended (an abort's last delta)
-                        stream.put(message)
+                in_order.put(await ref)
+            if inbox is not None and inbox.attached:  # what the worker sent before its end
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(lane_reader), LANE_END_TIMEOUT_S)
             ended: BaseException = WorkerLost(f"worker {self.worker.worker_id} ended its channel")
         except WORKER_LOST_ERRORS as error:
             logger.warning("channel to worker %s lost: %s", self.worker.worker_id, error)
@@ -215,7 +230,43 @@ class WorkerChannel:
         except Exception as error:  # a channel that failed otherwise: its streams cannot go on
             logger.exception("channel to worker %s failed", self.worker.worker_id)
             ended = WorkerLost(f"worker {self.worker.worker_id}'s channel failed: {error}")
+        finally:
+            if inbox is not None:
+                lane_reader.cancel()
+                inbox.close()
+                server.forget(lane)
         self.end_streams(ended)
+
+
+class _InOrder:
+    """Hands a channel's batches to their requests' streams in the worker's order: a numbered
+    batch (one of a lane's channel: through the lane, or through Ray when it holds object
+    references) waits for those before it; an unnumbered one goes at once."""
+
+    def __init__(self, streams: dict[str, RequestStream]) -> None:
+        self.streams = streams
+        self.next_seq = 1
+        self.waiting: dict[int, StepBatch] = {}
+
+    def put(self, batch: StepBatch) -> None:
+        if batch.seq == 0:
+            self._hand_out(batch)
+            return
+        self.waiting[batch.seq] = batch
+        while (ready := self.waiting.pop(self.next_seq, None)) is not None:
+            self._hand_out(ready)
+            self.next_seq += 1
+
+    def _hand_out(self, batch: StepBatch) -> None:
+        for message in batch.messages:
+            stream = self.streams.get(message.request_id)
+            if stream is not None:  # None: a leg that ended (an abort's last delta)
+                stream.put(message)
+
+
+async def _read_lane(inbox: LaneInbox, in_order: _InOrder) -> None:
+    while (batch := await inbox.batches.get()) is not None:
+        in_order.put(batch)
 
 
 class WorkerChannels:

@@ -1,7 +1,7 @@
 """A real Worker actor and owner leases: a request whose owner never renews is aborted by the
 worker (pool clean), one whose owner renews (via `stats(owner_id)`) lives past the lease; and
 before any lease: an owner that dies has its channel closed by Ray, and its requests end at
-once."""
+once; the same through a channel's lane, which carries every batch, numbered."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import time
 import pytest
 import ray
 
+from pagedserve.cluster.router.lane_server import LaneServer
 from pagedserve.workers.deadline import within
 from pagedserve.workers.engine.config import EngineConfig
 from pagedserve.workers.protocol.requests import WorkerRequest
@@ -108,5 +109,67 @@ def test_a_dead_owner_s_channel_closes_and_its_requests_end_at_once(worker):
 
     before, after, pool = asyncio.run(main())
     assert after.lease_expired == before.lease_expired  # not by the lease: by the channel
+    assert after.num_steps - before.num_steps < long.max_tokens  # aborted, not finished
+    assert pool.clean and pool.error is None
+
+
+def test_a_lane_carries_every_batch_numbered_and_its_close_ends_the_channel(worker):
+    """`workers/protocol/lane.py`: with a lane, the channel's batches come through it in order
+    (1, 2, ...) and none through Ray; the router closing its lane ends the channel call."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    request = WorkerRequest.fresh("laned", list(range(20)), params, owner_id="router-lane")
+
+    async def main():
+        server = LaneServer("127.0.0.1")
+        await server.start()
+        lane, inbox = server.expect()
+        channel = worker.channel.remote(request.owner_id, lane)
+        through_ray = asyncio.ensure_future(read(channel))
+        await worker.submit.remote(request)
+        batches = []
+        while not any(d.finish_reason for b in batches for d in b.messages):
+            batches.append(await within(inbox.batches.get(), DEADLINE_S))
+        inbox.close()  # the router is done with this channel
+        return batches, await within(through_ray, DEADLINE_S)
+
+    batches, ray_items = asyncio.run(main())
+    assert ray_items == []
+    assert [b.seq for b in batches] == list(range(1, len(batches) + 1))
+    tokens = [t for b in batches for d in b.messages for t in d.token_ids]
+    assert len(tokens) == params.max_tokens
+    assert ray.get(worker.check_pool.remote()).clean
+
+
+@ray.remote
+class LaneReader:
+    """Stands for a router reading its channel through a lane, until killed."""
+
+    async def read(self, worker, request: WorkerRequest) -> None:
+        server = LaneServer("127.0.0.1")
+        await server.start()
+        lane, inbox = server.expect()
+        channel = worker.channel.remote(request.owner_id, lane)
+        await worker.submit.remote(request)
+        while await inbox.batches.get() is not None:
+            pass
+        async for ref in channel:
+            await ref
+
+
+def test_a_dead_owner_s_lane_closes_and_its_requests_end_at_once(worker):
+    long = SamplingParams(max_tokens=480, temperature=0.0, ignore_eos=True)  # the whole pool
+    request = WorkerRequest.fresh("dead-lane", list(range(20)), long, owner_id="router-dead-2")
+
+    async def main():
+        before = await worker.stats.remote()
+        reader = LaneReader.remote()
+        reader.read.remote(worker, request)
+        await wait_for(lambda: _stat(worker, "num_streams", 1), "the request to stream")
+        ray.kill(reader)  # the router's process ends: its end of the lane closes with it
+        await wait_for(lambda: _stat(worker, "num_streams", 0), "the request to end")
+        return before, await worker.stats.remote(), await worker.check_pool.remote()
+
+    before, after, pool = asyncio.run(main())
+    assert after.lease_expired == before.lease_expired  # not by the lease: by the lane
     assert after.num_steps - before.num_steps < long.max_tokens  # aborted, not finished
     assert pool.clean and pool.error is None

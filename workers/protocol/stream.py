@@ -203,10 +203,14 @@ class StepBatch:
     Attributes:
         worker_id: the worker that sent it.
         messages: in the order the engine made them (a branch's deltas stay in order).
+        seq: its number in a channel with a lane (1, 2, ...; `workers/protocol/lane.py`),
+            by which the router orders what came through the lane and through Ray; 0: not
+            numbered, sent through Ray alone (which keeps the order).
     """
 
     worker_id: str
     messages: tuple[StreamMessage, ...] = ()
+    seq: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.messages, tuple):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import os
 from collections.abc import AsyncIterator, Sequence
@@ -33,6 +34,7 @@ from pagedserve.workers.process.pid_files import DEFAULT_PID_DIR, register_pid
 from pagedserve.workers.protocol.blocks import BlockKey
 from pagedserve.workers.protocol.events import KVEvent, KVSnapshot
 from pagedserve.workers.protocol.handoff import RequestHandoff
+from pagedserve.workers.protocol.lane import LaneAddress
 from pagedserve.workers.protocol.requests import WorkerRequest
 from pagedserve.workers.protocol.role import WorkerRole
 from pagedserve.workers.protocol.stats import (
@@ -46,6 +48,7 @@ from pagedserve.workers.protocol.stream import RequestMoved, StepBatch, StreamDe
 from pagedserve.workers.telemetry.request_trace import migration_span
 from pagedserve.workers.telemetry.telemetry import TelemetryConfig, worker_tracing
 from pagedserve.workers.transfer import handoff_ref
+from pagedserve.workers.worker.lane import connect as lane_connect
 from pagedserve.workers.worker.lease import DEFAULT_LEASE_TIMEOUT_S
 from pagedserve.workers.worker.stream import DEFAULT_MAX_BUFFERED_DELTAS, RUN_AHEAD_MESSAGES
 
@@ -258,14 +261,35 @@ class Worker:
         await self.core.submit(request)
 
     @ray.method(_generator_backpressure_num_objects=CHANNEL_BACKPRESSURE_OBJECTS)
-    async def channel(self, owner_id: str) -> AsyncIterator[StepBatch]:
+    async def channel(
+        self, owner_id: str, lane: LaneAddress | None = None
+    ) -> AsyncIterator[StepBatch]:
         """Streaming: every message of `owner_id`'s requests here, one `StepBatch` per engine
-        step (see `WorkerCore.channel`). A newer call of the same owner supersedes this one."""
-        async for batch in self.core.channel(owner_id):
-            if any(isinstance(m, RequestMoved) for m in batch.messages):
-                messages = tuple(self._kv_by_reference(m) for m in batch.messages)
-                batch = dataclasses.replace(batch, messages=messages)
-            yield batch
+        step (see `WorkerCore.channel`). A newer call of the same owner supersedes this one.
+
+        With a `lane` the owner listens on, the batches go there, numbered, and only one
+        holding a `RequestMoved` (its KV by object reference) comes through this call; the
+        lane closed by the owner ends the channel as the call's end would
+        (`workers/protocol/lane.py`). A lane that cannot be reached: everything through
+        here."""
+        sender = await lane_connect(lane) if lane is not None else None
+        numbers = itertools.count(1) if sender is not None else itertools.repeat(0)
+        try:
+            async with aclosing(self.core.channel(owner_id)) as batches:
+                async for batch in batches:
+                    moved = any(isinstance(m, RequestMoved) for m in batch.messages)
+                    batch = dataclasses.replace(batch, seq=next(numbers)) if sender else batch
+                    if sender is not None and not moved:
+                        if not await sender.send(batch):
+                            return  # the owner is gone: its requests here are aborted
+                        continue
+                    if moved:
+                        messages = tuple(self._kv_by_reference(m) for m in batch.messages)
+                        batch = dataclasses.replace(batch, messages=messages)
+                    yield batch
+        finally:
+            if sender is not None:
+                await sender.close()
 
     async def set_paused(self, request_id: str, paused: bool, seq: int) -> None:
         """The router's buffer of a channel's request filled up (pause) or drained (resume);

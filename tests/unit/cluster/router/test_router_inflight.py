@@ -75,7 +75,7 @@ class _RefusingWorker:
         async def submit(request) -> None:
             raise RequestRejected("request_id 'r1' is already in flight")
 
-        async def channel(owner_id: str):
+        async def channel(owner_id: str, lane=None):
             await asyncio.Event().wait()  # nothing to send
             yield
 

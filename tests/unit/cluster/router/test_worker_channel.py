@@ -47,7 +47,7 @@ class FakeWorker:
     def send(self, *messages: StreamDelta | RequestFailed) -> None:
         self.sent.put_nowait(StepBatch("w0", tuple(messages)))
 
-    async def _channel(self, owner_id: str):
+    async def _channel(self, owner_id: str, lane=None):  # connects no lane: all through here
         self.channels_opened += 1
         while True:
             item = await self.sent.get()
@@ -250,3 +250,31 @@ def test_a_leg_left_on_a_worker_dropped_from_routing_is_still_aborted():
         return handle.aborted
 
     assert asyncio.run(main()) == ["r"]
+
+
+def test_numbered_batches_reach_their_streams_in_the_worker_s_order():
+    """A lane's channel: a batch through Ray (one holding a `RequestMoved`) may come before the
+    lane's batches sent ahead of it; each waits for those before it. Unnumbered: at once."""
+    from pagedserve.cluster.router.worker_channel import _InOrder
+
+    class Stream:
+        def __init__(self) -> None:
+            self.got: list[int] = []
+
+        def put(self, message: StreamDelta) -> None:
+            self.got.append(message.token_ids[0])
+
+    stream = Stream()
+    in_order = _InOrder({"r1": stream})
+
+    def numbered(seq: int, token: int) -> StepBatch:
+        return StepBatch("w0", (delta("r1", token),), seq=seq)
+
+    in_order.put(numbered(3, 30))
+    assert stream.got == []
+    in_order.put(numbered(1, 10))
+    assert stream.got == [10]
+    in_order.put(StepBatch("w0", (delta("gone", 99),), seq=2))  # a leg that ended: skipped
+    assert stream.got == [10, 30]
+    in_order.put(StepBatch("w0", (delta("r1", 7),)))
+    assert stream.got == [10, 30, 7]

@@ -1,0 +1,74 @@
+"""The worker's end of a channel's lane (`workers/protocol/lane.py`): connect to the router,
+present the token, send numbered batches until the router closes its end."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import pickle
+
+from pagedserve.workers.protocol.lane import LaneAddress, frame
+from pagedserve.workers.protocol.stream import StepBatch
+
+logger = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 10.0
+
+
+class LaneSender:
+    """The worker's end of a lane: sends numbered batches until the router closes it.
+
+    Args:
+        reader: the connection's reading side, watched for the router's close.
+        writer: its writing side.
+    """
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writer = writer
+        self._watch = asyncio.ensure_future(reader.read())  # the router never sends: EOF
+
+    @property
+    def open(self) -> bool:
+        """False once the router closed its end (or its process ended)."""
+        return not self._watch.done() and not self._writer.is_closing()
+
+    async def send(self, batch: StepBatch) -> bool:
+        """Send `batch`, waiting while the router is behind. False: the lane is gone, and
+        so is the reader of this channel."""
+        if not self.open:
+            return False
+        try:
+            self._writer.write(frame(pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)))
+            await self._writer.drain()
+        except ConnectionError:
+            return False
+        return True
+
+    async def close(self) -> None:
+        """Flush what was sent, then close (the router reads it all before the end)."""
+        self._watch.cancel()
+        with contextlib.suppress(ConnectionError):
+            await self._writer.drain()
+        self._writer.close()
+        with contextlib.suppress(ConnectionError):
+            await self._writer.wait_closed()
+
+
+async def connect(address: LaneAddress, timeout_s: float = CONNECT_TIMEOUT_S) -> LaneSender | None:
+    """A lane to the router at `address`, its token sent; None (logged) if it cannot be
+    reached, and the channel then sends through Ray alone."""
+    try:
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(address.host, address.port), timeout_s
+        )
+    except (OSError, TimeoutError) as error:
+        logger.warning(
+            "lane to %s:%d not reachable (%s); the channel goes through Ray",
+            address.host,
+            address.port,
+            error,
+        )
+        return None
+    writer.write(frame(address.token))
+    return LaneSender(reader, writer)
