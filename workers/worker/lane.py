@@ -7,13 +7,16 @@ import asyncio
 import contextlib
 import logging
 import pickle
+import socket
 
 from pagedserve.workers.protocol.lane import LaneAddress, frame
 from pagedserve.workers.protocol.stream import StepBatch
 
 logger = logging.getLogger(__name__)
 
-CONNECT_TIMEOUT_S = 10.0
+# The TCP handshake completes in the kernel, however busy the router: a few seconds without
+# it means a network that drops the connection (a policy), and the channel goes through Ray.
+CONNECT_TIMEOUT_S = 3.0
 
 
 class LaneSender:
@@ -27,6 +30,7 @@ class LaneSender:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writer = writer
         self._watch = asyncio.ensure_future(reader.read())  # the router never sends: EOF
+        self._watch.add_done_callback(_seen)  # a reset is an end too, not an error to log
 
     @property
     def open(self) -> bool:
@@ -55,6 +59,11 @@ class LaneSender:
             await self._writer.wait_closed()
 
 
+def _seen(watch: asyncio.Future) -> None:
+    if not watch.cancelled():
+        watch.exception()
+
+
 async def connect(address: LaneAddress, timeout_s: float = CONNECT_TIMEOUT_S) -> LaneSender | None:
     """A lane to the router at `address`, its token sent; None (logged) if it cannot be
     reached, and the channel then sends through Ray alone."""
@@ -70,5 +79,17 @@ async def connect(address: LaneAddress, timeout_s: float = CONNECT_TIMEOUT_S) ->
             error,
         )
         return None
+    _keep_alive(writer.get_extra_info("socket"))
     writer.write(frame(address.token))
     return LaneSender(reader, writer)
+
+
+def _keep_alive(sock: socket.socket | None) -> None:
+    """Probe an idle connection after 30 s, every 10 s, 3 times: a router whose node vanished
+    (no FIN, no RST) is seen gone within ~a minute, and its channel here ends then."""
+    if sock is None:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, option):  # Linux; elsewhere the system's keepalive timing
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
