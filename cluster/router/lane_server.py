@@ -17,6 +17,7 @@ import pickle
 import secrets
 import weakref
 
+from pagedserve.workers.deadline import within
 from pagedserve.workers.protocol.lane import TOKEN_BYTES, LaneAddress, read_frame
 from pagedserve.workers.protocol.stream import StepBatch
 
@@ -88,7 +89,7 @@ class LaneServer:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         token = None
         with contextlib.suppress(TimeoutError):
-            token = await asyncio.wait_for(read_frame(reader), TOKEN_TIMEOUT_S)
+            token = await within(read_frame(reader), TOKEN_TIMEOUT_S)
         inbox = self._expected.pop(token, None) if token is not None else None
         if inbox is None:
             writer.close()

@@ -35,6 +35,7 @@ import ray
 from pagedserve.cluster.router.lane_server import LaneInbox, lane_server
 from pagedserve.cluster.router.worker_liveness import WORKER_LOST_ERRORS
 from pagedserve.cluster.router.worker_state import WorkerState
+from pagedserve.workers.deadline import within
 from pagedserve.workers.protocol.errors import NoWorkerAvailable, RequestRejected, WorkerLost
 from pagedserve.workers.protocol.requests import WorkerRequest
 from pagedserve.workers.protocol.stream import (
@@ -217,7 +218,7 @@ class WorkerChannel:
                 in_order.put(await ref)
             if inbox is not None and inbox.attached:  # what the worker sent before its end
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(lane_reader), LANE_END_TIMEOUT_S)
+                    await within(asyncio.shield(lane_reader), LANE_END_TIMEOUT_S)
             ended: BaseException = WorkerLost(f"worker {self.worker.worker_id} ended its channel")
         except WORKER_LOST_ERRORS as error:
             logger.warning("channel to worker %s lost: %s", self.worker.worker_id, error)

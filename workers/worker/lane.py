@@ -9,6 +9,7 @@ import logging
 import pickle
 import socket
 
+from pagedserve.workers.deadline import within
 from pagedserve.workers.protocol.lane import LaneAddress, frame
 from pagedserve.workers.protocol.stream import StepBatch
 
@@ -68,7 +69,7 @@ async def connect(address: LaneAddress, timeout_s: float = CONNECT_TIMEOUT_S) ->
     """A lane to the router at `address`, its token sent; None (logged) if it cannot be
     reached, and the channel then sends through Ray alone."""
     try:
-        reader, writer = await asyncio.wait_for(
+        reader, writer = await within(
             asyncio.open_connection(address.host, address.port), timeout_s
         )
     except (OSError, TimeoutError) as error:

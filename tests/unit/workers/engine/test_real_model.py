@@ -113,8 +113,14 @@ def test_chat_answers_the_capital_of_france(smollm2):
     finish_clean(llm)
 
 
+LOGPROB_ABS = 2e-4
+
+
 def test_logprobs_equal_hf_log_softmax(smollm2, prompts):
-    """Sampled and prompt tokens: HF's log_softmax of the same positions, within 1e-4."""
+    """Sampled and prompt tokens: HF's log_softmax of the same positions, within 2e-4 (both
+    float32, summed in different orders: on an Intel Xeon with AVX-512 FP16 and one torch
+    thread the gap reached 1.01e-4 on a logprob of -3.3; a wrong position or token is off by
+    far more)."""
     loaded, reference = smollm2
     chosen = [prompts[6], prompts[-2]]  # French prose, a chat
     llm = engine(loaded, max_num_batched_tokens=64)  # the French prompt takes 3 chunks
@@ -127,12 +133,13 @@ def test_logprobs_equal_hf_log_softmax(smollm2, prompts):
         assert output.prompt_logprobs[0] is None and len(scored) == len(rows) - 1
         for position, (token, item) in enumerate(scored):
             assert item.token_id == token
-            assert item.logprob == pytest.approx(float(rows[position, token]), abs=1e-4)
+            assert item.logprob == pytest.approx(float(rows[position, token]), abs=LOGPROB_ABS)
             assert item.token == loaded.tokenizer.token_text(token)
             top_ids = [top.token_id for top in item.top]
             assert top_ids[:3] == rows[position].topk(3).indices.tolist()
             for top in item.top:
-                assert top.logprob == pytest.approx(float(rows[position, top.token_id]), abs=1e-4)
+                expected = float(rows[position, top.token_id])
+                assert top.logprob == pytest.approx(expected, abs=LOGPROB_ABS)
     finish_clean(llm)
 
 
