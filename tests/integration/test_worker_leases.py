@@ -85,25 +85,41 @@ async def _stat(worker, key: str, value) -> bool:
 
 @ray.remote
 class ChannelReader:
-    """Stands for a router: submits a request and reads its worker's channel until killed."""
+    """Stands for a router: submits a request and reads its worker's channel (through a lane
+    of its own, with `lane`) until killed."""
 
-    async def read(self, worker, request: WorkerRequest) -> None:
-        channel = worker.channel.remote(request.owner_id)
+    async def read(self, worker, request: WorkerRequest, lane: bool = False) -> None:
+        if not lane:
+            channel = worker.channel.remote(request.owner_id)
+            await worker.submit.remote(request)
+            async for ref in channel:
+                await ref
+            return
+        server = LaneServer("127.0.0.1")
+        await server.start()
+        address, inbox = server.expect()
+        channel = worker.channel.remote(request.owner_id, address)
         await worker.submit.remote(request)
+        while await inbox.batches.get() is not None:
+            pass
         async for ref in channel:
             await ref
 
 
-def test_a_dead_owner_s_channel_closes_and_its_requests_end_at_once(worker):
+@pytest.mark.parametrize("lane", [False, True], ids=["ray-call", "lane"])
+def test_a_dead_owner_s_channel_closes_and_its_requests_end_at_once(worker, lane):
+    """Through Ray alone, Ray closes the channel call at its next batch; through a lane, the
+    router's process takes its end of the lane with it."""
     long = SamplingParams(max_tokens=480, temperature=0.0, ignore_eos=True)  # the whole pool
-    request = WorkerRequest.fresh("dead-router", list(range(20)), long, owner_id="router-dead")
+    owner = f"router-dead-{'lane' if lane else 'ray'}"
+    request = WorkerRequest.fresh(owner, list(range(20)), long, owner_id=owner)
 
     async def main():
         before = await worker.stats.remote()
         reader = ChannelReader.remote()
-        reader.read.remote(worker, request)
+        reader.read.remote(worker, request, lane)
         await wait_for(lambda: _stat(worker, "num_streams", 1), "the request to stream")
-        ray.kill(reader)  # the router dies: Ray closes its channel call at the next batch
+        ray.kill(reader)  # the router dies
         await wait_for(lambda: _stat(worker, "num_streams", 0), "the request to end")
         return before, await worker.stats.remote(), await worker.check_pool.remote()
 
@@ -138,38 +154,3 @@ def test_a_lane_carries_every_batch_numbered_and_its_close_ends_the_channel(work
     tokens = [t for b in batches for d in b.messages for t in d.token_ids]
     assert len(tokens) == params.max_tokens
     assert ray.get(worker.check_pool.remote()).clean
-
-
-@ray.remote
-class LaneReader:
-    """Stands for a router reading its channel through a lane, until killed."""
-
-    async def read(self, worker, request: WorkerRequest) -> None:
-        server = LaneServer("127.0.0.1")
-        await server.start()
-        lane, inbox = server.expect()
-        channel = worker.channel.remote(request.owner_id, lane)
-        await worker.submit.remote(request)
-        while await inbox.batches.get() is not None:
-            pass
-        async for ref in channel:
-            await ref
-
-
-def test_a_dead_owner_s_lane_closes_and_its_requests_end_at_once(worker):
-    long = SamplingParams(max_tokens=480, temperature=0.0, ignore_eos=True)  # the whole pool
-    request = WorkerRequest.fresh("dead-lane", list(range(20)), long, owner_id="router-dead-2")
-
-    async def main():
-        before = await worker.stats.remote()
-        reader = LaneReader.remote()
-        reader.read.remote(worker, request)
-        await wait_for(lambda: _stat(worker, "num_streams", 1), "the request to stream")
-        ray.kill(reader)  # the router's process ends: its end of the lane closes with it
-        await wait_for(lambda: _stat(worker, "num_streams", 0), "the request to end")
-        return before, await worker.stats.remote(), await worker.check_pool.remote()
-
-    before, after, pool = asyncio.run(main())
-    assert after.lease_expired == before.lease_expired  # not by the lease: by the lane
-    assert after.num_steps - before.num_steps < long.max_tokens  # aborted, not finished
-    assert pool.clean and pool.error is None
