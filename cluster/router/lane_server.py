@@ -28,7 +28,8 @@ TOKEN_TIMEOUT_S = 10.0
 
 class LaneInbox:
     """One channel's lane at the router: the batches its worker sent, in the order sent,
-    then None once the connection ended (or never came: `close`)."""
+    then None once the connection ended. A lane its worker never connected stays empty; the
+    channel's end closes it either way (`close`)."""
 
     def __init__(self) -> None:
         self.batches: asyncio.Queue[StepBatch | None] = asyncio.Queue()
