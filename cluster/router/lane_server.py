@@ -33,12 +33,15 @@ class LaneInbox:
 
     def __init__(self) -> None:
         self.batches: asyncio.Queue[StepBatch | None] = asyncio.Queue()
-        self.attached = False
         self._reading: asyncio.Task | None = None
         self._writer: asyncio.StreamWriter | None = None
 
+    @property
+    def attached(self) -> bool:
+        """Whether its worker connected."""
+        return self._writer is not None
+
     def attach(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.attached = True
         self._writer = writer
         self._reading = asyncio.ensure_future(self._read(reader))
 
@@ -98,8 +101,8 @@ class LaneServer:
         inbox.attach(reader, writer)
 
 
-_Starting = asyncio.Future  # of `LaneServer | None`
-_servers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Starting] = (
+# Each event loop's server, as the future of its start (`LaneServer | None`).
+_servers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Future] = (
     weakref.WeakKeyDictionary()
 )
 

@@ -205,12 +205,7 @@ class WorkerChannel:
     async def _read(self) -> None:
         server = await lane_server()
         lane, inbox = server.expect() if server is not None else (None, None)
-        handle = self.worker.handle
-        call = (
-            handle.channel.remote(self.owner_id, lane)
-            if lane is not None
-            else handle.channel.remote(self.owner_id)
-        )
+        call = self.worker.handle.channel.remote(self.owner_id, lane)
         in_order = _InOrder(self.streams)
         lane_reader = detached_task(_read_lane(inbox, in_order)) if inbox is not None else None
         try:

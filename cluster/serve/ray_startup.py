@@ -67,12 +67,17 @@ _PATIENT = "__pagedserve_patient__"
 GRPC_EXEC_ONLY_FORKS: dict[str, str] = {"GRPC_ENABLE_FORK_SUPPORT": "false"}
 
 
+def set_where_unset(environ: MutableMapping[str, str], values: dict[str, str]) -> None:
+    """Each of `values` put in `environ` unless it already names that variable."""
+    for name, value in values.items():
+        environ.setdefault(name, value)
+
+
 def exec_only_forks(environ: MutableMapping[str, str] = os.environ) -> bool:
     """Turn grpcio's fork handlers off (`GRPC_EXEC_ONLY_FORKS`) where the environment says
     nothing: in this process if grpc is not imported yet (grpcio reads the variable on import),
     and in every process started from it. Returns whether this process was in time."""
-    for name, value in GRPC_EXEC_ONLY_FORKS.items():
-        environ.setdefault(name, value)
+    set_where_unset(environ, GRPC_EXEC_ONLY_FORKS)
     return "grpc" not in sys.modules
 
 
@@ -89,8 +94,7 @@ def quiet_log_monitor(environ: MutableMapping[str, str] = os.environ) -> None:
     """Make the log monitor of a local cluster started from this process list its files every
     0.5 s instead of every 0.1 s (`LOG_MONITOR_ENV`), where the environment says nothing.
     Call it before `ray.init` starts the cluster."""
-    for name, value in LOG_MONITOR_ENV.items():
-        environ.setdefault(name, value)
+    set_where_unset(environ, LOG_MONITOR_ENV)
 
 
 # What a local cluster started without Ray's dashboard records for no reader, and how often
@@ -119,9 +123,9 @@ def quiet_observability(dashboard: bool, environ: MutableMapping[str, str] = os.
     second (`SERVE_METRICS_ENV`) and, without the dashboard, record no task events or event
     stats (`QUIET_TASK_EVENTS_ENV`), where the environment says nothing. Call it before
     `ray.init` starts the cluster."""
-    wanted = SERVE_METRICS_ENV if dashboard else QUIET_TASK_EVENTS_ENV | SERVE_METRICS_ENV
-    for name, value in wanted.items():
-        environ.setdefault(name, value)
+    set_where_unset(
+        environ, SERVE_METRICS_ENV if dashboard else QUIET_TASK_EVENTS_ENV | SERVE_METRICS_ENV
+    )
 
 
 def allow_slow_startup(environ: MutableMapping[str, str] = os.environ) -> None:
@@ -131,8 +135,7 @@ def allow_slow_startup(environ: MutableMapping[str, str] = os.environ) -> None:
 
     Call it before `ray.init` starts a local cluster: its processes read them as they start.
     """
-    for name, value in STARTUP_DEADLINES.items():
-        environ.setdefault(name, value)
+    set_where_unset(environ, STARTUP_DEADLINES)
     exec_only_forks(environ)
     wait_patiently_for_node_registration()
 

@@ -89,21 +89,18 @@ class ChannelReader:
     of its own, with `lane`) until killed."""
 
     async def read(self, worker, request: WorkerRequest, lane: bool = False) -> None:
-        if not lane:
-            channel = worker.channel.remote(request.owner_id)
-            await worker.submit.remote(request)
-            async for ref in channel:
-                await ref
-            return
-        server = LaneServer("127.0.0.1")
-        await server.start()
-        address, inbox = server.expect()
+        address = inbox = None
+        if lane:
+            server = LaneServer("127.0.0.1")
+            await server.start()
+            address, inbox = server.expect()
         channel = worker.channel.remote(request.owner_id, address)
         await worker.submit.remote(request)
-        while await inbox.batches.get() is not None:
-            pass
+        received = []
+        while inbox is not None and (batch := await inbox.batches.get()) is not None:
+            received.append(batch)
         async for ref in channel:
-            await ref
+            received.append(await ref)
 
 
 @pytest.mark.parametrize("lane", [False, True], ids=["ray-call", "lane"])

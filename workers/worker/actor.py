@@ -273,16 +273,17 @@ class Worker:
         (`workers/protocol/lane.py`). A lane that cannot be reached: everything through
         here."""
         sender = await lane_connect(lane) if lane is not None else None
-        numbers = itertools.count(1) if sender is not None else itertools.repeat(0)
+        numbers = itertools.count(1)
         try:
             async with aclosing(self.core.channel(owner_id)) as batches:
                 async for batch in batches:
                     moved = any(isinstance(m, RequestMoved) for m in batch.messages)
-                    batch = dataclasses.replace(batch, seq=next(numbers)) if sender else batch
-                    if sender is not None and not moved:
-                        if not await sender.send(batch):
-                            return  # the owner is gone: its requests here are aborted
-                        continue
+                    if sender is not None:
+                        batch = dataclasses.replace(batch, seq=next(numbers))
+                        if not moved:
+                            if not await sender.send(batch):
+                                return  # the owner is gone: its requests here are aborted
+                            continue
                     if moved:
                         messages = tuple(self._kv_by_reference(m) for m in batch.messages)
                         batch = dataclasses.replace(batch, messages=messages)
