@@ -105,26 +105,33 @@ def quiet_log_monitor(environ: MutableMapping[str, str] = os.environ) -> None:
 #   only `ray.timeline()` from a driver joined to the cluster would read them.
 # - Event stats (`RAY_event_stats`): every Ray C++ process times each handler of its event
 #   loops, for its debug dumps and Ray's internal `ray_operation_*` metrics.
+# - Ray's own metrics (`RAY_enable_metrics_collection`): every process records Ray's `ray_*`
+#   metrics (tasks, RPCs, object store, event-loop lag) and sends them to the node's dashboard
+#   agent, which exports them for the dashboard's graphs and a Prometheus scraping Ray's
+#   metrics port. The project's own metrics are the Router's `GET /metrics`
+#   (`prometheus_client`, `cluster/router/metrics.py`), which this does not touch.
 # - Serve's replicas and proxies export their cached request metrics every 0.1 s
 #   (`RAY_SERVE_METRICS_EXPORT_INTERVAL_MS`), waking their event loops ten times a second;
 #   every second is still well inside a Prometheus scrape interval.
 # Idle, alternated 30 s windows on a 2-core machine, the processes other than the worker took
-# 74 and 69 CPU-ms a second before, 62 and 64 after; at 1 request/s the CPU outside the engine
-# was 3.9 ms a token against 4.4 (bench/README.md, "Observability nobody reads").
-QUIET_TASK_EVENTS_ENV: dict[str, str] = {
+# 74 and 69 CPU-ms a second before the first two, 62 and 64 after; Ray's metrics off took
+# another 5-8 off (84 and 89 against 79 and 80 on a slower hour; the dashboard agent 7-8
+# against 4). bench/README.md, "Observability nobody reads" and "Ray's metrics, leases".
+QUIET_RECORDING_ENV: dict[str, str] = {
     "RAY_task_events_report_interval_ms": "0",
     "RAY_event_stats": "0",
+    "RAY_enable_metrics_collection": "0",
 }
 SERVE_METRICS_ENV: dict[str, str] = {"RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
 
 
 def quiet_observability(dashboard: bool, environ: MutableMapping[str, str] = os.environ) -> None:
     """Make a local cluster started from this process export Serve's request metrics every
-    second (`SERVE_METRICS_ENV`) and, without the dashboard, record no task events or event
-    stats (`QUIET_TASK_EVENTS_ENV`), where the environment says nothing. Call it before
-    `ray.init` starts the cluster."""
+    second (`SERVE_METRICS_ENV`) and, without the dashboard, record no task events, event
+    stats or Ray's own metrics (`QUIET_RECORDING_ENV`), where the environment says nothing.
+    Call it before `ray.init` starts the cluster."""
     set_where_unset(
-        environ, SERVE_METRICS_ENV if dashboard else QUIET_TASK_EVENTS_ENV | SERVE_METRICS_ENV
+        environ, SERVE_METRICS_ENV if dashboard else QUIET_RECORDING_ENV | SERVE_METRICS_ENV
     )
 
 

@@ -192,7 +192,8 @@ def test_the_local_cluster_s_log_monitor_lists_its_files_every_half_second(serve
 
 def test_serve_metrics_go_out_every_second_and_task_events_stay_for_the_dashboard(served):
     """`ray_startup.quiet_observability`: Serve's metrics every second in every process of the
-    cluster; task events and event stats stay on here, as this server runs Ray's dashboard."""
+    cluster; task events, event stats and Ray's own metrics stay on here, as this server runs
+    Ray's dashboard."""
     served.wait_for_line(r"^pagedserve: serving on ")
     gcs = [
         pid
@@ -202,7 +203,8 @@ def test_serve_metrics_go_out_every_second_and_task_events_stay_for_the_dashboar
     assert len(gcs) == 1, gcs
     environ = Path(f"/proc/{gcs[0]}/environ").read_bytes().split(b"\0")
     assert b"RAY_SERVE_METRICS_EXPORT_INTERVAL_MS=1000" in environ
-    assert not [v for v in environ if v.startswith((b"RAY_task_events", b"RAY_event_stats"))]
+    quiet = (b"RAY_task_events", b"RAY_event_stats", b"RAY_enable_metrics_collection")
+    assert not [v for v in environ if v.startswith(quiet)]
 
 
 # ------------------------------------------------------- HTTP by the replica

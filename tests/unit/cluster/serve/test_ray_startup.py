@@ -19,7 +19,7 @@ from pagedserve.cluster.serve.ray_startup import (
     GRPC_EXEC_ONLY_FORKS,
     LOG_MONITOR_ENV,
     NODE_REGISTRATION_DEADLINE_S,
-    QUIET_TASK_EVENTS_ENV,
+    QUIET_RECORDING_ENV,
     SERVE_METRICS_ENV,
     STARTUP_DEADLINES,
     allow_slow_startup,
@@ -82,13 +82,14 @@ def test_ray_s_log_monitor_under_that_setting_lists_its_files_only_past_the_inte
     assert monitor.should_update_filenames(now - 2 * log_monitor.LOG_NAME_UPDATE_INTERVAL_S)
 
 
-def test_without_the_dashboard_a_local_cluster_records_no_task_events_or_event_stats():
+def test_without_the_dashboard_a_local_cluster_records_no_task_events_stats_or_ray_metrics():
     environ = {"PATH": "/bin"}
     quiet_observability(dashboard=False, environ=environ)
     assert environ == {
         "PATH": "/bin",
         "RAY_task_events_report_interval_ms": "0",
         "RAY_event_stats": "0",
+        "RAY_enable_metrics_collection": "0",
         "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
     }
 
@@ -120,7 +121,7 @@ def test_ray_still_reads_those_variables():
     programs = [ray_dir / "_raylet.so", ray_dir / "core/src/ray/gcs/gcs_server"]
     for program in programs:
         binary = program.read_bytes()
-        for name in QUIET_TASK_EVENTS_ENV:
+        for name in QUIET_RECORDING_ENV:
             assert name.encode() + b"\0" in binary, (program, name)
     (name,) = SERVE_METRICS_ENV
     assert f'"{name}", 100' in inspect.getsource(constants)
