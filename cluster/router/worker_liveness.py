@@ -8,14 +8,16 @@ one that answers but has taken no engine step with work queued for `stall_timeou
 stalled: out of routing until it steps again; one that reports draining leaves routing until
 a new incarnation of it is ready; one stalled, or unanswering for `stall_timeout_s`, is hung:
 its streams end as lost from here, `on_hung`, so no stream waits on a timer of its own),
-and a lease loop renews this router's lease on every worker (a worker aborts the requests of
-a router whose lease lapsed, so a dead router leaves no orphan).
+and the leases stay renewed: each poll renews this router's lease on its worker, and a lease
+loop renews it on every worker the polls have not reached lately (a worker aborts the
+requests of a router whose lease lapsed, so a dead router leaves no orphan).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -33,6 +35,9 @@ from pagedserve.workers.ray_internals import detached_task
 logger = logging.getLogger(__name__)
 WORKER_LOST_ERRORS = (RayActorError, ActorDiedError, ActorUnavailableError)
 PolledHook = Callable[[WorkerState], Awaitable[None]]
+# A worker's lease is renewed on its own once its last poll went out this many stats intervals
+# ago: past one interval plus a poll round's usual length, so a paced poll loop needs none.
+RENEW_AFTER_INTERVALS = 1.5
 
 
 class WorkerLiveness:
@@ -78,6 +83,7 @@ class WorkerLiveness:
         self._tasks: list[asyncio.Task] = []
         self._removals: dict[str, asyncio.Future] = {}  # worker id → its index removal
         self._hooks: dict[str, asyncio.Task] = {}  # worker id → its running `on_polled`
+        self._polled_at: dict[str, float] = {}  # worker id → when its last poll was sent
 
     async def start(self) -> list[WorkerState]:
         """Wait (up to `startup_timeout_s`) for every worker's `ready()`, then start the poll
@@ -97,6 +103,7 @@ class WorkerLiveness:
 
     def forget(self, worker_id: str) -> None:
         """A worker left the pool: stop its running after-poll hook, if any."""
+        self._polled_at.pop(worker_id, None)
         hook = self._hooks.pop(worker_id, None)
         if hook is not None:
             hook.cancel()
@@ -118,6 +125,7 @@ class WorkerLiveness:
 
     async def poll(self, worker: WorkerState) -> None:
         """Refresh one worker's stats (renewing our lease there); drop or revive it."""
+        self._polled_at[worker.worker_id] = time.monotonic()
         try:
             stats = await within(
                 worker.handle.stats.remote(self.router_id), self.config.rpc_timeout_s
@@ -218,10 +226,22 @@ class WorkerLiveness:
             await asyncio.sleep(self.config.stats_interval_s)
 
     async def _renew_loop(self) -> None:
-        """Renew this router's lease on every worker each stats interval, without waiting for
-        any answer: a slow worker, poll or push must never let the others' leases lapse (a
-        lapsed lease aborts every request this router streams from that worker)."""
+        """Renew this router's lease, each stats interval, on every worker `renew_due` names,
+        without waiting for any answer: a slow worker, poll or push must never let the
+        others' leases lapse (a lapsed lease aborts every request this router streams from
+        that worker)."""
         while True:
-            for worker in self.workers.values():
-                worker.handle.renew_lease.remote(self.router_id)
+            self.renew_due(time.monotonic())
             await asyncio.sleep(self.config.stats_interval_s)
+
+    def renew_due(self, now: float) -> None:
+        """Renew the lease on each worker whose last poll was sent `RENEW_AFTER_INTERVALS`
+        stats intervals ago or more (or never). A poll renews the lease where it arrives, so
+        while the polls keep their pace no renewal goes out: one Ray call a second per worker
+        less (bench/README.md, "Ray's metrics, leases"). A poll round held up by one worker
+        leaves the others' leases at most 2.5 intervals unrenewed, inside `lease_timeout_s`
+        (at least four)."""
+        after_s = RENEW_AFTER_INTERVALS * self.config.stats_interval_s
+        for worker in self.workers.values():
+            if now - self._polled_at.get(worker.worker_id, -math.inf) >= after_s:
+                worker.handle.renew_lease.remote(self.router_id)

@@ -126,3 +126,80 @@ def test_a_worker_reporting_draining_leaves_routing_until_a_new_incarnation():
         assert worker.routable
 
     asyncio.run(main())
+
+
+class Renewals:
+    """A handle's `renew_lease.remote(router_id)`, counted; `stats` answers or hangs."""
+
+    def __init__(self, answers: bool) -> None:
+        self.count = 0
+        self.renewed = asyncio.Event()
+        self.renew_lease = Remote(self._renew)
+        kv = KVUsage(**{f.name: 0 for f in dataclasses.fields(KVUsage)})
+        self.answer = WorkerStats("w", "e", kv)
+        self.stats = Remote(self._stats if answers else self._hang)
+
+    def _renew(self, router_id: str) -> None:
+        self.count += 1
+        self.renewed.set()
+
+    async def _stats(self, router_id: str) -> WorkerStats:
+        return self.answer
+
+    async def _hang(self, router_id: str) -> WorkerStats:
+        await asyncio.Event().wait()
+        raise AssertionError("never answers")
+
+
+def liveness_over(*handles: Renewals) -> tuple[WorkerLiveness, list[WorkerState]]:
+    info = WorkerInfo("w", "e", "m", 8, 256, 64, 10)
+    workers = [WorkerState(f"w{i}", handle=h, alive=True, info=info) for i, h in enumerate(handles)]
+    config = FailureConfig(stats_interval_s=1.0, lease_timeout_s=10.0)
+    by_id = {w.worker_id: w for w in workers}
+    return WorkerLiveness(config, None, by_id, "r", RouterCounters()), workers
+
+
+def test_a_worker_polled_within_the_last_interval_and_a_half_gets_no_separate_renewal():
+    async def main():
+        handle = Renewals(answers=True)
+        liveness, (worker,) = liveness_over(handle)
+        liveness.renew_due(0.0)  # never polled: renewed
+        assert handle.count == 1
+        await liveness.poll(worker)  # the poll itself renews where it arrives
+        polled = liveness._polled_at[worker.worker_id]
+        liveness.renew_due(polled + 1.4)
+        assert handle.count == 1
+        liveness.renew_due(polled + 1.5)  # the polls fell behind: renewed on its own
+        assert handle.count == 2
+        liveness.forget(worker.worker_id)  # a worker that left and came back: renewed again
+        liveness.renew_due(polled + 0.1)
+        assert handle.count == 3
+
+    asyncio.run(main())
+
+
+def test_a_poll_round_held_up_by_one_worker_leaves_no_lease_unrenewed():
+    """One worker never answers its poll, so the poll loop's round never ends: the lease loop
+    renews every worker's lease meanwhile, the answering one's included."""
+
+    async def main():
+        hanging, answering = Renewals(answers=False), Renewals(answers=True)
+        liveness, _ = liveness_over(hanging, answering)
+        liveness.config = FailureConfig(
+            stats_interval_s=0.1, lease_timeout_s=1.0, rpc_timeout_s=3600.0
+        )
+        polls = asyncio.create_task(liveness._poll_loop())
+
+        async def both_polled() -> None:
+            while set(liveness._polled_at) != {"w0", "w1"}:
+                await asyncio.sleep(0)
+
+        await within(both_polled(), 30)  # the round is under way: both polls sent
+        renewals = asyncio.create_task(liveness._renew_loop())
+        for handle in (hanging, answering):  # within 1.5 intervals of the polls, then each one
+            handle.renewed.clear()
+            await within(handle.renewed.wait(), 30)
+        polls.cancel()
+        renewals.cancel()
+
+    asyncio.run(main())
