@@ -39,7 +39,8 @@ class PlacementConfig:
             or CAP_SYS_NICE); without it the worker logs a warning and runs on at 15 (start
             Ray with `RAY_worker_niceness=0` instead, as the KubeRay manifests do).
         control_nice: niceness of the router replica and the prefix index (and, under
-            `pagedserve serve`, of Serve's proxy and controller). 5 by default: a little below
+            `pagedserve serve`, of Serve's proxy and controller and Ray's daemons: the GCS,
+            the raylet, the dashboard agent, the log monitor). 5 by default: a little below
             the worker, so that where they share cores the engine's threads run first (a
             preempted OpenMP thread stalls its whole team at the next barrier) and the
             control plane's per-token work fills the gaps (on 2 shared cores: streamed TPOT

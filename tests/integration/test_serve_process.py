@@ -190,6 +190,22 @@ def test_the_local_cluster_s_log_monitor_lists_its_files_every_half_second(serve
     assert b"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD=0" in environ
 
 
+def test_ray_s_daemons_run_below_the_engine_at_the_control_plane_s_niceness(served):
+    """`place_local_cluster`: the GCS and the raylet, started at this test's niceness, run at
+    `control_nice` (5) like the rest of the control plane (where a niceness above 5 cannot be
+    lowered without privilege, they keep it)."""
+    served.wait_for_line(r"^pagedserve: serving on ")
+    daemons = {
+        name: pid
+        for pid, name in processes_marked(served.marker)
+        if name in ("gcs_server", "raylet")
+    }
+    assert set(daemons) == {"gcs_server", "raylet"}, daemons
+    expected = max(5, os.getpriority(os.PRIO_PROCESS, 0))
+    for name, pid in daemons.items():
+        assert os.getpriority(os.PRIO_PROCESS, pid) == expected, name
+
+
 def test_serve_metrics_go_out_every_second_and_task_events_stay_for_the_dashboard(served):
     """`ray_startup.quiet_observability`: Serve's metrics every second in every process of the
     cluster; task events, event stats and Ray's own metrics stay on here, as this server runs
