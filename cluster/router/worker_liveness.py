@@ -238,9 +238,8 @@ class WorkerLiveness:
         """Renew the lease on each worker whose last poll was sent `RENEW_AFTER_INTERVALS`
         stats intervals ago or more (or never). A poll renews the lease where it arrives, so
         while the polls keep their pace no renewal goes out: one Ray call a second per worker
-        less (bench/README.md, "Ray's metrics, leases"). A poll round held up by one worker
-        leaves the others' leases at most 2.5 intervals unrenewed, inside `lease_timeout_s`
-        (at least four)."""
+        less. A poll round held up by one worker leaves the others' leases at most 2.5
+        intervals unrenewed, inside `lease_timeout_s` (at least four)."""
         after_s = RENEW_AFTER_INTERVALS * self.config.stats_interval_s
         for worker in self.workers.values():
             if now - self._polled_at.get(worker.worker_id, -math.inf) >= after_s:

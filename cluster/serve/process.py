@@ -359,8 +359,8 @@ def place_local_cluster(config: ClusterConfig) -> None:
     daemons spend ~30 CPU-ms a second idle, none of it on a token's way; at 0 each of their
     wakeups could preempt an engine thread mid-step as readily as the engine's own. At 5, at
     1 req/s on 2 cores, TPOT p50 was 1.08x better (1.00-1.12) and TTFT p50 1.10x
-    (bench/README.md, "Ray's daemons below the engine"). The worker actors are left as they
-    placed themselves."""
+    (bench/README.md, "Ray's metrics, leases, Ray's daemons below the engine"). The worker
+    actors are left as they placed themselves."""
     import ray
 
     from pagedserve.workers.process.cpu_placement import (

@@ -116,7 +116,8 @@ def quiet_log_monitor(environ: MutableMapping[str, str] = os.environ) -> None:
 # Idle, alternated 30 s windows on a 2-core machine, the processes other than the worker took
 # 74 and 69 CPU-ms a second before the first two, 62 and 64 after; Ray's metrics off took
 # another 5-8 off (84 and 89 against 79 and 80 on a slower hour; the dashboard agent 7-8
-# against 4). bench/README.md, "Observability nobody reads" and "Ray's metrics, leases".
+# against 4). bench/README.md, "What Ray records for no reader" and "Ray's metrics, leases,
+# Ray's daemons below the engine".
 QUIET_RECORDING_ENV: dict[str, str] = {
     "RAY_task_events_report_interval_ms": "0",
     "RAY_event_stats": "0",
