@@ -392,7 +392,7 @@ def place_local_cluster(config: ClusterConfig) -> None:
     where = "any core" if cpus is None else f"cores {format_cpu_list(cpus)}"
     print(
         f"pagedserve: control plane ({placed} processes) on {where}, niceness "
-        f"{'as Ray set it' if nice is None else f'<= {nice}'}; workers on "
+        f"{'as Ray set it' if nice is None else nice}; workers on "
         f"{config.placement.worker_cpus or 'any core'}, niceness {config.placement.worker_nice}",
         flush=True,
     )
