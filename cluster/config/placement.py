@@ -40,7 +40,8 @@ class PlacementConfig:
             Ray with `RAY_worker_niceness=0` instead, as the KubeRay manifests do).
         control_nice: niceness of the router replica and the prefix index (and, under
             `pagedserve serve`, of Serve's proxy and controller and Ray's daemons: the GCS,
-            the raylet, the dashboard agent, the log monitor). 5 by default: a little below
+            the raylet where the server may lower a niceness, the dashboard agent, the log
+            monitor). 5 by default: a little below
             the worker, so that where they share cores the engine's threads run first (a
             preempted OpenMP thread stalls its whole team at the next barrier) and the
             control plane's per-token work fills the gaps (on 2 shared cores: streamed TPOT

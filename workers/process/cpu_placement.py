@@ -162,3 +162,16 @@ def set_niceness(nice: int, pid: int | None = None, what: str = "process") -> bo
 def niceness(pid: int | None = None) -> int:
     """A process's niceness now (its main thread's)."""
     return os.getpriority(os.PRIO_PROCESS, pid or 0)
+
+
+CAP_SYS_NICE = 23  # linux/capability.h
+
+
+def may_lower_niceness(status: Path = Path("/proc/self/status")) -> bool:
+    """Whether this process may lower a niceness (its effective capabilities hold
+    CAP_SYS_NICE, which root's do): what a worker started later needs to set `worker_nice`
+    below the niceness it inherited."""
+    for line in status.read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> CAP_SYS_NICE & 1)
+    return False

@@ -13,6 +13,7 @@ from pagedserve.workers.process.cpu_placement import (
     check_available,
     descendants,
     format_cpu_list,
+    may_lower_niceness,
     niceness,
     parse_cpu_list,
     pin_process,
@@ -105,3 +106,23 @@ def test_setting_a_process_s_niceness_to_what_it_has_is_allowed():
     assert set_niceness(niceness()) is True
     with pytest.raises(ValueError, match="-20..19"):
         set_niceness(40)
+
+
+def test_may_lower_niceness_reads_cap_sys_nice_from_the_effective_capabilities(tmp_path):
+    status = tmp_path / "status"
+    status.write_text("Name:\tx\nCapEff:\t0000000000800000\n")  # bit 23: CAP_SYS_NICE alone
+    assert may_lower_niceness(status)
+    status.write_text("Name:\tx\nCapEff:\t00000000007fffff\n")  # every lower capability
+    assert not may_lower_niceness(status)
+    status.write_text("Name:\tx\n")
+    assert not may_lower_niceness(status)
+
+
+def test_may_lower_niceness_agrees_with_what_the_system_allows():
+    before = niceness()
+    if before == -20:
+        pytest.skip("already at the lowest niceness")
+    try:
+        assert set_niceness(before - 1) is may_lower_niceness()
+    finally:
+        set_niceness(before)  # raising it back is always allowed
