@@ -134,6 +134,7 @@ class Renewals:
     def __init__(self, answers: bool) -> None:
         self.count = 0
         self.renewed = asyncio.Event()
+        self.polled = asyncio.Event()
         self.renew_lease = Remote(self._renew)
         kv = KVUsage(**{f.name: 0 for f in dataclasses.fields(KVUsage)})
         self.answer = WorkerStats("w", "e", kv)
@@ -144,9 +145,11 @@ class Renewals:
         self.renewed.set()
 
     async def _stats(self, router_id: str) -> WorkerStats:
+        self.polled.set()
         return self.answer
 
     async def _hang(self, router_id: str) -> WorkerStats:
+        self.polled.set()
         await asyncio.Event().wait()
         raise AssertionError("never answers")
 
@@ -189,12 +192,8 @@ def test_a_poll_round_held_up_by_one_worker_leaves_no_lease_unrenewed():
             stats_interval_s=0.1, lease_timeout_s=1.0, rpc_timeout_s=3600.0
         )
         polls = asyncio.create_task(liveness._poll_loop())
-
-        async def both_polled() -> None:
-            while set(liveness._polled_at) != {"w0", "w1"}:
-                await asyncio.sleep(0)
-
-        await within(both_polled(), 30)  # the round is under way: both polls sent
+        for handle in (hanging, answering):  # the round is under way: both polls sent
+            await within(handle.polled.wait(), 30)
         renewals = asyncio.create_task(liveness._renew_loop())
         for handle in (hanging, answering):  # within 1.5 intervals of the polls, then each one
             handle.renewed.clear()
