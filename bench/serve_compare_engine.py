@@ -58,7 +58,7 @@ class WorkerLayout:
             f"{self.threads} torch thread(s) ({self.threads_from}), niceness {nice}, {where}, "
             f"attention {self.engine.attention_backend}, linear {self.engine.linear_backend}, "
             f"KV {'default' if self.engine.kv_cache_bytes is None else self.engine.kv_cache_bytes}"
-            f" bytes; worker 0 of {self.num_workers}"
+            f" bytes, {self.engine.max_num_seqs} sequences at once; worker 0 of {self.num_workers}"
         )
 
 

@@ -83,7 +83,8 @@ class EngineConfig:
         watermark: fraction of blocks kept free when admitting a new request, so running ones
             can grow.
         max_model_len: longest sequence, prompt plus output (None: the model's context).
-        max_num_seqs: sequences running at once.
+        max_num_seqs: sequences running at once. `pagedserve serve` on CPUs admits 128 per
+            worker unless told (vLLM's CPU server's own; `cluster/serve/node_layout.py`).
         max_num_batched_tokens: tokens per step (the scheduler's budget).
         enable_chunked_prefill: split long prompts into chunks that share steps with decodes.
         scheduling_policy: `fcfs` or `priority` (lower values first).

@@ -8,6 +8,7 @@ from pathlib import Path
 from pagedserve.cluster.serve.node_layout import (
     CPU_KV_MAX_BYTES,
     CPU_KV_MEMORY_FRACTION,
+    CPU_MAX_NUM_SEQS,
     NodeResources,
     plan,
 )
@@ -43,29 +44,36 @@ def test_a_machine_that_does_not_say_is_one_node_and_keeps_the_engine_s_pool(tmp
     assert node.numa_cores == ((0, 1),) and node.available_bytes == 0
     layout = plan({"engine": {}}, node)
     assert layout.settings == {"num_workers": 1, "worker_threads": 2}
-    assert layout.engine == {}  # no memory figure: the engine's own default
+    assert layout.engine == {"max_num_seqs": CPU_MAX_NUM_SEQS}  # no memory figure: no pool size
 
 
 def test_one_worker_per_numa_node_with_its_cores_and_a_capped_share_of_memory():
     node = NodeResources(numa_cores=((0, 1, 2), (3, 4, 5)), available_bytes=10 * GIB, num_gpus=0)
     layout = plan({"engine": {}}, node)
     assert layout.settings == {"num_workers": 2, "worker_threads": 3}
-    assert layout.engine == {"kv_cache_bytes": int(10 * GIB * CPU_KV_MEMORY_FRACTION) // 2}
+    assert layout.engine == {
+        "max_num_seqs": CPU_MAX_NUM_SEQS,
+        "kv_cache_bytes": int(10 * GIB * CPU_KV_MEMORY_FRACTION) // 2,
+    }
     big = NodeResources(numa_cores=((0, 1),), available_bytes=500 * GIB, num_gpus=0)
-    assert plan({"engine": {}}, big).engine == {"kv_cache_bytes": CPU_KV_MAX_BYTES}
+    assert plan({"engine": {}}, big).engine["kv_cache_bytes"] == CPU_KV_MAX_BYTES
     assert "1 worker(s)" in plan({"engine": {}}, big).describe()
 
 
 def test_what_the_user_set_is_kept_and_shapes_the_rest():
     node = NodeResources(numa_cores=((0, 1, 2, 3),), available_bytes=8 * GIB, num_gpus=0)
-    layout = plan({"scaling": {"num_workers": 2}, "engine": {"num_kv_blocks": 100}}, node)
+    layout = plan(
+        {"scaling": {"num_workers": 2}, "engine": {"num_kv_blocks": 100, "max_num_seqs": 8}},
+        node,
+    )
     assert layout.settings == {"worker_threads": 2}  # the cores split between two workers
     assert layout.engine == {}  # a block count wins over a byte budget
     assert (
         layout.describe()
         == "2 torch thread(s) per worker (its share of 4 core(s) among 2 worker(s))"
     )
-    layout = plan({"placement": {"worker_threads": 1}, "engine": {"kv_cache_bytes": 123}}, node)
+    given = {"max_num_seqs": 8, "kv_cache_bytes": 123}
+    layout = plan({"placement": {"worker_threads": 1}, "engine": given}, node)
     assert layout.settings == {"num_workers": 1} and layout.engine == {}
     assert layout.describe() == "4 core(s) on 1 NUMA node(s): 1 worker(s)"  # only what it chose
     layout = plan(
@@ -84,7 +92,7 @@ def test_gpus_get_a_worker_each_and_the_device_s_own_pool():
     node = NodeResources(numa_cores=((0, 1),), available_bytes=8 * GIB, num_gpus=4)
     layout = plan({"engine": {}}, node)
     assert layout.settings == {"num_workers": 4, "worker_num_gpus": 1.0}
-    assert layout.engine == {"device": "cuda"}
+    assert layout.engine == {"device": "cuda"}  # the engine's own pool and max_num_seqs
 
 
 def test_tensor_parallel_workers_span_k_gpus_and_split_the_cpu_kv_share():
@@ -95,5 +103,15 @@ def test_tensor_parallel_workers_span_k_gpus_and_split_the_cpu_kv_share():
     cpus = NodeResources(numa_cores=((0, 1),), available_bytes=8 * GIB, num_gpus=0)
     layout = plan({"engine": {"tensor_parallel_size": 2}}, cpus)
     # `kv_cache_bytes` is per rank: the worker's share of memory split over its 2 ranks.
-    assert layout.engine == {"kv_cache_bytes": int(8 * GIB * CPU_KV_MEMORY_FRACTION) // 2}
+    assert layout.engine["kv_cache_bytes"] == int(8 * GIB * CPU_KV_MEMORY_FRACTION) // 2
     assert layout.settings == {"num_workers": 1, "worker_threads": 2}  # 1 per rank
+
+
+def test_a_cpu_worker_admits_vllm_s_128_sequences_unless_the_user_said():
+    node = NodeResources(numa_cores=((0, 1),), available_bytes=8 * GIB, num_gpus=0)
+    layout = plan({"engine": {}}, node)
+    assert layout.engine["max_num_seqs"] == CPU_MAX_NUM_SEQS == 128
+    assert "128 sequences at once per worker" in layout.describe()
+    layout = plan({"engine": {"max_num_seqs": 32}}, node)
+    assert "max_num_seqs" not in layout.engine
+    assert "sequences at once" not in layout.describe()

@@ -42,7 +42,7 @@ def test_the_flags_users_know_keep_their_names():
     args = _serve_args(
         "--model", "m", "--num-workers", "3", "--routing-policy", "round_robin",
         "--block-size", "8", "--num-kv-blocks", "64", "--kv-cache-bytes", "1024",
-        "--dtype", "float16", "--on-worker-failure", "fail",
+        "--dtype", "float16", "--on-worker-failure", "fail", "--max-num-seqs", "16",
     )  # fmt: skip
     data = cluster_config_from_args(args, num_gpus=0, node=NODE)
     assert data["engine"] == {
@@ -51,6 +51,7 @@ def test_the_flags_users_know_keep_their_names():
         "num_kv_blocks": 64,
         "kv_cache_bytes": 1024,
         "dtype": "float16",
+        "max_num_seqs": 16,
     }
     assert data["scaling"]["num_workers"] == 3
     assert data["routing"]["routing_policy"] == "round_robin"
