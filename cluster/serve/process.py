@@ -22,7 +22,6 @@ import sys
 import threading
 import time
 import traceback
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from pagedserve.cluster.serve.process_watch import (
@@ -32,6 +31,7 @@ from pagedserve.cluster.serve.process_watch import (
     StopSignals,
     descendants_now,
     kill_if_running,
+    live_children,
 )
 
 if TYPE_CHECKING:
@@ -352,27 +352,20 @@ def _end_ray() -> bool:
     return done.wait(RAY_SHUTDOWN_TIMEOUT_S)
 
 
-def _comm(pid: int) -> str:
-    """A process's command name ("" once it ended)."""
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
-
-
 def place_local_cluster(config: ClusterConfig) -> None:
     """Pin this process and the local Ray cluster it started (GCS, raylet, Serve's proxy and
     controller, pooled workers: every process under this one) to `control_cpus`, and give
     each of them `control_nice`: Ray's actors (started at 15) and its daemons (the GCS, the
-    raylet, the dashboard agent, the log monitor: started at this process's niceness) alike,
-    but for the raylet where this process may not lower a niceness: Ray starts every later
-    actor (a replaced worker, the pool's next one) 15 above the raylet, and such a worker
-    could not come back down to `worker_nice`. The
-    daemons spend ~30 CPU-ms a second idle, none of it on a token's way; at 0 each of their
-    wakeups could preempt an engine thread mid-step as readily as the engine's own. At 5, at
-    1 req/s on 2 cores, TPOT p50 was 1.08x better (1.00-1.12) and TTFT p50 1.10x
-    (bench/README.md, "Ray's metrics, leases, Ray's daemons below the engine"). The worker
-    actors are left as they placed themselves."""
+    raylet, the dashboard agent, the log monitor: started at this process's niceness) alike.
+    The exception is the raylet where this process may not lower a niceness: Ray starts every
+    later actor (a replaced worker, the pool's next one) 15 above the raylet, and such a
+    worker could not come back down to `worker_nice`. The worker actors are left as they
+    placed themselves.
+
+    The daemons spend ~30 CPU-ms a second idle, none of it on a token's way; at 0 each of
+    their wakeups could preempt an engine thread mid-step as readily as the engine's own. At
+    5, at 1 req/s on 2 cores, TPOT p50 was 1.08x better (1.00-1.12) and TTFT p50 1.10x
+    (bench/README.md, "Ray's metrics, leases, Ray's daemons below the engine")."""
     import ray
 
     from pagedserve.workers.process.cpu_placement import (
@@ -391,9 +384,12 @@ def place_local_cluster(config: ClusterConfig) -> None:
     workers = {info.pid for info in ray.get([h.describe.remote() for h in handles])}
     cpus, nice = config.placement.control_cpu_set, config.placement.control_nice
     placed = 0
-    tree = [os.getpid(), *descendants(os.getpid())]
-    keep_niceness = set() if may_lower_niceness() else {p for p in tree if _comm(p) == "raylet"}
-    for pid in tree:
+    keep_niceness = (
+        set()
+        if may_lower_niceness()
+        else {pid for pid, (comm, _) in live_children(os.getpid()).items() if comm == "raylet"}
+    )
+    for pid in [os.getpid(), *descendants(os.getpid())]:
         if pid in workers:
             continue
         try:

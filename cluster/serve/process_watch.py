@@ -107,7 +107,7 @@ class LocalRayWatch:
 
     def start(self) -> None:
         self._daemons = {
-            comm: pid for pid, (comm, _) in _children(os.getpid(), self._proc).items()
+            comm: pid for pid, (comm, _) in live_children(os.getpid(), self._proc).items()
             if comm in RAY_DAEMONS
         }  # fmt: skip
 
@@ -181,7 +181,7 @@ class JoinedRayWatch:
         return self.lost()
 
 
-def _children(pid: int, proc: Path) -> dict[int, tuple[str, str]]:
+def live_children(pid: int, proc: Path = Path("/proc")) -> dict[int, tuple[str, str]]:
     """This process's live children: pid → (command name, state)."""
     found = {}
     for stat in proc.glob("[0-9]*/stat"):

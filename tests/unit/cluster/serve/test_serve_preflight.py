@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import uuid
-from pathlib import Path
 
 import pytest
 import ray
@@ -23,7 +22,7 @@ from support.processes import MARK_ENV, processes_marked
 
 from pagedserve.cli import main
 from pagedserve.cluster.serve.preflight import Settings, defaults
-from pagedserve.cluster.serve.process_watch import _children
+from pagedserve.cluster.serve.process_watch import live_children
 
 TINY = ("--model", "tiny-llama")
 
@@ -51,7 +50,7 @@ def never_serve(monkeypatch):
 
 def serve_refuses(capsys, *argv: str) -> str:
     """Run `pagedserve serve ARGV` here; assert the refusal's shape; return its one line."""
-    children = set(_children(os.getpid(), Path("/proc")))
+    children = set(live_children(os.getpid()))
     try:
         status = main(["serve", *argv])
     except SystemExit as exit_:  # argparse's refusal exits
@@ -62,7 +61,7 @@ def serve_refuses(capsys, *argv: str) -> str:
     assert len(lines) == 1 and lines[0].startswith("pagedserve: error: "), lines
     assert "Traceback" not in err
     assert not ray.is_initialized()
-    assert set(_children(os.getpid(), Path("/proc"))) <= children  # nothing started
+    assert set(live_children(os.getpid())) <= children  # nothing started
     return lines[0]
 
 
