@@ -21,7 +21,9 @@ one (bench/README.md, "GGUF block codes and one engine thread").
 python -m pagedserve.bench.engine_arrivals SPEC.json OUT.json
 
 SPEC: {"engine": EngineConfig's fields, "nice": int or null, "cpus": [int] or null,
-"concurrency": int or null (closed loop), "requests": [{"index", "arrival_s", "token_ids",
+"concurrency": int or null (closed loop), "share_board": a path or null (run each step
+on this engine's share of the cores, as a served worker with `worker_share_cores` does,
+beside whatever else takes slots on that board), "requests": [{"index", "arrival_s", "token_ids",
 "max_tokens"}], "warmup": [same]}. OUT: one record per request (`openai_load.RequestRecord`
 fields, as JSON), every step's seconds, the timed run's CPU seconds, and the torch threads
 and niceness the engine ran with.
@@ -125,6 +127,31 @@ def place(nice: int | None, cpus: Sequence[int] | None) -> None:
         set_niceness(nice, what="engine arm")
 
 
+def _stepper_on_share(board: str | None, engine_step: Callable[[], list]) -> Callable[[], list]:
+    """`engine_step`, each call on this process's share of the cores of `board` (as
+    `WorkerCore._take_core_share`), or as is without a board. The share's slot is freed when
+    the process ends."""
+    if board is None:
+        return engine_step
+    import atexit
+    from pathlib import Path
+
+    import torch
+
+    from pagedserve.workers.process.core_share import CoreShare, usable_cores
+
+    share = CoreShare(Path(board), usable_cores())
+    atexit.register(share.close)
+
+    def step() -> list:
+        threads = share.threads_for_step()
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        return engine_step()
+
+    return step
+
+
 def main(argv: Sequence[str]) -> int:
     with open(argv[0], encoding="utf-8") as f:
         spec = json.load(f)
@@ -139,8 +166,10 @@ def main(argv: Sequence[str]) -> int:
     with ThreadPoolExecutor(1, thread_name_prefix="engine-step") as stepper:
         engine = stepper.submit(Engine, EngineConfig(**spec["engine"])).result()
 
+        step_on_share = _stepper_on_share(spec.get("share_board"), engine.step)
+
         def step() -> list:
-            return stepper.submit(engine.step).result()
+            return stepper.submit(step_on_share).result()
 
         run_requests(engine, spec["warmup"], "warmup-", step)
         cpu_before = time.process_time()

@@ -76,6 +76,7 @@ def served_worker_layout(
     from pagedserve.cluster.api.config import split_app_args
     from pagedserve.cluster.config import ClusterConfig
     from pagedserve.cluster.serve import cli as serve_cli
+    from pagedserve.workers.process.core_share import usable_cores
 
     parser = argparse.ArgumentParser(prog="pagedserve", exit_on_error=False)
     serve_cli.register(parser.add_subparsers())
@@ -88,7 +89,10 @@ def served_worker_layout(
     num_workers = config.scaling.num_workers
     threads = config.placement.worker_thread_count(0, num_workers)
     threads_from = "the cluster config"
-    if threads is None and environ.get("OMP_NUM_THREADS", "").isdigit():
+    if config.placement.worker_share_cores:  # the engine alone has work: every core is its
+        cores = node.num_cores if node is not None else usable_cores()
+        threads, threads_from = cores, "every core: shared, and alone with work"
+    elif threads is None and environ.get("OMP_NUM_THREADS", "").isdigit():
         threads, threads_from = int(environ["OMP_NUM_THREADS"]), "OMP_NUM_THREADS, kept by Ray"
     elif threads is None:
         threads = max(math.floor(config.placement.worker_num_cpus), 1)

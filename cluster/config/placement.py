@@ -22,6 +22,12 @@ class PlacementConfig:
             (at least 1), so each worker keeps to the cores it reserved and the router, proxy
             and index keep the rest. `pagedserve serve` without it (and without
             `worker_cpus`) gives each CPU worker its share of the machine's cores.
+        worker_share_cores: the workers on one machine share its cores: before each step a
+            worker runs its engine on the machine's cores divided among those of its workers
+            that have work (at least 1 thread), so a worker alone with work has every core
+            (`workers/process/core_share.py`). Only without `worker_threads` and
+            `worker_cpus`. `pagedserve serve` turns it on where it starts more than one CPU
+            worker on a machine and neither is given.
         worker_cpus: cores the workers' engines run on, as a Linux CPU list (`"1"`, `"0-3"`,
             `"0,2-3"`); with several workers on one machine, worker i gets the i-th equal
             slice. Each worker pins its whole process there, and gets one torch thread per
@@ -52,6 +58,7 @@ class PlacementConfig:
     worker_num_gpus: float = 0.0
     worker_num_cpus: float = 1.0
     worker_threads: int | None = None
+    worker_share_cores: bool = False
     worker_cpus: str | None = None
     control_cpus: str | None = None
     worker_nice: int | None = 0
@@ -68,6 +75,12 @@ class PlacementConfig:
             parse_cpu_list(self.control_cpus, "control_cpus")
         if self.worker_cpus is not None:
             parse_cpu_list(self.worker_cpus, "worker_cpus")
+        if self.worker_share_cores and (self.worker_threads or self.worker_cpus):
+            given = "worker_threads" if self.worker_threads else "worker_cpus"
+            raise ValueError(
+                f"worker_share_cores and {given} both set: shared cores set each step's "
+                f"threads from the machine's cores; drop one"
+            )
 
     def check_slices(self, num_slots: int) -> None:
         """`worker_threads` fits the cores of each of `num_slots` workers' slice of

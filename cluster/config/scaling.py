@@ -14,7 +14,7 @@ class ScalingConfig:
 
     Attributes:
         num_workers: worker actors the pool starts with. `pagedserve serve` without it
-            sizes to the machine: one per GPU, else one per NUMA node
+            sizes to the machine: one per GPU, else two per NUMA node sharing its cores
             (`cluster/serve/node_layout.py`).
         min_workers: the fewest workers the pool scales down to. None: `num_workers`.
         max_workers: the most workers the pool scales up to. None: `num_workers` (with both

@@ -41,6 +41,8 @@ class WorkerSpec:
         num_gpus, num_cpus, resources: what Ray reserves for each worker actor.
         worker_threads, worker_cpus, num_slots: torch threads and CPU pinning
             (`PlacementConfig.worker_thread_count` / `worker_cpu_share`).
+        share_cores: each worker runs on its share of its machine's cores
+            (`PlacementConfig.worker_share_cores`).
         nice: each worker's niceness.
         lease_timeout_s, max_buffered_deltas: the worker's stream settings.
         drain_grace_s: how long its open streams get to finish when SIGTERM drains it.
@@ -66,6 +68,7 @@ class WorkerSpec:
     prefill_workers: int = 0
     decode_workers: int = 0
     fault_injection: bool = False
+    share_cores: bool = False
 
     @classmethod
     def of(cls, config: ClusterConfig) -> WorkerSpec:
@@ -93,6 +96,7 @@ class WorkerSpec:
             prefill_workers=scaling.prefill_workers,
             decode_workers=scaling.decode_workers,
             fault_injection=failure.fault_injection,
+            share_cores=placement.worker_share_cores,
         )
 
     def role_for_new(self, roles: Iterable[WorkerRole]) -> WorkerRole:
@@ -173,5 +177,6 @@ def create_worker(
             config_fingerprint=spec.fingerprint,
             drain_grace_s=spec.drain_grace_s,
             role=role,
+            share_cores=spec.share_cores,
         )
     )

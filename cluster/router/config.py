@@ -2,7 +2,8 @@
 
 The app builder (`cluster/app.py`) makes one from the `ClusterConfig`; `RouterCore` hands each
 of its parts the section that part reads (the liveness watch `failure`, migration `routing`,
-the front ends `limits`). A router never sees the pool's scaling or the workers' placement.
+the front ends `limits`). A router never sees the pool's scaling or the workers' placement
+(only whether they share their machines' cores).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ class RouterConfig:
         failure: deadlines, liveness, leases and what a lost worker's requests become.
         limits: sizes, backpressure, retry hint and tenants' quotas.
         disaggregated: whether prefill/decode disaggregation is on (`ScalingConfig`).
+        workers_share_cores: whether the workers share their machine's cores
+            (`PlacementConfig.worker_share_cores`): routing then packs light traffic.
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -31,6 +34,7 @@ class RouterConfig:
     failure: FailureConfig = field(default_factory=FailureConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     disaggregated: bool = False
+    workers_share_cores: bool = False
 
     @classmethod
     def of(cls, config: ClusterConfig) -> RouterConfig:
@@ -40,4 +44,5 @@ class RouterConfig:
             failure=config.failure,
             limits=config.limits,
             disaggregated=config.scaling.disaggregated,
+            workers_share_cores=config.placement.worker_share_cores,
         )

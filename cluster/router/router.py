@@ -74,7 +74,7 @@ from pagedserve.cluster.router.types import RouterCounters
 from pagedserve.cluster.router.worker_channel import WorkerChannels
 from pagedserve.cluster.router.worker_liveness import WORKER_LOST_ERRORS, WorkerLiveness
 from pagedserve.cluster.router.worker_state import WorkerState
-from pagedserve.cluster.routing.policies import make_policy
+from pagedserve.cluster.routing.policies import make_policy, options_of
 from pagedserve.cluster.routing.routable import RoutableWorkers
 from pagedserve.cluster.routing.tier_costs import TierCosts
 from pagedserve.workers.model.registry import DEFAULT_MODEL
@@ -126,7 +126,11 @@ class RouterCore(RouterRequests, RouterRouting, RouterStats, RouterLoras):
         self.policy = make_policy(
             routing.routing_policy,
             engine_block_size=config.engine.block_size,
-            **routing.routing_options,
+            **options_of(
+                routing.routing_policy,
+                routing.routing_options,
+                config.workers_share_cores,
+            ),
         )
         self.routable = RoutableWorkers(self.workers, self.policy.new_ranking())
         self.tier_costs = TierCosts(routing.tier_host_block_cost, routing.tier_disk_block_cost)

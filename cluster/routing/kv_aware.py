@@ -59,6 +59,14 @@ class KvAwarePolicy(RoutingPolicy):
     long request on a large pool is far above the mean but no pile-up worth a lost cache hit.
     Ties go to the lower load, then fewer in-flight requests, then the lower worker id.
 
+    Packing (`pack_below_blocks` > 0; `pagedserve serve` sets it where CPU workers share their
+    machine's cores, `policies.options_of`): below that load a busier worker weighs
+    less, `weighed = pack_below_blocks − load`, and from it on `weighed = load`. Light traffic
+    then gathers on one worker, which runs on every core while the others idle, until its load
+    is worth a worker of its own; an idle worker weighs `pack_below_blocks`, as much as one
+    just full. The imbalance guard reads the load itself. `Candidate.load` and the tie order
+    hold the weighed load.
+
     Args:
         prefill_weight: blocks of decode load one block of prefill is worth.
         block_size: tokens per KV block, to turn `inflight_tokens` into blocks.
@@ -67,6 +75,7 @@ class KvAwarePolicy(RoutingPolicy):
         imbalance_slack: absolute headroom in blocks, so that idle clusters are not guarded.
         imbalance_pool_fraction: share of its own pool a worker's load must pass before the
             guard may exclude it (unless requests wait there).
+        pack_below_blocks: the load, in blocks, light traffic packs a worker to (0: none).
     """
 
     name = "kv_aware"
@@ -80,6 +89,7 @@ class KvAwarePolicy(RoutingPolicy):
         imbalance_factor: float = 1.5,
         imbalance_slack: float = 16.0,
         imbalance_pool_fraction: float = 0.25,
+        pack_below_blocks: float = 0.0,
     ) -> None:
         weights = {
             "prefill_weight": prefill_weight,
@@ -87,12 +97,15 @@ class KvAwarePolicy(RoutingPolicy):
             "imbalance_factor": imbalance_factor,
             "imbalance_slack": imbalance_slack,
             "imbalance_pool_fraction": imbalance_pool_fraction,
+            "pack_below_blocks": pack_below_blocks,
         }
         for name, value in weights.items():
             if not math.isfinite(value):  # NaN would pass every range check below
                 raise ValueError(f"{name} must be a finite number, got {value}")
-        if prefill_weight < 0 or waiting_weight < 0 or imbalance_slack < 0:
-            raise ValueError("prefill_weight, waiting_weight and imbalance_slack must be >= 0")
+        if min(prefill_weight, waiting_weight, imbalance_slack, pack_below_blocks) < 0:
+            raise ValueError(
+                "prefill_weight, waiting_weight, imbalance_slack and pack_below_blocks must be >= 0"
+            )
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if imbalance_factor < 1:
@@ -107,6 +120,7 @@ class KvAwarePolicy(RoutingPolicy):
                 f"imbalance_pool_fraction must be in [0, 1], got {imbalance_pool_fraction}"
             )
         self.imbalance_pool_fraction = imbalance_pool_fraction
+        self.pack_below_blocks = pack_below_blocks
 
     def guard_terms(self, load: WorkerLoad) -> tuple[int, int]:
         """(decode load in blocks, requests waiting): `load_of` is `first + waiting_weight ·
@@ -119,9 +133,13 @@ class KvAwarePolicy(RoutingPolicy):
         decode, waiting = self.guard_terms(load)
         return decode + self.waiting_weight * waiting
 
+    def weighed(self, value: float) -> float:
+        """A load as routing weighs it: packed below `pack_below_blocks` (class docstring)."""
+        return self.pack_below_blocks - value if value < self.pack_below_blocks else value
+
     def rank_key(self, load: WorkerLoad) -> RankKey:
-        """Lower load, then fewer in flight, then the lower id: the tie order of `choose`."""
-        return (self.load_of(load), load.inflight, load.worker_id)
+        """Lower weighed load, then fewer in flight, then the lower id: `choose`'s tie order."""
+        return (self.weighed(self.load_of(load)), load.inflight, load.worker_id)
 
     def guard_bound(self, decode_total: int, waiting_total: int, num_workers: int) -> float:
         """The load above which a worker is excluded as overloaded, from the totals of
@@ -155,7 +173,7 @@ class KvAwarePolicy(RoutingPolicy):
         candidates = []
         for worker in ordered:
             matched, prefill = prefix_split(worker.worker_id, num_prompt_blocks, matches)
-            value = values[worker.worker_id]
+            value = self.weighed(values[worker.worker_id])
             excluded = "overloaded" if worker.worker_id in over else None
             tier_load = tier_load_of(worker.worker_id, tier_load_blocks)
             cost = self.prefill_weight * (prefill + tier_load) + value
@@ -179,8 +197,9 @@ class KvAwarePolicy(RoutingPolicy):
         """`choose`'s winner without scoring every worker.
 
         Why it is the same: a worker holding nothing of the prompt costs `prefill_weight ·
-        num_prompt_blocks + load`, one constant plus its load, so among those the tie order
-        (cost, load, in flight, id) is the ranking's order (load, in flight, id), and the best
+        num_prompt_blocks + weighed load`, one constant plus its weighed load, so among those
+        the tie order (cost, weighed load, in flight, id) is the ranking's order (weighed
+        load, in flight, id), and the best
         of them is the first in that order not excluded. The holders are scored one by one.
         The winner is the better of the two. (Only holders have lower-tier hits, so the tier
         term changes nothing of this.) The guard's mean comes from the ranking's exact
@@ -219,8 +238,9 @@ class KvAwarePolicy(RoutingPolicy):
             value = self.load_of(load)
             prefill = num_prompt_blocks - matched
             tier_load = tier_load_of(worker_id, tier_load_blocks)
-            cost = self.prefill_weight * (prefill + tier_load) + value
             excluded = self._excluded(load, value, bound)
+            value = self.weighed(value)
+            cost = self.prefill_weight * (prefill + tier_load) + value
             candidate = Candidate(worker_id, matched, prefill, value, cost, excluded, tier_load)
             listed[worker_id] = (candidate, load.inflight)
         return listed
@@ -238,10 +258,11 @@ class KvAwarePolicy(RoutingPolicy):
         holders = set(listed)
         found_free = False
         others = 0
-        for value, inflight, worker_id in ranking.ordered():
+        for value, inflight, worker_id in ranking.ordered():  # value: the weighed load
             if worker_id in holders:
                 continue
-            excluded = self._excluded(ranking.get(worker_id), value, bound)
+            load = ranking.get(worker_id)
+            excluded = self._excluded(load, self.load_of(load), bound)
             candidate = Candidate(worker_id, 0, num_prompt_blocks, value, fixed + value, excluded)
             listed[worker_id] = (candidate, inflight)
             others += 1

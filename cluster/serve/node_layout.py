@@ -5,14 +5,20 @@ printed at start-up as the decision with its reasons.
 
 - **GPUs**: one worker per GPU (one GPU each), its KV pool a share of the device's free memory
   (the engine's own default).
-- **CPUs**: one worker per NUMA node, each with one torch thread per core of its node. An
-  engine's decode step on a CPU is bound by reading the weights; threads of one engine share
-  that read, and a worker spanning two NUMA nodes would read half its weights across the
-  interconnect. On the 2-core, one-node machine of bench/README.md ("Serving defaults"; 30
-  requests at 1 req/s, 3 alternated runs each), one worker with both cores had the lowest
-  TTFT p50 (each alternative 1.10-1.14x per pair) and a TPOT p50 level with two workers of one
-  core each (0.99x) and 4-5% below one worker of one core, with or without the control plane
-  pinned to the other core. Ray alone would give a worker one thread per reserved CPU (1).
+- **CPUs**: `WORKERS_PER_NUMA_NODE` (2) workers per NUMA node that share the machine's cores
+  (`worker_share_cores`, `workers/process/core_share.py`): each step runs on the cores
+  divided among the workers that have work, and routing gathers light traffic on one of them
+  (`kv_aware` packing, `cluster/routing/policies.py`), so under light load one worker runs on
+  every core and under heavy load each runs on its own half. On the 2-core machine of
+  bench/README.md ("Cores that follow the load"; 3 alternated runs per arm), at 8 req/s
+  this delivered 1.25x the tokens a second of one worker on both cores and 1.08x those of two
+  workers of one core each, with lower TTFT and TPOT p50 than either; at 1 req/s its TTFT
+  and TPOT p50 were 1.07x and 1.11x one worker's (per pair). One
+  worker per NUMA node, with one torch thread per core of its node, where a node has one
+  core, a worker is tensor parallel (its ranks split the cores), or the copies of the
+  weights would pass `CPU_WEIGHTS_MEMORY_FRACTION` of the memory available. A worker spanning
+  two NUMA nodes would read half its weights across the interconnect; Ray alone would give a
+  worker one thread per reserved CPU (1).
 - **KV pool on CPUs**: `CPU_KV_MEMORY_FRACTION` of the memory available at start-up, shared
   among the node's workers, at most `CPU_KV_MAX_BYTES` each. The engine's own CPU default
   (256 MiB: 5,824 positions of SmolLM2-135M) admitted ~25 requests of the saturating workload
@@ -38,6 +44,14 @@ from typing import Any
 CPU_KV_MEMORY_FRACTION = 0.4
 CPU_KV_MAX_BYTES = 4 << 30
 CPU_MAX_NUM_SEQS = 128
+WORKERS_PER_NUMA_NODE = 2
+CPU_WEIGHTS_MEMORY_FRACTION = 0.25
+GGUF_WIDENING = 8
+_SHARING_EXCLUDES = (
+    "worker_threads",
+    "worker_cpus",
+    "worker_share_cores",
+)  # 4-bit codes widened to float32, the worst case
 GIB = 1 << 30
 
 
@@ -103,22 +117,40 @@ def plan(data: dict[str, Any], node: NodeResources) -> NodeLayout:
         )
         return _only_unset(data, engine, settings, chosen_engine, reasons)
     nodes = len(node.numa_cores)
-    workers = max(nodes, roles, 2 if roles else 1)
+    # Workers share the cores only where threads and pinning are left to the layout, and a
+    # worker is one process (a tensor-parallel one's ranks split the cores at start).
+    share_given = _given(data, "worker_share_cores")
+    own_threads = (
+        _given(data, "worker_threads") is not None or _given(data, "worker_cpus") is not None
+    )
+    sharing = share_given is not False and not own_threads and ranks == 1
+    per_node, why = _workers_per_numa_node(node, engine.get("model")) if sharing else (1, "")
+    workers = max(nodes * per_node, roles, 2 if roles else 1)
     settings["num_workers"] = workers
+    for_roles = roles and roles >= nodes * per_node
     reasons["num_workers"] = f"{node.num_cores} core(s) on {nodes} NUMA node(s): " + (
-        f"{workers} worker(s) for {roles} P/D role(s)" if roles > nodes else f"{workers} worker(s)"
+        f"{workers} worker(s) for {roles} P/D role(s)" if for_roles else f"{workers} worker(s){why}"
     )
     num_workers = _given(data, "num_workers")
     num_workers = workers if num_workers is None else num_workers
     if not isinstance(num_workers, int) or num_workers < 1:  # the config check names it
         return _only_unset(data, engine, settings, chosen_engine, reasons)
-    if _given(data, "worker_cpus") is None:  # pinned workers get a thread per core of their slice
-        threads = _threads_per_worker(node, num_workers)
-        settings["worker_threads"] = threads
-        reasons["worker_threads"] = (
-            f"{threads} torch thread(s) per worker (its share of {node.num_cores} core(s) "
-            f"among {num_workers} worker(s))"
-        )
+    # Pinned workers get a thread per core of their slice; given threads are the user's.
+    if not own_threads:
+        if sharing and (num_workers > 1 or share_given):
+            settings["worker_share_cores"] = True
+            reasons["worker_share_cores"] = (
+                f"the workers share the {node.num_cores} core(s): each step runs on the cores "
+                "divided among the workers that have work (all of them while one alone has), "
+                "and light traffic gathers on one worker"
+            )
+        else:
+            threads = _threads_per_worker(node, num_workers)
+            settings["worker_threads"] = threads
+            reasons["worker_threads"] = (
+                f"{threads} torch thread(s) per worker (its share of {node.num_cores} core(s) "
+                f"among {num_workers} worker(s))"
+            )
     chosen_engine["max_num_seqs"] = CPU_MAX_NUM_SEQS
     reasons["max_num_seqs"] = f"{CPU_MAX_NUM_SEQS} sequences at once per worker"
     share = int(node.available_bytes * CPU_KV_MEMORY_FRACTION) // (num_workers * ranks)
@@ -156,6 +188,45 @@ def _given(data: dict[str, Any], name: str) -> Any:
 
     section = data.get(SECTION_OF[name])
     return section.get(name) if isinstance(section, dict) else None  # else the check names it
+
+
+def _workers_per_numa_node(node: NodeResources, model: Any) -> tuple[int, str]:
+    """`WORKERS_PER_NUMA_NODE` sharing each NUMA node's cores, or one where a node has a
+    single core or that many copies of the model's weights would not fit in
+    `CPU_WEIGHTS_MEMORY_FRACTION` of the memory available; with why, for the start-up line."""
+    if min(len(cores) for cores in node.numa_cores) < WORKERS_PER_NUMA_NODE:
+        return 1, ""
+    copies = WORKERS_PER_NUMA_NODE * len(node.numa_cores)
+    weights = model_weight_bytes(model)
+    budget = node.available_bytes * CPU_WEIGHTS_MEMORY_FRACTION
+    if weights is not None and node.available_bytes and copies * weights > budget:
+        return 1, (
+            f" (one per NUMA node: {copies} copies of the model's ~{weights / GIB:.1f} GiB "
+            f"would pass {CPU_WEIGHTS_MEMORY_FRACTION:.0%} of "
+            f"{node.available_bytes / GIB:.1f} GiB available)"
+        )
+    return WORKERS_PER_NUMA_NODE, f" ({WORKERS_PER_NUMA_NODE} per NUMA node)"
+
+
+def model_weight_bytes(model: Any) -> int | None:
+    """An upper bound of the memory one worker's copy of `model`'s weights takes, from its
+    files' sizes (a GGUF file's codes may be widened to float32: `GGUF_WIDENING` times its
+    size); None where the files are not found (the start-up checks name a wrong model)."""
+    from pagedserve.workers.model.registry import BUILTIN_GGUF, DEFAULT_MODEL, TINY_LLAMA_NAME
+
+    name = DEFAULT_MODEL if model is None else str(model)
+    if name == TINY_LLAMA_NAME:
+        return 0
+    try:
+        path = Path(BUILTIN_GGUF[name].locate()) if name in BUILTIN_GGUF else Path(name)
+        if path.is_file():
+            return path.stat().st_size * (GGUF_WIDENING if path.suffix.lower() == ".gguf" else 1)
+        if path.is_dir():
+            weights = [p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".pt")]
+            return sum(p.stat().st_size for p in weights)
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def _threads_per_worker(node: NodeResources, num_workers: int) -> int:

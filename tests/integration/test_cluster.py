@@ -8,6 +8,7 @@ import random
 import pytest
 from support.cluster import (
     PIN,
+    assert_cluster_clean,
     cluster_config,
     greedy,
     run_request,
@@ -122,6 +123,27 @@ def test_worker_threads_set_each_engine_s_torch_threads():
 
     infos = worker_infos(config)
     assert [info.num_threads for info in infos] == [2]
+
+
+def test_a_worker_sharing_the_cores_runs_on_every_core_while_alone_with_work():
+    """`worker_share_cores`: before each step the worker takes its share of its machine's
+    cores (each Ray node of this test cluster has a board of its own: one worker on it)."""
+    config = cluster_config("t-share", num_workers=1, worker_share_cores=True)
+
+    async def main():
+        core = await start_router(config)
+        (worker,) = core.workers.values()
+        await run_request(core, prompt(3, 20), greedy(4))
+        info = await worker.handle.describe.remote()
+        await assert_cluster_clean(core)
+        await core.close()
+        return info
+
+    try:
+        info = run(main())
+    finally:
+        stop_worker_group(config)
+    assert info.num_threads == len(available_cpus())
 
 
 def test_worker_cpus_pin_each_worker_to_its_share_with_a_thread_per_core():

@@ -24,6 +24,7 @@ import ray
 from pagedserve.workers.deadline import within
 from pagedserve.workers.engine.config import EngineConfig
 from pagedserve.workers.process import drain_signal
+from pagedserve.workers.process.core_share import CoreShare, board_path, usable_cores
 from pagedserve.workers.process.cpu_placement import (
     niceness,
     pin_process,
@@ -103,6 +104,8 @@ class Worker:
         pid_dir: where this worker writes its pid file for `pagedserve drain-node` (None:
             none).
         role: its role in prefill/decode disaggregation (`workers/protocol/role.py`).
+        share_cores: share this machine's cores with the app's other workers on it, each
+            step on this worker's share of them (`workers/process/core_share.py`).
     """
 
     def __init__(
@@ -121,6 +124,7 @@ class Worker:
         drain_grace_s: float = DEFAULT_DRAIN_GRACE_S,
         pid_dir: str | None = DEFAULT_PID_DIR,
         role: WorkerRole = WorkerRole.MIXED,
+        share_cores: bool = False,
     ) -> None:
         # First: every thread the engine starts later inherits the mask and the niceness.
         if cpus is not None:
@@ -151,6 +155,7 @@ class Worker:
             lease_timeout_s=lease_timeout_s,
             max_buffered_deltas=max_buffered_deltas,
             engine_thread=engine_thread,
+            core_share=_core_share(namespace) if share_cores else None,
         )
         self.drain_grace_s = drain_grace_s
         self._held_kv = handoff_ref.HeldKV()  # KV handed off by ref, until fetched
@@ -211,7 +216,7 @@ class Worker:
             vocab_size=engine.loaded.vocab_size,
             max_model_len=engine.max_model_len,
             num_blocks=engine.kv.pool.num_blocks,
-            num_threads=_torch_threads(),
+            num_threads=self.core.engine_threads or _torch_threads(),
             pid=os.getpid(),
             cpus=process_cpus(),
             nice=niceness(),
@@ -413,3 +418,9 @@ def _torch_threads() -> int:
     import torch  # loaded by the engine already (see `Worker.__init__`)
 
     return torch.get_num_threads()
+
+
+def _core_share(namespace: str | None) -> CoreShare:
+    """This worker's slot on the board of the app's workers on this machine."""
+    node_id = ray.get_runtime_context().get_node_id()
+    return CoreShare(board_path(namespace or "anonymous", node_id), usable_cores())

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pagedserve.workers.engine.engine import Engine
 from pagedserve.workers.engine.outputs import RequestDelta
+from pagedserve.workers.process.core_share import CoreShare
 from pagedserve.workers.protocol.errors import LoraLoadError, RequestRejected
 from pagedserve.workers.protocol.events import KVEvent
 from pagedserve.workers.protocol.stats import LoraLoadResult, WorkerStats
@@ -82,6 +83,10 @@ class WorkerCore(WorkerRequests, WorkerKV):
         lease_timeout_s: how long an owner's requests live without a renewal.
         max_buffered_deltas: deltas a stream buffers before its request is paused.
         clock: the leases' monotonic clock (tests inject one).
+        engine_thread: the thread the engine was built on (a new one by default).
+        core_share: the machine's cores shared with its other workers: each step runs on
+            this worker's share of them (`workers/process/core_share.py`). None: the engine
+            keeps the torch threads it started with.
     """
 
     def __init__(
@@ -95,6 +100,7 @@ class WorkerCore(WorkerRequests, WorkerKV):
         max_buffered_deltas: int = DEFAULT_MAX_BUFFERED_DELTAS,
         clock: Callable[[], float] = time.monotonic,
         engine_thread: ThreadPoolExecutor | None = None,
+        core_share: CoreShare | None = None,
     ):
         if max_buffered_deltas < 1:
             raise ValueError(f"max_buffered_deltas must be >= 1, got {max_buffered_deltas}")
@@ -122,6 +128,8 @@ class WorkerCore(WorkerRequests, WorkerKV):
         # on the main thread and stepped on asyncio's pool, SmolLM2's decode step took twice
         # as long (bench/README.md, "GGUF block codes and one engine thread").
         self._engine_thread = engine_thread or engine_thread_executor()
+        self.core_share = core_share
+        self._step_threads: int | None = None  # what this loop last set (core_share only)
         self.num_blocks_imported = 0
         self.num_blocks_exported = 0
         self.num_event_batches_dropped = 0
@@ -157,6 +165,8 @@ class WorkerCore(WorkerRequests, WorkerKV):
                 await self._step_in_flight
         await asyncio.get_running_loop().run_in_executor(self._engine_thread, self.engine.close)
         self._engine_thread.shutdown(wait=False)
+        if self.core_share is not None:
+            self.core_share.close()
 
     async def _housekeeping_loop(self) -> None:
         """Every quarter lease: abort the orphans of expired owners, send a heartbeat on every
@@ -174,6 +184,8 @@ class WorkerCore(WorkerRequests, WorkerKV):
     async def _run_loop(self) -> None:
         while True:
             if not self.engine.has_runnable_requests():  # idle, or every request paused
+                if self.core_share is not None:
+                    self.core_share.idle()
                 self._wakeup.clear()
                 self._waiting_for_work = True
                 await self._wakeup.wait()
@@ -204,6 +216,8 @@ class WorkerCore(WorkerRequests, WorkerKV):
             self._publish_events()
 
     def _step(self) -> list[RequestDelta]:
+        if self.core_share is not None:
+            self._take_core_share()
         faults = self.faults
         if faults is None:
             return self.engine.step()
@@ -211,6 +225,21 @@ class WorkerCore(WorkerRequests, WorkerKV):
         deltas = self.engine.step()
         faults.after_step()
         return deltas
+
+    def _take_core_share(self) -> None:
+        """Run this step on this worker's share of the machine's cores (on the engine thread:
+        libgomp keeps a thread count per thread that starts parallel work)."""
+        threads = self.core_share.threads_for_step()
+        if threads != self._step_threads:
+            import torch  # loaded by the engine already
+
+            torch.set_num_threads(threads)
+            self._step_threads = threads
+
+    @property
+    def engine_threads(self) -> int | None:
+        """The torch threads this loop's last step ran on (None: never set here)."""
+        return self._step_threads
 
     def seconds_without_progress(self) -> float:
         """How long the engine has had runnable work and taken no step: 0 when it is idle or

@@ -112,14 +112,19 @@ def test_the_engine_arm_gets_the_served_workers_engine_and_threads():
     limits, placement = ClusterConfig().limits, ClusterConfig().placement
     assert layout.engine.model == "tiny-llama"
     assert layout.engine.max_waiting == limits.max_waiting_per_worker  # as the cluster sets it
-    assert layout.engine.kv_cache_bytes == 2 << 30  # 40% of what the node has free
+    assert layout.engine.kv_cache_bytes == 1 << 30  # 40% of what the node has free, / 2
     assert layout.engine.linear_backend == "auto"
     assert layout.engine.attention_backend == EngineConfig().attention_backend
-    assert (layout.threads, layout.threads_from) == (3, "the cluster config")  # the node's cores
-    assert (layout.nice, layout.cpus, layout.num_workers) == (placement.worker_nice, None, 1)
+    # Two workers share the node's cores; alone with work, as the engine arm is, one has all.
+    assert layout.threads == 3 and layout.threads_from.startswith("every core: shared")
+    assert (layout.nice, layout.cpus, layout.num_workers) == (placement.worker_nice, None, 2)
+    alone = served_worker_layout([*flags, "--num-workers", "1"], environ={}, node=node)
+    assert (alone.threads, alone.threads_from) == (3, "the cluster config")
     # Pinned to one core, the worker gets a thread per core of its slice; with no threads set
     # anywhere (joining a cluster by address), Ray's OMP_NUM_THREADS is what the worker keeps.
-    pinned = served_worker_layout([*flags, "--worker-cpus", "1"], environ={}, node=node)
+    pinned = served_worker_layout(
+        [*flags, "--num-workers", "1", "--worker-cpus", "1"], environ={}, node=node
+    )
     assert pinned.threads == 1 and pinned.cpus == (1,)
 
 
@@ -129,7 +134,9 @@ def test_the_engine_arm_follows_the_ours_arms_settings():
     args = args_of(model="tiny-llama", kv_cache_gib=1, worker_threads=2)
     layout = served_worker_layout(our_flags(args, "--worker-nice 3"), environ={})
     assert (layout.threads, layout.nice, layout.engine.kv_cache_bytes) == (2, 3, 1 << 30)
-    pinned = served_worker_layout(our_flags(args_of(), "--worker-cpus 0"), environ={})
+    pinned = served_worker_layout(
+        our_flags(args_of(), "--num-workers 1 --worker-cpus 0"), environ={}
+    )
     assert (pinned.cpus, pinned.threads) == ((0,), 1)  # one thread per core of its share
     with pytest.raises(ValueError, match="refuses"):
         served_worker_layout(["--no-such-flag"], environ={})

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from pagedserve.cluster.routing.kv_aware import KvAwarePolicy
 from pagedserve.cluster.routing.policies import make_policy
 from pagedserve.cluster.routing.policy import Candidate, WorkerLoad
@@ -126,3 +128,32 @@ def test_kv_aware_ties_break_on_load_then_worker_id():
     loads = [idle("a"), idle("b", used_blocks=10)]
     assert policy.choose(10, {"b": 10}, loads).worker_id == "a"
     assert policy.choose(10, {}, [idle("z"), idle("y")]).worker_id == "y"
+
+
+def test_packing_gathers_light_traffic_on_one_worker_until_its_load_is_worth_another():
+    """Workers sharing a machine's cores: a busy worker below `pack_below_blocks` weighs less
+    than an idle one, so requests gather there; from that load on they spread as usual."""
+    policy = KvAwarePolicy(pack_below_blocks=64, block_size=16)
+    loads = {w: idle(w, total=10_000) for w in "ab"}
+    chosen = []
+    for _ in range(10):
+        decision = policy.choose(4, {}, list(loads.values()))
+        chosen.append(decision.worker_id)
+        loads[decision.worker_id] = sent(loads[decision.worker_id], tokens=16 * 16)  # 16 blocks
+    # a fills to 64 blocks (4 requests), then b to 64, then they alternate.
+    assert chosen[:8] == ["a"] * 4 + ["b"] * 4
+    assert sorted(chosen[8:]) == ["a", "b"]
+    costs = {c.worker_id: c.load for c in policy.choose(4, {}, [sent(idle("a"), 16 * 16),
+                                                              idle("b")]).candidates}  # fmt: skip
+    assert costs == {"a": 48.0, "b": 64.0}  # weighed: 64 - 16, and an idle worker's 64
+
+
+def test_packing_is_on_where_the_workers_share_cores_unless_the_options_say():
+    from pagedserve.cluster.routing.policies import PACK_BELOW_BLOCKS, options_of
+
+    assert options_of("kv_aware", {}, share_cores=True) == {"pack_below_blocks": PACK_BELOW_BLOCKS}
+    assert options_of("kv_aware", {"pack_below_blocks": 0}, True) == {"pack_below_blocks": 0}
+    assert options_of("kv_aware", {"prefill_weight": 2.0}, False) == {"prefill_weight": 2.0}
+    assert options_of("least_loaded", {}, True) == {}
+    with pytest.raises(ValueError, match="pack_below_blocks must be >= 0"):
+        KvAwarePolicy(pack_below_blocks=-1)

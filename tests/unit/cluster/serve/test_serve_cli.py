@@ -101,17 +101,20 @@ def test_a_flat_key_of_an_older_file_lands_in_its_section(tmp_path):
         cluster_config_from_args(_serve_args("--config", str(path)), num_gpus=0, node=NODE)
 
 
-def test_a_cpu_machine_gets_one_worker_per_numa_node_with_its_cores_and_a_kv_share():
+def test_a_cpu_machine_gets_two_workers_per_numa_node_sharing_its_cores_and_a_kv_share():
     data = cluster_config_from_args(_serve_args(), num_gpus=0, node=NODE)
-    assert (data["scaling"]["num_workers"], data["placement"]["worker_threads"]) == (1, 2)
-    assert data["engine"]["kv_cache_bytes"] == int((8 << 30) * 0.4)
+    assert (data["scaling"]["num_workers"], data["placement"]["worker_share_cores"]) == (2, True)
+    assert data["engine"]["kv_cache_bytes"] == int((8 << 30) * 0.4) // 2
     two_nodes = NodeResources(numa_cores=((0, 1, 2, 3), (4, 5, 6, 7)), available_bytes=64 << 30,
                               num_gpus=0)  # fmt: skip
     data = cluster_config_from_args(_serve_args(), num_gpus=0, node=two_nodes)
-    assert (data["scaling"]["num_workers"], data["placement"]["worker_threads"]) == (2, 4)
+    assert (data["scaling"]["num_workers"], data["placement"]["worker_share_cores"]) == (4, True)
     assert data["engine"]["kv_cache_bytes"] == 4 << 30  # the cap per worker
-    data = cluster_config_from_args(_serve_args("--num-workers", "4"), 0, node=two_nodes)
-    assert (data["scaling"]["num_workers"], data["placement"]["worker_threads"]) == (4, 2)
+    data = cluster_config_from_args(_serve_args("--num-workers", "1"), 0, node=two_nodes)
+    assert (data["scaling"]["num_workers"], data["placement"]["worker_threads"]) == (1, 8)
+    args = _serve_args("--num-workers", "4", "--no-worker-share-cores")
+    data = cluster_config_from_args(args, 0, node=two_nodes)
+    assert data["placement"] == {"worker_share_cores": False, "worker_threads": 2}
 
 
 def test_joining_a_cluster_by_address_sizes_nothing_from_this_machine():

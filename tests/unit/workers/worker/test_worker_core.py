@@ -77,6 +77,45 @@ def test_every_step_and_the_close_run_on_the_one_engine_thread(tiny_llama):
     finish_clean(llm)
 
 
+def test_each_step_runs_on_the_worker_s_share_of_the_cores(tiny_llama, tmp_path):
+    """A busy peer on the board halves the cores a step runs on; an idle one gives them back,
+    and a worker out of work says so (`workers/process/core_share.py`)."""
+    import torch
+
+    from pagedserve.workers.process.core_share import CoreShare
+
+    board, before = tmp_path / "board", torch.get_num_threads()
+    peer = CoreShare(board, 2)
+    llm, _ = make_core(tiny_llama)
+    core = WorkerCore(llm.engine, "w0", core_share=CoreShare(board, 2))
+    seen: list[int] = []
+    step = llm.engine.step
+
+    def recorded():
+        seen.append(torch.get_num_threads())  # on the engine thread, as the step's ops read it
+        return step()
+
+    llm.engine.step = recorded
+
+    async def main():
+        peer.threads_for_step()  # the peer is mid-step
+        await collect(core, "busy-peer", list(range(3, 20)))
+        busy_peer, seen[:] = list(seen), []
+        peer.idle()
+        await collect(core, "idle-peer", list(range(3, 20)))
+        await until(lambda: peer.busy_workers() == 0, "w0 to say it has no work")
+        await core.close()
+        return busy_peer
+
+    busy_peer = asyncio.run(main())
+    assert len(busy_peer) > 10 and set(busy_peer) == {1} and set(seen) == {2}
+    assert board.exists()  # the peer still holds its slot
+    peer.close()
+    assert not board.exists()
+    torch.set_num_threads(before)
+    finish_clean(llm)
+
+
 def test_cancelled_stream_frees_blocks(tiny_llama):
     llm, core = make_core(tiny_llama)
     long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
