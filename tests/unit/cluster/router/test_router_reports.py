@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from support.clock import ManualClock
+
 from pagedserve.cluster.api.grpc.convert import stats_to_proto
 from pagedserve.cluster.router.reports import RouterReport, RouterReports
 from pagedserve.cluster.router.tenant_quotas import TenantCounts
@@ -15,14 +17,6 @@ from pagedserve.cluster.router.types import (
     RouterCounters,
     WorkerView,
 )
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def counters(**values) -> RouterCounters:
@@ -57,7 +51,7 @@ def test_counters_add_and_flatten_each_tenants_counts():
 
 
 def test_reports_sum_the_live_replicas_and_keep_the_gone_ones_counts():
-    clock = Clock()
+    clock = ManualClock()
     reports = RouterReports(clock)
     reports.put(RouterReport("a", counters(routed={"kv_aware": 5}, moves=1), {"w0": 2}, 10.0))
     reports.put(RouterReport("b", counters(routed={"kv_aware": 3}), {"w0": 1, "w1": 4}, 10.0))

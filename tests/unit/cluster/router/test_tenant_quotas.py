@@ -4,6 +4,7 @@ its retry hint, the config's `tenants` and the weights it gives every worker's s
 from __future__ import annotations
 
 import pytest
+from support.clock import ManualClock
 
 from pagedserve.cluster.api.auth import TokenAuth, tenant_of
 from pagedserve.cluster.config import ClusterConfig
@@ -14,14 +15,6 @@ from pagedserve.cluster.router.tenant_quotas import (
     tenant_policies,
 )
 from pagedserve.workers.protocol.errors import Overloaded, RequestRejected
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_inflight_quota_refuses_past_the_limit_and_frees_on_leave():
@@ -50,7 +43,7 @@ def test_every_tenant_policy_applies_to_tenants_not_named():
 
 
 def test_token_bucket_refuses_with_the_seconds_until_it_holds_enough():
-    clock = Clock()
+    clock = ManualClock()
     admission = TenantAdmission({"a": TenantPolicy(tokens_per_minute=600)}, 1.0, clock)
     admission.take_tokens("a", 500)  # 100 left; refills 10 a second
     with pytest.raises(TenantQuotaExceeded) as refused:

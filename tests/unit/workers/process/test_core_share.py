@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.clock import ManualClock
 
 from pagedserve.workers.process.core_share import (
     BOARD_PREFIX,
@@ -22,16 +23,8 @@ from pagedserve.workers.process.core_share import (
 )
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_worker_alone_with_work_takes_every_core_and_halves_them_beside_a_busy_peer(tmp_path):
-    board, clock = tmp_path / "board", Clock()
+    board, clock = tmp_path / "board", ManualClock(1000.0)  # a stamp of 0 reads idle
     a, b = CoreShare(board, 4, clock=clock), CoreShare(board, 4, clock=clock)
     assert a.slot != b.slot
     assert a.threads_for_step() == 4  # b has no work yet
@@ -52,7 +45,7 @@ def test_more_busy_workers_than_cores_still_get_a_thread_each(tmp_path):
 
 
 def test_a_hung_peer_stops_counting_after_stale_s(tmp_path):
-    board, clock = tmp_path / "board", Clock()
+    board, clock = tmp_path / "board", ManualClock(1000.0)  # a stamp of 0 reads idle
     hung, live = CoreShare(board, 2, clock=clock), CoreShare(board, 2, clock=clock)
     hung.threads_for_step()  # and never again
     assert live.threads_for_step() == 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from support.clock import ManualClock
 from support.engine import finish_clean
 
 from pagedserve import LLM, SamplingParams
@@ -21,16 +22,8 @@ TIMEOUT_S = 1000.0
 DEADLINE_S = 60.0
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_lease_table_rules():
-    clock = FakeClock()
+    clock = ManualClock()
     leases = LeaseTable(10.0, clock)
     leases.attach("a", "r1")
     leases.attach("b", "r2")
@@ -52,7 +45,7 @@ def test_lease_table_rules():
 
 
 def test_attach_starts_the_lease_and_bad_timeouts_are_refused():
-    clock = FakeClock()
+    clock = ManualClock()
     leases = LeaseTable(10.0, clock)
     leases.renew("r1")
     clock.now = 100.0
@@ -75,7 +68,7 @@ async def read_all(stream) -> list:
 
 
 def test_an_owner_that_stops_renewing_loses_its_requests_the_others_go_on(tiny_llama):
-    clock = FakeClock()
+    clock = ManualClock()
     llm, core = make_core(tiny_llama, clock, max_buffered_deltas=4)
 
     async def main():
@@ -105,7 +98,7 @@ def test_an_owner_that_stops_renewing_loses_its_requests_the_others_go_on(tiny_l
 
 def test_the_housekeeping_task_aborts_an_orphan_while_the_engine_is_idle(tiny_llama):
     """An orphan nobody reads is paused (the engine idles) and still ends by its lease."""
-    clock = FakeClock()
+    clock = ManualClock()
     loaded, _ = tiny_llama
     llm = LLM(loaded_model=loaded, block_size=8, num_kv_blocks=64, attention_backend="torch")
     # A short lease so the housekeeping task ticks often; the fake clock decides expiry.
@@ -137,7 +130,7 @@ async def wait_for(condition, what: str) -> None:
 
 @pytest.mark.parametrize("n", [1, 2])
 def test_an_unread_stream_pauses_at_its_bound_and_resumes_unchanged(tiny_llama, n):
-    clock = FakeClock()
+    clock = ManualClock()
     llm, core = make_core(tiny_llama, clock, max_buffered_deltas=4)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, n=n)
     prompt = list(range(20))
