@@ -24,7 +24,7 @@ import urllib.request
 import grpc
 import pytest
 import requests
-from support.api_app import running_app
+from support.api_app import running_app, stall_workers, wait_router_let_go
 
 from pagedserve.proto.pagedserve.v1 import serving_pb2 as pb
 from pagedserve.proto.pagedserve.v1 import serving_pb2_grpc
@@ -82,28 +82,35 @@ async def _call(stub, request, streaming: bool, token: str = TENANT_A):
         return error.code(), error.details(), trailers, None
 
 
-async def _burst_past_the_limit(address: str, streaming: bool, count: int) -> tuple[list, bool]:
-    """Fill the router's MAX_INFLIGHT slots with streams (each read once: admitted), send
-    `count` requests at once, then cancel the holders. Returns the burst's results, and
-    whether every holder was still open when the burst had been answered."""
-    async with grpc.aio.insecure_channel(address) as channel:
+async def _burst_past_the_limit(app, streaming: bool, count: int) -> tuple[list, bool]:
+    """Fill the router's MAX_INFLIGHT slots with streams (each read once: admitted), hold the
+    workers still so that none of them can finish (an unread stream's tokens still flow into
+    the transports' buffers), send `count` requests at once, then cancel the holders and
+    release the workers. Returns the burst's results, and whether every holder was still open
+    when the burst had been answered."""
+    async with grpc.aio.insecure_channel(app.grpc_address) as channel:
         stub = serving_pb2_grpc.GenerationStub(channel)
         holders = []
         for i in range(MAX_INFLIGHT):  # one at a time: no worker's queue is ever past its bound
             request = greedy_request(f"hold {i}", LONG)
             holders.append(stub.GenerateStream(request, metadata=auth(), timeout=120))
             await holders[-1].read()  # admitted and decoding
-        requests_ = [greedy_request(f"burst {i}", 64) for i in range(count)]
-        results = await asyncio.gather(*(_call(stub, r, streaming) for r in requests_))
-        held = not any(holder.done() for holder in holders)
-        for holder in holders:
-            holder.cancel()
+        await asyncio.to_thread(stall_workers, app, True)
+        try:
+            requests_ = [greedy_request(f"burst {i}", 64) for i in range(count)]
+            results = await asyncio.gather(*(_call(stub, r, streaming) for r in requests_))
+            held = not any(holder.done() for holder in holders)
+            for holder in holders:
+                holder.cancel()
+            await asyncio.to_thread(wait_router_let_go, app)
+        finally:
+            await asyncio.to_thread(stall_workers, app, False)
         return results, held
 
 
 @pytest.mark.parametrize("streaming", [False, True], ids=["unary", "stream"])
 def test_overload_refusals_are_resource_exhausted_with_a_retry_trailer(app, streaming):
-    results, held = asyncio.run(_burst_past_the_limit(app.grpc_address, streaming, 14))
+    results, held = asyncio.run(_burst_past_the_limit(app, streaming, 14))
     if not held:
         pytest.fail("a holder ended before the burst was answered: make the holders longer")
     codes = [code for code, *_ in results]
