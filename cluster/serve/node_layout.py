@@ -13,7 +13,7 @@ printed at start-up as the decision with its reasons.
   bench/README.md ("Cores that follow the load"; 3 alternated runs per arm), at 8 req/s
   this delivered 1.25x the tokens a second of one worker on both cores and 1.08x those of two
   workers of one core each, with lower TTFT and TPOT p50 than either; at 1 req/s its TTFT
-  and TPOT p50 were 1.07x and 1.11x one worker's (per pair). One
+  and TPOT p50 were 1.04x and 1.08x one worker's (six pairs, within their spread). One
   worker per NUMA node, with one torch thread per core of its node, where a node has one
   core, a worker is tensor parallel (its ranks split the cores), or the copies of the
   weights would pass `CPU_WEIGHTS_MEMORY_FRACTION` of the memory available. A worker spanning
