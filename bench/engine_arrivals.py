@@ -128,15 +128,13 @@ def place(nice: int | None, cpus: Sequence[int] | None) -> None:
 
 
 def _stepper_on_share(board: str | None, engine_step: Callable[[], list]) -> Callable[[], list]:
-    """`engine_step`, each call on this process's share of the cores of `board` (as
-    `WorkerCore._take_core_share`), or as is without a board. The share's slot is freed when
-    the process ends."""
+    """`engine_step`, each call on this process's share of the cores of `board` (as a served
+    worker's steps: `CoreShare.take_share`), or as is without a board. The share's slot is
+    freed when the process ends."""
     if board is None:
         return engine_step
     import atexit
     from pathlib import Path
-
-    import torch
 
     from pagedserve.workers.process.core_share import CoreShare, usable_cores
 
@@ -144,9 +142,7 @@ def _stepper_on_share(board: str | None, engine_step: Callable[[], list]) -> Cal
     atexit.register(share.close)
 
     def step() -> list:
-        threads = share.threads_for_step()
-        if threads != torch.get_num_threads():
-            torch.set_num_threads(threads)
+        share.take_share()
         return engine_step()
 
     return step

@@ -46,12 +46,7 @@ CPU_KV_MAX_BYTES = 4 << 30
 CPU_MAX_NUM_SEQS = 128
 WORKERS_PER_NUMA_NODE = 2
 CPU_WEIGHTS_MEMORY_FRACTION = 0.25
-GGUF_WIDENING = 8
-_SHARING_EXCLUDES = (
-    "worker_threads",
-    "worker_cpus",
-    "worker_share_cores",
-)  # 4-bit codes widened to float32, the worst case
+GGUF_WIDENING = 8  # 4-bit codes widened to float32, the worst case
 GIB = 1 << 30
 
 
@@ -224,9 +219,9 @@ def model_weight_bytes(model: Any) -> int | None:
         if path.is_dir():
             weights = [p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".pt")]
             return sum(p.stat().st_size for p in weights)
-    except (OSError, ValueError):
-        pass
-    return None
+    except (OSError, ValueError):  # unreadable, or a built-in model not installed
+        return None
+    return None  # no such file or directory
 
 
 def _threads_per_worker(node: NodeResources, num_workers: int) -> int:

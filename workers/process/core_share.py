@@ -91,14 +91,25 @@ class CoreShare:
             self._board.close()
             os.close(self._fd)
             raise
-        self.threads = cores  # what the last step ran on
+        self.applied: int | None = None  # torch threads `take_share` last set (None: never)
 
     def threads_for_step(self) -> int:
         """Stamp this worker busy and return its share: `cores // busy workers`, at least 1."""
         now = self._clock()
         _SLOT.pack_into(self._board, self.slot * _SLOT.size, self.pid, now)
-        self.threads = max(1, self.cores // self.busy_workers(now))
-        return self.threads
+        return max(1, self.cores // self.busy_workers(now))
+
+    def take_share(self) -> int:
+        """`threads_for_step`, set as the calling thread's torch threads where it changed.
+        Call it on the thread that runs the steps: libgomp keeps a thread count per thread
+        that starts parallel work."""
+        threads = self.threads_for_step()
+        if threads != self.applied:
+            import torch  # loaded by the engine already
+
+            torch.set_num_threads(threads)
+            self.applied = threads
+        return threads
 
     def busy_workers(self, now: float | None = None) -> int:
         """The workers on the board with work now (this one included where it has)."""

@@ -129,7 +129,6 @@ class WorkerCore(WorkerRequests, WorkerKV):
         # as long (bench/README.md, "GGUF block codes and one engine thread").
         self._engine_thread = engine_thread or engine_thread_executor()
         self.core_share = core_share
-        self._step_threads: int | None = None  # what this loop last set (core_share only)
         self.num_blocks_imported = 0
         self.num_blocks_exported = 0
         self.num_event_batches_dropped = 0
@@ -217,7 +216,7 @@ class WorkerCore(WorkerRequests, WorkerKV):
 
     def _step(self) -> list[RequestDelta]:
         if self.core_share is not None:
-            self._take_core_share()
+            self.core_share.take_share()
         faults = self.faults
         if faults is None:
             return self.engine.step()
@@ -226,20 +225,10 @@ class WorkerCore(WorkerRequests, WorkerKV):
         faults.after_step()
         return deltas
 
-    def _take_core_share(self) -> None:
-        """Run this step on this worker's share of the machine's cores (on the engine thread:
-        libgomp keeps a thread count per thread that starts parallel work)."""
-        threads = self.core_share.threads_for_step()
-        if threads != self._step_threads:
-            import torch  # loaded by the engine already
-
-            torch.set_num_threads(threads)
-            self._step_threads = threads
-
     @property
     def engine_threads(self) -> int | None:
-        """The torch threads this loop's last step ran on (None: never set here)."""
-        return self._step_threads
+        """The torch threads its core share last set (None: no share, or no step yet)."""
+        return self.core_share.applied if self.core_share is not None else None
 
     def seconds_without_progress(self) -> float:
         """How long the engine has had runnable work and taken no step: 0 when it is idle or
