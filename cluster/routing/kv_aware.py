@@ -59,13 +59,17 @@ class KvAwarePolicy(RoutingPolicy):
     long request on a large pool is far above the mean but no pile-up worth a lost cache hit.
     Ties go to the lower load, then fewer in-flight requests, then the lower worker id.
 
-    Packing (`pack_below_blocks` > 0; `pagedserve serve` sets it where CPU workers share their
-    machine's cores, `policies.options_of`): below that load a busier worker weighs
-    less, `weighed = pack_below_blocks − load`, and from it on `weighed = load`. Light traffic
-    then gathers on one worker, which runs on every core while the others idle, until its load
-    is worth a worker of its own; an idle worker weighs `pack_below_blocks`, as much as one
-    just full. The imbalance guard reads the load itself. `Candidate.load` and the tie order
-    hold the weighed load.
+    Packing (`pack_below_requests` > 0; `pagedserve serve` sets it where CPU workers share
+    their machine's cores, `policies.options_of`): a worker holding fewer requests than that
+    (`WorkerLoad.num_requests`) weighs `−load`, a busier one less; from that count on it weighs
+    `load`. Light traffic then gathers on one worker, which runs on every core while the
+    others idle, until it holds enough requests to be worth a worker of its own; an idle worker
+    weighs 0, behind every busy one below the count and ahead of every one at it. Counted in
+    requests, not blocks: a request's load in blocks holds its `max_tokens`, which an OpenAI
+    client that sends none makes the whole context (hundreds of blocks), while what one engine
+    on every core does better than two on a share of them is a batch of few sequences. The
+    imbalance guard reads the load itself. `Candidate.load` and the tie order hold the
+    weighed load.
 
     Args:
         prefill_weight: blocks of decode load one block of prefill is worth.
@@ -75,7 +79,7 @@ class KvAwarePolicy(RoutingPolicy):
         imbalance_slack: absolute headroom in blocks, so that idle clusters are not guarded.
         imbalance_pool_fraction: share of its own pool a worker's load must pass before the
             guard may exclude it (unless requests wait there).
-        pack_below_blocks: the load, in blocks, light traffic packs a worker to (0: none).
+        pack_below_requests: the requests light traffic packs a worker to (0: none).
     """
 
     name = "kv_aware"
@@ -89,7 +93,7 @@ class KvAwarePolicy(RoutingPolicy):
         imbalance_factor: float = 1.5,
         imbalance_slack: float = 16.0,
         imbalance_pool_fraction: float = 0.25,
-        pack_below_blocks: float = 0.0,
+        pack_below_requests: int = 0,
     ) -> None:
         weights = {
             "prefill_weight": prefill_weight,
@@ -97,15 +101,16 @@ class KvAwarePolicy(RoutingPolicy):
             "imbalance_factor": imbalance_factor,
             "imbalance_slack": imbalance_slack,
             "imbalance_pool_fraction": imbalance_pool_fraction,
-            "pack_below_blocks": pack_below_blocks,
         }
         for name, value in weights.items():
             if not math.isfinite(value):  # NaN would pass every range check below
                 raise ValueError(f"{name} must be a finite number, got {value}")
-        if min(prefill_weight, waiting_weight, imbalance_slack, pack_below_blocks) < 0:
-            raise ValueError(
-                "prefill_weight, waiting_weight, imbalance_slack and pack_below_blocks must be >= 0"
-            )
+        if min(prefill_weight, waiting_weight, imbalance_slack) < 0:
+            raise ValueError("prefill_weight, waiting_weight and imbalance_slack must be >= 0")
+        if isinstance(pack_below_requests, bool) or not isinstance(pack_below_requests, int):
+            raise ValueError(f"pack_below_requests must be an integer, got {pack_below_requests!r}")
+        if pack_below_requests < 0:
+            raise ValueError(f"pack_below_requests must be >= 0, got {pack_below_requests}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if imbalance_factor < 1:
@@ -120,7 +125,7 @@ class KvAwarePolicy(RoutingPolicy):
                 f"imbalance_pool_fraction must be in [0, 1], got {imbalance_pool_fraction}"
             )
         self.imbalance_pool_fraction = imbalance_pool_fraction
-        self.pack_below_blocks = pack_below_blocks
+        self.pack_below_requests = pack_below_requests
 
     def guard_terms(self, load: WorkerLoad) -> tuple[int, int]:
         """(decode load in blocks, requests waiting): `load_of` is `first + waiting_weight ·
@@ -133,13 +138,14 @@ class KvAwarePolicy(RoutingPolicy):
         decode, waiting = self.guard_terms(load)
         return decode + self.waiting_weight * waiting
 
-    def weighed(self, value: float) -> float:
-        """A load as routing weighs it: packed below `pack_below_blocks` (class docstring)."""
-        return self.pack_below_blocks - value if value < self.pack_below_blocks else value
+    def weighed(self, load: WorkerLoad, value: float) -> float:
+        """The worker's load `value` as routing weighs it: negated while it holds fewer than
+        `pack_below_requests` requests (packing, class docstring)."""
+        return -value if load.num_requests < self.pack_below_requests else value
 
     def rank_key(self, load: WorkerLoad) -> RankKey:
         """Lower weighed load, then fewer in flight, then the lower id: `choose`'s tie order."""
-        return (self.weighed(self.load_of(load)), load.inflight, load.worker_id)
+        return (self.weighed(load, self.load_of(load)), load.inflight, load.worker_id)
 
     def guard_bound(self, decode_total: int, waiting_total: int, num_workers: int) -> float:
         """The load above which a worker is excluded as overloaded, from the totals of
@@ -173,7 +179,7 @@ class KvAwarePolicy(RoutingPolicy):
         candidates = []
         for worker in ordered:
             matched, prefill = prefix_split(worker.worker_id, num_prompt_blocks, matches)
-            value = self.weighed(values[worker.worker_id])
+            value = self.weighed(worker, values[worker.worker_id])
             excluded = "overloaded" if worker.worker_id in over else None
             tier_load = tier_load_of(worker.worker_id, tier_load_blocks)
             cost = self.prefill_weight * (prefill + tier_load) + value
@@ -239,7 +245,7 @@ class KvAwarePolicy(RoutingPolicy):
             prefill = num_prompt_blocks - matched
             tier_load = tier_load_of(worker_id, tier_load_blocks)
             excluded = self._excluded(load, value, bound)
-            value = self.weighed(value)
+            value = self.weighed(load, value)
             cost = self.prefill_weight * (prefill + tier_load) + value
             candidate = Candidate(worker_id, matched, prefill, value, cost, excluded, tier_load)
             listed[worker_id] = (candidate, load.inflight)

@@ -16,11 +16,11 @@ from pagedserve.cluster.routing.kv_aware import KvAwarePolicy
 from pagedserve.cluster.routing.policy import RoutingPolicy
 
 DEFAULT_POLICY = KvAwarePolicy.name
-# The load, in KV blocks, light traffic packs one of the workers that share a machine's cores
-# to before the next gets any (`KvAwarePolicy`, packing): about 4 requests of 256 tokens. On
-# the 2-core machine of bench/README.md ("Cores that follow the load"), an engine alone on
-# both cores beat two of one core each below ~4 sequences at once and lost to them above 8.
-PACK_BELOW_BLOCKS = 64.0
+# The requests light traffic packs one of the workers that share a machine's cores to before
+# the next gets any (`KvAwarePolicy`, packing). On the 2-core machine of bench/README.md
+# ("Cores that follow the load"), an engine alone on both cores delivered as much as two of
+# one core each up to 4 sequences at once, and 1.06-1.27x less from 8 on: 6 is between.
+PACK_BELOW_REQUESTS = 6
 POLICIES: tuple[type[RoutingPolicy], ...] = (KvAwarePolicy, LeastLoadedPolicy, RoundRobinPolicy)
 
 
@@ -33,9 +33,9 @@ def policy_names() -> tuple[str, ...]:
 def options_of(name: str, options: dict[str, Any], share_cores: bool) -> dict[str, Any]:
     """The policy's options from the routing config: `options`, and where the workers share
     their machine's cores, `kv_aware` packing light traffic onto one of them
-    (`pack_below_blocks`: `PACK_BELOW_BLOCKS`) unless the options set it."""
+    (`pack_below_requests`: `PACK_BELOW_REQUESTS`) unless the options set it."""
     if share_cores and name == KvAwarePolicy.name:
-        return {"pack_below_blocks": PACK_BELOW_BLOCKS, **options}
+        return {"pack_below_requests": PACK_BELOW_REQUESTS, **options}
     return dict(options)
 
 

@@ -130,30 +130,58 @@ def test_kv_aware_ties_break_on_load_then_worker_id():
     assert policy.choose(10, {}, [idle("z"), idle("y")]).worker_id == "y"
 
 
-def test_packing_gathers_light_traffic_on_one_worker_until_its_load_is_worth_another():
-    """Workers sharing a machine's cores: a busy worker below `pack_below_blocks` weighs less
-    than an idle one, so requests gather there; from that load on they spread as usual."""
-    policy = KvAwarePolicy(pack_below_blocks=64, block_size=16)
+def pack_ten(policy: KvAwarePolicy, tokens: int) -> list[str]:
+    """Where ten requests of `tokens` each go, one after another, none finishing."""
     loads = {w: idle(w, total=10_000) for w in "ab"}
     chosen = []
     for _ in range(10):
         decision = policy.choose(4, {}, list(loads.values()))
         chosen.append(decision.worker_id)
-        loads[decision.worker_id] = sent(loads[decision.worker_id], tokens=16 * 16)  # 16 blocks
-    # a fills to 64 blocks (4 requests), then b to 64, then they alternate.
+        loads[decision.worker_id] = sent(loads[decision.worker_id], tokens=tokens)
+    return chosen
+
+
+def test_packing_gathers_light_traffic_on_one_worker_until_it_holds_enough_requests():
+    """Workers sharing a machine's cores: a busy worker holding fewer than
+    `pack_below_requests` weighs less than an idle one, so requests gather there; from that
+    count on they spread as usual."""
+    policy = KvAwarePolicy(pack_below_requests=4, block_size=16)
+    chosen = pack_ten(policy, tokens=16 * 16)  # 16 blocks each
+    # a fills to 4 requests, then b to 4, then they alternate.
     assert chosen[:8] == ["a"] * 4 + ["b"] * 4
     assert sorted(chosen[8:]) == ["a", "b"]
-    costs = {c.worker_id: c.load for c in policy.choose(4, {}, [sent(idle("a"), 16 * 16),
-                                                              idle("b")]).candidates}  # fmt: skip
-    assert costs == {"a": 48.0, "b": 64.0}  # weighed: 64 - 16, and an idle worker's 64
+    busy_a = sent(idle("a"), 16 * 16)
+    costs = {c.worker_id: c.load for c in policy.choose(4, {}, [busy_a, idle("b")]).candidates}
+    assert costs == {"a": -16.0, "b": 0.0}  # weighed: a busy worker below the count, -load
+    # Without packing the same requests alternate from the first.
+    assert pack_ten(KvAwarePolicy(block_size=16), tokens=16 * 16)[:4] == ["a", "b", "a", "b"]
+
+
+def test_packing_holds_for_requests_that_may_fill_the_context():
+    """A request sent without `max_tokens` reserves what is left of the context: hundreds of
+    blocks each. Counted in requests, packing still gathers them."""
+    policy = KvAwarePolicy(pack_below_requests=3, block_size=16)
+    assert pack_ten(policy, tokens=8192)[:6] == ["a"] * 3 + ["b"] * 3
+
+
+def test_a_prefix_held_elsewhere_can_outweigh_packing():
+    """Packing weighs a busy worker's load against prefill like any load: a long prefix
+    cached on the idle worker still wins the request there."""
+    policy = KvAwarePolicy(pack_below_requests=6, block_size=16, prefill_weight=1.0)
+    busy = sent(idle("a", total=10_000), tokens=16 * 16)  # 16 blocks
+    assert policy.choose(40, {"b": 32}, [busy, idle("b", total=10_000)]).worker_id == "b"
+    assert policy.choose(40, {"b": 8}, [busy, idle("b", total=10_000)]).worker_id == "a"
 
 
 def test_packing_is_on_where_the_workers_share_cores_unless_the_options_say():
-    from pagedserve.cluster.routing.policies import PACK_BELOW_BLOCKS, options_of
+    from pagedserve.cluster.routing.policies import PACK_BELOW_REQUESTS, options_of
 
-    assert options_of("kv_aware", {}, share_cores=True) == {"pack_below_blocks": PACK_BELOW_BLOCKS}
-    assert options_of("kv_aware", {"pack_below_blocks": 0}, True) == {"pack_below_blocks": 0}
+    packing = {"pack_below_requests": PACK_BELOW_REQUESTS}
+    assert options_of("kv_aware", {}, share_cores=True) == packing
+    assert options_of("kv_aware", {"pack_below_requests": 0}, True) == {"pack_below_requests": 0}
     assert options_of("kv_aware", {"prefill_weight": 2.0}, False) == {"prefill_weight": 2.0}
     assert options_of("least_loaded", {}, True) == {}
-    with pytest.raises(ValueError, match="pack_below_blocks must be >= 0"):
-        KvAwarePolicy(pack_below_blocks=-1)
+    with pytest.raises(ValueError, match="pack_below_requests must be >= 0"):
+        KvAwarePolicy(pack_below_requests=-1)
+    with pytest.raises(ValueError, match="pack_below_requests must be an integer"):
+        KvAwarePolicy(pack_below_requests=2.5)

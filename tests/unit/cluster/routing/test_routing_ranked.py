@@ -34,7 +34,7 @@ def random_policy(rng: random.Random) -> KvAwarePolicy:
         imbalance_factor=rng.choice([1.0, 1.5, 3.0]),
         imbalance_slack=rng.choice([0.0, 16.0]),
         imbalance_pool_fraction=rng.choice([0.0, 0.25, 1.0]),
-        pack_below_blocks=rng.choice([0.0, 0.0, 16.0, 64.0]),
+        pack_below_requests=rng.choice([0, 0, 1, 3, 6]),
     )
 
 
