@@ -126,3 +126,47 @@ def test_may_lower_niceness_agrees_with_what_the_system_allows():
         assert set_niceness(before - 1) is may_lower_niceness()
     finally:
         set_niceness(before)  # raising it back is always allowed
+
+
+YIELD_PROBE = """
+import json, os, threading
+from pagedserve.workers.process.cpu_placement import thread_ids, yield_to_engine
+
+before = thread_ids()
+started, stop = threading.Event(), threading.Event()
+def engine():  # the engine's step thread, and a thread it starts (as its OpenMP team's)
+    inner = threading.Thread(target=stop.wait)
+    inner.start()
+    started.set()
+    stop.wait()
+    inner.join()
+step_thread = threading.Thread(target=engine)
+step_thread.start()
+started.wait()
+beside = threading.Thread(target=stop.wait)  # a thread beside the engine, started after it
+engine_threads = thread_ids() - before
+beside.start()
+base = os.getpriority(os.PRIO_PROCESS, 0)
+moved = yield_to_engine(engine_threads, base + 3)
+again = yield_to_engine(engine_threads, base + 1)  # below what they have now: nothing moves
+nice = {tid: os.getpriority(os.PRIO_PROCESS, tid) - base for tid in thread_ids()}
+stop.set()
+engine = sorted(nice[t] for t in engine_threads)
+others = sorted(nice[t] for t in set(nice) - engine_threads)
+print(json.dumps([moved, again, engine, others]))
+"""
+
+
+def test_a_worker_s_other_threads_yield_to_its_engine_s():
+    """`yield_to_engine` raises the niceness of every thread but the engine's (in a child
+    process: a raised niceness cannot come back down without privilege)."""
+    import json
+    import subprocess
+    import sys
+
+    probe = subprocess.run(
+        [sys.executable, "-c", YIELD_PROBE], capture_output=True, text=True, check=True
+    )
+    moved, again, engine, others = json.loads(probe.stdout)
+    # The main thread and the one beside the engine move; the engine's two keep theirs.
+    assert (moved, again, engine, others) == (2, 0, [0, 0], [3, 3])
