@@ -214,10 +214,10 @@ def test_ray_s_daemons_run_below_the_engine_at_the_control_plane_s_niceness(serv
 
 
 def test_a_worker_s_engine_runs_above_the_rest_of_its_process(served):
-    """`cpu_placement.yield_to_engine`: in the worker's process the threads on a token's way
-    (the engine's step thread and OpenMP team, the event loop) keep `worker_nice` (0) and the
-    others, its main thread first, run at `control_nice` (5). Without the privilege to lower
-    a niceness the worker stays at Ray's, above 5, and nothing moves."""
+    """`cpu_placement.yield_to_engine`: in the worker's process the engine's threads (its step
+    thread, the OpenMP team it starts) keep `worker_nice` (0) and the others, its main thread
+    first, run at `control_nice` (5). Without the privilege to lower a niceness the worker
+    stays at Ray's, above 5, and nothing moves."""
     from pagedserve.bench.proc_cpu import role_of
     from pagedserve.workers.process.cpu_placement import may_lower_niceness, thread_ids
 

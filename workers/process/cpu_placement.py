@@ -168,30 +168,28 @@ def thread_ids(pid: int | None = None) -> frozenset[int]:
         return frozenset({target})
 
 
-def yield_to_engine(keep: Collection[int], nice: int, what: str = "worker") -> int:
-    """Put every thread of this process but `keep` (those on a token's way: the engine's step
-    thread, the OpenMP team it starts, the event loop between its steps) at niceness `nice`
-    where they run above it.
+def yield_to_engine(engine_threads: Collection[int], nice: int, what: str = "worker") -> int:
+    """Put every thread of this process but `engine_threads` (the engine's step thread and the
+    threads it started: torch's OpenMP team) at niceness `nice` where they run above it.
 
-    A worker's other threads (Ray's core worker, whose main thread wakes every 10 ms to check
-    for signals, its I/O threads, gRPC's pollers) then preempt no OpenMP thread mid-step,
-    whose team would wait for it at the next barrier; they run in the step's gaps, as the
-    control plane's processes do (`PlacementConfig.control_nice`). The event loop keeps its
-    priority: a step's tokens are dispatched and the next step started from it, and at 5 it
-    waited behind a peer worker's engine on shared cores. Only raises a niceness, which needs
-    no privilege. Threads they start later inherit it. Returns how many threads it moved.
+    A worker's other threads (Ray's core worker, which wakes its main thread every 10 ms to
+    check for signals; the event loop that streams tokens; gRPC's pollers) then preempt no
+    OpenMP thread mid-step, whose team would wait for it at the next barrier; they run in the
+    step's gaps, as the control plane's processes do (`PlacementConfig.control_nice`). Only
+    raises a niceness, which needs no privilege. Threads they start later inherit it. Returns
+    how many threads it moved.
     """
     if not -20 <= nice <= 19:
         raise ValueError(f"niceness must be in -20..19, got {nice}")
     moved = 0
-    for tid in sorted(thread_ids() - set(keep)):
+    for tid in sorted(thread_ids() - set(engine_threads)):
         try:
             if os.getpriority(os.PRIO_PROCESS, tid) < nice:
                 os.setpriority(os.PRIO_PROCESS, tid, nice)
                 moved += 1
         except (ProcessLookupError, PermissionError):
             continue  # ended meanwhile, or not ours to change: it keeps its niceness
-    logger.info("%s: %d thread(s) off a token's way at niceness %d", what, moved, nice)
+    logger.info("%s: %d thread(s) beside the engine's at niceness %d", what, moved, nice)
     return moved
 
 

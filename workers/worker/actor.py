@@ -99,8 +99,8 @@ class Worker:
         cpus: the cores this worker's process is pinned to (None: not pinned); see
             `workers/process/cpu_placement.py`.
         nice: this worker's niceness (None: Ray's, 15).
-        control_nice: the niceness of its threads off a token's way (all but the engine's
-            and the event loop's), where above `nice` (`ready`; None: `nice` for all).
+        control_nice: the niceness of its threads other than the engine's, where above
+            `nice` (`cpu_placement.yield_to_engine`; None: `nice` for all).
         config_fingerprint: the fingerprint of the spec it was built from
             (`cluster/pool/spec.py`), reported in `WorkerInfo` so the worker pool can tell
             a worker of an older config from a current one.
@@ -153,9 +153,9 @@ class Worker:
         engine_thread = engine_thread_executor()
         engine = engine_thread.submit(Engine, config.for_worker(worker_id), role=role).result()
         self._engine_tid = engine_thread.submit(threading.get_native_id).result()
-        # Its step thread and the OpenMP team that thread started (`ready` adds the loop's).
-        self._engine_threads = thread_ids() - threads_before_engine
-        self._control_nice = control_nice
+        if control_nice is not None:  # the engine first: its step thread and OpenMP team
+            engine_threads = thread_ids() - threads_before_engine
+            yield_to_engine(engine_threads, control_nice, what=f"worker {worker_id}")
         if config.tensor_parallel_size > 1:  # a rank that dies takes the worker down whole
             engine.runner.exit_process_on_failure()
         self.core = WorkerCore(
@@ -209,12 +209,7 @@ class Worker:
 
     async def ready(self) -> WorkerInfo:
         """Start the step loop, drain on SIGTERM from now on, and join the index (which
-        resyncs from our snapshot). Then every thread of this process off a token's way
-        moves to `control_nice` (`yield_to_engine`): all but the engine's and this event
-        loop's, which dispatches each step's tokens and starts the next step."""
-        if self._control_nice is not None:
-            on_the_way = self._engine_threads | {threading.get_native_id()}
-            yield_to_engine(on_the_way, self._control_nice, what=f"worker {self.core.worker_id}")
+        resyncs from our snapshot)."""
         self.core.start()
         drain_signal.HANDLER.arm(asyncio.get_running_loop(), self._drain_on_sigterm)
         if self._index is not None:

@@ -158,7 +158,7 @@ print(json.dumps([moved, again, engine, others]))
 
 
 def test_a_worker_s_other_threads_yield_to_its_engine_s():
-    """`yield_to_engine` raises the niceness of every thread but those it keeps (in a child
+    """`yield_to_engine` raises the niceness of every thread but the engine's (in a child
     process: a raised niceness cannot come back down without privilege)."""
     import json
     import subprocess
