@@ -44,10 +44,10 @@ class PlacementConfig:
             ordinary server process. None: Ray's 15. Lowering it needs the privilege to (root
             or CAP_SYS_NICE); without it the worker logs a warning and runs on at 15 (start
             Ray with `RAY_worker_niceness=0` instead, as the KubeRay manifests do).
-        control_nice: niceness of the router replica, the prefix index and each worker's
-            threads other than its engine's (and, under `pagedserve serve`, of Serve's proxy
-            and controller and Ray's daemons: the GCS, the raylet where the server may lower
-            a niceness, the dashboard agent, the log monitor). 5 by default: a little below
+        control_nice: niceness of the router replica and the prefix index (and, under
+            `pagedserve serve`, of Serve's proxy and controller and Ray's daemons: the GCS,
+            the raylet where the server may lower a niceness, the dashboard agent, the log
+            monitor). 5 by default: a little below
             the worker, so that where they share cores the engine's threads run first (a
             preempted OpenMP thread stalls its whole team at the next barrier) and the
             control plane's per-token work fills the gaps (on 2 shared cores: streamed TPOT

@@ -43,8 +43,7 @@ class WorkerSpec:
             (`PlacementConfig.worker_thread_count` / `worker_cpu_share`).
         share_cores: each worker runs on its share of its machine's cores
             (`PlacementConfig.worker_share_cores`).
-        nice: each worker's niceness; control_nice: that of its threads other than the
-            engine's (`PlacementConfig.control_nice`).
+        nice: each worker's niceness.
         lease_timeout_s, max_buffered_deltas: the worker's stream settings.
         drain_grace_s: how long its open streams get to finish when SIGTERM drains it.
         fault_injection: create `FaultInjectingWorker` actors (soaks and failure tests).
@@ -70,7 +69,6 @@ class WorkerSpec:
     decode_workers: int = 0
     fault_injection: bool = False
     share_cores: bool = False
-    control_nice: int | None = None
 
     @classmethod
     def of(cls, config: ClusterConfig) -> WorkerSpec:
@@ -99,7 +97,6 @@ class WorkerSpec:
             decode_workers=scaling.decode_workers,
             fault_injection=failure.fault_injection,
             share_cores=placement.worker_share_cores,
-            control_nice=placement.control_nice,
         )
 
     def role_for_new(self, roles: Iterable[WorkerRole]) -> WorkerRole:
@@ -181,6 +178,5 @@ def create_worker(
             drain_grace_s=spec.drain_grace_s,
             role=role,
             share_cores=spec.share_cores,
-            control_nice=spec.control_nice,
         )
     )

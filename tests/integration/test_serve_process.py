@@ -213,27 +213,6 @@ def test_ray_s_daemons_run_below_the_engine_at_the_control_plane_s_niceness(serv
         assert os.getpriority(os.PRIO_PROCESS, pid) == expected[name], name
 
 
-def test_a_worker_s_engine_runs_above_the_rest_of_its_process(served):
-    """`cpu_placement.yield_to_engine`: in the worker's process the engine's threads (its step
-    thread, the OpenMP team it starts) keep `worker_nice` (0) and the others, its main thread
-    first, run at `control_nice` (5). Without the privilege to lower a niceness the worker
-    stays at Ray's, above 5, and nothing moves."""
-    from pagedserve.bench.proc_cpu import role_of
-    from pagedserve.workers.process.cpu_placement import may_lower_niceness, thread_ids
-
-    served.wait_for_line(r"^pagedserve: serving on ")
-    marked = processes_marked(served.marker)
-    roles = {pid: role_of(" ".join(psutil.Process(pid).cmdline()), name) for pid, name in marked}
-    workers = [pid for pid, role in roles.items() if role == "Worker"]
-    assert workers, roles
-    for pid in workers:
-        nices = {tid: os.getpriority(os.PRIO_PROCESS, tid) for tid in thread_ids(pid)}
-        if may_lower_niceness():
-            assert (nices[pid], min(nices.values())) == (5, 0), nices
-        else:
-            assert len(set(nices.values())) == 1 and nices[pid] > 5, nices
-
-
 def test_serve_metrics_go_out_every_second_and_task_events_stay_for_the_dashboard(served):
     """`ray_startup.quiet_observability`: Serve's metrics every second in every process of the
     cluster; task events, event stats and Ray's own metrics stay on here, as this server runs

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -145,7 +145,9 @@ def set_niceness(nice: int, pid: int | None = None, what: str = "process") -> bo
     if not -20 <= nice <= 19:
         raise ValueError(f"niceness must be in -20..19, got {nice}")
     target = pid or os.getpid()
-    for tid in sorted(thread_ids(target)):
+    tasks = Path(f"/proc/{target}/task")
+    tids = sorted(int(t.name) for t in tasks.iterdir()) if tasks.is_dir() else [target]
+    for tid in tids:
         try:
             os.setpriority(os.PRIO_PROCESS, tid, nice)
         except ProcessLookupError:
@@ -155,42 +157,6 @@ def set_niceness(nice: int, pid: int | None = None, what: str = "process") -> bo
             return False
     logger.info("%s (pid %s) at niceness %d", what, target, nice)
     return True
-
-
-def thread_ids(pid: int | None = None) -> frozenset[int]:
-    """The ids of process `pid`'s threads now (this process by default; without `/proc`, the
-    pid alone)."""
-    target = pid or os.getpid()
-    tasks = Path(f"/proc/{target}/task")
-    try:
-        return frozenset(int(t.name) for t in tasks.iterdir())
-    except OSError:
-        return frozenset({target})
-
-
-def yield_to_engine(engine_threads: Collection[int], nice: int, what: str = "worker") -> int:
-    """Put every thread of this process but `engine_threads` (the engine's step thread and the
-    threads it started: torch's OpenMP team) at niceness `nice` where they run above it.
-
-    A worker's other threads (Ray's core worker, which wakes its main thread every 10 ms to
-    check for signals; the event loop that streams tokens; gRPC's pollers) then preempt no
-    OpenMP thread mid-step, whose team would wait for it at the next barrier; they run in the
-    step's gaps, as the control plane's processes do (`PlacementConfig.control_nice`). Only
-    raises a niceness, which needs no privilege. Threads they start later inherit it. Returns
-    how many threads it moved.
-    """
-    if not -20 <= nice <= 19:
-        raise ValueError(f"niceness must be in -20..19, got {nice}")
-    moved = 0
-    for tid in sorted(thread_ids() - set(engine_threads)):
-        try:
-            if os.getpriority(os.PRIO_PROCESS, tid) < nice:
-                os.setpriority(os.PRIO_PROCESS, tid, nice)
-                moved += 1
-        except (ProcessLookupError, PermissionError):
-            continue  # ended meanwhile, or not ours to change: it keeps its niceness
-    logger.info("%s: %d thread(s) beside the engine's at niceness %d", what, moved, nice)
-    return moved
 
 
 def niceness(pid: int | None = None) -> int:

@@ -187,7 +187,7 @@ class WorkerInfo:
     num_threads: int = 1  # torch intra-op threads of its engine (`PlacementConfig.worker_threads`)
     pid: int = 0  # its process (placement pins the control plane around it)
     cpus: tuple[int, ...] = ()  # the cores its process may run on (`PlacementConfig.worker_cpus`)
-    nice: int = 0  # its engine's niceness (`PlacementConfig.worker_nice`; Ray's default is 15)
+    nice: int = 0  # its niceness (`PlacementConfig.worker_nice`; Ray's default is 15)
     config_fingerprint: str = ""  # of the spec it was built from (`cluster/pool/spec.py`)
     role: WorkerRole = WorkerRole.MIXED  # P/D: what it takes (`workers/protocol/role.py`)
     # Tensor parallelism: the processes of ranks 1..k-1 beside `pid` (rank 0); () when k = 1.

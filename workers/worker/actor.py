@@ -15,7 +15,6 @@ import dataclasses
 import itertools
 import logging
 import os
-import threading
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from typing import Any
@@ -31,8 +30,6 @@ from pagedserve.workers.process.cpu_placement import (
     pin_process,
     process_cpus,
     set_niceness,
-    thread_ids,
-    yield_to_engine,
 )
 from pagedserve.workers.process.pid_files import DEFAULT_PID_DIR, register_pid
 from pagedserve.workers.protocol.blocks import BlockKey
@@ -99,8 +96,6 @@ class Worker:
         cpus: the cores this worker's process is pinned to (None: not pinned); see
             `workers/process/cpu_placement.py`.
         nice: this worker's niceness (None: Ray's, 15).
-        control_nice: the niceness of its threads other than the engine's, where above
-            `nice` (`cpu_placement.yield_to_engine`; None: `nice` for all).
         config_fingerprint: the fingerprint of the spec it was built from
             (`cluster/pool/spec.py`), reported in `WorkerInfo` so the worker pool can tell
             a worker of an older config from a current one.
@@ -130,7 +125,6 @@ class Worker:
         pid_dir: str | None = DEFAULT_PID_DIR,
         role: WorkerRole = WorkerRole.MIXED,
         share_cores: bool = False,
-        control_nice: int | None = None,
     ) -> None:
         # First: every thread the engine starts later inherits the mask and the niceness.
         if cpus is not None:
@@ -149,13 +143,8 @@ class Worker:
 
         # Built on the thread that will step it: its load runs OpenMP work too, and a second
         # thread doing so would slow every step (`WorkerCore._engine_thread`).
-        threads_before_engine = thread_ids()
         engine_thread = engine_thread_executor()
         engine = engine_thread.submit(Engine, config.for_worker(worker_id), role=role).result()
-        self._engine_tid = engine_thread.submit(threading.get_native_id).result()
-        if control_nice is not None:  # the engine first: its step thread and OpenMP team
-            engine_threads = thread_ids() - threads_before_engine
-            yield_to_engine(engine_threads, control_nice, what=f"worker {worker_id}")
         if config.tensor_parallel_size > 1:  # a rank that dies takes the worker down whole
             engine.runner.exit_process_on_failure()
         self.core = WorkerCore(
@@ -230,7 +219,7 @@ class Worker:
             num_threads=self.core.engine_threads or _torch_threads(),
             pid=os.getpid(),
             cpus=process_cpus(),
-            nice=niceness(self._engine_tid),
+            nice=niceness(),
             config_fingerprint=self.config_fingerprint,
             role=engine.role,
             rank_pids=getattr(engine.runner, "rank_pids", ()),
