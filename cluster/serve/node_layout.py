@@ -10,10 +10,11 @@ printed at start-up as the decision with its reasons.
   divided among the workers that have work, and routing gathers light traffic on one of them
   (`kv_aware` packing, `cluster/routing/policies.py`), so under light load one worker runs on
   every core and under heavy load each runs on its own half. On the 2-core machine of
-  bench/README.md ("Cores that follow the load"; 3 alternated runs per arm), at 8 req/s
-  this delivered 1.25x the tokens a second of one worker on both cores and 1.08x those of two
-  workers of one core each, with lower TTFT and TPOT p50 than either; at 1 req/s its TTFT
-  and TPOT p50 were 1.04x and 1.08x one worker's (six pairs, within their spread). One
+  bench/README.md ("Cores that follow the load", "Packing by requests"; alternated runs),
+  at 8 req/s this delivered 1.25x the tokens a second of one worker on both cores, and
+  against two workers of one core each 1.08x on one day, 0.95-0.97x on the next; at 1 req/s
+  its TTFT and TPOT p50 were level with one worker's (five pairs), where two fixed workers
+  took 1.37x its TTFT. One
   worker per NUMA node, with one torch thread per core of its node, where a node has one
   core, a worker is tensor parallel (its ranks split the cores), or the copies of the
   weights would pass `CPU_WEIGHTS_MEMORY_FRACTION` of the memory available. A worker spanning
